@@ -1,0 +1,192 @@
+"""Student and privileged-teacher prompts, rendered from Jinja templates in `prompts/`.
+
+A template renders to chat messages. It may define `{% block system %}` and
+`{% block user %}`; without blocks the whole text is the user message. A teacher
+template that defines no system block reuses the student's system message, so with
+the empty-context control (`teacher/empty`) teacher and student prompts are identical.
+
+Templates run in Jinja's immutable sandbox with StrictUndefined: a template shared by a
+colleague cannot call into Python, and a misspelt or unavailable variable is an error
+that names the file, the line and the variable instead of rendering an empty string.
+
+Variables:
+- student templates: `prompt`, `id`, `meta` (never the answer: the student cannot have it);
+- teacher templates: the student's, plus `answer`, `student_prompt` (the rendered student
+  user message), and when available `solution`, `hints` (list), `attempt` (the student's
+  completion text) and `feedback` (a verifier's sentence about that attempt).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import jinja2
+from jinja2 import meta as jinja_meta
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+from selfopd.example import Example
+
+Message = dict[str, str]
+
+PROMPTS_DIR = Path(os.environ.get("SELFOPD_PROMPTS", Path(__file__).resolve().parents[1] / "prompts"))
+STUDENT_VARIABLES = ("prompt", "id", "meta")
+TEACHER_VARIABLES = STUDENT_VARIABLES + ("answer", "student_prompt", "solution", "hints", "attempt", "feedback")
+
+
+class TemplateError(ValueError):
+    """A template that cannot be found, parsed or rendered; the message names the file."""
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    """A loaded template: its name for reports, its file, and the compiled Jinja template."""
+
+    name: str
+    path: Path
+    template: jinja2.Template
+    variables: frozenset[str]  # the variables its source refers to
+
+    def render(self, variables: dict[str, Any]) -> list[Message]:
+        """Render to chat messages; errors name this file, the line and the variable."""
+        try:
+            blocks = self.template.blocks
+            if "user" not in blocks:
+                return [{"role": "user", "content": self.template.render(variables).strip()}]
+            context = self.template.new_context(variables)
+            messages = []
+            for role in ("system", "user"):
+                if role in blocks:
+                    messages.append({"role": role, "content": "".join(blocks[role](context)).strip()})
+            return messages
+        except jinja2.UndefinedError as error:
+            raise TemplateError(
+                f"{_template_location(error, self.path)}: variable {error.message}; "
+                f"available here: {', '.join(sorted(variables))}"
+            ) from None
+        except SecurityError as error:
+            raise TemplateError(f"{_template_location(error, self.path)}: unsafe operation refused: {error}") from None
+
+
+def load_template(name_or_path: str | os.PathLike[str]) -> PromptTemplate:
+    """Load `teacher/hints` (a name under `prompts/`, `.jinja` optional) or a file path."""
+    path = _find_template(str(name_or_path))
+    environment = _environment(path.parent)
+    try:
+        template = environment.get_template(path.name)
+        parsed = environment.parse(path.read_text(), name=path.name, filename=str(path))
+    except jinja2.TemplateSyntaxError as error:
+        raise TemplateError(f"{path}:{error.lineno}: template syntax error: {error.message}") from None
+    variables = frozenset(jinja_meta.find_undeclared_variables(parsed))
+    return PromptTemplate(name=_display_name(path), path=path, template=template, variables=variables)
+
+
+def list_templates() -> list[str]:
+    """Names of every template shipped in `prompts/`, e.g. `teacher/reference_answer`."""
+    return sorted(str(p.relative_to(PROMPTS_DIR).with_suffix("")) for p in PROMPTS_DIR.rglob("*.jinja"))
+
+
+def student_variables(example: Example) -> dict[str, Any]:
+    return {"prompt": example.prompt, "id": example.id, "meta": example.meta}
+
+
+def teacher_variables(
+    example: Example,
+    student_messages: Sequence[Message],
+    attempt: str | None = None,
+    feedback: str | None = None,
+) -> dict[str, Any]:
+    """Everything a privileged teacher may see. Absent information stays undefined, so a
+    template that needs it fails loudly rather than rendering 'None'."""
+    variables = student_variables(example)
+    variables["answer"] = example.answer
+    variables["student_prompt"] = _user_content(student_messages)
+    if example.solution:
+        variables["solution"] = example.solution
+    if example.hints:
+        variables["hints"] = list(example.hints)
+    if attempt is not None:
+        variables["attempt"] = attempt
+    if feedback is not None:
+        variables["feedback"] = feedback
+    return variables
+
+
+def render_student(template: PromptTemplate, example: Example) -> list[Message]:
+    return template.render(student_variables(example))
+
+
+def render_teacher(
+    template: PromptTemplate,
+    example: Example,
+    student_messages: Sequence[Message],
+    attempt: str | None = None,
+    feedback: str | None = None,
+) -> list[Message]:
+    """Teacher messages; the student's system message is kept unless the template has its own."""
+    messages = template.render(teacher_variables(example, student_messages, attempt, feedback))
+    student_system = [m for m in student_messages if m["role"] == "system"]
+    if student_system and not any(m["role"] == "system" for m in messages):
+        messages = student_system + messages
+    return messages
+
+
+def prompt_token_ids(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
+    """Token ids of `messages` through the model's own chat template, ending with the
+    assistant header: appending a completion's exact ids gives a valid sequence."""
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=False)
+    return list(ids)
+
+
+def _user_content(messages: Sequence[Message]) -> str:
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    if len(users) != 1:
+        raise TemplateError(f"expected exactly one user message from the student template, got {len(users)}")
+    return users[0]
+
+
+def _find_template(name: str) -> Path:
+    candidates = [Path(name), PROMPTS_DIR / name, PROMPTS_DIR / f"{name}.jinja"]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate.resolve()
+    raise TemplateError(
+        f"no template {name!r}: not a file and not one of the shipped templates ({', '.join(list_templates())})"
+    )
+
+
+def _environment(template_dir: Path) -> ImmutableSandboxedEnvironment:
+    # Both the template's folder and prompts/ are searchable, so shipped templates can be
+    # extended or included from templates kept elsewhere.
+    loader = jinja2.FileSystemLoader([str(template_dir), str(PROMPTS_DIR)])
+    return ImmutableSandboxedEnvironment(
+        loader=loader,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=False,
+        autoescape=False,
+    )
+
+
+def _display_name(path: Path) -> str:
+    try:
+        return str(path.relative_to(PROMPTS_DIR).with_suffix(""))
+    except ValueError:
+        return str(path)
+
+
+def _template_location(error: Exception, path: Path) -> str:
+    """`file:line` where rendering failed. Jinja rewrites traceback frames to carry the
+    template's file name and line, so the innermost such frame is the culprit (it may be
+    a template that `path` includes or extends)."""
+    location = f"{path}:?"
+    traceback = error.__traceback__
+    while traceback is not None:
+        filename = traceback.tb_frame.f_code.co_filename
+        if filename.endswith(".jinja") or filename == str(path):
+            location = f"{filename}:{traceback.tb_lineno}"
+        traceback = traceback.tb_next
+    return location
