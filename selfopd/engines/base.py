@@ -1,0 +1,81 @@
+"""The one small interface every engine (in-process transformers, vLLM servers) speaks.
+
+Token ids are the currency: an engine samples ids, and scores exactly the ids it is
+given, so a teacher grades the student's own tokens with no retokenisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Mapping, Protocol, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the student samples. temperature 0 is greedy decoding."""
+
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1  # samples per prompt
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One sampled completion with the exact ids, as the sampler produced them.
+
+    sampler_logprobs are the model's raw (temperature 1) logprobs of each completion
+    token at sampling time: the trainer compares them with its own to measure mismatch.
+    The end-of-sequence token, when produced, is the last completion id.
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    sampler_logprobs: list[float]
+    finish_reason: Literal["stop", "length"]
+    text: str
+
+
+@dataclass(frozen=True)
+class TokenScores:
+    """An engine's judgement of given completion tokens.
+
+    logprobs: (T,) logprob of each given completion token.
+    topk_ids, topk_logprobs: (T, k) the k most likely tokens at each position, when asked.
+    """
+
+    logprobs: torch.Tensor
+    topk_ids: torch.Tensor | None = None
+    topk_logprobs: torch.Tensor | None = None
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    """What the trainer needs from a model server, local or remote."""
+
+    def sample(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[list[Rollout]]:
+        """`params.n` rollouts per prompt, in prompt order."""
+        ...
+
+    def score(self, sequences: Sequence[tuple[list[int], list[int]]], top_k: int = 0) -> list[TokenScores]:
+        """Logprobs of each completion token given its prompt, for (prompt_ids, completion_ids) pairs."""
+        ...
+
+    def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load new weights (HF checkpoint names); later calls see them."""
+        ...
+
+    def close(self) -> None: ...

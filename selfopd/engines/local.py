@@ -1,0 +1,117 @@
+"""The in-process transformers engine: the embedded default on a laptop, in CI and tests.
+
+It wraps a model object it does not own. For the student and for a `self` teacher this
+is the trainer's live module, so an optimizer step is visible at once and no second copy
+exists; `update_weights` then only records the version.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from selfopd.engines.base import Rollout, SamplingParams, TokenScores
+from selfopd.scoring import pack_sequences, sequence_logprobs, sequence_topk
+
+
+class LocalEngine:
+    """Samples with `model.generate` (KV cache) and scores with `selfopd.scoring`."""
+
+    def __init__(self, model: Any, tokenizer: Any, batch_size: int = 16, chunk_size: int = 256) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.chunk_size = chunk_size
+        self.version = 0
+        eos = model.generation_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
+
+    def sample(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[list[Rollout]]:
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        flat = [list(p) for p in prompts for _ in range(params.n)]
+        rollouts: list[Rollout] = []
+        for start in range(0, len(flat), self.batch_size):
+            rollouts.extend(self._sample_batch(flat[start : start + self.batch_size], params))
+        return [rollouts[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
+
+    @torch.no_grad()
+    def score(self, sequences: Sequence[tuple[list[int], list[int]]], top_k: int = 0) -> list[TokenScores]:
+        scores: list[TokenScores] = []
+        for start in range(0, len(sequences), self.batch_size):
+            chunk = sequences[start : start + self.batch_size]
+            batch = pack_sequences(chunk, self.pad_id)
+            logprobs_BT = sequence_logprobs(self.model, batch, self.chunk_size)
+            topk = sequence_topk(self.model, batch, top_k, self.chunk_size) if top_k else None
+            for row, (prompt, completion) in enumerate(chunk):
+                span = slice(len(prompt), len(prompt) + len(completion))
+                scores.append(
+                    TokenScores(
+                        logprobs=logprobs_BT[row, span].clone(),
+                        topk_ids=topk[0][row, span].clone() if topk else None,
+                        topk_logprobs=topk[1][row, span].clone() if topk else None,
+                    )
+                )
+        return scores
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Copy weights in by name; tensors that already are this model's storage are skipped."""
+        params = dict(self.model.named_parameters())
+        unknown = sorted(set(named_tensors) - set(params))
+        if unknown:
+            raise KeyError(f"update_weights: names not in the engine's model: {unknown[:5]}")
+        for name, tensor in named_tensors.items():
+            if params[name].data_ptr() != tensor.data_ptr():
+                params[name].copy_(tensor)
+        self.version = version
+
+    def close(self) -> None:
+        self.model = None
+
+    def _sample_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
+        width = max(len(p) for p in prompts)
+        ids_BT = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask_BT = torch.zeros_like(ids_BT)
+        for row, ids in enumerate(prompts):  # left padding: every row ends where decoding starts
+            ids_BT[row, width - len(ids) :] = torch.tensor(ids)
+            mask_BT[row, width - len(ids) :] = 1
+        greedy = params.temperature == 0
+        sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                output = self.model.generate(
+                    input_ids=ids_BT,
+                    attention_mask=mask_BT,
+                    max_new_tokens=params.max_tokens,
+                    pad_token_id=self.pad_id,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                    **sampling,
+                )
+        finally:
+            self.model.train(was_training)
+        new_BS = output.sequences[:, width:]
+        # Raw (temperature 1) logprobs of the drawn tokens, as vLLM reports them by default.
+        raw_BSV = torch.stack(output.logits, dim=1).float().log_softmax(-1)
+        logprobs_BS = raw_BSV.gather(-1, new_BS.unsqueeze(-1)).squeeze(-1)
+        rollouts = []
+        for row, prompt in enumerate(prompts):
+            tokens = new_BS[row].tolist()
+            stop = next((i for i, t in enumerate(tokens) if t in self.eos_ids), None)
+            end = len(tokens) if stop is None else stop + 1  # keep the end-of-sequence token
+            completion = tokens[:end]
+            rollouts.append(
+                Rollout(
+                    prompt_ids=prompt,
+                    completion_ids=completion,
+                    sampler_logprobs=logprobs_BS[row, :end].tolist(),
+                    finish_reason="length" if stop is None else "stop",
+                    text=self.tokenizer.decode(completion, skip_special_tokens=True),
+                )
+            )
+        return rollouts

@@ -1,0 +1,95 @@
+"""The in-process engine on the real packaged model: exact ids, consistent logprobs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from selfopd.engines.base import SamplingParams
+from selfopd.engines.local import LocalEngine
+from selfopd.templates import prompt_token_ids
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ["What is 3 + 4?", "Name a colour.", "Count from one to five."]
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_model, smollm2_tokenizer):
+    return LocalEngine(smollm2_model, smollm2_tokenizer, batch_size=8, chunk_size=7)
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_tokenizer):
+    return [prompt_token_ids(smollm2_tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def rollouts(engine, prompts):
+    return engine.sample(prompts, SamplingParams(max_tokens=12, temperature=1.0, n=2, seed=0))
+
+
+def test_sample_shape_and_exact_ids(rollouts, prompts, smollm2_tokenizer):
+    assert [len(group) for group in rollouts] == [2, 2, 2]
+    eos = smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for prompt, group in zip(prompts, rollouts):
+        for rollout in group:
+            assert rollout.prompt_ids == prompt
+            assert 1 <= len(rollout.completion_ids) <= 12
+            assert len(rollout.sampler_logprobs) == len(rollout.completion_ids)
+            if rollout.finish_reason == "stop":
+                assert rollout.completion_ids[-1] == eos and eos not in rollout.completion_ids[:-1]
+            else:
+                assert len(rollout.completion_ids) == 12 and eos not in rollout.completion_ids
+            assert rollout.text == smollm2_tokenizer.decode(rollout.completion_ids, skip_special_tokens=True)
+
+
+def test_sampler_logprobs_equal_scoring_logprobs(engine, rollouts):
+    """Left-padded KV-cache decoding and right-padded scoring must agree: the trainer's
+    importance ratio relies on it."""
+    flat = [r for group in rollouts for r in group]
+    scores = engine.score([(r.prompt_ids, r.completion_ids) for r in flat])
+    for rollout, score in zip(flat, scores):
+        assert score.logprobs.shape == (len(rollout.completion_ids),)
+        torch.testing.assert_close(score.logprobs, torch.tensor(rollout.sampler_logprobs), atol=2e-4, rtol=0)
+
+
+def test_scores_equal_float64_reference_and_topk_is_consistent(engine, rollouts, smollm2_model):
+    rollout = rollouts[0][0]
+    (score,) = engine.score([(rollout.prompt_ids, rollout.completion_ids)], top_k=5)
+    ids = torch.tensor([rollout.prompt_ids + rollout.completion_ids])
+    with torch.no_grad():
+        reference_TV = smollm2_model(ids).logits[0].double().log_softmax(-1)
+    start = len(rollout.prompt_ids)
+    positions = torch.arange(start - 1, ids.shape[1] - 1)
+    expected = reference_TV[positions, ids[0, start:]]
+    torch.testing.assert_close(score.logprobs.double(), expected, atol=1e-4, rtol=0)
+    expected_top = reference_TV[positions].topk(5, dim=-1)
+    assert torch.equal(score.topk_ids, expected_top.indices)
+    torch.testing.assert_close(score.topk_logprobs.double(), expected_top.values, atol=1e-4, rtol=0)
+    assert torch.all(score.logprobs <= score.topk_logprobs[:, 0] + 1e-6)
+
+
+def test_greedy_is_deterministic_and_seeded_sampling_repeats(engine, prompts):
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    first, second = engine.sample(prompts[:2], greedy), engine.sample(prompts[:2], greedy)
+    assert [r[0].completion_ids for r in first] == [r[0].completion_ids for r in second]
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=7)
+    assert [r[0].completion_ids for r in engine.sample(prompts[:2], seeded)] == [
+        r[0].completion_ids for r in engine.sample(prompts[:2], seeded)
+    ]
+
+
+def test_update_weights_copies_into_a_separate_model(smollm2_model, smollm2_tokenizer, prompts):
+    clone = copy.deepcopy(smollm2_model)
+    engine = LocalEngine(clone, smollm2_tokenizer)
+    name = "model.norm.weight"
+    new = {name: smollm2_model.get_parameter(name).detach() * 1.5}
+    engine.update_weights(new, version=3)
+    assert engine.version == 3
+    assert torch.equal(clone.get_parameter(name), new[name])
+    assert not torch.equal(clone.get_parameter(name), smollm2_model.get_parameter(name))
+    with pytest.raises(KeyError, match="not in the engine's model"):
+        engine.update_weights({"no.such.weight": torch.zeros(1)}, version=4)
