@@ -1,0 +1,143 @@
+"""Answer equivalence: what must match, and the tricky near-misses that must not."""
+
+from __future__ import annotations
+
+import pytest
+
+import verifiers.equivalence as equivalence
+from verifiers import Verdict, answers_equivalent, compare_answers
+
+EQUIVALENT = [
+    # integers, decimals, signs, separators
+    ("42", "42"),
+    ("42.0", "42"),
+    ("042", "42"),
+    ("+5", "5"),
+    ("-0", "0"),
+    ("- 3", "-3"),
+    ("\u22123", "-3"),
+    ("1,234", "1234"),
+    ("1234", "1,234"),
+    (r"\$1,234.50", "1234.5"),
+    ("1e3", "1000"),
+    # fractions vs decimals vs LaTeX
+    ("3/4", "0.75"),
+    (r"\frac{3}{4}", "0.75"),
+    (r"\dfrac{3}{4}", "3/4"),
+    (r"\frac34", "3/4"),
+    ("-1/2", r"-\frac{1}{2}"),
+    (r"\frac{-1}{2}", "-0.5"),
+    ("1/3", "0.333333"),  # math-verify rounds to 6 places
+    (r"\frac{6}{8}", "3/4"),
+    # percentages (both readings of a percent; see numeric.py)
+    (r"50\%", "50"),
+    ("50%", r"50\%"),
+    ("50%", "50"),
+    ("50%", "0.5"),
+    ("0.5", r"50\%"),
+    # units, degrees, text wrappers, markdown
+    ("5 apples", "5"),
+    (r"5\text{ cm}", "5"),
+    (r"90^\circ", "90"),
+    ("90\u00b0", "90"),
+    ("**18**", "18"),
+    (r"\text{(B)}", "B"),
+    ("(b)", "B"),
+    ("Yes", "yes"),
+    (r"\text{ainomma}", "ainomma"),
+    # assignments
+    ("x = 3", "3"),
+    ("3", "x=3"),
+    ("y = 2x+1", "2x+1"),
+    # roots and expressions (math-verify, in the worker)
+    (r"\frac{1}{\sqrt{2}}", r"\frac{\sqrt{2}}{2}"),
+    (r"\sqrt{8}", r"2\sqrt{2}"),
+    (r"\sqrt{4}", "2"),
+    ("sqrt(2)", r"\sqrt{2}"),
+    ("x^2+2x+1", "(x+1)^2"),
+    (r"2\pi", r"\pi \cdot 2"),
+    (r"3 \times 10^{2}", "300"),
+    ("2+3i", "3i+2"),
+    (r"\infty", r"\infty"),
+    # tuples, intervals, sets, lists
+    ("(1,2)", "(1, 2)"),
+    (r"\left(1,2\right)", "(1,2)"),
+    ("1, 2", "(1,2)"),  # a bare list takes the reference's tuple brackets
+    (r"\{1,2\}", r"\{2,1\}"),
+    ("3, 4", r"\{4, 3\}"),
+    ("[0, 1]", "[0,1]"),
+    ("(1,2,3)", "(1,2,3)"),
+    (r"\pm 2", "2, -2"),
+    # references written as whole solutions
+    (r"\frac{1}{2}", r"\boxed{\frac{1}{2}}"),
+    ("7", "$7$"),
+]
+
+DIFFERENT = [
+    ("12", "120"),
+    ("120", "12"),
+    ("1", "-1"),
+    ("-1", "1"),
+    ("3", "3.5"),
+    ("3.5", "3"),
+    ("2", "2.000001"),
+    ("0.5", "50"),  # without a percent sign these are different numbers
+    ("1,234", "1.234"),
+    ("1,2", "12"),
+    ("3/4", "4/3"),
+    (r"\frac{3}{4}", "0.7"),
+    ("1/3", "0.33"),
+    ("1/3", "0.3333"),
+    ("(1,2)", "(2,1)"),
+    ("(1,2,3)", "(3,2,1)"),
+    ("2, 1", "(1,2)"),  # the order of a tuple reference counts even for a bare list
+    ("1, 2", "[1,2)"),  # a bare list does not say which ends are closed
+    ("(1,2)", r"\{1,2\}"),  # math-verify alone says equal
+    (r"\{1,2\}", "(1,2)"),
+    ("[1,2]", "(1,2)"),
+    ("(0,1]", "(0,1)"),
+    (r"\sqrt{2}", "1.414"),
+    (r"\pi", "3.14159"),
+    ("x^2", "y^2"),
+    ("x = 3", "x = 4"),
+    ("olleh", "hello"),  # anagrams: math-verify reads words as products of letters
+    ("ab", "ba"),
+    ("A", "B"),
+    ("Yes", "No"),
+    ("five", "5"),
+    ("", "5"),
+    ("5", ""),
+    (r"\frac{1}{\sqrt{3}}", r"\frac{\sqrt{2}}{2}"),
+    ("2x+1", "2x-1"),
+]
+
+
+@pytest.mark.parametrize("predicted, reference", EQUIVALENT)
+def test_equivalent(predicted, reference):
+    assert answers_equivalent(predicted, reference)
+
+
+@pytest.mark.parametrize("predicted, reference", DIFFERENT)
+def test_different(predicted, reference):
+    assert not answers_equivalent(predicted, reference)
+    assert compare_answers(predicted, reference) is Verdict.DIFFERENT
+
+
+@pytest.mark.parametrize(
+    "predicted, reference",
+    [("42", "42.0"), ("-7", "7"), ("1,234", "1234"), ("50%", "0.5"), ("x = 3", "3"), ("3/4", "0.75"),
+     ("olleh", "hello"), ("5 apples", "5"), ("12", "120")],
+)
+def test_plain_answers_never_start_a_worker(monkeypatch, predicted, reference):
+    def no_worker(*args, **kwargs):
+        raise AssertionError("a plain answer reached the worker")
+
+    monkeypatch.setattr(equivalence, "run_in_worker", no_worker)
+    compare_answers(predicted, reference)
+
+
+def test_pathological_answers_are_unchecked_without_a_worker(monkeypatch):
+    monkeypatch.setattr(equivalence, "run_in_worker", lambda *a, **k: pytest.fail("worker was called"))
+    for answer in ["10^{10^{10}}", "9^{9^{9^{9}}}", "100000!", "(10^{5})!"]:
+        assert compare_answers(answer, "5") is Verdict.UNCHECKED
+        assert not answers_equivalent(answer, "5")

@@ -1,0 +1,40 @@
+"""Answer extraction and checking for math-style answers.
+
+Used as the verifier reward in RL and as privileged feedback for a teacher. Every check
+that might be slow runs in a killable worker process under a time limit (see `timeout.py`),
+so it is safe in the main thread, in thread pools and in worker processes.
+
+    verify(completion, reference)             -> VerifyResult
+    verify_example(completion, example)       -> VerifyResult (reasoning-gym items go to its scorer)
+    verify_reasoning_gym(completion, task, entry) -> VerifyResult
+    extract_answer(text)                      -> Extraction | None
+    answers_equivalent(predicted, reference)  -> bool
+"""
+
+from verifiers.check import reference_answer, verify, verify_example
+from verifiers.equivalence import Verdict, answers_equivalent, compare_answers
+from verifiers.extract import METHODS, Extraction, extract_answer
+from verifiers.normalize import normalize_answer
+from verifiers.reasoning_gym_adapter import verify_reasoning_gym
+from verifiers.result import VerifyResult
+from verifiers.timeout import DEFAULT_TIMEOUT_S, CheckTimeout, WorkerError, run_in_worker, shutdown_workers
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "METHODS",
+    "CheckTimeout",
+    "Extraction",
+    "Verdict",
+    "VerifyResult",
+    "WorkerError",
+    "answers_equivalent",
+    "compare_answers",
+    "extract_answer",
+    "normalize_answer",
+    "reference_answer",
+    "run_in_worker",
+    "shutdown_workers",
+    "verify",
+    "verify_example",
+    "verify_reasoning_gym",
+]

@@ -1,0 +1,40 @@
+"""Grade a whole completion: extract its final answer, compare, and phrase the feedback."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from verifiers.equivalence import Verdict, compare_answers
+from verifiers.extract import extract_answer, extract_boxed, extract_gsm8k
+from verifiers.reasoning_gym_adapter import verify_reasoning_gym
+from verifiers.result import VerifyResult, graded, no_answer, unchecked
+from verifiers.timeout import DEFAULT_TIMEOUT_S
+
+
+def reference_answer(reference: str) -> str:
+    """The final answer inside a reference that is a whole solution (`\\boxed{}` or `####`)."""
+    return extract_boxed(reference) or extract_gsm8k(reference) or reference
+
+
+def verify(completion: str, reference: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> VerifyResult:
+    """Grade `completion` against the reference final answer (reward 1.0 if equivalent, else 0.0)."""
+    found = extract_answer(completion)
+    if found is None:
+        return no_answer()
+    verdict = compare_answers(found.text, reference_answer(reference), timeout_s=timeout_s)
+    if verdict is Verdict.UNCHECKED:
+        return unchecked(found.text, found.method)
+    return graded(found.text, found.method, verdict is Verdict.EQUIVALENT)
+
+
+def verify_example(completion: str, example: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> VerifyResult:
+    """Grade against an example with `.answer` and `.meta` (e.g. selfopd's Example).
+
+    A reasoning-gym item carries `meta["reasoning_gym"] = {"task": name, "entry": {...}}` and
+    is scored by reasoning-gym itself; anything else is compared with `example.answer`.
+    """
+    meta = getattr(example, "meta", None) or {}
+    rg = meta.get("reasoning_gym")
+    if isinstance(rg, dict) and "task" in rg and "entry" in rg:
+        return verify_reasoning_gym(completion, rg["task"], rg["entry"], timeout_s=timeout_s)
+    return verify(completion, example.answer, timeout_s=timeout_s)

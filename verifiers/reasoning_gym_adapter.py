@@ -1,0 +1,89 @@
+"""Score a completion with a reasoning-gym task's own `score_answer`.
+
+reasoning-gym knows best what counts as right for its tasks (string tasks, partial credit),
+so we only extract the answer and let it score. The scorer runs in the worker process under
+the time limit: some scorers call sympy on the model's answer and could hang on `9**9**9**9`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from verifiers.extract import extract_answer
+from verifiers.latex import command_arguments
+from verifiers.normalize import strip_math_delimiters
+from verifiers.prescreen import too_costly
+from verifiers.result import VerifyResult, no_answer, scored, unchecked
+from verifiers.timeout import DEFAULT_TIMEOUT_S, CheckTimeout, WorkerError, run_in_worker
+
+logger = logging.getLogger(__name__)
+
+
+def answer_for_scorer(extracted: str) -> str:
+    """The extracted text minus LaTeX wrapping a scorer would not expect (`$..$`, `\\text{..}`)."""
+    s = strip_math_delimiters(extracted).strip()
+    wrapped = command_arguments(s, ("text", "textbf", "mathrm"))
+    if len(wrapped) == 1 and wrapped[0][0] == 0 and wrapped[0][2] == len(s) - 1:
+        s = s[wrapped[0][1] + 1 : -1].strip()
+    return s
+
+
+@functools.lru_cache(maxsize=None)
+def check_task(task: str) -> None:
+    """Refuse an unknown task name loudly; in the worker it would only show as an unchecked 0."""
+    from reasoning_gym.factory import DATASETS
+
+    if task not in DATASETS:
+        raise ValueError(f"unknown reasoning-gym task {task!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _score_fn(task: str) -> Callable[[str, dict[str, Any]], float]:
+    import reasoning_gym
+
+    return reasoning_gym.get_score_answer_fn(task)
+
+
+def import_reasoning_gym() -> None:
+    """Import reasoning_gym (a few seconds the first time). Runs inside the worker process."""
+    import reasoning_gym  # noqa: F401
+
+
+def score_in_worker(task: str, answer: str, entry: dict[str, Any]) -> float:
+    """reasoning-gym's score for `answer` on `entry`. Runs inside the worker process."""
+    return float(_score_fn(task)(answer, entry) or 0.0)
+
+
+def verify_reasoning_gym(
+    completion: str, task: str, entry: dict[str, Any], *, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> VerifyResult:
+    """Extract the final answer and score it with reasoning-gym task `task` on its `entry`.
+
+    reward is reasoning-gym's score (some tasks give partial credit); correct is score == 1.
+    """
+    check_task(task)
+    found = extract_answer(completion)
+    if found is None:
+        return no_answer()
+    answer = answer_for_scorer(found.text)
+    if too_costly(answer):
+        return unchecked(found.text, found.method)
+    try:
+        score = run_in_worker(
+            "reasoning_gym_score",
+            task,
+            answer,
+            entry,
+            timeout_s=timeout_s,
+            setup="import_reasoning_gym",  # seconds, once per worker: not part of the limit
+        )
+    except CheckTimeout:
+        logger.warning("reasoning-gym %s scorer timed out after %.1f s", task, timeout_s)
+        return unchecked(found.text, found.method)
+    except WorkerError as e:
+        logger.warning("reasoning-gym %s scorer failed: %s", task, e)
+        return unchecked(found.text, found.method)
+    return scored(found.text, found.method, score)

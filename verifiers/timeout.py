@@ -1,0 +1,229 @@
+"""Run a check in a killable worker process, so no answer can hang the caller.
+
+Why not math-verify's own timeout: it is `signal.alarm`, which
+  - only works in the main thread of the main interpreter (it raises ValueError in a
+    ThreadPoolExecutor worker, where RL reward functions often run),
+  - has whole-second resolution, and cancels any SIGALRM timer the caller already had
+    (pytest-timeout's signal method, for one),
+  - runs its handler only between bytecodes, so one long C-level call finishes first, and
+    it does nothing about memory (the worker has an address-space limit).
+A separate process can always be killed. Each calling process keeps a small pool of
+long-lived workers (`python -m verifiers.worker`, started with subprocess, so this also
+works inside daemonic multiprocessing workers that may not fork children of their own).
+A check that misses its deadline gets its worker SIGKILLed and a fresh one started at once
+in the background. The deadline covers the check only, not a worker's start-up (about a
+second to import sympy), which has its own generous limit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import select
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TIMEOUT_S = 5.0  # math-verify's own default; plain-number answers never get here
+STARTUP_TIMEOUT_S = 120.0  # importing sympy on a busy 2-core machine can take many seconds
+MAX_WORKERS = max(1, min(4, os.cpu_count() or 1))  # more concurrent callers wait their turn
+
+
+class CheckTimeout(Exception):
+    """A check did not finish within its time limit; its worker was killed."""
+
+
+class WorkerError(RuntimeError):
+    """The worker could not start, died, or the task raised (the message names the type)."""
+
+
+class _Worker:
+    """One child process and its pipes. Used by one thread at a time (the pool sees to it)."""
+
+    def __init__(self) -> None:
+        package_parent = str(Path(__file__).resolve().parent.parent)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "verifiers.worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            start_new_session=True,  # a Ctrl-C in the terminal is for the parent, not us
+        )
+        self.ready = False
+
+    def _read_exactly(self, n: int, deadline: float) -> bytes:
+        """n bytes from the worker, or CheckTimeout at the deadline (poll: no fd limit)."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        data = b""
+        while len(data) < n:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not poller.poll(remaining * 1000):
+                raise CheckTimeout(f"no reply within the time limit from worker {self.proc.pid}")
+            chunk = os.read(fd, n - len(data))
+            if not chunk:
+                raise WorkerError(f"worker {self.proc.pid} exited (code {self.proc.poll()})")
+            data += chunk
+        return data
+
+    def _read_frame(self, deadline: float) -> Any:
+        header = self._read_exactly(4, deadline)
+        return pickle.loads(self._read_exactly(struct.unpack(">I", header)[0], deadline))
+
+    def wait_ready(self) -> None:
+        if not self.ready:
+            try:
+                self._read_frame(time.monotonic() + STARTUP_TIMEOUT_S)
+            except CheckTimeout as e:
+                raise WorkerError(f"worker did not start within {STARTUP_TIMEOUT_S} s") from e
+            self.ready = True
+
+    def call(self, task: str, args: tuple[Any, ...], timeout_s: float) -> Any:
+        self.wait_ready()
+        assert self.proc.stdin is not None
+        # The worker's own alarm fires well after our deadline: it only matters if we die.
+        payload = pickle.dumps((task, args, 2 * timeout_s + 5), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            self.proc.stdin.write(struct.pack(">I", len(payload)) + payload)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError) as e:
+            raise WorkerError(f"worker {self.proc.pid} is gone") from e
+        status, value = self._read_frame(time.monotonic() + timeout_s)
+        if status == "ok":
+            return value
+        if status == "timeout":
+            raise CheckTimeout("the worker's own backstop alarm fired")
+        raise WorkerError(f"task {task!r} raised {value}")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.kill()
+        self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                pipe.close()
+
+    def close(self) -> None:
+        """Ask politely (EOF on stdin ends the worker's loop), then make sure."""
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+            self.proc.wait(timeout=2)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        self.kill()
+
+
+class _Pool:
+    """Up to MAX_WORKERS workers shared by the threads of one process."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.cond = threading.Condition()
+        self.idle: list[_Worker] = []
+        self.count = 0
+
+    def _acquire(self) -> _Worker:
+        with self.cond:
+            while not self.idle and self.count >= MAX_WORKERS:
+                self.cond.wait()
+            if self.idle:
+                return self.idle.pop()
+            self.count += 1
+        try:
+            return _Worker()
+        except BaseException:
+            with self.cond:
+                self.count -= 1
+                self.cond.notify()
+            raise
+
+    def _release(self, worker: _Worker, healthy: bool) -> None:
+        replacement = None
+        if not healthy:
+            worker.kill()
+            try:
+                replacement = _Worker()  # starts importing now, in the background
+            except OSError:
+                replacement = None
+        with self.cond:
+            if healthy:
+                self.idle.append(worker)
+            elif replacement is not None:
+                self.idle.append(replacement)
+            else:
+                self.count -= 1
+            self.cond.notify()
+
+    def call(self, task: str, args: tuple[Any, ...], timeout_s: float, setup: str | None) -> Any:
+        worker = self._acquire()
+        healthy = False
+        try:
+            if setup is not None:
+                worker.call(setup, (), STARTUP_TIMEOUT_S)
+            value = worker.call(task, args, timeout_s)
+            healthy = True
+            return value
+        except WorkerError:
+            healthy = worker.alive() and worker.ready  # a task that raised leaves it usable
+            raise
+        finally:
+            self._release(worker, healthy)
+
+    def close(self) -> None:
+        with self.cond:
+            workers, self.idle = self.idle, []
+            self.count -= len(workers)
+        for w in workers:
+            w.close()
+
+
+_pool: _Pool | None = None
+_pool_lock = threading.Lock()
+
+
+def _get_pool() -> _Pool:
+    """This process's pool; a forked child gets a new one (the parent's pipes are not its own)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool.pid != os.getpid():
+            _pool = _Pool()
+        return _pool
+
+
+def run_in_worker(task: str, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S, setup: str | None = None) -> Any:
+    """Run the worker task `task(*args)` and return its result within `timeout_s` seconds.
+
+    `setup` names a task to run first on the same worker under the start-up limit, for slow
+    one-time work such as an import that should not eat into the check's time limit.
+
+    Raises CheckTimeout when the deadline passes (the worker is killed and replaced), and
+    WorkerError when the task raised or the worker could not run. Tasks are listed in
+    `worker._tasks()`; arguments and results are pickled.
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    return _get_pool().call(task, args, timeout_s, setup)
+
+
+def shutdown_workers() -> None:
+    """Stop this process's idle workers (they also exit on their own when we exit)."""
+    with _pool_lock:
+        pool = _pool
+    if pool is not None and pool.pid == os.getpid():
+        pool.close()
+
+
+atexit.register(shutdown_workers)
