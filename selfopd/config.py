@@ -1,0 +1,454 @@
+"""The one typed config of `selfopd train CONFIG.toml [--set section.key=value ...]`.
+
+Every setting of a training run lives here, once: a TOML file names sections and keys of
+these dataclasses, `--set` overrides are parsed against the same fields, and the run
+folder gets `config_to_toml(config)` back, which loads to an equal config. Defaults exist
+only in the field definitions below; code that reads a config never supplies its own.
+
+Every field carries its help text (`metadata["help"]`), which `config_to_toml` writes as a
+comment above the key. Types are checked when a section is built (an int is accepted for a
+float, a bool never for a number) and ranges in each `__post_init__`; rules that tie two
+sections together sit in `TrainConfig.__post_init__`. Every error is a `ConfigError`
+naming the key as `section.key`, prefixed by the file or the `--set` it came from:
+
+    demo.toml: loss.normalisation: must be one of 'token', 'sequence', got 'tokens'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Sequence
+
+# Same values as selfopd.losses.Normalisation; restated so loading a config needs no torch.
+Normalisation = Literal["token", "sequence"]
+TeacherKind = Literal["self", "frozen", "external"]
+DType = Literal["float32", "bfloat16"]
+Schedule = Literal["constant", "cosine", "linear"]
+
+
+class ConfigError(ValueError):
+    """A bad config file, key, value or `--set`; the message names the key as `section.key`.
+
+    `key` is that `section.key` (`[section]` for a whole section, "" when no key applies, as
+    for a TOML syntax error), `source` the file or `--set` the bad value came from, if known.
+    """
+
+    def __init__(self, key: str, message: str, source: str | None = None):
+        super().__init__(": ".join(part for part in (source, key, message) if part))
+        self.key, self.message, self.source = key, message, source
+
+
+def _field(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+def _fail(key: str, message: str) -> typing.NoReturn:
+    raise ConfigError(key, message)
+
+
+class _Section:
+    """Type checks shared by every section; each section adds its own range checks."""
+
+    SECTION: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = _check_type(f"{self.SECTION}.{f.name}", _field_types(type(self))[f.name], getattr(self, f.name))
+            object.__setattr__(self, f.name, value)  # ints given for floats become floats
+
+    def _key(self, name: str) -> str:
+        return f"{self.SECTION}.{name}"
+
+    def _at_least(self, name: str, low: int | float) -> None:
+        value = getattr(self, name)
+        if value < low:
+            _fail(self._key(name), f"must be >= {low}, got {value!r}")
+
+    def _non_empty(self, name: str) -> None:
+        if not getattr(self, name).strip():
+            _fail(self._key(name), "must not be empty")
+
+
+@dataclass(frozen=True)
+class RunConfig(_Section):
+    SECTION: ClassVar[str] = "run"
+    name: str = _field("run", "Name of the run: its folder is OUT_DIR/NAME.")
+    out_dir: str = _field("runs", "Folder that holds run folders.")
+    seed: int = _field(0, "Seeds sampling, data order and the init of anything random.")
+    steps: int = _field(20, "Optimizer steps to take.")
+    eval_every: int = _field(10, "Greedy held-out eval every N steps (0: only at the start and the end).")
+    checkpoint_every: int = _field(0, "HF checkpoint plus trainer state every N steps (0: only at the end).")
+    rollouts_to_save: int = _field(8, "Rollouts kept per step under OUT_DIR/NAME/rollouts/ (0: none).")
+    progress: bool = _field(True, "Show a progress bar.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._non_empty("name")
+        if any(c in self.name for c in "/\\") or self.name in (".", ".."):
+            _fail(self._key("name"), f"must be a plain folder name (no '/', '\\', '.' or '..'), got {self.name!r}")
+        self._non_empty("out_dir")
+        self._at_least("seed", 0)
+        self._at_least("steps", 1)
+        self._at_least("eval_every", 0)
+        self._at_least("checkpoint_every", 0)
+        self._at_least("rollouts_to_save", 0)
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Section):
+    SECTION: ClassVar[str] = "model"
+    student: str = _field("smollm2-135m-instruct", "The student: a packaged model name, a local folder or a hub id.")
+    dtype: DType = _field("float32", "Dtype of the student's (and a frozen teacher's) weights.")
+    threads: int = _field(0, "Torch CPU threads (0: torch's default).")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._non_empty("student")
+        self._at_least("threads", 0)
+
+
+@dataclass(frozen=True)
+class TeacherConfig(_Section):
+    SECTION: ClassVar[str] = "teacher"
+    kind: TeacherKind = _field(
+        "self",
+        "Who scores the rollouts: 'self' is the current student given privileged information, "
+        "'frozen' a copy of the initial student, 'external' the model named by teacher.model.",
+    )
+    model: str = _field("", "The external teacher (packaged name, folder or hub id); set iff kind = 'external'.")
+    template: str = _field("teacher/reference_answer", "Prompt template that shows the teacher the privileged information.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.kind == "external" and not self.model.strip():
+            _fail(self._key("model"), "required when teacher.kind = 'external'")
+        if self.kind != "external" and self.model:
+            _fail(self._key("model"), f"only used when teacher.kind = 'external' (kind is {self.kind!r}); leave it empty")
+        self._non_empty("template")
+
+
+@dataclass(frozen=True)
+class DataConfig(_Section):
+    SECTION: ClassVar[str] = "data"
+    spec: str = _field(
+        "rg:chain_sum?min_terms=2&max_terms=3&min_digits=1&max_digits=1&size=2000&seed=1",
+        "Data spec (see selfopd.data): where the prompts, answers and privileged information come from.",
+    )
+    student_template: str = _field("student/plain", "Prompt template the student sees.")
+    eval_size: int = _field(200, "Held-out examples, never trained on, for the greedy eval.")
+    split_seed: int = _field(0, "Seed of the train / eval split.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._non_empty("spec")
+        self._non_empty("student_template")
+        self._at_least("eval_size", 1)
+        self._at_least("split_seed", 0)
+
+
+@dataclass(frozen=True)
+class RolloutConfig(_Section):
+    SECTION: ClassVar[str] = "rollout"
+    prompts_per_step: int = _field(8, "Prompts sampled per optimizer step.")
+    samples_per_prompt: int = _field(4, "Samples per prompt (n); a GRPO group is the n samples of one prompt.")
+    max_tokens: int = _field(48, "Most completion tokens per sample.")
+    temperature: float = _field(1.0, "Sampling temperature (0: greedy).")
+    top_p: float = _field(1.0, "Nucleus sampling mass, in (0, 1] (1: off).")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._at_least("prompts_per_step", 1)
+        self._at_least("samples_per_prompt", 1)
+        self._at_least("max_tokens", 1)
+        self._at_least("temperature", 0.0)
+        if not 0.0 < self.top_p <= 1.0:
+            _fail(self._key("top_p"), f"must be in (0, 1], got {self.top_p!r}")
+
+
+@dataclass(frozen=True)
+class LossConfig(_Section):
+    SECTION: ClassVar[str] = "loss"
+    lambda_opd: float = _field(1.0, "Weight of the OPD advantage teacher_lp - student_lp (minus the reverse KL per token).")
+    lambda_rl: float = _field(0.0, "Weight of the GRPO advantage of the verifier reward.")
+    normalisation: Normalisation = _field("token", "Loss average: over all completion tokens ('token') or per sequence first ('sequence').")
+    is_cap: float = _field(2.0, "Cap of the truncated importance-sampling ratio trainer/engine (0: no ratio).")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._at_least("lambda_opd", 0.0)
+        self._at_least("lambda_rl", 0.0)
+        if self.lambda_opd == 0 and self.lambda_rl == 0:
+            _fail(self._key("lambda_opd"), "loss.lambda_opd and loss.lambda_rl are both 0: nothing to train on")
+        if self.is_cap != 0 and self.is_cap < 1:
+            _fail(self._key("is_cap"), f"must be 0 (off) or >= 1, got {self.is_cap!r}")
+
+
+@dataclass(frozen=True)
+class OptimConfig(_Section):
+    SECTION: ClassVar[str] = "optim"
+    lr: float = _field(1e-6, "Peak AdamW learning rate.")
+    weight_decay: float = _field(0.0, "AdamW decoupled weight decay.")
+    beta1: float = _field(0.9, "AdamW beta1.")
+    beta2: float = _field(0.999, "AdamW beta2.")
+    warmup_steps: int = _field(0, "Steps of linear warm-up to lr.")
+    schedule: Schedule = _field("constant", "Learning-rate schedule after warm-up; cosine and linear decay to 0 at run.steps.")
+    grad_clip: float = _field(1.0, "Max global gradient norm (0: no clipping).")
+    micro_batch_prompts: int = _field(
+        2, "Prompts per forward/backward (whole GRPO groups); gradients accumulate over a step."
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.lr > 0:
+            _fail(self._key("lr"), f"must be > 0, got {self.lr!r}")
+        self._at_least("weight_decay", 0.0)
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                _fail(self._key(name), f"must be in [0, 1), got {getattr(self, name)!r}")
+        self._at_least("warmup_steps", 0)
+        self._at_least("grad_clip", 0.0)
+        self._at_least("micro_batch_prompts", 1)
+
+
+@dataclass(frozen=True)
+class EvalConfig(_Section):
+    SECTION: ClassVar[str] = "eval"
+    max_tokens: int = _field(48, "Most completion tokens per greedy eval answer.")
+    batch_size: int = _field(32, "Prompts per eval generation batch.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._at_least("max_tokens", 1)
+        self._at_least("batch_size", 1)
+
+
+@dataclass(frozen=True)
+class ProbeConfig(_Section):
+    SECTION: ClassVar[str] = "probe"
+    tolerance: float = _field(1e-4, "Max |engine - trainer| logprob on the probe sequence after each weight sync.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.tolerance > 0:
+            _fail(self._key("tolerance"), f"must be > 0, got {self.tolerance!r}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything `selfopd train` reads; one field per TOML section."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if not isinstance(getattr(self, f.name), SECTIONS[f.name]):
+                _fail(f"[{f.name}]", f"expected a {SECTIONS[f.name].__name__}, got {type(getattr(self, f.name)).__name__}")
+        # Rules across sections.
+        if self.rollout.prompts_per_step % self.optim.micro_batch_prompts:
+            _fail(
+                "optim.micro_batch_prompts",
+                f"must divide rollout.prompts_per_step ({self.rollout.prompts_per_step}), got {self.optim.micro_batch_prompts}",
+            )
+        if self.optim.warmup_steps > self.run.steps:
+            _fail("optim.warmup_steps", f"must be <= run.steps ({self.run.steps}), got {self.optim.warmup_steps}")
+        if self.loss.lambda_rl > 0 and self.rollout.samples_per_prompt < 2:
+            _fail(
+                "rollout.samples_per_prompt",
+                "must be >= 2 when loss.lambda_rl > 0: a GRPO group of one sample has advantage 0",
+            )
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    "run": RunConfig,
+    "model": ModelConfig,
+    "teacher": TeacherConfig,
+    "data": DataConfig,
+    "rollout": RolloutConfig,
+    "loss": LossConfig,
+    "optim": OptimConfig,
+    "eval": EvalConfig,
+    "probe": ProbeConfig,
+}
+
+_TYPES: dict[type, dict[str, Any]] = {}
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    if cls not in _TYPES:
+        _TYPES[cls] = typing.get_type_hints(cls)
+    return _TYPES[cls]
+
+
+def _describe(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(v) for v in typing.get_args(tp))
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[tp]
+
+
+def _check_type(key: str, tp: Any, value: Any) -> Any:
+    """`value` if it has type `tp` (an int given for a float comes back as a float)."""
+    if typing.get_origin(tp) is Literal:
+        allowed = typing.get_args(tp)
+        if not isinstance(value, str) or value not in allowed:
+            _fail(key, f"must be {_describe(tp)}, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            _fail(key, f"expected a number, got {value!r}")
+        value = float(value)
+        if not math.isfinite(value):
+            _fail(key, f"must be finite, got {value!r}")
+        return value
+    if (tp is int and isinstance(value, bool)) or not isinstance(value, tp):
+        _fail(key, f"expected {_describe(tp)}, got {value!r}")
+    return value
+
+
+def _resolve(section: str, key: str | None = None) -> type[_Section]:
+    """The section's class, failing on an unknown section or key with the allowed names."""
+    if section not in SECTIONS:
+        _fail(f"[{section}]", f"unknown section{_did_you_mean(section, SECTIONS)}; sections: {', '.join(SECTIONS)}")
+    cls = SECTIONS[section]
+    names = [f.name for f in dataclasses.fields(cls)]
+    if key is not None and key not in names:
+        _fail(f"{section}.{key}", f"unknown key{_did_you_mean(key, names)}; keys of [{section}]: {', '.join(names)}")
+    return cls
+
+
+def _did_you_mean(name: str, choices: Any) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """`["optim.lr=3e-6", "run.progress=false"]` -> `{"optim": {"lr": 3e-6}, "run": {"progress": False}}`.
+
+    The text after `=` is read as the field's type: int, float ("1e-6" and "3" both work),
+    bool ("true" / "false"), a Literal's allowed string, or a str taken verbatim (no quotes).
+    A key given twice keeps its last value, as on a command line. Range checks happen when
+    the config is built, not here.
+    """
+    parsed: dict[str, dict[str, Any]] = {}
+    for override in overrides:
+        path, eq, text = override.partition("=")
+        parts = path.strip().split(".")
+        if not eq or len(parts) != 2 or not all(parts):
+            raise ConfigError("", "expected section.key=value, e.g. --set optim.lr=3e-6", source=f"--set {override}")
+        section, key = parts
+        try:
+            tp = _field_types(_resolve(section, key))[key]
+            parsed.setdefault(section, {})[key] = _parse_value(f"{section}.{key}", tp, text)
+        except ConfigError as error:
+            raise ConfigError(error.key, error.message, source=f"--set {override}") from None
+    return parsed
+
+
+def _parse_value(key: str, tp: Any, text: str) -> Any:
+    if tp is bool:
+        if text.strip().lower() not in ("true", "false"):
+            _fail(key, f"expected true or false, got {text!r}")
+        return text.strip().lower() == "true"
+    if tp is int:
+        try:
+            return int(text)
+        except ValueError:
+            _fail(key, f"expected an integer, got {text!r}")
+    if tp is float:
+        try:
+            number = float(text)
+        except ValueError:
+            _fail(key, f"expected a number, got {text!r}")
+        return _check_type(key, float, number)  # rejects nan and inf
+    return _check_type(key, tp, text)  # str, or a Literal checked against its values
+
+
+def build_config(tables: dict[str, Any]) -> TrainConfig:
+    """A TrainConfig from nested dicts as TOML gives them; missing sections and keys take defaults."""
+    sections = {}
+    for section, table in tables.items():
+        if not isinstance(table, dict):
+            hints = [f"{s}.{section}" for s, cls in SECTIONS.items() if section in {f.name for f in dataclasses.fields(cls)}]
+            hint = f" (did you mean {hints[0]!r}?)" if hints else ""
+            _fail(section, f"a top-level key; every key belongs in a [section]{hint}")
+        cls = _resolve(section)
+        for key in table:
+            _resolve(section, key)
+        sections[section] = cls(**table)
+    return TrainConfig(**sections)
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """The config in the TOML file at `path` (None: all defaults) with `--set` overrides applied.
+
+    A `--set` wins over the file. Errors name the file, or the `--set` when the bad value
+    came from one.
+    """
+    tables: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as file:
+                tables = tomllib.load(file)
+        except FileNotFoundError:
+            raise ConfigError("", "no such config file", source=str(path)) from None
+        except tomllib.TOMLDecodeError as error:  # its message ends "(at line L, column C)"
+            raise ConfigError("", f"invalid TOML: {error}", source=str(path)) from None
+    for section, values in parse_overrides(overrides).items():
+        table = tables.setdefault(section, {})
+        if isinstance(table, dict):  # else build_config reports the file's top-level key
+            table.update(values)
+    set_by = {override.partition("=")[0].strip(): override for override in overrides}  # last wins
+    try:
+        return build_config(tables)
+    except ConfigError as error:
+        source = f"--set {set_by[error.key]}" if error.key in set_by else None if path is None else str(path)
+        raise ConfigError(error.key, error.message, source=source) from None
+
+
+def config_to_dict(config: TrainConfig) -> dict[str, dict[str, Any]]:
+    """`{section: {key: value}}`, as in the TOML file (e.g. for logging the run's config)."""
+    return dataclasses.asdict(config)
+
+
+def config_to_toml(config: TrainConfig) -> str:
+    """The full config as TOML with each field's help as a comment; `load_config` of it gives `config`."""
+    lines: list[str] = []
+    for section in dataclasses.fields(config):
+        if lines:
+            lines.append("")
+        lines.append(f"[{section.name}]")
+        values = getattr(config, section.name)
+        for f in dataclasses.fields(values):
+            lines.append(f"# {f.metadata['help']}")
+            lines.append(f"{f.name} = {_toml_value(getattr(values, f.name))}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)  # repr round-trips floats exactly; validated floats are finite
+    escapes = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+    out = []
+    for char in value:
+        if char in escapes:
+            out.append(escapes[char])
+        elif ord(char) < 0x20 or ord(char) == 0x7F:
+            out.append(f"\\u{ord(char):04x}")
+        else:
+            out.append(char)
+    return '"' + "".join(out) + '"'

@@ -1,0 +1,282 @@
+"""The training config: defaults, TOML round trip, `--set` overrides, and every kind of error."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+
+from selfopd.config import (
+    SECTIONS,
+    ConfigError,
+    OptimConfig,
+    RunConfig,
+    TrainConfig,
+    config_to_dict,
+    config_to_toml,
+    load_config,
+    parse_overrides,
+)
+
+# The defaults as the design states them; a changed default must change this table too.
+EXPECTED_DEFAULTS = {
+    "run": dict(name="run", out_dir="runs", seed=0, steps=20, eval_every=10, checkpoint_every=0, rollouts_to_save=8, progress=True),
+    "model": dict(student="smollm2-135m-instruct", dtype="float32", threads=0),
+    "teacher": dict(kind="self", model="", template="teacher/reference_answer"),
+    "data": dict(
+        spec="rg:chain_sum?min_terms=2&max_terms=3&min_digits=1&max_digits=1&size=2000&seed=1",
+        student_template="student/plain",
+        eval_size=200,
+        split_seed=0,
+    ),
+    "rollout": dict(prompts_per_step=8, samples_per_prompt=4, max_tokens=48, temperature=1.0, top_p=1.0),
+    "loss": dict(lambda_opd=1.0, lambda_rl=0.0, normalisation="token", is_cap=2.0),
+    "optim": dict(
+        lr=1e-6, weight_decay=0.0, beta1=0.9, beta2=0.999, warmup_steps=0, schedule="constant", grad_clip=1.0, micro_batch_prompts=2
+    ),
+    "eval": dict(max_tokens=48, batch_size=32),
+    "probe": dict(tolerance=1e-4),
+}
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "demo.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def load_error(tmp_path, text: str, overrides=()) -> ConfigError:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return info.value
+
+
+def test_defaults():
+    assert config_to_dict(load_config(None)) == EXPECTED_DEFAULTS
+    assert load_config(None) == TrainConfig()
+
+
+def test_every_field_has_help_and_a_comment_in_the_toml():
+    text = config_to_toml(TrainConfig())
+    for section, cls in SECTIONS.items():
+        assert f"[{section}]" in text
+        for f in dataclasses.fields(cls):
+            help = f.metadata.get("help", "")
+            assert help.strip(), f"{section}.{f.name} has no help"
+            assert f"# {help}\n{f.name} = " in text
+
+
+def test_round_trip_of_defaults(tmp_path):
+    config = TrainConfig()
+    assert load_config(write(tmp_path, config_to_toml(config))) == config
+
+
+def test_round_trip_of_every_field_changed(tmp_path):
+    config = TrainConfig(
+        run=RunConfig(name='odd "name" é\x7f\tend', out_dir="C:\\out\ndir", seed=7, steps=5, eval_every=0, checkpoint_every=2, rollouts_to_save=0, progress=False),
+        model=dataclasses.replace(TrainConfig().model, student="/models/x", dtype="bfloat16", threads=3),
+        teacher=dataclasses.replace(TrainConfig().teacher, kind="external", model="org/teacher", template="teacher/hints"),
+        data=dataclasses.replace(TrainConfig().data, spec="champ?concepts=true", student_template="student/boxed", eval_size=10, split_seed=3),
+        rollout=dataclasses.replace(TrainConfig().rollout, prompts_per_step=6, samples_per_prompt=2, max_tokens=9, temperature=0.7, top_p=0.95),
+        loss=dataclasses.replace(TrainConfig().loss, lambda_opd=0.1, lambda_rl=0.3, normalisation="sequence", is_cap=0.0),
+        optim=OptimConfig(lr=3e-6, weight_decay=0.01, beta1=0.8, beta2=0.95, warmup_steps=2, schedule="cosine", grad_clip=0.0, micro_batch_prompts=3),
+        eval=dataclasses.replace(TrainConfig().eval, max_tokens=7, batch_size=5),
+        probe=dataclasses.replace(TrainConfig().probe, tolerance=2.5e-5),
+    )
+    changed = config_to_dict(config)
+    for section, defaults in EXPECTED_DEFAULTS.items():
+        for key, default in defaults.items():
+            assert changed[section][key] != default, f"{section}.{key} not changed: the round trip would not test it"
+    assert load_config(write(tmp_path, config_to_toml(config))) == config
+
+
+def test_partial_file_fills_defaults_and_int_is_accepted_for_float(tmp_path):
+    config = load_config(write(tmp_path, "[run]\nsteps = 3\n\n[optim]\nlr = 1\n"))
+    assert config.run.steps == 3
+    assert config.optim.lr == 1.0 and type(config.optim.lr) is float
+    assert config.model == TrainConfig().model
+
+
+@pytest.mark.parametrize(
+    "text, key, fragment",
+    [
+        ("[trainer]\nsteps = 3\n", "[trainer]", "unknown section; sections: run, model, teacher"),
+        ("[rn]\nsteps = 3\n", "[rn]", "did you mean 'run'?"),
+        ("[run]\nstepz = 3\n", "run.stepz", "did you mean 'steps'?"),
+        ("[run]\nfoo = 3\n", "run.foo", "keys of [run]: name, out_dir, seed, steps, eval_every"),
+        ("steps = 3\n", "steps", "did you mean 'run.steps'?"),
+        ('[run]\nsteps = "ten"\n', "run.steps", "expected an integer, got 'ten'"),
+        ("[run]\nsteps = true\n", "run.steps", "expected an integer, got True"),
+        ("[run]\nsteps = 2.0\n", "run.steps", "expected an integer, got 2.0"),
+        ("[optim]\nlr = true\n", "optim.lr", "expected a number, got True"),
+        ('[optim]\nlr = "1e-6"\n', "optim.lr", "expected a number, got '1e-6'"),
+        ("[optim]\nlr = nan\n", "optim.lr", "must be finite"),
+        ("[run]\nprogress = 1\n", "run.progress", "expected true or false, got 1"),
+        ("[run]\nname = 5\n", "run.name", "expected a string, got 5"),
+        ("[run.sub]\nx = 1\n", "run.sub", "unknown key"),
+        ('[loss]\nnormalisation = "tokens"\n', "loss.normalisation", "must be one of 'token', 'sequence', got 'tokens'"),
+        ("[run]\nsteps = 0\n", "run.steps", "must be >= 1, got 0"),
+        ("[run]\neval_every = -1\n", "run.eval_every", "must be >= 0"),
+        ('[run]\nname = "a/b"\n', "run.name", "plain folder name"),
+        ('[model]\nstudent = ""\n', "model.student", "must not be empty"),
+        ("[rollout]\ntemperature = -0.5\n", "rollout.temperature", "must be >= 0.0"),
+        ("[rollout]\ntop_p = 0\n", "rollout.top_p", "must be in (0, 1]"),
+        ("[rollout]\ntop_p = 1.01\n", "rollout.top_p", "must be in (0, 1]"),
+        ("[optim]\nlr = 0\n", "optim.lr", "must be > 0"),
+        ("[optim]\nbeta2 = 1.0\n", "optim.beta2", "must be in [0, 1)"),
+        ("[optim]\ngrad_clip = -1\n", "optim.grad_clip", "must be >= 0.0"),
+        ("[optim]\nwarmup_steps = 21\n", "optim.warmup_steps", "must be <= run.steps (20)"),
+        ("[loss]\nis_cap = 0.5\n", "loss.is_cap", "must be 0 (off) or >= 1, got 0.5"),
+        ("[loss]\nlambda_opd = 0\n", "loss.lambda_opd", "both 0"),
+        ("[loss]\nlambda_rl = 1\n[rollout]\nsamples_per_prompt = 1\n", "rollout.samples_per_prompt", "must be >= 2 when loss.lambda_rl > 0"),
+        ("[probe]\ntolerance = 0\n", "probe.tolerance", "must be > 0"),
+    ],
+)
+def test_file_errors_name_the_file_and_the_key(tmp_path, text, key, fragment):
+    error = load_error(tmp_path, text)
+    assert error.key == key
+    assert str(error).startswith(f"{tmp_path / 'demo.toml'}: {key}: ")
+    assert fragment in str(error)
+
+
+def test_invalid_toml_names_the_file_and_line(tmp_path):
+    error = load_error(tmp_path, "[run]\nsteps = 3\nname = \n")
+    assert str(error).startswith(f"{tmp_path / 'demo.toml'}: invalid TOML: ")
+    assert "line 3" in str(error)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "absent.toml")
+
+
+def test_overrides_are_typed_by_the_field():
+    config = load_config(
+        None,
+        [
+            "optim.lr=3e-6",
+            "run.steps=5",
+            "run.progress=false",
+            "rollout.temperature=2",
+            "loss.normalisation=sequence",
+            "data.spec=rg:basic_arithmetic?size=10&seed=2",  # '=' in the value stays in the value
+            "run.name=my run",
+        ],
+    )
+    assert config.optim.lr == 3e-6 and type(config.optim.lr) is float
+    assert config.run.steps == 5 and type(config.run.steps) is int
+    assert config.run.progress is False
+    assert config.rollout.temperature == 2.0 and type(config.rollout.temperature) is float
+    assert config.loss.normalisation == "sequence"
+    assert config.data.spec == "rg:basic_arithmetic?size=10&seed=2"
+    assert config.run.name == "my run"
+    assert parse_overrides(["run.progress=TRUE", "run.seed=1", "run.seed=2"]) == {"run": {"progress": True, "seed": 2}}
+
+
+def test_override_wins_over_the_file(tmp_path):
+    path = write(tmp_path, "[run]\nsteps = 3\nseed = 4\n\n[optim]\nlr = 1e-5\n")
+    config = load_config(path, ["run.steps=7", "optim.lr=2e-6"])
+    assert (config.run.steps, config.run.seed, config.optim.lr) == (7, 4, 2e-6)
+
+
+@pytest.mark.parametrize("override", ["run.steps", "steps=5", "=5", "run.=5", ".steps=5", "run.steps.x=5"])
+def test_malformed_set(override):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert str(info.value) == f"--set {override}: expected section.key=value, e.g. --set optim.lr=3e-6"
+
+
+@pytest.mark.parametrize(
+    "override, key, fragment",
+    [
+        ("trainer.steps=5", "[trainer]", "unknown section"),
+        ("run.stepz=5", "run.stepz", "did you mean 'steps'?"),
+        ("run.steps=ten", "run.steps", "expected an integer, got 'ten'"),
+        ("run.steps=5.0", "run.steps", "expected an integer, got '5.0'"),
+        ("optim.lr=fast", "optim.lr", "expected a number, got 'fast'"),
+        ("optim.lr=inf", "optim.lr", "must be finite"),
+        ("run.progress=yes", "run.progress", "expected true or false, got 'yes'"),
+        ("model.dtype=fp16", "model.dtype", "must be one of 'float32', 'bfloat16', got 'fp16'"),
+    ],
+)
+def test_set_errors_name_the_set_and_the_key(override, key, fragment):
+    with pytest.raises(ConfigError) as info:
+        parse_overrides([override])
+    assert info.value.key == key
+    assert str(info.value).startswith(f"--set {override}: {key}: ")
+    assert fragment in str(info.value)
+
+
+def test_range_error_from_a_set_blames_the_set_not_the_file(tmp_path):
+    error = load_error(tmp_path, "[run]\nsteps = 3\n", ["run.steps=0"])
+    assert str(error) == "--set run.steps=0: run.steps: must be >= 1, got 0"
+    error = load_error(tmp_path, "[run]\nsteps = 0\n", ["run.seed=1"])
+    assert str(error).startswith(f"{tmp_path / 'demo.toml'}: run.steps: ")
+
+
+def literal_fields():
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if typing.get_origin(hints[f.name]) is typing.Literal:
+                yield section, f.name, typing.get_args(hints[f.name])
+
+
+def test_the_expected_fields_are_literals():
+    assert {(s, k) for s, k, _ in literal_fields()} == {
+        ("model", "dtype"), ("teacher", "kind"), ("loss", "normalisation"), ("optim", "schedule")
+    }
+
+
+@pytest.mark.parametrize("section, key, allowed", list(literal_fields()), ids=lambda v: str(v))
+def test_literal_fields_accept_their_values_and_nothing_else(section, key, allowed):
+    extra = ["teacher.model=org/t"] if (section, key) == ("teacher", "kind") else []
+    for value in allowed:
+        sets = extra if value == "external" else []
+        assert getattr(getattr(load_config(None, [f"{section}.{key}={value}", *sets]), section), key) == value
+    with pytest.raises(ConfigError, match=rf"^--set {section}\.{key}=bogus: {section}\.{key}: must be one of "):
+        load_config(None, [f"{section}.{key}=bogus"])
+    with pytest.raises(ConfigError, match=rf"^--set {section}\.{key}={allowed[0].upper()}: "):  # case matters
+        load_config(None, [f"{section}.{key}={allowed[0].upper()}"])
+
+
+def test_teacher_model_is_required_iff_kind_is_external(tmp_path):
+    error = load_error(tmp_path, '[teacher]\nkind = "external"\n')
+    assert error.key == "teacher.model" and "required when teacher.kind = 'external'" in str(error)
+    error = load_error(tmp_path, '[teacher]\nkind = "external"\nmodel = "  "\n')
+    assert error.key == "teacher.model"
+    for kind in ("self", "frozen"):
+        error = load_error(tmp_path, f'[teacher]\nkind = "{kind}"\nmodel = "org/t"\n')
+        assert error.key == "teacher.model" and "only used when teacher.kind = 'external'" in str(error)
+        assert load_config(None, [f"teacher.kind={kind}"]).teacher.model == ""
+    assert load_config(None, ["teacher.kind=external", "teacher.model=org/t"]).teacher.model == "org/t"
+
+
+def test_micro_batch_must_divide_prompts_per_step(tmp_path):
+    error = load_error(tmp_path, "[optim]\nmicro_batch_prompts = 3\n")
+    assert error.key == "optim.micro_batch_prompts"
+    assert "must divide rollout.prompts_per_step (8), got 3" in str(error)
+    for micro in (1, 2, 4, 8):
+        assert load_config(None, [f"optim.micro_batch_prompts={micro}"]).optim.micro_batch_prompts == micro
+    with pytest.raises(ConfigError, match="optim.micro_batch_prompts: must divide rollout.prompts_per_step \\(6\\)"):
+        load_config(None, ["rollout.prompts_per_step=6", "optim.micro_batch_prompts=4"])
+    assert load_config(None, ["rollout.prompts_per_step=6", "optim.micro_batch_prompts=3"]).rollout.prompts_per_step == 6
+
+
+def test_is_cap_zero_disables_and_one_is_allowed():
+    assert load_config(None, ["loss.is_cap=0"]).loss.is_cap == 0.0
+    assert load_config(None, ["loss.is_cap=1"]).loss.is_cap == 1.0
+    with pytest.raises(ConfigError, match="loss.is_cap"):
+        load_config(None, ["loss.is_cap=0.99"])
+
+
+def test_direct_construction_is_validated_too():
+    with pytest.raises(ConfigError, match=r"^run\.steps: must be >= 1, got 0$"):
+        RunConfig(steps=0)
+    with pytest.raises(ConfigError, match=r"^optim\.lr: expected a number, got True$"):
+        OptimConfig(lr=True)
+    assert type(OptimConfig(lr=1).lr) is float
+    with pytest.raises(ConfigError, match="optim.micro_batch_prompts"):
+        dataclasses.replace(TrainConfig(), optim=OptimConfig(micro_batch_prompts=3))
