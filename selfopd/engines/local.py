@@ -7,7 +7,8 @@ exists; `update_weights` then only records the version.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import contextlib
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
@@ -39,6 +40,10 @@ class LocalEngine:
 
     @torch.no_grad()
     def score(self, sequences: Sequence[tuple[list[int], list[int]]], top_k: int = 0) -> list[TokenScores]:
+        with _eval_mode(self.model):
+            return self._score(sequences, top_k)
+
+    def _score(self, sequences: Sequence[tuple[list[int], list[int]]], top_k: int) -> list[TokenScores]:
         scores: list[TokenScores] = []
         for start in range(0, len(sequences), self.batch_size):
             chunk = sequences[start : start + self.batch_size]
@@ -80,21 +85,16 @@ class LocalEngine:
             mask_BT[row, width - len(ids) :] = 1
         greedy = params.temperature == 0
         sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                output = self.model.generate(
-                    input_ids=ids_BT,
-                    attention_mask=mask_BT,
-                    max_new_tokens=params.max_tokens,
-                    pad_token_id=self.pad_id,
-                    output_logits=True,
-                    return_dict_in_generate=True,
-                    **sampling,
-                )
-        finally:
-            self.model.train(was_training)
+        with torch.no_grad(), _eval_mode(self.model):
+            output = self.model.generate(
+                input_ids=ids_BT,
+                attention_mask=mask_BT,
+                max_new_tokens=params.max_tokens,
+                pad_token_id=self.pad_id,
+                output_logits=True,
+                return_dict_in_generate=True,
+                **sampling,
+            )
         new_BS = output.sequences[:, width:]
         # Raw (temperature 1) logprobs of the drawn tokens, as vLLM reports them by default.
         raw_BSV = torch.stack(output.logits, dim=1).float().log_softmax(-1)
@@ -115,3 +115,14 @@ class LocalEngine:
                 )
             )
         return rollouts
+
+
+@contextlib.contextmanager
+def _eval_mode(model: Any) -> Iterator[None]:
+    """Sample and score without dropout, then give the trainer its module back as it was."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
