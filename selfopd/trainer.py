@@ -1,0 +1,435 @@
+"""The OPD trainer: sample, teacher-score, advantage, loss, optimizer step, weight sync.
+
+`train_step` is the whole algorithm and reads top to bottom. Everything else here is
+set-up (`build_run`), bookkeeping (metrics, checkpoints, eval) and the outer loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from selfopd.config import TrainConfig, config_to_toml, load_config
+from selfopd.data import load_examples, split_examples
+from selfopd.engines.base import Engine, Rollout, SamplingParams
+from selfopd.engines.local import LocalEngine
+from selfopd.evaluate import evaluate
+from selfopd.example import Example
+from selfopd.losses import combined_advantage, opd_metrics, policy_gradient_loss, truncated_is_ratio
+from selfopd.models import resolve_model
+from selfopd.scoring import PackedBatch, pack_sequences, sequence_logprobs
+from selfopd.templates import PromptTemplate, load_template, prompt_token_ids, render_student, render_teacher
+from selfopd.tokenizer_check import check_tokenizers_compatible
+from verifiers import verify_example
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PROBE_COMPLETION = "Let me think step by step. The answer is 42."
+
+
+class WeightSyncError(RuntimeError):
+    """An engine's logprobs disagree with the trainer's after a weight update."""
+
+
+@dataclass
+class Run:
+    """The stateful pieces of one training run; `train_step` reads and advances them."""
+
+    config: TrainConfig
+    run_dir: Path
+    model: Any  # the student, trained in place
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    student_engine: Engine
+    teacher_engine: Engine
+    student_template: PromptTemplate
+    teacher_template: PromptTemplate
+    train_examples: list[Example]
+    eval_examples: list[Example]
+    probe: tuple[list[int], list[int]]
+    step: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One rollout with everything the loss needs."""
+
+    example: Example
+    group: int  # index of its prompt in the step: GRPO groups
+    rollout: Rollout
+    reward: float
+    correct: bool
+    teacher_logprobs: torch.Tensor  # (T,) over the completion tokens
+
+
+def train_step(run: Run) -> dict[str, float]:
+    """One OPD step; returns its metrics."""
+    cfg = run.config
+    timer = _PhaseTimer()
+
+    # 1. Data and student rollouts (exact ids, sampler logprobs).
+    examples = batch_for_step(run.train_examples, run.step, cfg.rollout.prompts_per_step, cfg.run.seed)
+    student_messages = [render_student(run.student_template, e) for e in examples]
+    prompts = [prompt_token_ids(run.tokenizer, m) for m in student_messages]
+    params = SamplingParams(
+        max_tokens=cfg.rollout.max_tokens,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        n=cfg.rollout.samples_per_prompt,
+        seed=cfg.run.seed * 1_000_003 + run.step,
+    )
+    with timer("sample"):
+        groups = run.student_engine.sample(prompts, params)
+
+    # 2. Verifier rewards, then the teacher scores the student's exact completion ids,
+    #    after its own (privileged) prompt.
+    with timer("teacher"):
+        pending = []
+        for group, (example, messages, rollouts) in enumerate(zip(examples, student_messages, groups)):
+            for rollout in rollouts:
+                verdict = verify_example(rollout.text, example)
+                teacher_prompt = prompt_token_ids(
+                    run.tokenizer,
+                    render_teacher(run.teacher_template, example, messages, rollout.text, verdict.feedback),
+                )
+                pending.append((example, group, rollout, verdict, teacher_prompt))
+        # Scored in the trainer's micro-batches: with the empty-context control the teacher
+        # then computes exactly what the student does, bit for bit (same batch, same padding).
+        per_micro = cfg.optim.micro_batch_prompts * cfg.rollout.samples_per_prompt
+        scores = []
+        for start in range(0, len(pending), per_micro):
+            scores.extend(run.teacher_engine.score([(p[4], p[2].completion_ids) for p in pending[start : start + per_micro]]))
+        scored = [
+            Scored(example, group, rollout, verdict.reward, verdict.correct, score.logprobs)
+            for (example, group, rollout, verdict, _), score in zip(pending, scores)
+        ]
+
+    # 3. Student forward/backward in micro-batches of whole prompt groups; gradients accumulate.
+    run.model.train()
+    total_tokens = sum(len(s.rollout.completion_ids) for s in scored)
+    collected: dict[str, list[torch.Tensor]] = {"teacher": [], "student": [], "sampler": [], "advantage": []}
+    loss_total = 0.0
+    with timer("train"):
+        for start in range(0, len(scored), per_micro):
+            micro = scored[start : start + per_micro]
+            batch = pack_sequences([(s.rollout.prompt_ids, s.rollout.completion_ids) for s in micro], run.tokenizer.pad_token_id)
+            mask_BT = batch.completion_mask_BT.bool()
+            student_lp_BT = sequence_logprobs(run.model, batch)  # (B, T), with grad
+            teacher_lp_BT = _on_completions(batch, [s.teacher_logprobs for s in micro])
+            sampler_lp_BT = _on_completions(batch, [torch.tensor(s.rollout.sampler_logprobs) for s in micro])
+            advantage_BT = combined_advantage(
+                teacher_lp_BT,
+                student_lp_BT,
+                mask_BT,
+                rewards_B=torch.tensor([s.reward for s in micro]),
+                group_ids_B=torch.tensor([s.group for s in micro]),
+                lambda_opd=cfg.loss.lambda_opd,
+                lambda_rl=cfg.loss.lambda_rl,
+            )
+            ratio_BT = truncated_is_ratio(student_lp_BT, sampler_lp_BT, cfg.loss.is_cap) if cfg.loss.is_cap else None
+            loss = policy_gradient_loss(student_lp_BT, advantage_BT, mask_BT, ratio_BT, cfg.loss.normalisation)
+            # Scale so the accumulated gradient equals one big batch's mean.
+            weight = int(mask_BT.sum()) / total_tokens if cfg.loss.normalisation == "token" else len(micro) / len(scored)
+            (loss * weight).backward()
+            loss_total += loss.item() * weight
+            for key, tensor in (("teacher", teacher_lp_BT), ("student", student_lp_BT), ("sampler", sampler_lp_BT), ("advantage", advantage_BT)):
+                collected[key].append(tensor.detach()[mask_BT])
+
+    # 4. Optimizer step (AdamW state persists across steps).
+    with timer("optim"):
+        grad_norm = _clip_gradients(run.model, cfg.optim.grad_clip)
+        run.optimizer.step()
+        run.scheduler.step()
+        run.optimizer.zero_grad(set_to_none=True)
+    run.step += 1
+
+    # 5. Weight sync to the engines, then the probe proves they serve the new weights.
+    with timer("sync"):
+        sync_weights(run)
+    with timer("probe"):
+        probe_diff = check_probe(run)
+
+    flat = {key: torch.cat(values)[None] for key, values in collected.items()}
+    metrics = {
+        "step": run.step,
+        "loss/pg": loss_total,
+        "optim/lr": run.scheduler.get_last_lr()[0],
+        "optim/grad_norm": grad_norm,
+        "probe/max_abs_diff": probe_diff,
+        **opd_metrics(
+            flat["teacher"], flat["student"], torch.ones_like(flat["teacher"], dtype=torch.bool),
+            sampler_lp_BT=flat["sampler"], cap=cfg.loss.is_cap or None, advantage_BT=flat["advantage"],
+            rewards_B=torch.tensor([s.reward for s in scored]),
+        ),
+        "reward/accuracy": sum(s.correct for s in scored) / len(scored),
+        "rollout/length_mean": total_tokens / len(scored),
+        "rollout/truncated_share": sum(s.rollout.finish_reason == "length" for s in scored) / len(scored),
+        **timer.as_metrics(),
+    }
+    save_rollouts(run, scored, cfg.run.rollouts_to_save)
+    return metrics
+
+
+def batch_for_step(examples: Sequence[Example], step: int, size: int, seed: int) -> list[Example]:
+    """The prompts of step `step`: epochs of seeded permutations, so the order depends only
+    on (seed, step) and a resumed run sees the same data."""
+    chosen = []
+    for index in range(step * size, (step + 1) * size):
+        epoch, offset = divmod(index, len(examples))
+        order = list(range(len(examples)))
+        random.Random(f"{seed}/{epoch}").shuffle(order)
+        chosen.append(examples[order[offset]])
+    return chosen
+
+
+def sync_weights(run: Run) -> None:
+    """Push the trainer's weights to the student engine, and to a `self` teacher's engine."""
+    named = {name: param.detach() for name, param in run.model.named_parameters()}
+    run.student_engine.update_weights(named, version=run.step)
+    if run.config.teacher.kind == "self" and run.teacher_engine is not run.student_engine:
+        run.teacher_engine.update_weights(named, version=run.step)
+
+
+@torch.no_grad()
+def check_probe(run: Run) -> float:
+    """Max |engine - trainer| logprob on a fixed sequence; raises past the tolerance."""
+    prompt, completion = run.probe
+    was_training = run.model.training
+    run.model.eval()
+    trainer_lp = sequence_logprobs(run.model, pack_sequences([run.probe], run.tokenizer.pad_token_id))[0, len(prompt) :]
+    run.model.train(was_training)
+    engines = [("student", run.student_engine)]
+    if run.config.teacher.kind == "self" and run.teacher_engine is not run.student_engine:
+        engines.append(("teacher", run.teacher_engine))
+    worst = 0.0
+    for name, engine in engines:
+        (score,) = engine.score([(prompt, completion)])
+        diff = (score.logprobs - trainer_lp).abs().max().item()
+        if not diff <= run.config.probe.tolerance:
+            raise WeightSyncError(
+                f"after step {run.step} the {name} engine's logprobs differ from the trainer's by {diff:.3g} "
+                f"(tolerance probe.tolerance = {run.config.probe.tolerance}): the weight update did not arrive"
+            )
+        worst = max(worst, diff)
+    return worst
+
+
+def build_run(config: TrainConfig, resume_from: Path | None = None) -> Run:
+    """Load models, data and templates; restore a checkpoint when resuming."""
+    if config.model.threads:
+        torch.set_num_threads(config.model.threads)
+    torch.manual_seed(config.run.seed)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run_dir = Path(config.run.out_dir) / config.run.name
+    dtype = DTYPES[config.model.dtype]
+    student_dir = resolve_model(config.model.student)
+    weights_dir = resume_from or student_dir
+    model = AutoModelForCausalLM.from_pretrained(weights_dir, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(student_dir)
+    student_engine = LocalEngine(model, tokenizer, batch_size=config.eval.batch_size)
+
+    if config.teacher.kind == "self":
+        teacher_engine: Engine = student_engine  # same live module, privileged prompt
+    elif config.teacher.kind == "frozen":
+        frozen = AutoModelForCausalLM.from_pretrained(student_dir, dtype=dtype).eval().requires_grad_(False)
+        teacher_engine = LocalEngine(frozen, tokenizer, batch_size=config.eval.batch_size)
+    else:
+        teacher_dir = resolve_model(config.teacher.model)
+        teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
+        teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=dtype).eval().requires_grad_(False)
+        check_tokenizers_compatible(tokenizer, teacher_tokenizer, teacher.get_output_embeddings().weight.shape[0],
+                                    config.model.student, config.teacher.model)
+        teacher_engine = LocalEngine(teacher, teacher_tokenizer, batch_size=config.eval.batch_size)
+
+    examples = load_examples(config.data.spec)
+    train_examples, eval_examples = split_examples(examples, eval_size=config.data.eval_size, seed=config.data.split_seed)
+    student_template = load_template(config.data.student_template)
+    teacher_template = load_template(config.teacher.template)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.optim.lr, betas=(config.optim.beta1, config.optim.beta2),
+        weight_decay=config.optim.weight_decay,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
+    probe_prompt = prompt_token_ids(tokenizer, render_student(student_template, eval_examples[0]))
+    probe = (probe_prompt, tokenizer.encode(PROBE_COMPLETION, add_special_tokens=False))
+    run = Run(config, run_dir, model, tokenizer, optimizer, scheduler, student_engine, teacher_engine,
+              student_template, teacher_template, train_examples, eval_examples, probe)
+    if resume_from is not None:
+        state = torch.load(resume_from / "trainer_state.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        run.step = state["step"]
+    return run
+
+
+def train(config: TrainConfig, resume: bool = False) -> Path:
+    """Run (or continue) training; returns the run folder."""
+    run_dir = Path(config.run.out_dir) / config.run.name
+    checkpoint = latest_checkpoint(run_dir) if resume else None
+    if resume and checkpoint is None:
+        raise FileNotFoundError(f"{run_dir}: no checkpoint to resume from")
+    if not resume:
+        if (run_dir / "metrics.jsonl").exists():
+            raise FileExistsError(f"{run_dir} already holds a run: choose another run.name or resume it")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(config_to_toml(config))
+    run = build_run(config, checkpoint)
+    metrics_path = run_dir / "metrics.jsonl"
+    if resume:
+        _truncate_metrics(metrics_path, run.step)
+    else:
+        _log(metrics_path, run_eval(run))
+    bar = tqdm(total=config.run.steps, initial=run.step, desc=config.run.name, unit="step", disable=not config.run.progress)
+    while run.step < config.run.steps:
+        metrics = train_step(run)
+        _log(metrics_path, metrics)
+        bar.set_postfix(kl=f"{metrics['opd/reverse_kl']:.3f}", acc=f"{metrics['reward/accuracy']:.2f}")
+        bar.update(1)
+        last = run.step == config.run.steps
+        if (config.run.eval_every and run.step % config.run.eval_every == 0) or last:
+            _log(metrics_path, run_eval(run))
+        if (config.run.checkpoint_every and run.step % config.run.checkpoint_every == 0) or last:
+            save_checkpoint(run)
+    bar.close()
+    _plot(run_dir)
+    return run_dir
+
+
+def run_eval(run: Run) -> dict[str, float]:
+    """Greedy held-out accuracy of the current student, with its 95% interval."""
+    cfg = run.config
+    out_dir = run.run_dir / "eval" / f"step_{run.step:05d}"
+    accuracy, records = evaluate(run.student_engine, run.tokenizer, run.eval_examples, run.student_template,
+                                 cfg.eval.max_tokens, cfg.eval.batch_size, out_dir=out_dir, progress=cfg.run.progress)
+    return {
+        "step": run.step,
+        "eval/accuracy": accuracy.value,
+        "eval/ci_low": accuracy.low,
+        "eval/ci_high": accuracy.high,
+        "eval/n": accuracy.n,
+        "eval/length_mean": sum(r.completion_tokens for r in records) / max(len(records), 1),
+    }
+
+
+def save_checkpoint(run: Run) -> Path:
+    """HF-format weights (loadable by transformers and vLLM) plus the trainer state; only
+    the latest checkpoint is kept."""
+    root = run.run_dir / "checkpoints"
+    target = root / f"step_{run.step:05d}"
+    staging = root / f".step_{run.step:05d}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    run.model.save_pretrained(staging)
+    run.tokenizer.save_pretrained(staging)
+    torch.save({"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(), "step": run.step},
+               staging / "trainer_state.pt")
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    for old in root.glob("step_*"):
+        if old != target:
+            shutil.rmtree(old)
+    return target
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = sorted((run_dir / "checkpoints").glob("step_*"))
+    return found[-1] if found else None
+
+
+def save_rollouts(run: Run, scored: Sequence[Scored], limit: int) -> None:
+    """A bounded sample of this step's rollouts, for diagnostics and notebooks after the run."""
+    if limit <= 0:
+        return
+    folder = run.run_dir / "rollouts"
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / f"step_{run.step:05d}.jsonl").open("w") as handle:
+        for s in scored[:limit]:
+            handle.write(json.dumps({
+                "step": run.step, "id": s.example.id, "prompt_ids": s.rollout.prompt_ids,
+                "completion_ids": s.rollout.completion_ids, "text": s.rollout.text,
+                "sampler_logprobs": s.rollout.sampler_logprobs, "teacher_logprobs": s.teacher_logprobs.tolist(),
+                "reward": s.reward, "correct": s.correct, "answer": s.example.answer,
+            }) + "\n")
+
+
+def _on_completions(batch: PackedBatch, values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Place per-completion-token values at their positions in the packed (B, T) layout."""
+    out_BT = torch.zeros(batch.ids_BT.shape, dtype=torch.float32)
+    for row, (start, tensor) in enumerate(zip(batch.prompt_lengths, values)):
+        out_BT[row, start : start + len(tensor)] = tensor
+    return out_BT
+
+
+def _clip_gradients(model: Any, max_norm: float) -> float:
+    params = [p for p in model.parameters() if p.grad is not None]
+    if max_norm > 0:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+    return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])).item()
+
+
+def _lr_lambda(config: TrainConfig):
+    warmup, steps, schedule = config.optim.warmup_steps, config.run.steps, config.optim.schedule
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        if schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        if schedule == "linear":
+            return max(0.0, 1 - progress)
+        return 1.0
+
+    return factor
+
+
+class _PhaseTimer:
+    """Wall seconds per named phase of a step, and what the phases do not account for."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.started = time.perf_counter()
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def as_metrics(self) -> dict[str, float]:
+        total = time.perf_counter() - self.started
+        metrics = {f"time/{name}": seconds for name, seconds in self.seconds.items()}
+        metrics["time/step"] = total
+        metrics["time/overhead"] = total - sum(self.seconds.values())
+        return metrics
+
+
+def _log(path: Path, metrics: dict[str, float]) -> None:
+    with path.open("a") as handle:
+        handle.write(json.dumps(metrics) + "\n")
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """On resume, drop what was logged after the checkpoint: those steps run again."""
+    if path.exists():
+        lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in lines))
+
+
+def _plot(run_dir: Path) -> None:
+    from selfopd.plots import plot_training_curves, read_metrics
+
+    plot_training_curves(read_metrics(run_dir / "metrics.jsonl"), run_dir / "plots", title=run_dir.name)

@@ -1,0 +1,143 @@
+"""The trainer end to end: plumbing on a tiny model, exact-zero control and sync probe on the real one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from selfopd.config import load_config
+from selfopd.engines.local import LocalEngine
+from selfopd.tokenizer_check import TokenizerMismatch
+from selfopd.trainer import WeightSyncError, build_run, train, train_step
+
+SMALL = [
+    "data.spec=rg:chain_sum?min_terms=2&max_terms=2&size=60&seed=2",
+    "data.eval_size=4",
+    "rollout.prompts_per_step=2",
+    "rollout.samples_per_prompt=2",
+    "rollout.max_tokens=6",
+    "optim.micro_batch_prompts=1",
+    "optim.lr=1e-3",
+    "eval.max_tokens=6",
+    "eval.batch_size=4",
+    "run.progress=false",
+    "run.eval_every=0",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
+    """A randomly initialised 2-layer Llama with SmolLM2's tokenizer and chat template:
+    fast enough for plumbing tests, real enough for the whole code path."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(smollm2_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    smollm2_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _config(tmp_path: Path, model: Path | str, *extra: str):
+    return load_config(None, [*SMALL, f"model.student={model}", f"run.out_dir={tmp_path}", *extra])
+
+
+def _lines(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _without_times(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if not k.startswith("time/")}
+
+
+def test_run_writes_metrics_checkpoint_rollouts_and_plots(tmp_path, tiny_model_dir):
+    run_dir = train(_config(tmp_path, tiny_model_dir, "run.steps=2", "run.name=plumbing"))
+    lines = _lines(run_dir)
+    steps = [line for line in lines if "loss/pg" in line]
+    evals = [line for line in lines if "eval/accuracy" in line]
+    assert [m["step"] for m in steps] == [1, 2] and [m["step"] for m in evals] == [0, 2]
+    for key in ("opd/reverse_kl", "opd/advantage_mean", "opd/advantage_std", "opd/positive_advantage_share",
+                "reward/mean", "reward/accuracy", "rollout/length_mean", "rollout/truncated_share",
+                "is/sampler_logprob_abs_diff", "optim/grad_norm", "probe/max_abs_diff",
+                "time/sample", "time/teacher", "time/train", "time/optim", "time/sync", "time/probe", "time/step"):
+        assert key in steps[0], key
+    assert steps[0]["probe/max_abs_diff"] == 0.0  # in-process engines share the live module
+    checkpoint = run_dir / "checkpoints" / "step_00002"
+    reloaded = AutoModelForCausalLM.from_pretrained(checkpoint)
+    trained = dict(build_run(_config(tmp_path, tiny_model_dir, "run.name=plumbing"), checkpoint).model.named_parameters())
+    for name, param in reloaded.named_parameters():
+        assert torch.equal(param, trained[name])
+    rollouts = [json.loads(line) for line in (run_dir / "rollouts" / "step_00001.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 4 and len(rollouts[0]["teacher_logprobs"]) == len(rollouts[0]["completion_ids"])
+    assert {"loss.png", "kl.png", "accuracy.png"} <= {p.name for p in (run_dir / "plots").iterdir()}
+    assert (run_dir / "eval" / "step_00000" / "eval.jsonl").is_file()
+
+
+def test_same_seed_gives_same_metrics(tmp_path, tiny_model_dir):
+    first = train(_config(tmp_path, tiny_model_dir, "run.steps=2", "run.name=a"))
+    second = train(_config(tmp_path, tiny_model_dir, "run.steps=2", "run.name=b"))
+    assert [_without_times(m) for m in _lines(first)] == [_without_times(m) for m in _lines(second)]
+    other = train(_config(tmp_path, tiny_model_dir, "run.steps=2", "run.name=c", "run.seed=1"))
+    assert [_without_times(m) for m in _lines(other)] != [_without_times(m) for m in _lines(first)]
+
+
+def test_resumed_run_continues_exactly(tmp_path, tiny_model_dir):
+    whole = train(_config(tmp_path, tiny_model_dir, "run.steps=3", "run.name=whole"))
+    part = train(_config(tmp_path, tiny_model_dir, "run.steps=2", "run.name=part", "run.checkpoint_every=1"))
+    resumed = train(load_config(part / "config.toml", ["run.steps=3"]), resume=True)
+    step3 = [m for m in _lines(whole) if m["step"] == 3 and "loss/pg" in m]
+    again = [m for m in _lines(resumed) if m["step"] == 3 and "loss/pg" in m]
+    assert len(step3) == len(again) == 1
+    assert _without_times(again[0]) == _without_times(step3[0])
+    assert [m["step"] for m in _lines(resumed) if "loss/pg" in m] == [1, 2, 3]
+
+
+def test_refuses_to_overwrite_a_run(tmp_path, tiny_model_dir):
+    train(_config(tmp_path, tiny_model_dir, "run.steps=1", "run.name=once"))
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        train(_config(tmp_path, tiny_model_dir, "run.steps=1", "run.name=once"))
+
+
+def test_probe_stops_a_run_whose_engine_missed_the_update(tmp_path, tiny_model_dir):
+    """An engine on a separate copy that ignores weight updates must be caught at once."""
+    run = build_run(_config(tmp_path, tiny_model_dir, "run.steps=2", "run.name=stale"))
+    stale_copy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+
+    class DroppingEngine(LocalEngine):
+        def update_weights(self, named_tensors, version):  # a broken sync: nothing arrives
+            self.version = version
+
+    run.student_engine = DroppingEngine(stale_copy, run.tokenizer)
+    with pytest.raises(WeightSyncError, match="after step 1 the student engine's logprobs differ"):
+        train_step(run)
+
+
+def test_external_teacher_with_other_vocabulary_is_refused(tmp_path, tiny_model_dir, smollm2_tokenizer):
+    other = tmp_path / "other-teacher"
+    config = LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    LlamaForCausalLM(config).save_pretrained(other)
+    smollm2_tokenizer.save_pretrained(other)
+    cfg = _config(tmp_path, tiny_model_dir, "teacher.kind=external", f"teacher.model={other}", "run.name=ext")
+    with pytest.raises(TokenizerMismatch):
+        build_run(cfg)
+
+
+@pytest.mark.slow
+def test_self_teacher_with_empty_context_gives_exactly_zero_advantage(tmp_path, smollm2_dir):
+    """Same weights, same prompt: teacher and student logprobs are the same numbers, so the
+    advantage, the loss and the update are exactly zero (on the real packaged model)."""
+    run = build_run(_config(tmp_path, "smollm2-135m-instruct", "teacher.template=teacher/empty", "run.name=zero",
+                            "rollout.temperature=1.0", "rollout.max_tokens=8"))
+    before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    metrics = train_step(run)
+    assert metrics["opd/advantage_mean"] == 0.0 and metrics["opd/advantage_std"] == 0.0
+    assert metrics["opd/reverse_kl"] == 0.0 and metrics["loss/pg"] == 0.0
+    assert metrics["tokens/completion"] > 0
+    for name, param in run.model.named_parameters():
+        assert torch.equal(param, before[name]), name
