@@ -1,0 +1,307 @@
+"""The `selfopd` command line: one sub-command per stage, each a thin call into the library."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import textwrap
+from pathlib import Path
+from typing import Callable, Sequence
+
+from selfopd.config import DataConfig, ModelConfig
+
+# The defaults of every command are the training config's, so `selfopd eval` and
+# `selfopd prompts` look at what `selfopd train` would use.
+DEFAULT_MODEL = ModelConfig().student
+DEFAULT_DATA = DataConfig().spec
+DEFAULT_STUDENT = DataConfig().student_template
+
+
+class UserError(Exception):
+    """A mistake in what the user asked for; printed as one line, no traceback."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "run"):
+        parser.print_help()
+        return 2
+    try:
+        return args.run(args) or 0
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
+        if _is_user_error(error):
+            print(f"selfopd: error: {error}", file=sys.stderr)
+            return 1
+        raise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="selfopd",
+        description="On-policy distillation and self-distillation with privileged-information teachers.",
+    )
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+    _add_models(commands)
+    _add_data(commands)
+    _add_prompts(commands)
+    _add_eval(commands)
+    _add_train(commands)
+    return parser
+
+
+# --- models -------------------------------------------------------------------------
+
+
+def _add_models(commands: argparse._SubParsersAction) -> None:
+    models = commands.add_parser("models", help="resolve, convert and cache models")
+    sub = models.add_subparsers(title="models commands", metavar="COMMAND")
+    prepare = _command(sub, "prepare", _models_prepare, "convert a packaged model once into the cache (offline)")
+    prepare.add_argument("name", nargs="?", default=DEFAULT_MODEL, help=f"model spec (default: {DEFAULT_MODEL})")
+    path = _command(sub, "path", _models_path, "print the local folder for a model spec")
+    path.add_argument("spec", help="packaged model name, local folder or hub id")
+    models.set_defaults(run=lambda _args: models.print_help() or 2)
+
+
+def _models_prepare(args: argparse.Namespace) -> None:
+    from selfopd.models import resolve_model
+
+    print(resolve_model(args.name))
+
+
+def _models_path(args: argparse.Namespace) -> None:
+    from selfopd.models import resolve_model
+
+    print(resolve_model(args.spec))
+
+
+# --- data ---------------------------------------------------------------------------
+
+
+def _add_data(commands: argparse._SubParsersAction) -> None:
+    data = commands.add_parser("data", help="inspect datasets")
+    sub = data.add_subparsers(title="data commands", metavar="COMMAND")
+    show = _command(sub, "show", _data_show, "print the first examples of a data spec")
+    show.add_argument("spec", nargs="?", default=DEFAULT_DATA, help="data spec (see README; default: the demo task)")
+    show.add_argument("--limit", type=int, default=3, help="how many examples to print (default: 3)")
+    data.set_defaults(run=lambda _args: data.print_help() or 2)
+
+
+def _data_show(args: argparse.Namespace) -> None:
+    from selfopd.data import load_examples
+
+    examples = load_examples(args.spec)
+    print(f"{len(examples)} examples from {args.spec}")
+    for example in examples[: args.limit]:
+        print("-" * 60)
+        print(f"id:       {example.id}")
+        print(f"prompt:   {example.prompt}")
+        print(f"answer:   {example.answer}")
+        if example.solution:
+            print(f"solution: {textwrap.shorten(example.solution, 300)}")
+        for hint in example.hints:
+            print(f"hint:     {textwrap.shorten(hint, 200)}")
+
+
+# --- prompts ------------------------------------------------------------------------
+
+
+def _add_prompts(commands: argparse._SubParsersAction) -> None:
+    prompts = commands.add_parser("prompts", help="author, render and lint prompt templates")
+    sub = prompts.add_subparsers(title="prompts commands", metavar="COMMAND")
+    _command(sub, "list", _prompts_list, "list the templates shipped in prompts/")
+
+    render = _command(sub, "render", _prompts_render, "show the student and a teacher prompt side by side")
+    render.add_argument("template", help="teacher template name (e.g. teacher/reference_answer) or file")
+    render.add_argument("--data", default=DEFAULT_DATA, help="data spec (default: the demo task)")
+    render.add_argument("--index", type=int, default=0, help="row of the dataset to render (default: 0)")
+    render.add_argument("--student", default=DEFAULT_STUDENT, help=f"student template (default: {DEFAULT_STUDENT})")
+    render.add_argument("--model", default=DEFAULT_MODEL, help="model whose chat template and tokenizer count tokens")
+    render.add_argument("--attempt", help="a student attempt, for templates that use `attempt`/`feedback`")
+
+    lint = _command(sub, "lint", _prompts_lint, "check templates render on a data sample and do not leak the answer")
+    lint.add_argument("templates", nargs="*", help="template names or files (default: every shipped template)")
+    lint.add_argument("--data", default=DEFAULT_DATA, help="data spec to render on (default: the demo task)")
+    lint.add_argument("--sample", type=int, default=8, help="rows to render each template on (default: 8)")
+    lint.add_argument("--student", default=DEFAULT_STUDENT, help=f"student template (default: {DEFAULT_STUDENT})")
+    prompts.set_defaults(run=lambda _args: prompts.print_help() or 2)
+
+
+def _prompts_list(_args: argparse.Namespace) -> None:
+    from selfopd.templates import list_templates
+
+    print("\n".join(list_templates()))
+
+
+def _prompts_render(args: argparse.Namespace) -> None:
+    from transformers import AutoTokenizer
+
+    from selfopd.data import load_examples
+    from selfopd.models import resolve_model
+    from selfopd.templates import load_template, prompt_token_ids, render_student, render_teacher
+    from verifiers import verify_example
+
+    examples = load_examples(args.data)
+    if not 0 <= args.index < len(examples):
+        raise UserError(f"--index {args.index} is outside the data spec's {len(examples)} rows")
+    example = examples[args.index]
+    student_template, teacher_template = load_template(args.student), load_template(args.template)
+    student = render_student(student_template, example)
+    feedback = verify_example(args.attempt, example).feedback if args.attempt is not None else None
+    teacher = render_teacher(teacher_template, example, student, args.attempt, feedback)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
+    columns = [
+        (f"STUDENT {student_template.name}", student, len(prompt_token_ids(tokenizer, student))),
+        (f"TEACHER {teacher_template.name}", teacher, len(prompt_token_ids(tokenizer, teacher))),
+    ]
+    print(f"example {example.id} (answer: {example.answer})")
+    print(_side_by_side([(f"{title} [{count} tokens]", _format_messages(messages)) for title, messages, count in columns]))
+
+
+def _prompts_lint(args: argparse.Namespace) -> int:
+    from selfopd.data import load_examples
+    from selfopd.template_lint import lint_template, missing_fields
+    from selfopd.templates import list_templates, load_template
+
+    sample = load_examples(args.data)[: args.sample]
+    student = load_template(args.student)
+    names = args.templates or list_templates()
+    errors = warnings = 0
+    for name in names:
+        template = load_template(name)
+        missing = missing_fields(template, sample)
+        if missing and not args.templates:  # a shipped template meant for richer data
+            print(f"skip: {name}: not applicable to {args.data}: {missing[0]}")
+            continue
+        findings = lint_template(template, student, sample)
+        for finding in findings:
+            print(finding)
+        errors += sum(f.level == "error" for f in findings)
+        warnings += sum(f.level == "warning" for f in findings)
+        if not findings:
+            print(f"ok: {name}")
+    print(f"{len(names)} templates, {errors} errors, {warnings} warnings")
+    return 1 if errors else 0
+
+
+def _format_messages(messages: list[dict[str, str]]) -> str:
+    return "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in messages)
+
+
+def _side_by_side(columns: list[tuple[str, str]]) -> str:
+    width = max(30, (shutil.get_terminal_size((160, 40)).columns - 3) // len(columns))
+    wrapped = []
+    for title, text in columns:
+        lines = [title, "=" * min(width, len(title))]
+        for paragraph in text.splitlines():
+            lines.extend(textwrap.wrap(paragraph, width) or [""])
+        wrapped.append(lines)
+    height = max(len(lines) for lines in wrapped)
+    rows = []
+    for i in range(height):
+        cells = [(lines[i] if i < len(lines) else "").ljust(width) for lines in wrapped]
+        rows.append(" | ".join(cells).rstrip())
+    return "\n".join(rows)
+
+
+# --- eval ---------------------------------------------------------------------------
+
+
+def _add_eval(commands: argparse._SubParsersAction) -> None:
+    evaluate = _command(commands, "eval", _eval, "greedy accuracy of a model on a data spec, with a 95%% interval")
+    evaluate.add_argument("--model", default=DEFAULT_MODEL, help=f"model spec (default: {DEFAULT_MODEL})")
+    evaluate.add_argument("--data", default=DEFAULT_DATA, help="data spec (default: the demo task)")
+    evaluate.add_argument("--template", default=DEFAULT_STUDENT, help=f"student template (default: {DEFAULT_STUDENT})")
+    evaluate.add_argument("--split", choices=("all", "train", "eval"), default="eval", help="which split (default: eval)")
+    evaluate.add_argument("--eval-size", type=int, default=200, help="held-out rows (default: 200)")
+    evaluate.add_argument("--seed", type=int, default=0, help="split seed (default: 0)")
+    evaluate.add_argument("--max-new-tokens", type=int, default=64, help="(default: 64)")
+    evaluate.add_argument("--batch-size", type=int, default=16, help="(default: 16)")
+    evaluate.add_argument("--out", type=Path, default=Path("runs/eval"), help="output folder (default: runs/eval)")
+
+
+def _eval(args: argparse.Namespace) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from selfopd.data import load_examples, split_examples
+    from selfopd.engines.local import LocalEngine
+    from selfopd.evaluate import evaluate
+    from selfopd.models import resolve_model
+    from selfopd.templates import load_template
+
+    template = load_template(args.template)
+    examples = load_examples(args.data)
+    if args.split != "all":
+        train, held_out = split_examples(examples, eval_size=args.eval_size, seed=args.seed)
+        examples = train if args.split == "train" else held_out
+    folder = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    engine = LocalEngine(model, tokenizer, batch_size=args.batch_size)
+    accuracy, _ = evaluate(engine, tokenizer, examples, template, args.max_new_tokens, args.batch_size, out_dir=args.out)
+    print(f"{args.model} on {args.data} [{args.split}] with {template.name}: accuracy {accuracy}")
+    print(f"wrote {args.out / 'eval.jsonl'} and {args.out / 'summary.json'}")
+
+
+# --- train --------------------------------------------------------------------------
+
+
+def _add_train(commands: argparse._SubParsersAction) -> None:
+    train = _command(commands, "train", _train, "run on-policy (self-)distillation from a TOML config")
+    train.add_argument("config", nargs="?", type=Path, help="TOML config (see experiments/demo.toml); omit with --resume")
+    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override a config value, e.g. --set optim.lr=3e-6 (repeatable)")
+    train.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a run from its latest checkpoint")
+
+
+def _train(args: argparse.Namespace) -> None:
+    from selfopd.config import load_config
+    from selfopd.run_summary import summarize_run
+    from selfopd.trainer import train
+
+    if args.resume is not None:
+        if args.config is not None:
+            raise UserError("give either a CONFIG or --resume RUN_DIR, not both")
+        config = load_config(args.resume / "config.toml", args.overrides)
+    elif args.config is None:
+        raise UserError("give a CONFIG file (e.g. experiments/demo.toml) or --resume RUN_DIR")
+    else:
+        config = load_config(args.config, args.overrides)
+    run_dir = train(config, resume=args.resume is not None)
+    print(summarize_run(run_dir))
+    print(f"run folder: {run_dir} (metrics.jsonl, plots/, eval/, checkpoints/, rollouts/)")
+
+
+# --- helpers ------------------------------------------------------------------------
+
+
+def _command(
+    sub: argparse._SubParsersAction, name: str, run: Callable[[argparse.Namespace], int | None], help_text: str
+) -> argparse.ArgumentParser:
+    parser = sub.add_parser(name, help=help_text, description=help_text)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def _is_user_error(error: Exception) -> bool:
+    """Errors that describe a bad spec, file or template: print the message, not a traceback."""
+    from selfopd.config import ConfigError
+    from selfopd.data import DataError
+    from selfopd.models import ModelError
+    from selfopd.templates import TemplateError
+    from selfopd.tokenizer_check import TokenizerMismatch
+
+    from selfopd.trainer import WeightSyncError
+
+    user_errors = (UserError, ConfigError, DataError, ModelError, TemplateError, TokenizerMismatch, WeightSyncError,
+                   FileNotFoundError, FileExistsError)
+    return isinstance(error, user_errors)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""The `selfopd` command line: help everywhere, clear one-line errors, real outputs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from selfopd.cli import build_parser, main
+
+SMALL_DATA = "rg:chain_sum?min_terms=2&max_terms=2&size=40&seed=3"
+
+
+def _all_command_paths(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    paths = [prefix]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                paths.extend(_all_command_paths(sub, prefix + (name,)))
+    return paths
+
+
+def test_every_command_has_help(capsys):
+    paths = _all_command_paths(build_parser())
+    assert ("prompts", "render") in paths and ("eval",) in paths
+    for path in paths:
+        with pytest.raises(SystemExit) as exit_info:
+            main([*path, "--help"])
+        assert exit_info.value.code == 0
+        assert "usage: selfopd" in capsys.readouterr().out
+
+
+def test_console_script_is_installed():
+    result = subprocess.run([sys.executable, "-m", "selfopd.cli", "prompts", "list"], capture_output=True, text=True)
+    assert result.returncode == 0
+    assert "teacher/reference_answer" in result.stdout.split()
+
+
+def test_bad_data_spec_is_one_clear_line(capsys):
+    assert main(["data", "show", "rg:no_such_task"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("selfopd: error: rg:no_such_task") and "Traceback" not in err
+
+
+def test_unknown_template_is_one_clear_line(capsys):
+    assert main(["prompts", "lint", "teacher/no_such"]) == 1
+    assert "no template 'teacher/no_such'" in capsys.readouterr().err
+
+
+def test_render_shows_both_prompts_with_token_counts(capsys, smollm2_dir):
+    assert main(["prompts", "render", "teacher/reference_answer", "--data", SMALL_DATA, "--index", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "STUDENT student/plain [" in out and "TEACHER teacher/reference_answer [" in out
+    student_tokens, teacher_tokens = (int(n) for n in re.findall(r"\[(\d+) tokens\]", out))
+    assert teacher_tokens > student_tokens > 10  # the teacher prompt is the student's plus context
+
+
+def test_render_index_out_of_range(capsys):
+    assert main(["prompts", "render", "teacher/empty", "--data", SMALL_DATA, "--index", "40"]) == 1
+    assert "--index 40 is outside" in capsys.readouterr().err
+
+
+def test_lint_exit_codes(capsys, tmp_path):
+    assert main(["prompts", "lint", "--data", SMALL_DATA]) == 0
+    out = capsys.readouterr().out
+    assert "warning: teacher/answer_hint_leaky" in out
+    assert "skip: teacher/hints" in out  # chain_sum has no hints
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{{ student_prompt }} {{ nope }}")
+    assert main(["prompts", "lint", str(broken), "--data", SMALL_DATA]) == 1
+
+
+@pytest.mark.slow
+def test_eval_writes_per_example_records_and_summary(tmp_path, capsys, smollm2_dir):
+    out_dir = tmp_path / "eval"
+    code = main(["eval", "--data", SMALL_DATA, "--split", "all", "--max-new-tokens", "24",
+                 "--batch-size", "8", "--out", str(out_dir)])
+    assert code == 0
+    records = [json.loads(line) for line in (out_dir / "eval.jsonl").read_text().splitlines()]
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert len(records) == 40 == summary["n"]
+    assert summary["correct"] == sum(r["correct"] for r in records)
+    low, high = summary["ci95"]
+    assert 0 <= low <= summary["accuracy"] <= high <= 1
+    assert {"id", "prompt", "completion", "extracted", "reference", "correct"} <= set(records[0])
+    assert "accuracy" in capsys.readouterr().out
