@@ -94,26 +94,25 @@ def train_step(run: Run) -> dict[str, float]:
 
     # 2. Verifier rewards, then the teacher scores the student's exact completion ids,
     #    after its own (privileged) prompt.
-    with timer("teacher"):
+    with timer("verify"):
         pending = []
         for group, (example, messages, rollouts) in enumerate(zip(examples, student_messages, groups)):
             for rollout in rollouts:
                 verdict = verify_example(rollout.text, example)
-                teacher_prompt = prompt_token_ids(
-                    run.tokenizer,
-                    render_teacher(run.teacher_template, example, messages, rollout.text, verdict.feedback),
-                )
-                pending.append((example, group, rollout, verdict, teacher_prompt))
+                teacher_messages = render_teacher(run.teacher_template, example, messages, rollout.text, verdict.feedback)
+                pending.append((example, group, rollout, verdict, prompt_token_ids(run.tokenizer, teacher_messages)))
+    with timer("teacher"):
         # Scored in the trainer's micro-batches: with the empty-context control the teacher
         # then computes exactly what the student does, bit for bit (same batch, same padding).
         per_micro = cfg.optim.micro_batch_prompts * cfg.rollout.samples_per_prompt
         scores = []
         for start in range(0, len(pending), per_micro):
-            scores.extend(run.teacher_engine.score([(p[4], p[2].completion_ids) for p in pending[start : start + per_micro]]))
-        scored = [
-            Scored(example, group, rollout, verdict.reward, verdict.correct, score.logprobs)
-            for (example, group, rollout, verdict, _), score in zip(pending, scores)
-        ]
+            micro = pending[start : start + per_micro]
+            scores.extend(run.teacher_engine.score([(teacher_prompt, rollout.completion_ids) for _, _, rollout, _, teacher_prompt in micro]))
+    scored = [
+        Scored(example, group, rollout, verdict.reward, verdict.correct, score.logprobs)
+        for (example, group, rollout, verdict, _), score in zip(pending, scores)
+    ]
 
     # 3. Student forward/backward in micro-batches of whole prompt groups; gradients accumulate.
     run.model.train()
