@@ -27,7 +27,7 @@ from selfopd.evaluate import evaluate
 from selfopd.example import Example
 from selfopd.losses import combined_advantage, opd_metrics, policy_gradient_loss, truncated_is_ratio
 from selfopd.models import resolve_model
-from selfopd.scoring import PackedBatch, pack_sequences, sequence_logprobs
+from selfopd.scoring import completion_logprobs, pad_completions
 from selfopd.templates import PromptTemplate, load_template, prompt_token_ids, render_student, render_teacher
 from selfopd.tokenizer_check import check_tokenizers_compatible
 from verifiers import verify_example
@@ -122,28 +122,29 @@ def train_step(run: Run) -> dict[str, float]:
     with timer("train"):
         for start in range(0, len(scored), per_micro):
             micro = scored[start : start + per_micro]
-            batch = pack_sequences([(s.rollout.prompt_ids, s.rollout.completion_ids) for s in micro], run.tokenizer.pad_token_id)
-            mask_BT = batch.completion_mask_BT.bool()
-            student_lp_BT = sequence_logprobs(run.model, batch)  # (B, T), with grad
-            teacher_lp_BT = _on_completions(batch, [s.teacher_logprobs for s in micro])
-            sampler_lp_BT = _on_completions(batch, [torch.tensor(s.rollout.sampler_logprobs) for s in micro])
-            advantage_BT = combined_advantage(
-                teacher_lp_BT,
-                student_lp_BT,
-                mask_BT,
+            sequences = [(s.rollout.prompt_ids, s.rollout.completion_ids) for s in micro]
+            student_lp_BC, mask_BC = completion_logprobs(run.model, sequences, run.tokenizer.pad_token_id)  # with grad
+            mask_BC = mask_BC.bool()
+            length = mask_BC.shape[1]
+            teacher_lp_BC = pad_completions([s.teacher_logprobs for s in micro], length)
+            sampler_lp_BC = pad_completions([s.rollout.sampler_logprobs for s in micro], length)
+            advantage_BC = combined_advantage(
+                teacher_lp_BC,
+                student_lp_BC,
+                mask_BC,
                 rewards_B=torch.tensor([s.reward for s in micro]),
                 group_ids_B=torch.tensor([s.group for s in micro]),
                 lambda_opd=cfg.loss.lambda_opd,
                 lambda_rl=cfg.loss.lambda_rl,
             )
-            ratio_BT = truncated_is_ratio(student_lp_BT, sampler_lp_BT, cfg.loss.is_cap) if cfg.loss.is_cap else None
-            loss = policy_gradient_loss(student_lp_BT, advantage_BT, mask_BT, ratio_BT, cfg.loss.normalisation)
+            ratio_BC = truncated_is_ratio(student_lp_BC, sampler_lp_BC, cfg.loss.is_cap) if cfg.loss.is_cap else None
+            loss = policy_gradient_loss(student_lp_BC, advantage_BC, mask_BC, ratio_BC, cfg.loss.normalisation)
             # Scale so the accumulated gradient equals one big batch's mean.
-            weight = int(mask_BT.sum()) / total_tokens if cfg.loss.normalisation == "token" else len(micro) / len(scored)
+            weight = int(mask_BC.sum()) / total_tokens if cfg.loss.normalisation == "token" else len(micro) / len(scored)
             (loss * weight).backward()
             loss_total += loss.item() * weight
-            for key, tensor in (("teacher", teacher_lp_BT), ("student", student_lp_BT), ("sampler", sampler_lp_BT), ("advantage", advantage_BT)):
-                collected[key].append(tensor.detach()[mask_BT])
+            for key, tensor in (("teacher", teacher_lp_BC), ("student", student_lp_BC), ("sampler", sampler_lp_BC), ("advantage", advantage_BC)):
+                collected[key].append(tensor.detach()[mask_BC])
 
     # 4. Optimizer step (AdamW state persists across steps).
     with timer("optim"):
@@ -206,7 +207,7 @@ def check_probe(run: Run) -> float:
     prompt, completion = run.probe
     was_training = run.model.training
     run.model.eval()
-    trainer_lp = sequence_logprobs(run.model, pack_sequences([run.probe], run.tokenizer.pad_token_id))[0, len(prompt) :]
+    trainer_lp = completion_logprobs(run.model, [run.probe], run.tokenizer.pad_token_id)[0][0]
     run.model.train(was_training)
     engines = [("student", run.student_engine)]
     if run.config.teacher.kind == "self" and run.teacher_engine is not run.student_engine:
@@ -360,14 +361,6 @@ def save_rollouts(run: Run, scored: Sequence[Scored], limit: int) -> None:
                 "sampler_logprobs": s.rollout.sampler_logprobs, "teacher_logprobs": s.teacher_logprobs.tolist(),
                 "reward": s.reward, "correct": s.correct, "answer": s.example.answer,
             }) + "\n")
-
-
-def _on_completions(batch: PackedBatch, values: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Place per-completion-token values at their positions in the packed (B, T) layout."""
-    out_BT = torch.zeros(batch.ids_BT.shape, dtype=torch.float32)
-    for row, (start, tensor) in enumerate(zip(batch.prompt_lengths, values)):
-        out_BT[row, start : start + len(tensor)] = tensor
-    return out_BT
 
 
 def _clip_gradients(model: Any, max_norm: float) -> float:

@@ -13,7 +13,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from selfopd.engines.base import Rollout, SamplingParams, TokenScores
-from selfopd.scoring import pack_sequences, sequence_logprobs, sequence_topk
+from selfopd.scoring import completion_logprobs, completion_topk
 
 
 class LocalEngine:
@@ -47,14 +47,13 @@ class LocalEngine:
         scores: list[TokenScores] = []
         for start in range(0, len(sequences), self.batch_size):
             chunk = sequences[start : start + self.batch_size]
-            batch = pack_sequences(chunk, self.pad_id)
-            logprobs_BT = sequence_logprobs(self.model, batch, self.chunk_size)
-            topk = sequence_topk(self.model, batch, top_k, self.chunk_size) if top_k else None
-            for row, (prompt, completion) in enumerate(chunk):
-                span = slice(len(prompt), len(prompt) + len(completion))
+            logprobs_BC, _ = completion_logprobs(self.model, chunk, self.pad_id, self.chunk_size)
+            topk = completion_topk(self.model, chunk, self.pad_id, top_k, self.chunk_size) if top_k else None
+            for row, (_, completion) in enumerate(chunk):
+                span = slice(0, len(completion))
                 scores.append(
                     TokenScores(
-                        logprobs=logprobs_BT[row, span].clone(),
+                        logprobs=logprobs_BC[row, span].clone(),
                         topk_ids=topk[0][row, span].clone() if topk else None,
                         topk_logprobs=topk[1][row, span].clone() if topk else None,
                     )

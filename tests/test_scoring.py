@@ -1,0 +1,88 @@
+"""selfopd.scoring: prompt-shared completion logprobs equal a plain full-sequence computation,
+in value and in gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers.models.llama.modeling_llama as modeling_llama
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from selfopd.scoring import completion_logprobs, completion_topk, pad_completions
+
+# Shared prompts, a duplicate row, prompts of different lengths (left padding), ragged completions.
+SEQUENCES = [
+    ([5, 6, 7, 8, 9], [10, 11, 12]),
+    ([5, 6, 7, 8, 9], [13, 14]),
+    ([20, 21], [22, 23, 24, 25]),
+    ([5, 6, 7, 8, 9], [10, 11, 12]),
+    ([30, 31, 32], [33]),
+]
+
+
+@pytest.fixture
+def float64_llama(monkeypatch):
+    """A tiny random Llama in float64. Transformers' RMSNorm computes in float32 whatever the
+    model dtype, which hides real gradient errors below float32 noise; computing it in the
+    input dtype makes the comparison exact to float64 precision."""
+
+    def rms_norm(self, hidden):
+        variance = hidden.pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
+
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", rms_norm)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    return LlamaForCausalLM(config).double().train()
+
+
+def _reference(model, sequences):
+    """Each sequence on its own, full forward, float64 log-softmax: the definition."""
+    total = 0.0
+    values = []
+    for prompt, completion in sequences:
+        logits_TV = model(torch.tensor([prompt + completion])).logits[0]
+        logprobs_TV = logits_TV.log_softmax(-1)
+        picked = logprobs_TV[len(prompt) - 1 : -1].gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+        values.append(picked)
+        total = total + picked.sum()
+    return values, total
+
+
+def test_values_and_gradients_equal_the_unshared_reference(float64_llama):
+    model = float64_llama
+    logprobs_BC, mask_BC = completion_logprobs(model, SEQUENCES, pad_id=0, chunk_size=2)
+    (logprobs_BC * mask_BC).sum().backward()
+    shared_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    values, total = _reference(model, SEQUENCES)
+    total.backward()
+    assert mask_BC.tolist() == [[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 0], [1, 0, 0, 0]]
+    for row, expected in enumerate(values):
+        torch.testing.assert_close(logprobs_BC[row, : len(expected)], expected, atol=1e-12, rtol=0)
+    assert torch.all(logprobs_BC[mask_BC == 0] == 0)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(shared_grads[name], param.grad, atol=1e-9, rtol=1e-9, msg=name)
+
+
+def test_topk_matches_reference(float64_llama):
+    ids_BCK, logprobs_BCK = completion_topk(float64_llama, SEQUENCES, pad_id=0, k=3, chunk_size=3)
+    prompt, completion = SEQUENCES[2]
+    with torch.no_grad():
+        logprobs_TV = float64_llama(torch.tensor([prompt + completion])).logits[0].log_softmax(-1)
+    expected = logprobs_TV[len(prompt) - 1 : -1].topk(3, dim=-1)
+    assert torch.equal(ids_BCK[2], expected.indices)
+    torch.testing.assert_close(logprobs_BCK[2].double(), expected.values, atol=1e-6, rtol=0)
+
+
+def test_empty_prompt_or_completion_is_refused(float64_llama):
+    with pytest.raises(ValueError, match="sequence 1 has an empty completion"):
+        completion_logprobs(float64_llama, [([1, 2], [3]), ([1, 2], [])], pad_id=0)
+    with pytest.raises(ValueError, match="sequence 0 has an empty prompt"):
+        completion_logprobs(float64_llama, [([], [3])], pad_id=0)
+
+
+def test_pad_completions():
+    padded = pad_completions([[1.0, 2.0], torch.tensor([3.0])], 3)
+    assert padded.tolist() == [[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]] and padded.dtype == torch.float32
