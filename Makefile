@@ -25,8 +25,10 @@ model: setup
 test: model
 	$(BIN)/python -m pytest
 
+# Each demo run gets its own folder under runs/, so running it again never clobbers results.
+DEMO_NAME ?= demo-$(shell date +%Y%m%d-%H%M%S)
 demo: model
-	$(BIN)/selfopd eval --out runs/demo-base-eval
+	$(BIN)/selfopd train experiments/demo.toml --set run.name=$(DEMO_NAME)
 
 clean-cache:
 	rm -rf $${SELFOPD_HOME:-$$HOME/.cache/selfopd}/models

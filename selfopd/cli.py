@@ -212,15 +212,17 @@ def _side_by_side(columns: list[tuple[str, str]]) -> str:
 
 
 def _add_eval(commands: argparse._SubParsersAction) -> None:
-    evaluate = _command(commands, "eval", _eval, "greedy accuracy of a model on a data spec, with a 95%% interval")
+    evaluate = _command(commands, "eval", _eval, "greedy or avg@k accuracy of a model on a data spec, with a 95%% interval")
     evaluate.add_argument("--model", default=DEFAULT_MODEL, help=f"model spec (default: {DEFAULT_MODEL})")
     evaluate.add_argument("--data", default=DEFAULT_DATA, help="data spec (default: the demo task)")
     evaluate.add_argument("--template", default=DEFAULT_STUDENT, help=f"student template (default: {DEFAULT_STUDENT})")
     evaluate.add_argument("--split", choices=("all", "train", "eval"), default="eval", help="which split (default: eval)")
     evaluate.add_argument("--eval-size", type=int, default=200, help="held-out rows (default: 200)")
-    evaluate.add_argument("--seed", type=int, default=0, help="split seed (default: 0)")
+    evaluate.add_argument("--seed", type=int, default=0, help="split and sampling seed (default: 0)")
     evaluate.add_argument("--max-new-tokens", type=int, default=64, help="(default: 64)")
     evaluate.add_argument("--batch-size", type=int, default=16, help="(default: 16)")
+    evaluate.add_argument("--samples", type=int, default=1, help="k for avg@k accuracy (default: 1, greedy)")
+    evaluate.add_argument("--temperature", type=float, default=0.0, help="sampling temperature for avg@k (default: 0)")
     evaluate.add_argument("--out", type=Path, default=Path("runs/eval"), help="output folder (default: runs/eval)")
 
 
@@ -234,6 +236,8 @@ def _eval(args: argparse.Namespace) -> None:
     from selfopd.models import resolve_model
     from selfopd.templates import load_template
 
+    if args.samples > 1 and args.temperature == 0:
+        raise UserError("--samples > 1 (avg@k) needs temperature > 0: greedy samples are identical")
     template = load_template(args.template)
     examples = load_examples(args.data)
     if args.split != "all":
@@ -243,7 +247,8 @@ def _eval(args: argparse.Namespace) -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     engine = LocalEngine(model, tokenizer, batch_size=args.batch_size)
-    accuracy, _ = evaluate(engine, tokenizer, examples, template, args.max_new_tokens, args.batch_size, out_dir=args.out)
+    accuracy, _ = evaluate(engine, tokenizer, examples, template, args.max_new_tokens, args.batch_size, out_dir=args.out,
+                           samples=args.samples, temperature=args.temperature, seed=args.seed)
     print(f"{args.model} on {args.data} [{args.split}] with {template.name}: accuracy {accuracy}")
     print(f"wrote {args.out / 'eval.jsonl'} and {args.out / 'summary.json'}")
 
@@ -257,6 +262,8 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override a config value, e.g. --set optim.lr=3e-6 (repeatable)")
     train.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a run from its latest checkpoint")
+    train.add_argument("--show-config", action="store_true",
+                       help="print the resolved config (every field, with its help) as TOML and exit")
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -268,10 +275,15 @@ def _train(args: argparse.Namespace) -> None:
         if args.config is not None:
             raise UserError("give either a CONFIG or --resume RUN_DIR, not both")
         config = load_config(args.resume / "config.toml", args.overrides)
-    elif args.config is None:
+    elif args.config is None and not args.show_config:
         raise UserError("give a CONFIG file (e.g. experiments/demo.toml) or --resume RUN_DIR")
     else:
         config = load_config(args.config, args.overrides)
+    if args.show_config:
+        from selfopd.config import config_to_toml
+
+        print(config_to_toml(config), end="")
+        return
     run_dir = train(config, resume=args.resume is not None)
     print(summarize_run(run_dir))
     print(f"run folder: {run_dir} (metrics.jsonl, plots/, eval/, checkpoints/, rollouts/)")

@@ -11,16 +11,17 @@ from tqdm.auto import tqdm
 
 from selfopd.example import Example
 from selfopd.engines.base import Engine, SamplingParams
-from selfopd.stats import Proportion, wilson_interval
+from selfopd.stats import MeanEstimate, Proportion, mean_interval, wilson_interval
 from selfopd.templates import PromptTemplate, prompt_token_ids, render_student
 from verifiers import verify_example
 
 
 @dataclass(frozen=True)
 class EvalRecord:
-    """One example's outcome, written as a JSON line so a run can be inspected later."""
+    """One sampled answer's outcome, written as a JSON line so a run can be inspected later."""
 
     id: str
+    sample: int  # 0..k-1 for avg@k; always 0 for greedy
     prompt: str
     completion: str
     extracted: str | None
@@ -39,43 +40,69 @@ def evaluate(
     batch_size: int = 16,
     out_dir: Path | None = None,
     progress: bool = True,
-) -> tuple[Proportion, list[EvalRecord]]:
-    """Greedy accuracy on `examples`; with `out_dir`, writes eval.jsonl and summary.json."""
+    samples: int = 1,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> tuple[Proportion | MeanEstimate, list[EvalRecord]]:
+    """Accuracy on `examples`: greedy (the default), or avg@k with `samples` > 1 at
+    `temperature`. With `out_dir`, writes eval.jsonl and summary.json."""
+    if samples > 1 and temperature == 0:
+        raise ValueError("avg@k with k > 1 needs temperature > 0: greedy samples are identical")
     records: list[EvalRecord] = []
-    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
     batches = range(0, len(examples), batch_size)
-    for start in tqdm(batches, desc="eval", unit="batch", disable=not progress):
+    for number, start in enumerate(tqdm(batches, desc="eval", unit="batch", disable=not progress)):
         batch = examples[start : start + batch_size]
+        params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, n=samples, seed=seed + number)
         prompts = [prompt_token_ids(tokenizer, render_student(template, e)) for e in batch]
-        for example, (completion,) in zip(batch, engine.sample(prompts, params)):
-            result = verify_example(completion.text, example)
-            records.append(
-                EvalRecord(
-                    id=example.id,
-                    prompt=example.prompt,
-                    completion=completion.text,
-                    extracted=result.extracted,
-                    reference=example.answer,
-                    correct=result.correct,
-                    finish_reason=completion.finish_reason,
-                    completion_tokens=len(completion.completion_ids),
+        for example, completions in zip(batch, engine.sample(prompts, params)):
+            for index, completion in enumerate(completions):
+                result = verify_example(completion.text, example)
+                records.append(
+                    EvalRecord(
+                        id=example.id,
+                        sample=index,
+                        prompt=example.prompt,
+                        completion=completion.text,
+                        extracted=result.extracted,
+                        reference=example.answer,
+                        correct=result.correct,
+                        finish_reason=completion.finish_reason,
+                        completion_tokens=len(completion.completion_ids),
+                    )
                 )
-            )
-    accuracy = wilson_interval(sum(r.correct for r in records), len(records))
+    accuracy = accuracy_of(records, samples)
     if out_dir is not None:
-        write_eval(out_dir, accuracy, records, template.name)
+        write_eval(out_dir, accuracy, records, template.name, samples, temperature)
     return accuracy, records
 
 
-def write_eval(out_dir: Path, accuracy: Proportion, records: Sequence[EvalRecord], template_name: str) -> None:
+def accuracy_of(records: Sequence[EvalRecord], samples: int) -> Proportion | MeanEstimate:
+    """Greedy: a Wilson interval on k/n. avg@k: per-item mean over k samples, interval over items."""
+    if samples == 1:
+        return wilson_interval(sum(r.correct for r in records), len(records))
+    per_item: dict[str, list[bool]] = {}
+    for record in records:
+        per_item.setdefault(record.id, []).append(record.correct)
+    return mean_interval([sum(outcomes) / len(outcomes) for outcomes in per_item.values()])
+
+
+def write_eval(
+    out_dir: Path,
+    accuracy: Proportion | MeanEstimate,
+    records: Sequence[EvalRecord],
+    template_name: str,
+    samples: int = 1,
+    temperature: float = 0.0,
+) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     with (out_dir / "eval.jsonl").open("w") as handle:
         for record in records:
             handle.write(json.dumps(asdict(record)) + "\n")
     summary = {
         "template": template_name,
+        "metric": "greedy accuracy" if samples == 1 else f"avg@{samples} accuracy at temperature {temperature}",
         "n": accuracy.n,
-        "correct": accuracy.k,
+        "samples_per_item": samples,
         "accuracy": accuracy.value,
         "ci95": [accuracy.low, accuracy.high],
         "truncated": sum(r.finish_reason == "length" for r in records),

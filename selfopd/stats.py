@@ -61,8 +61,34 @@ def paired_difference(before: list[bool], after: list[bool], z: float = Z_95) ->
     if len(before) != len(after) or not before:
         raise ValueError(f"need two equally long, non-empty outcome lists, got {len(before)} and {len(after)}")
     diffs = [float(a) - float(b) for a, b in zip(after, before)]
-    n = len(diffs)
-    mean = sum(diffs) / n
-    variance = sum((d - mean) ** 2 for d in diffs) / max(n - 1, 1)
-    half = z * math.sqrt(variance / n)
-    return PairedDifference(mean, mean - half, mean + half, n)
+    mean, half = _mean_and_half_width(diffs, z)
+    return PairedDifference(mean, mean - half, mean + half, len(diffs))
+
+
+@dataclass(frozen=True)
+class MeanEstimate:
+    """A mean of per-item scores in [0, 1] (e.g. avg@k accuracy) with a normal 95% interval
+    over items: the k samples of one item are correlated, so items are the unit."""
+
+    value: float
+    low: float
+    high: float
+    n: int
+
+    def __str__(self) -> str:
+        return f"{self.value:.3f} [{self.low:.3f}, {self.high:.3f}] (n={self.n})"
+
+
+def mean_interval(scores: list[float], z: float = Z_95) -> MeanEstimate:
+    if not scores:
+        raise ValueError("need at least one score")
+    mean, half = _mean_and_half_width(scores, z)
+    return MeanEstimate(mean, max(0.0, mean - half), min(1.0, mean + half), len(scores))
+
+
+def _mean_and_half_width(values: list[float], z: float) -> tuple[float, float]:
+    """Sample mean and the half-width of its normal interval (sample variance, n - 1)."""
+    n = len(values)
+    mean = sum(values) / n
+    variance = sum((v - mean) ** 2 for v in values) / max(n - 1, 1)
+    return mean, z * math.sqrt(variance / n)

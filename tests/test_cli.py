@@ -7,11 +7,13 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from selfopd.cli import build_parser, main
 
+DEMO_CONFIG = Path(__file__).resolve().parents[1] / "experiments" / "demo.toml"
 SMALL_DATA = "rg:chain_sum?min_terms=2&max_terms=2&size=40&seed=3"
 
 
@@ -83,8 +85,39 @@ def test_eval_writes_per_example_records_and_summary(tmp_path, capsys, smollm2_d
     records = [json.loads(line) for line in (out_dir / "eval.jsonl").read_text().splitlines()]
     summary = json.loads((out_dir / "summary.json").read_text())
     assert len(records) == 40 == summary["n"]
-    assert summary["correct"] == sum(r["correct"] for r in records)
+    assert summary["accuracy"] == sum(r["correct"] for r in records) / 40
     low, high = summary["ci95"]
     assert 0 <= low <= summary["accuracy"] <= high <= 1
     assert {"id", "prompt", "completion", "extracted", "reference", "correct"} <= set(records[0])
     assert "accuracy" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_eval_avg_at_k_averages_per_item(tmp_path, smollm2_dir):
+    out_dir = tmp_path / "avg"
+    code = main(["eval", "--data", SMALL_DATA, "--split", "all", "--max-new-tokens", "12", "--samples", "3",
+                 "--temperature", "1.0", "--out", str(out_dir)])
+    assert code == 0
+    records = [json.loads(line) for line in (out_dir / "eval.jsonl").read_text().splitlines()]
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert len(records) == 120 and summary["n"] == 40 and summary["samples_per_item"] == 3
+    assert sorted({r["sample"] for r in records}) == [0, 1, 2]
+    assert summary["accuracy"] == pytest.approx(sum(r["correct"] for r in records) / 120)
+    assert summary["metric"] == "avg@3 accuracy at temperature 1.0"
+
+
+def test_avg_at_k_needs_a_temperature(capsys):
+    assert main(["eval", "--samples", "4"]) == 1
+    assert "needs temperature > 0" in capsys.readouterr().err
+
+
+def test_train_show_config_prints_resolved_toml(capsys):
+    assert main(["train", str(DEMO_CONFIG), "--set", "optim.lr=3e-6", "--show-config"]) == 0
+    out = capsys.readouterr().out
+    assert "lr = 3e-06" in out and 'template = "teacher/answer_note"' in out
+
+
+def test_train_config_error_is_one_line(capsys):
+    assert main(["train", str(DEMO_CONFIG), "--set", "loss.normalisation=tokens", "--show-config"]) == 1
+    err = capsys.readouterr().err
+    assert "loss.normalisation" in err and "Traceback" not in err

@@ -141,3 +141,24 @@ def test_self_teacher_with_empty_context_gives_exactly_zero_advantage(tmp_path, 
     assert metrics["tokens/completion"] > 0
     for name, param in run.model.named_parameters():
         assert torch.equal(param, before[name]), name
+
+
+def test_bfloat16_run_trains_and_probes(tmp_path, tiny_model_dir):
+    run = build_run(_config(tmp_path, tiny_model_dir, "model.dtype=bfloat16", "run.name=bf16"))
+    run.run_dir.mkdir(parents=True)
+    before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    metrics = train_step(run)
+    assert next(run.model.parameters()).dtype == torch.bfloat16
+    assert metrics["probe/max_abs_diff"] == 0.0
+    assert any(not torch.equal(p, before[n]) for n, p in run.model.named_parameters())
+
+
+def test_frozen_teacher_keeps_the_initial_weights(tmp_path, tiny_model_dir):
+    run = build_run(_config(tmp_path, tiny_model_dir, "teacher.kind=frozen", "run.name=frozen"))
+    run.run_dir.mkdir(parents=True)
+    frozen = {n: p.detach().clone() for n, p in run.teacher_engine.model.named_parameters()}
+    train_step(run)
+    assert run.teacher_engine is not run.student_engine
+    for name, param in run.teacher_engine.model.named_parameters():
+        assert torch.equal(param, frozen[name]), name
+    assert not torch.equal(run.model.get_parameter("model.norm.weight"), frozen["model.norm.weight"])
