@@ -60,20 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_models(commands: argparse._SubParsersAction) -> None:
     models = commands.add_parser("models", help="resolve, convert and cache models")
     sub = models.add_subparsers(title="models commands", metavar="COMMAND")
-    prepare = _command(sub, "prepare", _models_prepare, "convert a packaged model once into the cache (offline)")
-    prepare.add_argument("name", nargs="?", default=DEFAULT_MODEL, help=f"model spec (default: {DEFAULT_MODEL})")
-    path = _command(sub, "path", _models_path, "print the local folder for a model spec")
+    prepare = _command(sub, "prepare", _models_resolve, "convert a packaged model once into the cache (offline)")
+    prepare.add_argument("spec", nargs="?", default=DEFAULT_MODEL, help=f"model spec (default: {DEFAULT_MODEL})")
+    path = _command(sub, "path", _models_resolve, "print the local folder for a model spec")
     path.add_argument("spec", help="packaged model name, local folder or hub id")
     models.set_defaults(run=lambda _args: models.print_help() or 2)
 
 
-def _models_prepare(args: argparse.Namespace) -> None:
-    from selfopd.models import resolve_model
-
-    print(resolve_model(args.name))
-
-
-def _models_path(args: argparse.Namespace) -> None:
+def _models_resolve(args: argparse.Namespace) -> None:
+    """Both `prepare` and `path`: resolving converts or downloads on first use."""
     from selfopd.models import resolve_model
 
     print(resolve_model(args.spec))

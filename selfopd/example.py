@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -23,7 +23,3 @@ class Example:
     solution: str | None = None
     hints: tuple[str, ...] = ()
     meta: dict[str, Any] = field(default_factory=dict)
-
-    def fields(self) -> dict[str, Any]:
-        """The variables a prompt template can use (`example.<name>` in Jinja)."""
-        return asdict(self)

@@ -74,12 +74,7 @@ def _completion_hidden(model: Any, sequences: Sequences, pad_id: int) -> tuple[T
     decoder = model.get_decoder()
 
     # Prompts: (G, P), left-padded; positions count real tokens only.
-    width = max(len(p) for p in prompts)
-    prompt_ids_GP = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    prompt_mask_GP = torch.zeros_like(prompt_ids_GP)
-    for g, prompt in enumerate(prompts):
-        prompt_ids_GP[g, width - len(prompt) :] = torch.tensor(prompt)
-        prompt_mask_GP[g, width - len(prompt) :] = 1
+    prompt_ids_GP, prompt_mask_GP = left_pad(prompts, pad_id)
     prompt_positions_GP = (prompt_mask_GP.cumsum(-1) - 1).clamp(min=0)
     prompt_out = decoder(input_ids=prompt_ids_GP, attention_mask=prompt_mask_GP, position_ids=prompt_positions_GP, use_cache=True)
 
@@ -103,6 +98,18 @@ def _completion_hidden(model: Any, sequences: Sequences, pad_id: int) -> tuple[T
     first_B1H = prompt_out.last_hidden_state[row_to_prompt_B, -1:]
     hidden_BCH = torch.cat([first_B1H, completion_out.last_hidden_state[:, :-1]], dim=1)
     return hidden_BCH, ids_BC, mask_BC
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """(ids, attention mask), both (rows, longest): every row ends at the last column, where
+    decoding continues."""
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for index, row in enumerate(rows):
+        ids[index, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        mask[index, width - len(row) :] = 1
+    return ids, mask
 
 
 def _check_plain_head(model: Any) -> None:

@@ -22,6 +22,7 @@ from selfopd.example import Example
 from selfopd.templates import (
     PROMPTS_DIR,
     STUDENT_VARIABLES,
+    TEACHER_VARIABLES,
     PromptTemplate,
     TemplateError,
     render_student,
@@ -29,7 +30,7 @@ from selfopd.templates import (
 )
 
 Level = Literal["error", "warning"]
-PRIVILEGED_VARIABLES = frozenset(("answer", "solution", "hints", "attempt", "feedback", "student_prompt"))
+PRIVILEGED_VARIABLES = frozenset(TEACHER_VARIABLES) - frozenset(STUDENT_VARIABLES)
 ATTEMPT_PLACEHOLDER = "I think the answer is \\boxed{0}."  # a stand-in student attempt for feedback templates
 
 

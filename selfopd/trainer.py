@@ -12,7 +12,7 @@ import math
 import random
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -58,7 +58,6 @@ class Run:
     eval_examples: list[Example]
     probe: tuple[list[int], list[int]]
     step: int = 0
-    timings: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -193,12 +192,19 @@ def batch_for_step(examples: Sequence[Example], step: int, size: int, seed: int)
     return chosen
 
 
-def sync_weights(run: Run) -> None:
-    """Push the trainer's weights to the student engine, and to a `self` teacher's engine."""
-    named = {name: param.detach() for name, param in run.model.named_parameters()}
-    run.student_engine.update_weights(named, version=run.step)
+def engines_serving_student_weights(run: Run) -> list[tuple[str, Engine]]:
+    """The student engine, and a `self` teacher's engine when it is a separate one."""
+    engines: list[tuple[str, Engine]] = [("student", run.student_engine)]
     if run.config.teacher.kind == "self" and run.teacher_engine is not run.student_engine:
-        run.teacher_engine.update_weights(named, version=run.step)
+        engines.append(("teacher", run.teacher_engine))
+    return engines
+
+
+def sync_weights(run: Run) -> None:
+    """Push the trainer's weights to every engine that serves the student's weights."""
+    named = {name: param.detach() for name, param in run.model.named_parameters()}
+    for _, engine in engines_serving_student_weights(run):
+        engine.update_weights(named, version=run.step)
 
 
 @torch.no_grad()
@@ -209,11 +215,8 @@ def check_probe(run: Run) -> float:
     run.model.eval()
     trainer_lp = completion_logprobs(run.model, [run.probe], run.tokenizer.pad_token_id)[0][0]
     run.model.train(was_training)
-    engines = [("student", run.student_engine)]
-    if run.config.teacher.kind == "self" and run.teacher_engine is not run.student_engine:
-        engines.append(("teacher", run.teacher_engine))
     worst = 0.0
-    for name, engine in engines:
+    for name, engine in engines_serving_student_weights(run):
         (score,) = engine.score([(prompt, completion)])
         diff = (score.logprobs - trainer_lp).abs().max().item()
         if not diff <= run.config.probe.tolerance:

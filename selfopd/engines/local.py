@@ -13,7 +13,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from selfopd.engines.base import Rollout, SamplingParams, TokenScores
-from selfopd.scoring import completion_logprobs, completion_topk
+from selfopd.scoring import completion_logprobs, completion_topk, left_pad
 
 
 class LocalEngine:
@@ -76,12 +76,8 @@ class LocalEngine:
         self.model = None
 
     def _sample_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
-        width = max(len(p) for p in prompts)
-        ids_BT = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask_BT = torch.zeros_like(ids_BT)
-        for row, ids in enumerate(prompts):  # left padding: every row ends where decoding starts
-            ids_BT[row, width - len(ids) :] = torch.tensor(ids)
-            mask_BT[row, width - len(ids) :] = 1
+        ids_BT, mask_BT = left_pad(prompts, self.pad_id)
+        width = ids_BT.shape[1]
         greedy = params.temperature == 0
         sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
         with torch.no_grad(), _eval_mode(self.model):
