@@ -17,6 +17,7 @@ log p(completion_b[c] | prompt_b, completion_b[:c]); `mask_BC` marks real tokens
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Sequence
 
 import torch
@@ -92,12 +93,23 @@ def _completion_hidden(model: Any, sequences: Sequences, pad_id: int) -> tuple[T
     cache.batch_select_indices(row_to_prompt_B)
     attention_BT = torch.cat([prompt_mask_GP[row_to_prompt_B], mask_BC], dim=1)
     completion_out = decoder(input_ids=ids_BC, attention_mask=attention_BT, position_ids=positions_BC,
-                             cache=cache, use_cache=True)
+                             **{_cache_argument(decoder): cache}, use_cache=True)
 
     # The prompt's last hidden state predicts completion token 0; completion token c-1's predicts c.
     first_B1H = prompt_out.last_hidden_state[row_to_prompt_B, -1:]
     hidden_BCH = torch.cat([first_B1H, completion_out.last_hidden_state[:, :-1]], dim=1)
     return hidden_BCH, ids_BC, mask_BC
+
+
+def _cache_argument(decoder: Any) -> str:
+    """The decoder's name for its KV-cache input: `past_key_values`, or `cache` in newer
+    transformers. Passing the wrong one is silently swallowed by **kwargs, and the
+    completions would then attend to nothing of their prompt."""
+    parameters = inspect.signature(decoder.forward).parameters
+    for name in ("past_key_values", "cache"):
+        if name in parameters:
+            return name
+    raise NotImplementedError(f"{type(decoder).__name__}.forward takes neither past_key_values nor cache")
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
