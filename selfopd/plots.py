@@ -100,8 +100,8 @@ def _draw_accuracy(axes: Axes, metrics: list[dict]) -> None:
         steps = [row[0] for row in rows]
         accuracy = [row[1] for row in rows]
         # Error bars, not a band: evals are sparse, and a band would suggest values between them.
-        low = [a - lo if lo is not None else 0.0 for _, a, lo, _ in rows]
-        high = [hi - a if hi is not None else 0.0 for _, a, _, hi in rows]
+        low = [max(0.0, a - lo) if lo is not None else 0.0 for _, a, lo, _ in rows]
+        high = [max(0.0, hi - a) if hi is not None else 0.0 for _, a, _, hi in rows]
         axes.errorbar(steps, accuracy, yerr=[low, high], color="tab:green", marker="o", markersize=5, capsize=4,
                       linewidth=1.8, label="held-out eval (95% interval)")
     values = [v for line in axes.get_lines() for v in line.get_ydata() if math.isfinite(v)]

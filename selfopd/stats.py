@@ -36,7 +36,10 @@ def wilson_interval(k: int, n: int, z: float = Z_95) -> Proportion:
     denominator = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denominator
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
-    return Proportion(k, n, max(0.0, centre - half), min(1.0, centre + half))
+    # At 0/n and n/n the bound is exactly p; rounding would otherwise put it a hair past p.
+    low = 0.0 if k == 0 else max(0.0, centre - half)
+    high = 1.0 if k == n else min(1.0, centre + half)
+    return Proportion(k, n, low, high)
 
 
 @dataclass(frozen=True)

@@ -67,3 +67,11 @@ def test_accuracy_plot_from_training_reward_alone_and_nothing_from_empty_metrics
     assert [p.name for p in written] == ["accuracy.png", "curves.png"]
     assert plot_training_curves([{"step": 1}], tmp_path / "empty") == []
     assert not (tmp_path / "empty").exists()
+
+
+def test_accuracy_plot_takes_an_interval_that_ends_at_the_value(tmp_path):
+    # An eval of 0/25 whose lower bound is (within rounding) the value itself.
+    evals = [{"step": 0, "eval/accuracy": 0.0, "eval/ci_low": 1e-18, "eval/ci_high": 0.13},
+             {"step": 2, "eval/accuracy": 1.0, "eval/ci_low": 0.87, "eval/ci_high": 1.0 - 1e-16}]
+    written = plot_training_curves(evals, tmp_path)
+    assert [p.name for p in written] == ["accuracy.png", "curves.png"]

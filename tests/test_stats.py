@@ -38,3 +38,9 @@ def test_mean_interval_by_hand_and_clipped():
     half = 1.959963984540054 * math.sqrt((1 / 6) / 4)
     assert result.value == 0.5 and result.high == pytest.approx(0.5 + half)
     assert mean_interval([1.0, 1.0]).low == 1.0 and mean_interval([1.0, 1.0]).high == 1.0
+
+
+def test_wilson_bounds_are_exact_at_zero_and_all():
+    # Rounding once put the lower bound of 0/25 a hair above 0, which broke error bars.
+    for n in range(1, 400):
+        assert wilson_interval(0, n).low == 0.0 and wilson_interval(n, n).high == 1.0
