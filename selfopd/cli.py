@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prompts(commands)
     _add_eval(commands)
     _add_train(commands)
+    _add_serve(commands)
     return parser
 
 
@@ -284,6 +285,46 @@ def _train(args: argparse.Namespace) -> None:
     print(f"run folder: {run_dir} (metrics.jsonl, plots/, eval/, checkpoints/, rollouts/)")
 
 
+# --- serve --------------------------------------------------------------------------
+
+
+def _add_serve(commands: argparse._SubParsersAction) -> None:
+    serve = _command(commands, "serve", _serve,
+                     "launch the vLLM student and teacher servers a config needs, until Ctrl-C")
+    serve.add_argument("config", nargs="?", type=Path, help="TOML config; its [engine] section says how (default: all defaults)")
+    serve.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override a config value, e.g. --set engine.port=8200 (repeatable)")
+    serve.add_argument("--log-dir", type=Path, default=Path("runs/servers"), help="where server logs go (default: runs/servers)")
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import time
+
+    from selfopd.config import load_config
+    from selfopd.engines.vllm_server import launch_servers
+    from selfopd.serving import planned_servers
+
+    config = load_config(args.config, args.overrides)
+    specs = planned_servers(config)
+    if not specs:
+        raise UserError("engine.student_urls and engine.teacher_url are both set: there is nothing to launch")
+    with launch_servers(specs, args.log_dir, config.engine.startup_timeout_s) as servers:
+        urls = {server.spec.name: server.spec.url for server in servers}
+        sets = []
+        if "student" in urls:
+            sets.append(f"--set engine.student_urls={urls['student']}")
+        if "teacher" in urls:
+            sets.append(f"--set engine.teacher_url={urls['teacher']}")
+        for server in servers:
+            print(f"{server.spec.name}: {server.spec.url} serving {server.spec.model} (log: {server.log_path})")
+        print(f"train against them with: selfopd train CONFIG --set engine.kind=vllm {' '.join(sets)}")
+        print("Ctrl-C stops the servers.", flush=True)
+        while all(server.process.poll() is None for server in servers):
+            time.sleep(1)
+        dead = next(server for server in servers if server.process.poll() is not None)
+        raise UserError(f"the {dead.spec.name} server on {dead.spec.url} exited.\n{dead.log_tail()}")
+
+
 # --- helpers ------------------------------------------------------------------------
 
 
@@ -303,10 +344,11 @@ def _is_user_error(error: Exception) -> bool:
     from selfopd.templates import TemplateError
     from selfopd.tokenizer_check import TokenizerMismatch
 
+    from selfopd.engines.vllm_server import ServerError
     from selfopd.trainer import WeightSyncError
 
     user_errors = (UserError, ConfigError, DataError, ModelError, TemplateError, TokenizerMismatch, WeightSyncError,
-                   FileNotFoundError, FileExistsError)
+                   ServerError, FileNotFoundError, FileExistsError)
     return isinstance(error, user_errors)
 
 

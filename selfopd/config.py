@@ -30,6 +30,9 @@ Normalisation = Literal["token", "sequence"]
 TeacherKind = Literal["self", "frozen", "external"]
 DType = Literal["float32", "bfloat16"]
 Schedule = Literal["constant", "cosine", "linear"]
+EngineKind = Literal["local", "vllm"]
+WeightSyncKind = Literal["auto", "file", "nccl"]
+Switch = Literal["auto", "on", "off"]
 
 
 class ConfigError(ValueError):
@@ -240,6 +243,56 @@ class ProbeConfig(_Section):
 
 
 @dataclass(frozen=True)
+class EngineConfig(_Section):
+    SECTION: ClassVar[str] = "engine"
+    kind: EngineKind = _field(
+        "local", "Who samples and scores: 'local' is in-process transformers; 'vllm' uses vLLM servers.")
+    student_urls: str = _field(
+        "", "vllm: comma-separated URLs of running student servers (several serve one model); empty: selfopd launches one.")
+    teacher_url: str = _field(
+        "", "vllm: URL of a running teacher server; empty: selfopd launches one (self, frozen or external teacher).")
+    host: str = _field("127.0.0.1", "vllm: address launched servers bind to (127.0.0.1: this machine only).")
+    port: int = _field(8100, "vllm: the launched student server's port; the teacher's is port + 1.")
+    max_model_len: int = _field(2048, "vllm: launched servers' context length; must hold prompt + completion + 1.")
+    weight_sync: WeightSyncKind = _field(
+        "auto", "vllm: 'file' (CPU, same host, via shared memory), 'nccl' (GPU), 'auto': nccl when CUDA is there.")
+    trainer_address: str = _field(
+        "127.0.0.1", "vllm with nccl: the address at which the servers reach this trainer's NCCL endpoint.")
+    compile: Switch = _field(
+        "auto", "vllm: torch.compile and CUDA graphs in launched servers; 'auto' is on with a GPU, off on CPU (minutes to start).")
+    gpu_memory_utilization: float = _field(0.4, "vllm on GPU: share of GPU memory each launched server may take.")
+    cpu_kv_cache_gb: int = _field(1, "vllm on CPU: KV cache size of each launched server, GiB.")
+    extra_server_args: str = _field("", "vllm: more command-line arguments for launched servers (shell syntax).")
+    startup_timeout_s: float = _field(900.0, "vllm: seconds to wait for launched servers to answer /health.")
+    request_timeout_s: float = _field(600.0, "vllm: seconds before one request times out (it is then retried).")
+    retries: int = _field(3, "vllm: retries, with backoff, of a request that fails to connect, times out or gets a 5xx.")
+    max_concurrency: int = _field(64, "vllm: most requests in flight per engine.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for url in self.urls("student_urls") + self.urls("teacher_url"):
+            if not url.startswith(("http://", "https://")):
+                _fail(self._key("student_urls" if url in self.student_urls else "teacher_url"),
+                      f"expected http://HOST:PORT, got {url!r}")
+        if len(self.urls("teacher_url")) > 1:
+            _fail(self._key("teacher_url"), "takes one URL")
+        if not 0 < self.port < 65535:
+            _fail(self._key("port"), f"must be a port number below 65535, got {self.port}")
+        self._at_least("max_model_len", 16)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            _fail(self._key("gpu_memory_utilization"), f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        self._at_least("cpu_kv_cache_gb", 1)
+        self._at_least("startup_timeout_s", 1)
+        self._at_least("request_timeout_s", 1)
+        self._at_least("retries", 0)
+        self._at_least("max_concurrency", 1)
+
+    def urls(self, name: str) -> list[str]:
+        """The URLs in `student_urls` or `teacher_url`, without trailing slashes."""
+        return [url.strip().rstrip("/") for url in getattr(self, name).split(",") if url.strip()]
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """Everything `selfopd train` reads; one field per TOML section."""
 
@@ -252,6 +305,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -282,6 +336,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "optim": OptimConfig,
     "eval": EvalConfig,
     "probe": ProbeConfig,
+    "engine": EngineConfig,
 }
 
 _TYPES: dict[type, dict[str, Any]] = {}

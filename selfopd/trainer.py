@@ -12,7 +12,7 @@ import math
 import random
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -58,6 +58,11 @@ class Run:
     eval_examples: list[Example]
     probe: tuple[list[int], list[int]]
     step: int = 0
+    resources: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # servers, clients
+
+    def close(self) -> None:
+        """Close engine clients and stop the servers this run launched."""
+        self.resources.close()
 
 
 @dataclass(frozen=True)
@@ -229,52 +234,87 @@ def check_probe(run: Run) -> float:
 
 
 def build_run(config: TrainConfig, resume_from: Path | None = None) -> Run:
-    """Load models, data and templates; restore a checkpoint when resuming."""
+    """Load data, templates and models, then start the engines; restore a checkpoint when resuming.
+
+    Data and templates load first, so a mistake in them fails before any server starts."""
     if config.model.threads:
         torch.set_num_threads(config.model.threads)
     torch.manual_seed(config.run.seed)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run_dir = Path(config.run.out_dir) / config.run.name
-    dtype = DTYPES[config.model.dtype]
-    student_dir = resolve_model(config.model.student)
-    weights_dir = resume_from or student_dir
-    model = AutoModelForCausalLM.from_pretrained(weights_dir, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(student_dir)
-    student_engine = LocalEngine(model, tokenizer, batch_size=config.eval.batch_size)
-
-    if config.teacher.kind == "self":
-        teacher_engine: Engine = student_engine  # same live module, privileged prompt
-    elif config.teacher.kind == "frozen":
-        frozen = AutoModelForCausalLM.from_pretrained(student_dir, dtype=dtype).eval().requires_grad_(False)
-        teacher_engine = LocalEngine(frozen, tokenizer, batch_size=config.eval.batch_size)
-    else:
-        teacher_dir = resolve_model(config.teacher.model)
-        teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
-        teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=dtype).eval().requires_grad_(False)
-        check_tokenizers_compatible(tokenizer, teacher_tokenizer, teacher.get_output_embeddings().weight.shape[0],
-                                    config.model.student, config.teacher.model)
-        teacher_engine = LocalEngine(teacher, teacher_tokenizer, batch_size=config.eval.batch_size)
-
     examples = load_examples(config.data.spec)
     train_examples, eval_examples = split_examples(examples, eval_size=config.data.eval_size, seed=config.data.split_seed)
     student_template = load_template(config.data.student_template)
     teacher_template = load_template(config.teacher.template)
+
+    dtype = DTYPES[config.model.dtype]
+    student_dir = resolve_model(config.model.student)
+    model = AutoModelForCausalLM.from_pretrained(resume_from or student_dir, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(student_dir)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.optim.lr, betas=(config.optim.beta1, config.optim.beta2),
         weight_decay=config.optim.weight_decay,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
-    probe_prompt = prompt_token_ids(tokenizer, render_student(student_template, eval_examples[0]))
-    probe = (probe_prompt, tokenizer.encode(PROBE_COMPLETION, add_special_tokens=False))
-    run = Run(config, run_dir, model, tokenizer, optimizer, scheduler, student_engine, teacher_engine,
-              student_template, teacher_template, train_examples, eval_examples, probe)
+    step = 0
     if resume_from is not None:
         state = torch.load(resume_from / "trainer_state.pt", weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        run.step = state["step"]
+        step = state["step"]
+    probe_prompt = prompt_token_ids(tokenizer, render_student(student_template, eval_examples[0]))
+    probe = (probe_prompt, tokenizer.encode(PROBE_COMPLETION, add_special_tokens=False))
+
+    resources = contextlib.ExitStack()
+    try:
+        if config.engine.kind == "vllm":
+            student_engine, teacher_engine = _vllm_engines(config, tokenizer, run_dir, resources)
+        else:
+            student_engine, teacher_engine = _local_engines(config, model, tokenizer, student_dir, dtype)
+        run = Run(config, run_dir, model, tokenizer, optimizer, scheduler, student_engine, teacher_engine,
+                  student_template, teacher_template, train_examples, eval_examples, probe, step, resources)
+        if config.engine.kind == "vllm":
+            # Servers start from the model folder (or were running already): give them the
+            # trainer's weights (a resumed checkpoint's, say) before the first rollout.
+            sync_weights(run)
+            check_probe(run)
+    except BaseException:
+        resources.close()
+        raise
     return run
+
+
+def _local_engines(config: TrainConfig, model: Any, tokenizer: Any, student_dir: Path,
+                   dtype: torch.dtype) -> tuple[Engine, Engine]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    student_engine = LocalEngine(model, tokenizer, batch_size=config.eval.batch_size)
+    if config.teacher.kind == "self":
+        return student_engine, student_engine  # same live module, privileged prompt
+    if config.teacher.kind == "frozen":
+        frozen = AutoModelForCausalLM.from_pretrained(student_dir, dtype=dtype).eval().requires_grad_(False)
+        return student_engine, LocalEngine(frozen, tokenizer, batch_size=config.eval.batch_size)
+    teacher_dir = resolve_model(config.teacher.model)
+    teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=dtype).eval().requires_grad_(False)
+    check_tokenizers_compatible(tokenizer, teacher_tokenizer, teacher.get_output_embeddings().weight.shape[0],
+                                config.model.student, config.teacher.model)
+    return student_engine, LocalEngine(teacher, teacher_tokenizer, batch_size=config.eval.batch_size)
+
+
+def _vllm_engines(config: TrainConfig, tokenizer: Any, run_dir: Path,
+                  resources: contextlib.ExitStack) -> tuple[Engine, Engine]:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from selfopd.serving import open_vllm_engines
+
+    if config.teacher.kind == "external":  # checked before any server starts
+        teacher_dir = resolve_model(config.teacher.model)
+        check_tokenizers_compatible(tokenizer, AutoTokenizer.from_pretrained(teacher_dir),
+                                    AutoConfig.from_pretrained(teacher_dir).vocab_size,
+                                    config.model.student, config.teacher.model)
+    return open_vllm_engines(config, run_dir / "logs", resources, progress=config.run.progress)
 
 
 def train(config: TrainConfig, resume: bool = False) -> Path:
@@ -289,7 +329,14 @@ def train(config: TrainConfig, resume: bool = False) -> Path:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(config_to_toml(config))
     run = build_run(config, checkpoint)
-    metrics_path = run_dir / "metrics.jsonl"
+    with contextlib.closing(run):  # stops launched servers on any exit, Ctrl-C included
+        _train_loop(run, run_dir / "metrics.jsonl", resume)
+    _plot(run_dir)
+    return run_dir
+
+
+def _train_loop(run: Run, metrics_path: Path, resume: bool) -> None:
+    config = run.config
     if resume:
         _truncate_metrics(metrics_path, run.step)
     else:
@@ -306,8 +353,6 @@ def train(config: TrainConfig, resume: bool = False) -> Path:
         if (config.run.checkpoint_every and run.step % config.run.checkpoint_every == 0) or last:
             save_checkpoint(run)
     bar.close()
-    _plot(run_dir)
-    return run_dir
 
 
 def run_eval(run: Run) -> dict[str, float]:

@@ -8,6 +8,7 @@ import typing
 import pytest
 
 from selfopd.config import (
+    EngineConfig,
     SECTIONS,
     ConfigError,
     OptimConfig,
@@ -37,6 +38,10 @@ EXPECTED_DEFAULTS = {
     ),
     "eval": dict(max_tokens=48, batch_size=32),
     "probe": dict(tolerance=1e-4),
+    "engine": dict(kind="local", student_urls="", teacher_url="", host="127.0.0.1", port=8100, max_model_len=2048,
+                   weight_sync="auto", trainer_address="127.0.0.1", compile="auto", gpu_memory_utilization=0.4,
+                   cpu_kv_cache_gb=1, extra_server_args="", startup_timeout_s=900.0, request_timeout_s=600.0,
+                   retries=3, max_concurrency=64),
 }
 
 
@@ -84,6 +89,10 @@ def test_round_trip_of_every_field_changed(tmp_path):
         optim=OptimConfig(lr=3e-6, weight_decay=0.01, beta1=0.8, beta2=0.95, warmup_steps=2, schedule="cosine", grad_clip=0.0, micro_batch_prompts=3),
         eval=dataclasses.replace(TrainConfig().eval, max_tokens=7, batch_size=5),
         probe=dataclasses.replace(TrainConfig().probe, tolerance=2.5e-5),
+        engine=EngineConfig(kind="vllm", student_urls="http://a:1,http://b:2", teacher_url="https://c:3", host="0.0.0.0",
+                            port=9000, max_model_len=4096, weight_sync="nccl", trainer_address="10.0.0.2", compile="on",
+                            gpu_memory_utilization=0.8, cpu_kv_cache_gb=4, extra_server_args="--seed 1 --x 'a b'",
+                            startup_timeout_s=60.0, request_timeout_s=30.0, retries=0, max_concurrency=8),
     )
     changed = config_to_dict(config)
     for section, defaults in EXPECTED_DEFAULTS.items():
@@ -226,7 +235,8 @@ def literal_fields():
 
 def test_the_expected_fields_are_literals():
     assert {(s, k) for s, k, _ in literal_fields()} == {
-        ("model", "dtype"), ("teacher", "kind"), ("loss", "normalisation"), ("optim", "schedule")
+        ("model", "dtype"), ("teacher", "kind"), ("loss", "normalisation"), ("optim", "schedule"),
+        ("engine", "kind"), ("engine", "weight_sync"), ("engine", "compile"),
     }
 
 
@@ -280,3 +290,13 @@ def test_direct_construction_is_validated_too():
     assert type(OptimConfig(lr=1).lr) is float
     with pytest.raises(ConfigError, match="optim.micro_batch_prompts"):
         dataclasses.replace(TrainConfig(), optim=OptimConfig(micro_batch_prompts=3))
+
+
+def test_engine_urls_are_split_and_checked():
+    config = load_config(None, ["engine.student_urls= http://a:1/ ,http://b:2", "engine.teacher_url=http://t:3"])
+    assert config.engine.urls("student_urls") == ["http://a:1", "http://b:2"]
+    assert config.engine.urls("teacher_url") == ["http://t:3"]
+    with pytest.raises(ConfigError, match="engine.student_urls: expected http://HOST:PORT, got 'a:1'"):
+        load_config(None, ["engine.student_urls=http://b:2,a:1"])
+    with pytest.raises(ConfigError, match="engine.teacher_url: takes one URL"):
+        load_config(None, ["engine.teacher_url=http://a:1,http://b:2"])

@@ -1,0 +1,215 @@
+"""The vLLM engine: the `Engine` interface over one or more vLLM servers.
+
+Token ids in, token ids out, over the OpenAI-compatible `/v1/completions` route:
+
+- `sample` sends the prompt as ids and asks for `return_token_ids` and the sampled
+  tokens' logprobs (vLLM reports raw, temperature-1 logprobs by default), so the teacher
+  later scores exactly the ids the student produced.
+- `score` sends prompt + completion as ids with `max_tokens=1` and `prompt_logprobs=k`:
+  vLLM returns, for every prompt position, the logprob of the actual token (and the top k).
+
+Requests run concurrently (bounded) on an event loop in a background thread, so the
+engine is a plain synchronous object, also inside Jupyter, whose own loop is busy. The
+`openai` client retries connection errors, timeouts and 5xx answers with backoff; what
+still fails becomes a `ServerError` naming the server's URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+from typing import Any, Awaitable, Coroutine, Mapping, Sequence, TypeVar
+
+import httpx
+import openai
+import torch
+
+from selfopd.engines.base import Rollout, SamplingParams, TokenScores
+from selfopd.engines.vllm_server import ServerError
+from selfopd.engines.weight_sync import WeightSync
+
+T = TypeVar("T")
+CLAMPED_LOGPROB = -9999.0  # vLLM's JSON stand-in for -inf
+
+
+class VLLMEngine:
+    """Samples and scores on vLLM servers; `update_weights` goes through a `WeightSync`.
+
+    Several URLs serve the same model: prompts are spread over them round-robin, and a
+    weight sync must cover all of them. Without a `weight_sync` the engine serves fixed
+    weights (a frozen or external teacher) and refuses updates.
+    """
+
+    def __init__(self, urls: Sequence[str], weight_sync: WeightSync | None = None, max_concurrency: int = 64,
+                 timeout_s: float = 600, retries: int = 3) -> None:
+        if not urls:
+            raise ValueError("VLLMEngine needs at least one server URL")
+        self.urls = [url.rstrip("/") for url in urls]
+        self.weight_sync = weight_sync
+        self.version = 0
+        self.last_sync: dict[str, float] = {}
+        models = [_served_model(url) for url in self.urls]
+        self.model_names = [name for name, _ in models]
+        self.max_model_len = min(length for _, length in models)
+        self.retries = retries
+        self._max_concurrency = max_concurrency
+        self._loop = _LoopThread()
+        self._clients = [openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="EMPTY", timeout=timeout_s, max_retries=retries)
+                         for url in self.urls]
+
+    # --- sampling -----------------------------------------------------------------------
+    def sample(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[list[Rollout]]:
+        for index, prompt in enumerate(prompts):
+            if len(prompt) + params.max_tokens > self.max_model_len:
+                raise ServerError(
+                    f"{self.urls[index % len(self.urls)]}: prompt {index} has {len(prompt)} tokens; with "
+                    f"max_tokens={params.max_tokens} it exceeds the server's max_model_len {self.max_model_len}")
+        return self._loop.run(self._gather([self._sample_one(i, list(p), params) for i, p in enumerate(prompts)]))
+
+    async def _sample_one(self, index: int, prompt: list[int], params: SamplingParams) -> list[Rollout]:
+        server = index % len(self.urls)
+        # vLLM seeds the n samples of one request seed, seed + 1, ...: space prompts n apart.
+        seed = None if params.seed is None else params.seed + index * params.n
+        response = await self._call(server, prompt=prompt, n=params.n, max_tokens=params.max_tokens,
+                                    temperature=params.temperature, top_p=params.top_p, seed=seed, logprobs=0,
+                                    extra_body={"return_token_ids": True, "top_k": 0, "min_p": 0.0,
+                                                "repetition_penalty": 1.0, "skip_special_tokens": True})
+        choices = sorted(response.choices, key=lambda choice: choice.index)
+        return [_rollout(prompt, choice, self.urls[server]) for choice in choices]
+
+    # --- scoring ------------------------------------------------------------------------
+    def score(self, sequences: Sequence[tuple[list[int], list[int]]], top_k: int = 0) -> list[TokenScores]:
+        for index, (prompt, completion) in enumerate(sequences):
+            if len(prompt) + len(completion) + 1 > self.max_model_len:
+                raise ServerError(
+                    f"{self.urls[index % len(self.urls)]}: sequence {index} has {len(prompt)} prompt + "
+                    f"{len(completion)} completion tokens; scoring needs max_model_len >= prompt + completion + 1, "
+                    f"the server has {self.max_model_len}")
+        return self._loop.run(self._gather([self._score_one(i, list(p), list(c), top_k)
+                                            for i, (p, c) in enumerate(sequences)]))
+
+    async def _score_one(self, index: int, prompt: list[int], completion: list[int], top_k: int) -> TokenScores:
+        server = index % len(self.urls)
+        ids = prompt + completion
+        response = await self._call(server, prompt=ids, max_tokens=1, temperature=0.0,
+                                    extra_body={"prompt_logprobs": top_k})
+        entries = response.choices[0].model_extra.get("prompt_logprobs")
+        if entries is None or len(entries) != len(ids):
+            raise ServerError(f"{self.urls[server]}: expected prompt_logprobs for {len(ids)} tokens, got "
+                              f"{None if entries is None else len(entries)}")
+        return parse_prompt_logprobs(entries, ids, len(prompt), top_k, self.urls[server])
+
+    # --- weights ------------------------------------------------------------------------
+    def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        if self.weight_sync is None:
+            raise ServerError(f"{', '.join(self.urls)}: this engine serves fixed weights (no weight sync was set up)")
+        self.last_sync = self.weight_sync.push(named_tensors, version)
+        self.version = version
+
+    def close(self) -> None:
+        if self.weight_sync is not None:
+            self.weight_sync.close()
+        self._loop.run(self._gather([client.close() for client in self._clients]))
+        self._loop.close()
+
+    # --- plumbing -----------------------------------------------------------------------
+    async def _gather(self, calls: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
+        semaphore = asyncio.Semaphore(self._max_concurrency)
+
+        async def bounded(call: Awaitable[T]) -> T:
+            async with semaphore:
+                return await call
+
+        return list(await asyncio.gather(*(bounded(call) for call in calls)))
+
+    async def _call(self, server: int, **request: Any) -> Any:
+        url = self.urls[server]
+        try:
+            return await self._clients[server].completions.create(model=self.model_names[server], **request)
+        except openai.APIConnectionError as error:  # includes timeouts, after the client's retries
+            raise ServerError(f"{url}: {type(error).__name__} after {self.retries} retries: {error}") from None
+        except openai.APIStatusError as error:
+            raise ServerError(f"{url}: HTTP {error.status_code}: {_error_message(error)}") from None
+
+
+def parse_prompt_logprobs(entries: Sequence[Mapping[str, Any] | None], ids: Sequence[int], start: int, top_k: int,
+                          url: str = "") -> TokenScores:
+    """vLLM's prompt_logprobs (one dict per prompt position, keyed by token-id strings,
+    holding the top k and the actual token) -> logprobs of ids[start:], and the top k.
+
+    vLLM writes -inf as -9999. A top-k alternative at -9999 becomes -inf; the actual token
+    at -9999 means the server gives it probability 0 (an id outside its vocabulary, say),
+    and raises rather than enter the loss as a huge finite number.
+    """
+    length = len(ids) - start
+    logprobs = torch.empty(length, dtype=torch.float32)
+    topk_ids = torch.zeros(length, top_k, dtype=torch.long) if top_k else None
+    topk_logprobs = torch.full((length, top_k), -math.inf) if top_k else None
+    for row, position in enumerate(range(start, len(ids))):
+        entry = entries[position]
+        token = ids[position]
+        if entry is None or str(token) not in entry:
+            raise ServerError(f"{url}: prompt_logprobs at position {position} lack the actual token {token}")
+        value = float(entry[str(token)]["logprob"])
+        if value <= CLAMPED_LOGPROB:
+            raise ServerError(f"{url}: the server gives token {token} at position {position} probability 0 "
+                              "(logprob -inf, sent as -9999): is it outside the served model's vocabulary?")
+        logprobs[row] = value
+        if top_k:
+            ranked = sorted(((item["rank"], int(key), float(item["logprob"])) for key, item in entry.items()
+                             if item.get("rank") is not None and item["rank"] <= top_k))[:top_k]
+            for column, (_, token_id, token_logprob) in enumerate(ranked):
+                topk_ids[row, column] = token_id
+                topk_logprobs[row, column] = -math.inf if token_logprob <= CLAMPED_LOGPROB else token_logprob
+    return TokenScores(logprobs=logprobs, topk_ids=topk_ids, topk_logprobs=topk_logprobs)
+
+
+def _rollout(prompt: list[int], choice: Any, url: str) -> Rollout:
+    extra = choice.model_extra or {}
+    ids = extra.get("token_ids")
+    if ids is None:
+        raise ServerError(f"{url}: the completion carries no token_ids: the server does not support "
+                          "return_token_ids (vLLM >= 0.10.2 does)")
+    logprobs = choice.logprobs.token_logprobs if choice.logprobs is not None else None
+    if logprobs is None or len(logprobs) != len(ids):
+        raise ServerError(f"{url}: expected one logprob per completion token ({len(ids)}), got "
+                          f"{None if logprobs is None else len(logprobs)}")
+    finish = "stop" if choice.finish_reason == "stop" else "length"
+    return Rollout(prompt_ids=prompt, completion_ids=list(ids), sampler_logprobs=[float(v) for v in logprobs],
+                   finish_reason=finish, text=choice.text)
+
+
+def _served_model(url: str) -> tuple[str, int]:
+    """(model name, max_model_len) from GET /v1/models; the first sign of a wrong URL."""
+    try:
+        response = httpx.get(f"{url}/v1/models", timeout=30)
+        response.raise_for_status()
+        (model, *_) = response.json()["data"]
+    except (httpx.HTTPError, KeyError, ValueError) as error:
+        raise ServerError(f"{url}: not a reachable vLLM server ({type(error).__name__}: {error})") from None
+    return model["id"], int(model.get("max_model_len") or 0) or 2**31
+
+
+def _error_message(error: openai.APIStatusError) -> str:
+    body = error.body
+    if isinstance(body, dict):
+        return str(body.get("message") or body.get("error") or body)[:500]
+    return str(error)[:500]
+
+
+class _LoopThread:
+    """An event loop in a daemon thread: sync callers submit coroutines and wait."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="selfopd-vllm-client", daemon=True)
+        self.thread.start()
+
+    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.loop.close()

