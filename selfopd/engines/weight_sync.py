@@ -40,9 +40,9 @@ class ServerControl:
             response = self._client.request(method, self.url + path, **kwargs)
         except httpx.HTTPError as error:
             raise ServerError(f"{self.url}{path}: {type(error).__name__}: {error or 'no answer'}") from None
-        if response.status_code == 404 and path != "/weight_info":
-            raise ServerError(f"{self.url}{path}: not found (404). Was the server started with "
-                              "VLLM_SERVER_DEV_MODE=1 (as `selfopd serve` does)?")
+        if response.status_code == 404:
+            raise ServerError(f"{self.url}{path}: not found (404). This route needs a vLLM server started with "
+                              "VLLM_SERVER_DEV_MODE=1 and selfopd's worker extension, as `selfopd serve` does")
         if response.status_code >= 400:
             raise ServerError(f"{self.url}{path}: HTTP {response.status_code}: {response.text[:500]}")
         return response.json() if response.content else None
