@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -35,17 +34,11 @@ import torch
 
 from selfopd.engines.base import SamplingParams
 from selfopd.engines.vllm import VLLMEngine
-from selfopd.engines.vllm_server import ServerSpec, launch_servers
+from selfopd.engines.vllm_server import ServerSpec, free_port, launch_servers
 from selfopd.engines.weight_sync import NCCLWeightSync, ServerControl
 from selfopd.models import resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def trainer_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor:

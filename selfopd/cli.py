@@ -255,8 +255,7 @@ def _eval(args: argparse.Namespace) -> None:
 def _add_train(commands: argparse._SubParsersAction) -> None:
     train = _command(commands, "train", _train, "run on-policy (self-)distillation from a TOML config")
     train.add_argument("config", nargs="?", type=Path, help="TOML config (see experiments/demo.toml); omit with --resume")
-    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                       help="override a config value, e.g. --set optim.lr=3e-6 (repeatable)")
+    _add_overrides(train, "optim.lr=3e-6")
     train.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a run from its latest checkpoint")
     train.add_argument("--show-config", action="store_true",
                        help="print the resolved config (every field, with its help) as TOML and exit")
@@ -292,8 +291,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve = _command(commands, "serve", _serve,
                      "launch the vLLM student and teacher servers a config needs, until Ctrl-C")
     serve.add_argument("config", nargs="?", type=Path, help="TOML config; its [engine] section says how (default: all defaults)")
-    serve.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                       help="override a config value, e.g. --set engine.port=8200 (repeatable)")
+    _add_overrides(serve, "engine.port=8200")
     serve.add_argument("--log-dir", type=Path, default=Path("runs/servers"), help="where server logs go (default: runs/servers)")
 
 
@@ -334,6 +332,12 @@ def _command(
     parser = sub.add_parser(name, help=help_text, description=help_text)
     parser.set_defaults(run=run)
     return parser
+
+
+def _add_overrides(parser: argparse.ArgumentParser, example: str) -> None:
+    """`--set SECTION.KEY=VALUE`, repeatable, as every config-reading command takes it."""
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help=f"override a config value, e.g. --set {example} (repeatable)")
 
 
 def _is_user_error(error: Exception) -> bool:

@@ -272,10 +272,10 @@ class EngineConfig(_Section):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for url in self.urls("student_urls") + self.urls("teacher_url"):
-            if not url.startswith(("http://", "https://")):
-                _fail(self._key("student_urls" if url in self.student_urls else "teacher_url"),
-                      f"expected http://HOST:PORT, got {url!r}")
+        for name in ("student_urls", "teacher_url"):
+            for url in self.urls(name):
+                if not url.startswith(("http://", "https://")):
+                    _fail(self._key(name), f"expected http://HOST:PORT, got {url!r}")
         if len(self.urls("teacher_url")) > 1:
             _fail(self._key("teacher_url"), "takes one URL")
         if not 0 < self.port < 65535:

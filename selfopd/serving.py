@@ -10,21 +10,16 @@ and stopped when the run's `ExitStack` closes.
 from __future__ import annotations
 
 import contextlib
+import shlex
 from pathlib import Path
 
 from selfopd.config import TrainConfig
 from selfopd.engines.vllm import VLLMEngine
-from selfopd.engines.vllm_server import ServerSpec, launch_servers, parse_extra_args
+from selfopd.engines.vllm_server import ServerSpec, cuda_available, launch_servers
 from selfopd.engines.weight_sync import FileWeightSync, NCCLWeightSync, ServerControl, WeightSync
 from selfopd.models import resolve_model
 
 NCCL_FIRST_PORT = 29600
-
-
-def cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def weight_sync_kind(config: TrainConfig) -> str:
@@ -49,7 +44,7 @@ def planned_servers(config: TrainConfig) -> list[ServerSpec]:
         host=engine.host, dtype=config.model.dtype, max_model_len=engine.max_model_len,
         eager=not (engine.compile == "on" or (engine.compile == "auto" and cuda_available())),
         weight_transfer=weight_sync_kind(config), gpu_memory_utilization=engine.gpu_memory_utilization,
-        cpu_kv_cache_gb=engine.cpu_kv_cache_gb, extra_args=parse_extra_args(engine.extra_server_args),
+        cpu_kv_cache_gb=engine.cpu_kv_cache_gb, extra_args=tuple(shlex.split(engine.extra_server_args)),
     )
     specs = []
     if not engine.urls("student_urls"):

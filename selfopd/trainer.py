@@ -19,7 +19,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from selfopd.config import TrainConfig, config_to_toml, load_config
+from selfopd.config import TrainConfig, config_to_toml
 from selfopd.data import load_examples, split_examples
 from selfopd.engines.base import Engine, Rollout, SamplingParams
 from selfopd.engines.local import LocalEngine
@@ -287,7 +287,7 @@ def build_run(config: TrainConfig, resume_from: Path | None = None) -> Run:
 
 def _local_engines(config: TrainConfig, model: Any, tokenizer: Any, student_dir: Path,
                    dtype: torch.dtype) -> tuple[Engine, Engine]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     student_engine = LocalEngine(model, tokenizer, batch_size=config.eval.batch_size)
     if config.teacher.kind == "self":
@@ -295,26 +295,30 @@ def _local_engines(config: TrainConfig, model: Any, tokenizer: Any, student_dir:
     if config.teacher.kind == "frozen":
         frozen = AutoModelForCausalLM.from_pretrained(student_dir, dtype=dtype).eval().requires_grad_(False)
         return student_engine, LocalEngine(frozen, tokenizer, batch_size=config.eval.batch_size)
-    teacher_dir = resolve_model(config.teacher.model)
-    teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
+    teacher_dir, teacher_tokenizer = _checked_external_teacher(config, tokenizer)
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=dtype).eval().requires_grad_(False)
-    check_tokenizers_compatible(tokenizer, teacher_tokenizer, teacher.get_output_embeddings().weight.shape[0],
-                                config.model.student, config.teacher.model)
     return student_engine, LocalEngine(teacher, teacher_tokenizer, batch_size=config.eval.batch_size)
 
 
 def _vllm_engines(config: TrainConfig, tokenizer: Any, run_dir: Path,
                   resources: contextlib.ExitStack) -> tuple[Engine, Engine]:
-    from transformers import AutoConfig, AutoTokenizer
-
     from selfopd.serving import open_vllm_engines
 
     if config.teacher.kind == "external":  # checked before any server starts
-        teacher_dir = resolve_model(config.teacher.model)
-        check_tokenizers_compatible(tokenizer, AutoTokenizer.from_pretrained(teacher_dir),
-                                    AutoConfig.from_pretrained(teacher_dir).vocab_size,
-                                    config.model.student, config.teacher.model)
+        _checked_external_teacher(config, tokenizer)
     return open_vllm_engines(config, run_dir / "logs", resources, progress=config.run.progress)
+
+
+def _checked_external_teacher(config: TrainConfig, tokenizer: Any) -> tuple[Path, Any]:
+    """(folder, tokenizer) of the external teacher, refused (TokenizerMismatch) unless it
+    maps every token to the student's ids; checked before its weights load."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    teacher_dir = resolve_model(config.teacher.model)
+    teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
+    check_tokenizers_compatible(tokenizer, teacher_tokenizer, AutoConfig.from_pretrained(teacher_dir).vocab_size,
+                                config.model.student, config.teacher.model)
+    return teacher_dir, teacher_tokenizer
 
 
 def train(config: TrainConfig, resume: bool = False) -> Path:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,18 +23,12 @@ from selfopd.config import load_config
 from selfopd.engines.base import SamplingParams
 from selfopd.engines.local import LocalEngine
 from selfopd.engines.vllm import VLLMEngine, parse_prompt_logprobs
-from selfopd.engines.vllm_server import ServerError, ServerSpec, launch_servers
+from selfopd.engines.vllm_server import ServerError, ServerSpec, free_port, launch_servers, port_in_use
 from selfopd.engines.weight_sync import FileWeightSync, ServerControl
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-4  # fp32 on both sides
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -289,7 +282,7 @@ def test_a_server_that_cannot_start_reports_its_log(tmp_path):
             pass
     message = str(error.value)
     assert spec.url in message and "exited with code" in message and "last" in message
-    assert not _alive_port(spec.port)
+    assert not port_in_use("127.0.0.1", spec.port)
 
 
 def _group_pids(session_leader: int) -> list[int]:
@@ -323,8 +316,3 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
-
-
-def _alive_port(port: int) -> bool:
-    with socket.socket() as probe:
-        return probe.connect_ex(("127.0.0.1", port)) == 0

@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -34,17 +33,11 @@ import torch
 
 from selfopd.engines.base import SamplingParams
 from selfopd.engines.vllm import VLLMEngine
-from selfopd.engines.vllm_server import ServerSpec, launch_servers
+from selfopd.engines.vllm_server import ServerSpec, free_port, launch_servers
 from selfopd.engines.weight_sync import FileWeightSync, ServerControl
 from selfopd.models import resolve_model
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def make_prompts(tokenizer, count: int) -> list[list[int]]:

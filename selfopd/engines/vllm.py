@@ -48,7 +48,6 @@ class VLLMEngine:
         self.urls = [url.rstrip("/") for url in urls]
         self.weight_sync = weight_sync
         self.version = 0
-        self.last_sync: dict[str, float] = {}
         models = [_served_model(url) for url in self.urls]
         self.model_names = [name for name, _ in models]
         self.max_model_len = min(length for _, length in models)
@@ -104,7 +103,7 @@ class VLLMEngine:
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
         if self.weight_sync is None:
             raise ServerError(f"{', '.join(self.urls)}: this engine serves fixed weights (no weight sync was set up)")
-        self.last_sync = self.weight_sync.push(named_tensors, version)
+        self.weight_sync.push(named_tensors, version)
         self.version = version
 
     def close(self) -> None:

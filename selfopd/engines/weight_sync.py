@@ -16,6 +16,7 @@ off-policy) and its weight version is set to the trainer's step.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -100,20 +101,13 @@ class FileWeightSync:
         written = time.perf_counter()
         try:
             for control in self.controls:
-                control.pause()
-                try:
+                with _updating(control, version):
                     (result, *_) = control.rpc("selfopd_load_weights", path=str(path))
                     if result.get("loaded") != len(tensors):
                         raise ServerError(f"{control.url}: loaded {result.get('loaded')} of {len(tensors)} tensors")
-                    control.reset_prefix_cache()
-                    control.set_version(version)
-                finally:
-                    control.resume()
         finally:
             path.unlink(missing_ok=True)
-        done = time.perf_counter()
-        gigabytes = sum(t.numel() * t.element_size() for t in tensors.values()) / 1e9
-        return {"write_s": written - started, "load_s": done - written, "gigabytes": gigabytes}
+        return {"write_s": written - started, "load_s": time.perf_counter() - written, "gigabytes": _gigabytes(tensors)}
 
     def close(self) -> None:
         for control in self.controls:
@@ -148,21 +142,32 @@ class NCCLWeightSync:
         started = time.perf_counter()
         self.source.tensors = dict(named_tensors)
         for control, engine in zip(self.controls, self.engines):
-            control.pause()
-            try:
+            with _updating(control, version):
                 engine.send_weights()  # start_weight_update, broadcast + update_weights, finish
-                control.reset_prefix_cache()
-                control.set_version(version)
-            finally:
-                control.resume()
-        gigabytes = sum(t.numel() * t.element_size() for t in named_tensors.values()) / 1e9
-        return {"write_s": 0.0, "load_s": time.perf_counter() - started, "gigabytes": gigabytes}
+        return {"write_s": 0.0, "load_s": time.perf_counter() - started, "gigabytes": _gigabytes(named_tensors)}
 
     def close(self) -> None:
         for engine in self.engines:
             engine.shutdown()
         for control in self.controls:
             control.close()
+
+
+@contextlib.contextmanager
+def _updating(control: ServerControl, version: int) -> Iterator[None]:
+    """Pause the server around a weight load; after it, drop the prefix cache (computed with
+    the old weights) and record the version. The server resumes even if the load fails."""
+    control.pause()
+    try:
+        yield
+        control.reset_prefix_cache()
+        control.set_version(version)
+    finally:
+        control.resume()
+
+
+def _gigabytes(tensors: Mapping[str, torch.Tensor]) -> float:
+    return sum(t.numel() * t.element_size() for t in tensors.values()) / 1e9
 
 
 def _tensor_source() -> Any:
