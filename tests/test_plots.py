@@ -1,13 +1,19 @@
-"""selfopd.plots: reads metrics.jsonl with gaps, writes valid PNGs, skips plots without data."""
+"""selfopd.plots: reads metrics.jsonl with gaps, writes valid PNGs, skips plots without data;
+per-token heatmaps wrap like text, share one colour scale, and escape HTML."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+from matplotlib.colors import to_rgba
 from matplotlib.image import imread
 
-from selfopd.plots import plot_training_curves, read_metrics
+from selfopd.plots import (
+    DPI, LINE_IN, NO_VALUE_COLOR, _layout_tokens, plot_token_heatmap, plot_token_heatmaps_side_by_side,
+    plot_training_curves, read_metrics, save_token_heatmap_html, token_heatmap_html,
+)
 
 
 def synthetic_metrics(steps: int = 20, eval_every: int = 5) -> list[dict]:
@@ -75,3 +81,108 @@ def test_accuracy_plot_takes_an_interval_that_ends_at_the_value(tmp_path):
              {"step": 2, "eval/accuracy": 1.0, "eval/ci_low": 0.87, "eval/ci_high": 1.0 - 1e-16}]
     written = plot_training_curves(evals, tmp_path)
     assert [p.name for p in written] == ["accuracy.png", "curves.png"]
+
+
+# --- per-token heatmaps -----------------------------------------------------------------
+
+TOKENS = ["Let", " me", " think", ".", "\n", "   ", "3", " +", " 4", " =", " 7", ".\n", "", "The", " answer"]
+
+
+def unshow(shown: str) -> str:
+    """The token text a cell stands for (for tokens not cut short)."""
+    return shown.replace("↵", "\n").replace("→", "\t").replace("·", " ")
+
+
+def test_layout_wraps_at_the_width_and_breaks_after_newlines():
+    cells = _layout_tokens(TOKENS, width_chars=10)
+    assert "".join(unshow(shown) for _, _, shown in cells) == "".join(TOKENS)
+    for line, column, shown in cells:
+        assert column + max(1, len(shown)) <= 10
+    by_token = dict(zip(TOKENS, cells))
+    assert by_token["Let"][:2] == (0, 0) and by_token[" me"][:2] == (0, 3)
+    assert by_token[" think"][:2] == (1, 0)  # "Let me think" is 12 characters: wraps
+    assert by_token["\n"][2] == "↵" and by_token["   "] == (2, 0, "···")  # newline ended line 1
+    assert by_token[".\n"][2] == ".↵" and by_token[""][:2] == (by_token[".\n"][0] + 1, 0)
+    assert by_token["The"][:2] == (by_token[""][0], 1)  # the empty token takes one visible cell
+    assert by_token[" answer"][:2] == (by_token["The"][0] + 1, 0)
+
+
+def test_layout_gives_a_too_long_token_its_own_line():
+    cells = _layout_tokens(["ab", "x" * 30, "cd"], width_chars=10)
+    assert cells == [(0, 0, "ab"), (1, 0, "x" * 9 + "…"), (2, 0, "cd")]
+
+
+def facecolors(axes):
+    return [to_rgba(patch.get_facecolor()) for patch in axes.patches]
+
+
+def test_cell_colours_follow_the_values():
+    values = [1.0, -1.0, 0.0, math.nan, 0.5]
+    figure = plot_token_heatmap(["a", " b", " c", " d", " e"], values)
+    colours = facecolors(figure.axes[0])
+    assert len(colours) == 5  # one cell per token
+    positive, negative, zero, missing, half = colours
+    assert positive[2] > positive[0] + 0.2 and negative[0] > negative[2] + 0.2  # blue vs red
+    assert min(zero[:3]) > 0.9  # white-ish at 0
+    assert missing == pytest.approx(to_rgba(NO_VALUE_COLOR))
+    assert sum(half[:3]) > sum(positive[:3]) + 0.3  # paler than the largest value at the same sign
+    vmax_colours = facecolors(plot_token_heatmap(["a"], [1.0], vmax=10.0).axes[0])
+    assert min(vmax_colours[0][:3]) > 0.75  # 1.0 on a scale to 10 is pale
+
+
+def test_heatmap_writes_png_and_svg_and_grows_taller_with_more_lines(tmp_path):
+    short, long = tmp_path / "short.png", tmp_path / "long.png"
+    short_figure = plot_token_heatmap(TOKENS, [0.1 * i - 0.7 for i in range(len(TOKENS))], short)
+    long_figure = plot_token_heatmap([" word"] * 300, [math.sin(i) for i in range(300)], long)  # 17 lines of 18
+    assert {text.get_fontsize() for text in long_figure.axes[0].texts} == {short_figure.axes[0].texts[0].get_fontsize()}
+    short_image, long_image = imread(short), imread(long)
+    assert short_image[..., :3].std() > 0.05
+    assert short_image.shape[1] == long_image.shape[1]  # width set by width_chars
+    # 3 lines against 17: taller by 14 lines of LINE_IN inches, not a smaller font.
+    assert long_image.shape[0] - short_image.shape[0] == pytest.approx(14 * LINE_IN * DPI, abs=2)
+    svg = tmp_path / "rollout.svg"
+    plot_token_heatmap(TOKENS, [0.0] * len(TOKENS), svg)
+    assert svg.read_text().lstrip().startswith("<?xml") and svg.stat().st_size > 1000
+
+
+def test_heatmap_rejects_a_length_mismatch_and_an_unknown_suffix(tmp_path):
+    with pytest.raises(ValueError, match="2 values for 3 tokens"):
+        plot_token_heatmap(["a", "b", "c"], [0.0, 1.0])
+    with pytest.raises(ValueError, match=r"out\.pdf"):
+        plot_token_heatmap(["a"], [0.0], tmp_path / "out.pdf")
+
+
+def test_side_by_side_shares_one_colour_scale():
+    tokens = ["x", " y", " z"]
+    figure = plot_token_heatmaps_side_by_side(tokens, {"teacher A": [0.5, -2.0, 0.0], "teacher B": [0.5, 0.25, 1.0]})
+    panel_a, panel_b = figure.axes[:2]
+    assert panel_a.get_title(loc="left") == "teacher A" and panel_b.get_title(loc="left") == "teacher B"
+    assert facecolors(panel_a)[0] == facecolors(panel_b)[0]  # same value, same colour
+    assert facecolors(panel_b)[2] != facecolors(panel_a)[1]
+    # The scale spans +-2 (panel A's largest |value|), so panel B's 1.0 is not the darkest blue.
+    alone = plot_token_heatmap(tokens, [0.5, 0.25, 1.0])
+    assert facecolors(alone.axes[0])[2] != facecolors(panel_b)[2]
+    with pytest.raises(ValueError, match="teacher B"):
+        plot_token_heatmaps_side_by_side(tokens, {"teacher A": [0.0] * 3, "teacher B": [0.0] * 2})
+
+
+def test_html_escapes_tokens_and_shows_values_in_tooltips(tmp_path):
+    tokens = ["Hi", " <b>", "\n", "&"]
+    fragment = token_heatmap_html(tokens, {"hint": [1.0, -1.0, 0.0, math.nan], "plain": [0.0, 0.0, 0.0, 0.0]},
+                                  title="rollout <3>", details={"teacher logprob": [-0.1, -2.5, -0.3, -0.2]})
+    assert "<b>" not in fragment and "&lt;b&gt;" in fragment and "&amp;" in fragment
+    assert "rollout &lt;3&gt;" in fragment
+    assert "↵\n" in fragment and "white-space: pre-wrap" in fragment
+    spans = [part for part in fragment.split("<span ") if part.startswith('title="#')]
+    assert len(spans) == 2 * len(tokens)  # one span per token per label
+    first, second = spans[0], spans[1]
+    assert "hint: +1.0000" in first and "plain: +0.0000" in first and "teacher logprob: -0.1000" in first
+    assert "hint: -1.0000" in second and "teacher logprob: -2.5000" in second
+    background = [part.split("background: ")[1][:7] for part in (first, second)]
+    assert background[0] != background[1]
+    assert "http" not in fragment and "<script" not in fragment
+    page = save_token_heatmap_html(tmp_path / "rollouts.html", fragment, title="rollouts")
+    text = page.read_text(encoding="utf-8")
+    assert '<meta charset="utf-8">' in text and fragment in text and "<title>rollouts</title>" in text
+    with pytest.raises(ValueError, match="teacher logprob"):
+        token_heatmap_html(tokens, {"hint": [0.0] * 4}, details={"teacher logprob": [0.0]})
