@@ -87,7 +87,9 @@ class RunConfig(_Section):
     steps: int = _field(20, "Optimizer steps to take.")
     eval_every: int = _field(10, "Greedy held-out eval every N steps (0: only at the start and the end).")
     checkpoint_every: int = _field(0, "HF checkpoint plus trainer state every N steps (0: only at the end).")
-    rollouts_to_save: int = _field(8, "Rollouts kept per step under OUT_DIR/NAME/rollouts/ (0: none).")
+    rollouts_to_save: int = _field(
+        32, "Rollouts kept per step under OUT_DIR/NAME/rollouts/ for `selfopd diagnose` and notebooks (0: none)."
+    )
     progress: bool = _field(True, "Show a progress bar.")
 
     def __post_init__(self) -> None:

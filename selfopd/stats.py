@@ -82,11 +82,14 @@ class MeanEstimate:
         return f"{self.value:.3f} [{self.low:.3f}, {self.high:.3f}] (n={self.n})"
 
 
-def mean_interval(scores: list[float], z: float = Z_95) -> MeanEstimate:
+def mean_interval(scores: list[float], z: float = Z_95, unit_range: bool = True) -> MeanEstimate:
+    """Mean with a normal 95% interval; clipped to [0, 1] for scores in that range."""
     if not scores:
         raise ValueError("need at least one score")
     mean, half = _mean_and_half_width(scores, z)
-    return MeanEstimate(mean, max(0.0, mean - half), min(1.0, mean + half), len(scores))
+    if unit_range:
+        return MeanEstimate(mean, max(0.0, mean - half), min(1.0, mean + half), len(scores))
+    return MeanEstimate(mean, mean - half, mean + half, len(scores))
 
 
 def _mean_and_half_width(values: list[float], z: float) -> tuple[float, float]:

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from selfopd.config import TrainConfig, config_to_toml
 from selfopd.data import load_examples, split_examples
+from selfopd.diagnostics.records import RolloutRecord, write_records
 from selfopd.engines.base import Engine, Rollout, SamplingParams
 from selfopd.engines.local import LocalEngine
 from selfopd.evaluate import evaluate
@@ -122,6 +123,7 @@ def train_step(run: Run) -> dict[str, float]:
     run.model.train()
     total_tokens = sum(len(s.rollout.completion_ids) for s in scored)
     collected: dict[str, list[torch.Tensor]] = {"teacher": [], "student": [], "sampler": [], "advantage": []}
+    per_rollout: list[tuple[list[float], list[float]]] = []  # (student logprobs, advantage), for saving
     loss_total = 0.0
     with timer("train"):
         for start in range(0, len(scored), per_micro):
@@ -149,6 +151,9 @@ def train_step(run: Run) -> dict[str, float]:
             loss_total += loss.item() * weight
             for key, tensor in (("teacher", teacher_lp_BC), ("student", student_lp_BC), ("sampler", sampler_lp_BC), ("advantage", advantage_BC)):
                 collected[key].append(tensor.detach()[mask_BC])
+            for row in range(len(micro)):
+                keep = mask_BC[row]
+                per_rollout.append((student_lp_BC[row].detach()[keep].tolist(), advantage_BC[row].detach()[keep].tolist()))
 
     # 4. Optimizer step (AdamW state persists across steps).
     with timer("optim"):
@@ -181,7 +186,7 @@ def train_step(run: Run) -> dict[str, float]:
         "rollout/truncated_share": sum(s.rollout.finish_reason == "length" for s in scored) / len(scored),
         **timer.as_metrics(),
     }
-    save_rollouts(run, scored, cfg.run.rollouts_to_save)
+    save_rollouts(run, scored, per_rollout, cfg.run.rollouts_to_save)
     return metrics
 
 
@@ -399,20 +404,23 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save_rollouts(run: Run, scored: Sequence[Scored], limit: int) -> None:
-    """A bounded sample of this step's rollouts, for diagnostics and notebooks after the run."""
+def save_rollouts(run: Run, scored: Sequence[Scored], per_rollout: Sequence[tuple[list[float], list[float]]],
+                  limit: int) -> None:
+    """A bounded sample of this step's rollouts (the first `limit`, whole prompt groups
+    first), for diagnostics and notebooks after the run."""
     if limit <= 0:
         return
-    folder = run.run_dir / "rollouts"
-    folder.mkdir(parents=True, exist_ok=True)
-    with (folder / f"step_{run.step:05d}.jsonl").open("w") as handle:
-        for s in scored[:limit]:
-            handle.write(json.dumps({
-                "step": run.step, "id": s.example.id, "prompt_ids": s.rollout.prompt_ids,
-                "completion_ids": s.rollout.completion_ids, "text": s.rollout.text,
-                "sampler_logprobs": s.rollout.sampler_logprobs, "teacher_logprobs": s.teacher_logprobs.tolist(),
-                "reward": s.reward, "correct": s.correct, "answer": s.example.answer,
-            }) + "\n")
+    records = [
+        RolloutRecord(
+            step=run.step, id=s.example.id, group=s.group, prompt_ids=s.rollout.prompt_ids,
+            completion_ids=s.rollout.completion_ids, text=s.rollout.text,
+            sampler_logprobs=list(s.rollout.sampler_logprobs), student_logprobs=student,
+            teacher_logprobs=s.teacher_logprobs.tolist(), advantage=advantage, reward=s.reward,
+            correct=s.correct, answer=s.example.answer,
+        )
+        for s, (student, advantage) in zip(scored[:limit], per_rollout)
+    ]
+    write_records(run.run_dir / "rollouts" / f"step_{run.step:05d}.jsonl", records)
 
 
 def _clip_gradients(model: Any, max_norm: float) -> float:
