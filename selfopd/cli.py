@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import textwrap
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(commands)
     _add_train(commands)
     _add_serve(commands)
+    _add_diagnose(commands)
     return parser
 
 
@@ -323,6 +325,40 @@ def _serve(args: argparse.Namespace) -> None:
         raise UserError(f"the {dead.spec.name} server on {dead.spec.url} exited.\n{dead.log_tail()}")
 
 
+# --- diagnose -----------------------------------------------------------------------
+
+
+def _add_diagnose(commands: argparse._SubParsersAction) -> None:
+    diagnose = _command(commands, "diagnose", _diagnose,
+                        "privileged-illusion report of a run: advantage by token class, illusion score, "
+                        "wrong-context contrast, leakage, gap before training")
+    diagnose.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder (runs/NAME) with saved rollouts")
+    diagnose.add_argument("--no-model", action="store_true",
+                          help="only what the saved rollouts show: skip the wrong-context contrast and the gap")
+    diagnose.add_argument("--gap-items", type=int, default=100,
+                          help="held-out items for the accuracy gap with vs without context (default: 100)")
+    diagnose.add_argument("--heatmaps", type=int, default=4, help="heatmap PNGs per reported step (default: 4)")
+
+
+def _diagnose(args: argparse.Namespace) -> None:
+    from selfopd.diagnostics.report import diagnose_run
+
+    if args.gap_items < 0 or args.heatmaps < 0:
+        raise UserError("--gap-items and --heatmaps must be >= 0")
+    report = diagnose_run(args.run_dir, with_model=not args.no_model, gap_items=args.gap_items,
+                          heatmaps=args.heatmaps, progress=True)
+    summary = json.loads((report.parent / "summary.json").read_text())
+    steps = list(summary["illusion"])
+    for step in dict.fromkeys([steps[0], steps[-1]]):  # first and last saved step
+        score = summary["illusion"][step]
+        flag = "  WARNING" if score["warning"] else ""
+        print(f"illusion score at step {step}: {score['share']['value']:.3f} "
+              f"[{score['share']['low']:.3f}, {score['share']['high']:.3f}]{flag}")
+    for warning in summary["warnings"]:
+        print(f"warning: {warning}")
+    print(f"report: {report}")
+
+
 # --- helpers ------------------------------------------------------------------------
 
 
@@ -344,6 +380,7 @@ def _is_user_error(error: Exception) -> bool:
     """Errors that describe a bad spec, file or template: print the message, not a traceback."""
     from selfopd.config import ConfigError
     from selfopd.data import DataError
+    from selfopd.diagnostics.records import DiagnosticsError
     from selfopd.models import ModelError
     from selfopd.templates import TemplateError
     from selfopd.tokenizer_check import TokenizerMismatch
@@ -352,7 +389,7 @@ def _is_user_error(error: Exception) -> bool:
     from selfopd.trainer import WeightSyncError
 
     user_errors = (UserError, ConfigError, DataError, ModelError, TemplateError, TokenizerMismatch, WeightSyncError,
-                   ServerError, FileNotFoundError, FileExistsError)
+                   ServerError, DiagnosticsError, FileNotFoundError, FileExistsError)
     return isinstance(error, user_errors)
 
 

@@ -1,0 +1,201 @@
+"""The measurements that need a model: privileged gain on fresh or saved rollouts, the
+wrong-context contrast, and the accuracy gap a privileged context opens before training.
+
+Everything goes through the `Engine` interface, so a local model and vLLM servers work alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from selfopd.diagnostics.measures import Annotated, annotate
+from selfopd.diagnostics.records import DiagnosticsError, RolloutRecord
+from selfopd.diagnostics.tokens import privileged_only_text, token_pieces
+from selfopd.engines.base import Engine, SamplingParams
+from selfopd.example import Example
+from selfopd.stats import PairedDifference, Proportion, paired_difference, wilson_interval
+from selfopd.templates import PromptTemplate, prompt_token_ids, render_student, render_teacher
+from verifiers import reference_answer, verify_example
+
+_NUMBER = re.compile(r"^-?\d+$")
+
+
+@dataclass(frozen=True)
+class Prompting:
+    """How a student/teacher pair's prompts are made: the tokenizer, both templates, and
+    the items (by id) that saved rollouts refer to."""
+
+    tokenizer: Any
+    student_template: PromptTemplate
+    teacher_template: PromptTemplate
+    examples_by_id: Mapping[str, Example]
+
+    def with_teacher(self, template: PromptTemplate) -> Prompting:
+        return dataclasses.replace(self, teacher_template=template)
+
+    def example(self, example_id: str) -> Example:
+        try:
+            return self.examples_by_id[example_id]
+        except KeyError:
+            raise DiagnosticsError(f"rollout of item {example_id!r}: no such item in the run's data "
+                                   "(was data.spec changed?)") from None
+
+    def student_ids(self, example: Example) -> list[int]:
+        return prompt_token_ids(self.tokenizer, render_student(self.student_template, example))
+
+    def teacher_messages(self, example: Example, attempt: str) -> list[dict[str, str]]:
+        """The teacher's messages for `attempt`, with feedback graded against this example's answer."""
+        feedback = verify_example(attempt, example).feedback
+        return render_teacher(self.teacher_template, example, render_student(self.student_template, example),
+                              attempt, feedback)
+
+    def teacher_ids(self, example: Example, attempt: str) -> list[int]:
+        return prompt_token_ids(self.tokenizer, self.teacher_messages(example, attempt))
+
+
+def annotate_records(records: Sequence[RolloutRecord], prompting: Prompting, progress: bool = False) -> list[Annotated]:
+    """Token texts, classes and leaks of rollouts. The privileged text is what the teacher
+    template adds for that item (rendered again, as in training)."""
+    special = frozenset(prompting.tokenizer.all_special_tokens)
+    annotated = []
+    for record in tqdm(records, desc="annotate", unit="rollout", disable=not progress):
+        example = prompting.example(record.id)
+        student_prompt = _content(render_student(prompting.student_template, example))
+        privileged = privileged_only_text(_content(prompting.teacher_messages(example, record.text)), student_prompt,
+                                          record.text)
+        annotated.append(annotate(record, token_pieces(prompting.tokenizer, record.completion_ids),
+                                  reference_answer(example.answer), privileged, student_prompt,
+                                  verify_example(record.text, example).extracted, special))
+    return annotated
+
+
+def wrong_example(example: Example, other: Example, seed: int = 0) -> Example:
+    """The same question with a deliberately wrong privileged context: a nearby wrong number
+    (or another item's answer), and another item's solution and hints. Reasoning-gym's own
+    scorer is dropped, so feedback is computed against the wrong answer."""
+    answer = reference_answer(example.answer).strip()
+    if _NUMBER.match(answer):
+        offset = random.Random(f"{seed}/{example.id}").choice([-3, -2, -1, 1, 2, 3])
+        value = int(answer) + offset
+        wrong = str(value if value >= 0 or int(answer) < 0 else int(answer) + abs(offset))
+    else:
+        wrong = reference_answer(other.answer).strip()
+        if wrong == answer:
+            wrong = f"not {answer}"
+    meta = {key: value for key, value in example.meta.items() if key != "reasoning_gym"}
+    return dataclasses.replace(example, answer=wrong, solution=other.solution if example.solution else None,
+                               hints=other.hints if example.hints else (), meta=meta)
+
+
+def privileged_gains(engine: Engine, records: Sequence[RolloutRecord], prompting: Prompting, batch_size: int = 16,
+                     progress: bool = False) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per-token privileged gain of each rollout under the correct and under a wrong context:
+    log p(y_t | x, c, y<t) - log p(y_t | x, y<t), same weights (the engine's) for both terms."""
+    pool = list(prompting.examples_by_id.values())
+    correct_prompts, wrong_prompts = [], []
+    for index, record in enumerate(records):
+        example = prompting.example(record.id)
+        correct_prompts.append(prompting.teacher_ids(example, record.text))
+        wrong_prompts.append(prompting.teacher_ids(wrong_example(example, _other_example(pool, example, index)),
+                                                   record.text))
+    completions = [r.completion_ids for r in records]
+    plain = _score(engine, [r.prompt_ids for r in records], completions, batch_size, progress, "no context")
+    correct = _score(engine, correct_prompts, completions, batch_size, progress, "correct context")
+    wrong = _score(engine, wrong_prompts, completions, batch_size, progress, "wrong context")
+    return [c - p for c, p in zip(correct, plain)], [w - p for w, p in zip(wrong, plain)]
+
+
+def fresh_records(student: Engine, teacher: Engine, examples: Sequence[Example], prompting: Prompting,
+                  params: SamplingParams, batch_size: int = 16) -> list[RolloutRecord]:
+    """Sample the student now and score with the teacher: records like a run's step 0,
+    with advantage = teacher - student (no verifier-reward term)."""
+    groups = student.sample([prompting.student_ids(e) for e in examples], params)
+    flat = [(group, e, r) for group, (e, rollouts) in enumerate(zip(examples, groups)) for r in rollouts]
+    completions = [r.completion_ids for _, _, r in flat]
+    student_lp = _score(student, [r.prompt_ids for _, _, r in flat], completions, batch_size, False, "student")
+    teacher_lp = _score(teacher, [prompting.teacher_ids(e, r.text) for _, e, r in flat], completions, batch_size,
+                        False, "teacher")
+    records = []
+    for (group, example, rollout), s, t in zip(flat, student_lp, teacher_lp):
+        verdict = verify_example(rollout.text, example)
+        records.append(RolloutRecord(
+            step=0, id=example.id, group=group, prompt_ids=rollout.prompt_ids, completion_ids=rollout.completion_ids,
+            text=rollout.text, sampler_logprobs=list(rollout.sampler_logprobs), student_logprobs=s.tolist(),
+            teacher_logprobs=t.tolist(), advantage=(t - s).tolist(), reward=verdict.reward, correct=verdict.correct,
+            answer=example.answer,
+        ))
+    return records
+
+
+@dataclass(frozen=True)
+class ContextGap:
+    """Greedy accuracy on the same items: the student, the teacher's weights alone (the
+    student's own for a `self` teacher), and the teacher with its privileged context. The
+    gap (with context - student) predicts how much a privileged teacher has to give; when
+    it comes from a stated answer, it bounds the illusion, not an attainable target."""
+
+    student: Proportion
+    teacher_alone: Proportion
+    with_context: Proportion
+    gap: PairedDifference  # with_context - student, paired over items
+
+
+def context_gap(student: Engine, teacher: Engine, examples: Sequence[Example], prompting: Prompting, max_tokens: int,
+                batch_size: int = 32, progress: bool = False) -> ContextGap:
+    """A template that shows the teacher the student's attempt gets the student's greedy
+    answer as that attempt. `teacher` may be `student` (self-distillation)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    plain_prompts = [prompting.student_ids(e) for e in examples]
+    attempts = _greedy(student, plain_prompts, params, batch_size, progress, "student")
+    student_ok = _graded(attempts, examples)
+    alone_ok = student_ok
+    if teacher is not student:
+        alone_ok = _graded(_greedy(teacher, plain_prompts, params, batch_size, progress, "teacher alone"), examples)
+    context_prompts = [prompting.teacher_ids(e, a) for e, a in zip(examples, attempts)]
+    context_ok = _graded(_greedy(teacher, context_prompts, params, batch_size, progress, "teacher with context"),
+                         examples)
+    return ContextGap(_proportion(student_ok), _proportion(alone_ok), _proportion(context_ok),
+                      paired_difference(student_ok, context_ok))
+
+
+def _graded(answers: Sequence[str], examples: Sequence[Example]) -> list[bool]:
+    return [verify_example(a, e).correct for a, e in zip(answers, examples)]
+
+
+def _proportion(outcomes: Sequence[bool]) -> Proportion:
+    return wilson_interval(sum(outcomes), len(outcomes))
+
+
+def _greedy(engine: Engine, prompts: list[list[int]], params: SamplingParams, batch_size: int, progress: bool,
+            label: str) -> list[str]:
+    texts = []
+    for start in tqdm(range(0, len(prompts), batch_size), desc=label, unit="batch", disable=not progress):
+        texts.extend(group[0].text for group in engine.sample(prompts[start : start + batch_size], params))
+    return texts
+
+
+def _score(engine: Engine, prompts: Sequence[list[int]], completions: Sequence[list[int]], batch_size: int,
+           progress: bool, label: str) -> list[np.ndarray]:
+    """float64 logprobs of each completion after its prompt, in batches."""
+    pairs = [(list(p), list(c)) for p, c in zip(prompts, completions)]
+    out = []
+    for start in tqdm(range(0, len(pairs), batch_size), desc=label, unit="batch", disable=not progress):
+        out.extend(s.logprobs.double().numpy() for s in engine.score(pairs[start : start + batch_size]))
+    return out
+
+
+def _other_example(pool: Sequence[Example], example: Example, seed: int) -> Example:
+    """Another item (seeded choice) whose hints and solution make a wrong context."""
+    others = [e for e in random.Random(seed).sample(list(pool), min(len(pool), 4)) if e.id != example.id]
+    return others[0] if others else example
+
+
+def _content(messages: Sequence[Mapping[str, str]]) -> str:
+    return "\n".join(m["content"] for m in messages)

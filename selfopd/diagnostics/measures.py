@@ -1,0 +1,269 @@
+"""What the diagnostics measure, from annotated rollouts: where the teacher's advantage
+sits (by token class), the illusion score, and epistemic words, length and leakage over
+training. Every share comes with a bootstrap 95% interval over rollouts, the unit that
+was sampled."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from selfopd.diagnostics.records import RolloutRecord
+from selfopd.diagnostics.tokens import (
+    ANSWER_CLASSES,
+    CLASSES,
+    TokenPieces,
+    classify_tokens,
+    epistemic_count,
+    leaked_phrases,
+)
+from selfopd.stats import MeanEstimate, mean_interval
+
+# The illusion score warns above this: more than a quarter of the teacher's whole
+# |advantage| sits on the few tokens that state the answer. Calibrated on the demo task
+# (experiments/illusion/templates.py, 128 rollouts, answer tokens 8% of tokens): templates
+# that state the answer after the question score 0.43-0.44 (95% CIs from 0.37), clean
+# ones 0.08-0.09 (CIs up to 0.11).
+ILLUSION_WARNING = 0.25
+BOOTSTRAP_SAMPLES = 2000
+
+
+@dataclass(frozen=True)
+class Annotated:
+    """A rollout with its token texts, token classes and per-token advantage to analyse."""
+
+    record: RolloutRecord
+    pieces: TokenPieces
+    classes: list[str]
+    advantage: np.ndarray  # (T,) float64, usually teacher - student logprob
+    leaks: list[str]  # phrases in the output that refer to or copy privileged context
+
+
+@dataclass(frozen=True)
+class Share:
+    """A ratio of sums over rollouts, with a bootstrap 95% interval over rollouts."""
+
+    value: float
+    low: float
+    high: float
+    n: int  # rollouts
+
+    def __str__(self) -> str:
+        return f"{self.value:.3f} [{self.low:.3f}, {self.high:.3f}]"
+
+
+@dataclass(frozen=True)
+class ClassRow:
+    name: str
+    tokens: int
+    token_share: float
+    abs_share: Share  # share of total |advantage|
+    mean: float  # mean advantage per token of this class (signed)
+
+
+@dataclass(frozen=True)
+class IllusionScore:
+    """Share of the total |advantage| on answer tokens (`ANSWER_CLASSES`), and how much
+    more than their share of tokens that is (lift)."""
+
+    share: Share
+    token_share: float
+    threshold: float = ILLUSION_WARNING
+
+    @property
+    def lift(self) -> float:
+        return self.share.value / self.token_share if self.token_share else math.nan
+
+    @property
+    def warning(self) -> bool:
+        return self.share.value > self.threshold
+
+
+def annotate(
+    record: RolloutRecord,
+    pieces: TokenPieces,
+    answer: str,
+    privileged_text: str,
+    student_prompt: str,
+    extracted_answer: str | None,
+    special_tokens: frozenset[str] = frozenset(),
+    advantage: Sequence[float] | None = None,
+) -> Annotated:
+    """Classify a rollout's tokens; `advantage` defaults to the saved teacher - student."""
+    classes = classify_tokens(pieces, answer, privileged_text, student_prompt, extracted_answer, special_tokens)
+    values = np.asarray(record.opd_advantage if advantage is None else advantage, dtype=np.float64)
+    leaks = leaked_phrases(pieces.text, privileged_text, student_prompt)
+    return Annotated(record, pieces, classes, values, leaks)
+
+
+def ratio_share(numerators: Sequence[float], denominators: Sequence[float], seed: int = 0,
+                samples: int = BOOTSTRAP_SAMPLES) -> Share:
+    """sum(numerators) / sum(denominators) with a percentile bootstrap over the pairs."""
+    num, den = np.asarray(numerators, dtype=np.float64), np.asarray(denominators, dtype=np.float64)
+    if len(num) == 0 or den.sum() == 0:
+        return Share(math.nan, math.nan, math.nan, len(num))
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(num), size=(samples, len(num)))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        boot = num[picks].sum(1) / den[picks].sum(1)
+    boot = boot[np.isfinite(boot)]
+    low, high = np.percentile(boot, [2.5, 97.5]) if len(boot) else (math.nan, math.nan)
+    return Share(float(num.sum() / den.sum()), float(low), float(high), len(num))
+
+
+def decompose(rollouts: Sequence[Annotated]) -> list[ClassRow]:
+    """Total |advantage| split by token class, each class's share with its interval."""
+    total_abs = [float(np.abs(r.advantage).sum()) for r in rollouts]
+    total_tokens = sum(len(r.classes) for r in rollouts)
+    rows = []
+    for name in CLASSES:
+        in_class = [np.array([c == name for c in r.classes], dtype=bool) for r in rollouts]
+        class_abs = [float(np.abs(r.advantage[m]).sum()) for r, m in zip(rollouts, in_class)]
+        values = np.concatenate([r.advantage[m] for r, m in zip(rollouts, in_class)]) if rollouts else np.zeros(0)
+        tokens = int(sum(m.sum() for m in in_class))
+        rows.append(ClassRow(
+            name, tokens, tokens / total_tokens if total_tokens else math.nan,
+            ratio_share(class_abs, total_abs), float(values.mean()) if tokens else math.nan,
+        ))
+    return rows
+
+
+def illusion_score(rollouts: Sequence[Annotated], threshold: float = ILLUSION_WARNING) -> IllusionScore:
+    """The illusion score: the share of the teacher's total |advantage| that sits on tokens
+    stating the answer (copying the reference, or the student's own wrong final answer).
+
+    A teacher that read the answer off its context and teaches only that concentrates its
+    signal there: the student is pushed to state an answer it was never shown, not to get
+    better at reaching it. Above `threshold` (`ILLUSION_WARNING`) the report warns. On arithmetic a
+    student can still learn to compute what the teacher copies, so a high score is a
+    warning to check the wrong-context contrast and held-out accuracy, not a verdict.
+    """
+    answer_abs, total_abs, answer_tokens, tokens = [], [], 0, 0
+    for r in rollouts:
+        mask = np.array([c in ANSWER_CLASSES for c in r.classes], dtype=bool)
+        answer_abs.append(float(np.abs(r.advantage[mask]).sum()))
+        total_abs.append(float(np.abs(r.advantage).sum()))
+        answer_tokens += int(mask.sum())
+        tokens += len(mask)
+    return IllusionScore(ratio_share(answer_abs, total_abs), answer_tokens / tokens if tokens else math.nan, threshold)
+
+
+@dataclass(frozen=True)
+class StepBehaviour:
+    """What the student's outputs look like at one training step."""
+
+    step: int
+    rollouts: int
+    length: MeanEstimate  # completion tokens
+    epistemic_per_100: float  # epistemic words per 100 completion tokens
+    leak_rate: float  # share of rollouts with a leaked phrase
+    accuracy: float  # share of rollouts the verifier accepted
+    at_cap: float  # share of rollouts as long as the token cap (cut off, or nearly)
+
+
+def step_behaviour(step: int, rollouts: Sequence[Annotated], max_tokens: int | None = None) -> StepBehaviour:
+    lengths = [len(r.classes) for r in rollouts]
+    words = sum(epistemic_count(r.pieces.text) for r in rollouts)
+    count = max(len(rollouts), 1)
+    return StepBehaviour(
+        step, len(rollouts), mean_interval([float(n) for n in lengths], unit_range=False),
+        100 * words / max(sum(lengths), 1),
+        sum(bool(r.leaks) for r in rollouts) / count,
+        sum(r.record.correct for r in rollouts) / count,
+        sum(n >= max_tokens for n in lengths) / count if max_tokens else 0.0,
+    )
+
+
+def collapse_warnings(behaviour: Sequence[StepBehaviour], metrics: Sequence[dict] = (), drop: float = 0.5) -> list[str]:
+    """Warnings that the student got worse at imitating a teacher it cannot match, comparing
+    the first quarter of saved steps with the last: epistemic words or length falling by
+    more than `drop`, answers running into the token cap, verifier accuracy halving, the
+    reverse KL (from the run's `metrics`) falling while accuracy falls, leaked phrases."""
+    if len(behaviour) < 2:
+        return []
+    quarter = max(1, len(behaviour) // 4)
+    first, last = behaviour[:quarter], behaviour[-quarter:]
+    span = f"(steps {first[0].step}-{first[-1].step} vs {last[0].step}-{last[-1].step})"
+
+    def mean(rows: Sequence[StepBehaviour], field: str) -> float:
+        return float(np.mean([getattr(b, field) if field != "length" else b.length.value for b in rows]))
+
+    warnings = []
+    for field, name in (("epistemic_per_100", "epistemic words per 100 tokens"), ("length", "response length")):
+        before, after = mean(first, field), mean(last, field)
+        if before > 0 and after < (1 - drop) * before:
+            warnings.append(f"{name} fell from {before:.2f} to {after:.2f} {span}: a sign of collapse toward "
+                            "the teacher's shortcut")
+    before, after = mean(first, "at_cap"), mean(last, "at_cap")
+    if after >= 0.5 and after > before + 0.2:
+        warnings.append(f"responses run into the token cap: {before:.0%} -> {after:.0%} of rollouts {span}; "
+                        "the student imitates a teacher that wants longer answers than it can finish")
+    before, after = mean(first, "accuracy"), mean(last, "accuracy")
+    if before >= 0.1 and after < (1 - drop) * before:
+        warnings.append(f"verifier accuracy of the training rollouts fell from {before:.2f} to {after:.2f} {span}")
+        kl = [(m["step"], m["opd/reverse_kl"]) for m in metrics if m.get("opd/reverse_kl") is not None]
+        if len(kl) >= 2:
+            cut = max(1, len(kl) // 4)
+            kl_before, kl_after = np.mean([v for _, v in kl[:cut]]), np.mean([v for _, v in kl[-cut:]])
+            if kl_after < kl_before:
+                warnings.append(f"the reverse KL to the teacher fell ({kl_before:.3f} -> {kl_after:.3f}) while accuracy "
+                                "fell: the student is getting closer to the teacher without getting better, the "
+                                "privileged illusion's signature")
+    leaky = [b for b in behaviour if b.leak_rate > 0]
+    if leaky:
+        worst = max(leaky, key=lambda b: b.leak_rate)
+        warnings.append(f"student outputs refer to or copy privileged context at {len(leaky)} step(s), "
+                        f"up to {worst.leak_rate:.0%} of rollouts (step {worst.step})")
+    return warnings
+
+
+@dataclass(frozen=True)
+class ContextContrast:
+    """The same rollouts scored by the teacher with the correct and with a wrong privileged
+    context (a wrong answer, another item's hints and solution)."""
+
+    mean_gain_correct: dict[str, float]  # per class: mean privileged gain per token
+    mean_gain_wrong: dict[str, float]
+    answer_share_of_difference: Share  # share of sum |gain - gain_wrong| on answer tokens
+    follows_context: float  # correct rollouts whose answer tokens gain more with the correct context
+    correct_rollouts: int
+
+
+def context_contrast(rollouts: Sequence[Annotated], gains_correct: Sequence[np.ndarray],
+                     gains_wrong: Sequence[np.ndarray]) -> ContextContrast:
+    mean_correct, mean_wrong = {}, {}
+    for name in CLASSES:
+        masks = [np.array([c == name for c in r.classes], dtype=bool) for r in rollouts]
+        tokens = sum(int(m.sum()) for m in masks)
+        mean_correct[name] = sum(float(g[m].sum()) for g, m in zip(gains_correct, masks)) / tokens if tokens else math.nan
+        mean_wrong[name] = sum(float(g[m].sum()) for g, m in zip(gains_wrong, masks)) / tokens if tokens else math.nan
+    answer_diff, total_diff, follows, correct = [], [], 0, 0
+    for r, g, w in zip(rollouts, gains_correct, gains_wrong):
+        mask = np.array([c in ANSWER_CLASSES for c in r.classes], dtype=bool)
+        answer_diff.append(float(np.abs(g - w)[mask].sum()))
+        total_diff.append(float(np.abs(g - w).sum()))
+        if r.record.correct and mask.any():
+            correct += 1
+            follows += float(g[mask].sum()) > float(w[mask].sum())
+    return ContextContrast(mean_correct, mean_wrong, ratio_share(answer_diff, total_diff),
+                           follows / correct if correct else math.nan, correct)
+
+
+def as_jsonable(value: Any) -> Any:
+    """Dataclasses, numpy numbers and nan as plain JSON values (nan becomes null)."""
+    from dataclasses import asdict, is_dataclass
+
+    if is_dataclass(value) and not isinstance(value, type):
+        return as_jsonable(asdict(value))
+    if isinstance(value, dict):
+        return {k: as_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [as_jsonable(v) for v in value]
+    if isinstance(value, (float, np.floating)):
+        return None if not math.isfinite(float(value)) else float(value)
+    if isinstance(value, np.integer):
+        return int(value)
+    return value

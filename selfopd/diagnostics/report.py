@@ -1,0 +1,393 @@
+"""`selfopd diagnose RUN_DIR`: a markdown report on where a run's teacher signal came from.
+
+From the saved rollouts alone: the |advantage| decomposition by token class, the illusion
+score per step, and length, epistemic words and leakage over training. With a model (the
+run's starting weights, the default): the wrong-context contrast on the first saved step
+and the accuracy gap the privileged context opens before training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from selfopd.diagnostics.context import ContextGap, Prompting, annotate_records, context_gap, privileged_gains
+from selfopd.diagnostics.measures import (
+    Annotated,
+    ClassRow,
+    ContextContrast,
+    IllusionScore,
+    StepBehaviour,
+    as_jsonable,
+    collapse_warnings,
+    context_contrast,
+    decompose,
+    illusion_score,
+    step_behaviour,
+)
+from selfopd.diagnostics.records import RolloutRecord, read_run_rollouts
+from selfopd.engines.base import Engine
+from selfopd.example import Example
+
+CLASS_NOTES = {
+    "answer_copy": "states the reference answer, or copies a phrase of the privileged text",
+    "answer_slot": "the student's own final answer where it differs from the reference",
+    "epistemic": "doubt and checking words (wait, maybe, check, ...)",
+    "structural": "whitespace, punctuation, operators, markup, special tokens",
+    "other": "the rest: words and numbers of the reasoning",
+}
+
+
+@dataclass(frozen=True)
+class TemplateDiagnosis:
+    """A teacher template judged on given rollouts with one model: privileged gain by
+    token class, the illusion score, the wrong-context contrast and (optionally) the gap."""
+
+    template: str
+    rollouts: list[Annotated]  # advantage = privileged gain with the correct context
+    gains_wrong: list[np.ndarray]
+    decomposition: list[ClassRow]
+    illusion: IllusionScore
+    contrast: ContextContrast
+    gap: ContextGap | None
+
+
+def diagnose_template(
+    engine: Engine,
+    records: Sequence[RolloutRecord],
+    prompting: Prompting,
+    gap_examples: Sequence[Example] = (),
+    gap_max_tokens: int = 64,
+    student_engine: Engine | None = None,
+    batch_size: int = 16,
+    progress: bool = False,
+) -> TemplateDiagnosis:
+    """`engine` serves the teacher's weights, whose privileged gain is measured (the
+    student's own for a `self` teacher); `student_engine` (default: the same) is the
+    gap's no-context baseline."""
+    gains, wrong = privileged_gains(engine, records, prompting, batch_size, progress)
+    annotated = [dataclasses.replace(a, advantage=g) for a, g in zip(annotate_records(records, prompting), gains)]
+    gap = None
+    if gap_examples:
+        gap = context_gap(student_engine or engine, engine, gap_examples, prompting, gap_max_tokens, batch_size,
+                          progress)
+    return TemplateDiagnosis(prompting.teacher_template.name, annotated, wrong, decompose(annotated),
+                             illusion_score(annotated), context_contrast(annotated, gains, wrong), gap)
+
+
+@dataclass(frozen=True)
+class RunDiagnosis:
+    """Everything `selfopd diagnose` reports about one run."""
+
+    name: str
+    teacher: str  # "self with teacher/answer_note"
+    student_template: str
+    annotated: dict[int, list[Annotated]]  # saved rollouts by step, advantage = teacher - student
+    behaviour: list[StepBehaviour]
+    illusion: dict[int, IllusionScore]
+    decompositions: dict[str, list[ClassRow]]  # first and last saved step
+    warnings: list[str]
+    outcome: str  # base vs trained held-out accuracy, from the run's evaluations
+    model_part: TemplateDiagnosis | None  # with the starting weights
+
+    @property
+    def first(self) -> int:
+        return min(self.annotated)
+
+    @property
+    def last(self) -> int:
+        return max(self.annotated)
+
+
+def diagnose_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, heatmaps: int = 4,
+                 progress: bool = True) -> Path:
+    """Write RUN_DIR/diagnostics/{report.md, summary.json, figures/, heatmaps.html}; returns report.md."""
+    diagnosis = measure_run(Path(run_dir), with_model, gap_items, progress)
+    return write_report(diagnosis, Path(run_dir) / "diagnostics", heatmaps)
+
+
+def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, progress: bool = True) -> RunDiagnosis:
+    from transformers import AutoTokenizer
+
+    from selfopd.config import load_config
+    from selfopd.data import load_examples, split_examples
+    from selfopd.models import resolve_model
+    from selfopd.run_summary import summarize_run
+    from selfopd.templates import load_template
+
+    if not (run_dir / "config.toml").is_file():
+        raise FileNotFoundError(f"{run_dir}: not a run folder (no config.toml)")
+    config = load_config(run_dir / "config.toml")
+    by_step = read_run_rollouts(run_dir)
+    examples = load_examples(config.data.spec)
+    _, eval_examples = split_examples(examples, eval_size=config.data.eval_size, seed=config.data.split_seed)
+    prompting = Prompting(AutoTokenizer.from_pretrained(resolve_model(config.model.student)),
+                          load_template(config.data.student_template), load_template(config.teacher.template),
+                          {e.id: e for e in examples})
+
+    annotated = {step: annotate_records(records, prompting, progress) for step, records in by_step.items()}
+    behaviour = [step_behaviour(step, rollouts, config.rollout.max_tokens) for step, rollouts in annotated.items()]
+    first, last = min(annotated), max(annotated)
+    decompositions = {f"step {step}": decompose(annotated[step]) for step in sorted({first, last})}
+    model_part = None
+    if with_model:
+        student_engine, teacher_engine = _engines_at_start(config)
+        model_part = diagnose_template(teacher_engine, by_step[first], prompting, eval_examples[:gap_items],
+                                       config.eval.max_tokens, student_engine, config.eval.batch_size, progress)
+    return RunDiagnosis(
+        run_dir.name, f"{config.teacher.kind} with {prompting.teacher_template.name}", prompting.student_template.name,
+        annotated, behaviour, {step: illusion_score(rollouts) for step, rollouts in annotated.items()},
+        decompositions, collapse_warnings(behaviour, _read_metrics(run_dir)), summarize_run(run_dir), model_part,
+    )
+
+
+def write_report(diagnosis: RunDiagnosis, out: Path, heatmaps: int = 4) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    figures = _write_figures(diagnosis, out, heatmaps)
+    summary = {
+        "run": diagnosis.name, "teacher": diagnosis.teacher, "student_template": diagnosis.student_template,
+        "steps": sorted(diagnosis.annotated), "outcome": diagnosis.outcome,
+        "illusion": {step: _illusion_json(score) for step, score in diagnosis.illusion.items()},
+        "decomposition": as_jsonable(diagnosis.decompositions), "behaviour": as_jsonable(diagnosis.behaviour),
+        "warnings": diagnosis.warnings,
+    }
+    part = diagnosis.model_part
+    if part is not None:
+        summary["at_start"] = {"privileged_gain_decomposition": as_jsonable(part.decomposition),
+                               "illusion": _illusion_json(part.illusion), "contrast": as_jsonable(part.contrast),
+                               "gap": as_jsonable(part.gap)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    report = out / "report.md"
+    report.write_text(render_report(diagnosis, figures))
+    return report
+
+
+def _read_metrics(run_dir: Path) -> list[dict]:
+    from selfopd.plots import read_metrics
+
+    path = run_dir / "metrics.jsonl"
+    return read_metrics(path) if path.is_file() else []
+
+
+def _illusion_json(score: IllusionScore) -> dict[str, Any]:
+    return {**as_jsonable(score), "lift": as_jsonable(score.lift), "warning": score.warning}
+
+
+def _engines_at_start(config: Any) -> tuple[Engine, Engine]:
+    """In-process (student, teacher) engines with the run's starting weights; one engine
+    twice when the teacher is the student's weights (`self`, `frozen`)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from selfopd.engines.local import LocalEngine
+    from selfopd.models import resolve_model
+
+    def load(spec: str) -> LocalEngine:
+        folder = resolve_model(spec)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().requires_grad_(False)
+        return LocalEngine(model, AutoTokenizer.from_pretrained(folder), batch_size=config.eval.batch_size)
+
+    student = load(config.model.student)
+    return student, load(config.teacher.model) if config.teacher.kind == "external" else student
+
+
+def _write_figures(diagnosis: RunDiagnosis, out: Path, heatmaps: int) -> dict[str, str]:
+    """Figures under out/figures and heatmaps.html; returns {key: path relative to out}."""
+    from selfopd.diagnostics.figures import plot_behaviour, plot_class_shares
+    from selfopd.plots import (
+        plot_token_heatmap,
+        plot_token_heatmaps_side_by_side,
+        save_token_heatmap_html,
+        token_heatmap_html,
+    )
+
+    folder = out / "figures"
+    folder.mkdir(exist_ok=True)
+    plot_class_shares(diagnosis.decompositions, folder / "classes.png", diagnosis.name)
+    plot_behaviour(diagnosis.behaviour, diagnosis.illusion, folder / "behaviour.png", diagnosis.name)
+    figures = {"classes": "figures/classes.png", "behaviour": "figures/behaviour.png"}
+    steps = sorted({diagnosis.first, diagnosis.last})
+    for step in steps:
+        for rank, rollout in enumerate(_telling_rollouts(diagnosis.annotated[step], heatmaps)):
+            key = f"heatmap_step{step}_{rank}"
+            plot_token_heatmap(rollout.pieces.pieces, rollout.advantage, folder / f"{key}.png",
+                               title=f"step {step}: {_rollout_title(rollout)}", label="teacher - student logprob (nats)")
+            figures[key] = f"figures/{key}.png"
+    part = diagnosis.model_part
+    if part is not None:
+        rollout = _telling_rollouts(part.rollouts, 1)[0]
+        plot_token_heatmaps_side_by_side(
+            rollout.pieces.pieces,
+            {"correct context": rollout.advantage, "wrong context": part.gains_wrong[part.rollouts.index(rollout)]},
+            folder / "contrast.png", title=f"Privileged gain, same rollout: {_rollout_title(rollout)}")
+        figures["contrast"] = "figures/contrast.png"
+    blocks = [
+        token_heatmap_html(rollout.pieces.pieces, {"teacher - student": rollout.advantage},
+                           title=f"step {step}: {_rollout_title(rollout)}",
+                           details={"teacher logprob": rollout.record.teacher_logprobs,
+                                    "student logprob": rollout.record.student_logprobs})
+        for step in steps for rollout in _telling_rollouts(diagnosis.annotated[step], max(heatmaps, 8))
+    ]
+    save_token_heatmap_html(out / "heatmaps.html", "\n".join(blocks), title=f"{diagnosis.name}: per-token advantage")
+    return figures
+
+
+def _telling_rollouts(rollouts: Sequence[Annotated], count: int) -> list[Annotated]:
+    """Rollouts worth looking at first: alternately the correct one and the wrong one with
+    the largest total |advantage| (what the teacher most wants changed), then the rest."""
+    ranked = sorted(rollouts, key=lambda r: -float(np.abs(r.advantage).sum()))
+    correct = [r for r in ranked if r.record.correct]
+    wrong = [r for r in ranked if not r.record.correct]
+    chosen = []
+    while (correct or wrong) and len(chosen) < count:
+        for pool in (wrong, correct):
+            if pool and len(chosen) < count:
+                chosen.append(pool.pop(0))
+    return chosen
+
+
+def _rollout_title(rollout: Annotated) -> str:
+    record = rollout.record
+    verdict = "correct" if record.correct else "wrong"
+    return f"item {record.id} ({verdict}, reference {record.answer!s:.20}), sum of advantage {rollout.advantage.sum():+.2f}"
+
+
+def render_report(diagnosis: RunDiagnosis, figures: dict[str, str]) -> str:
+    d, first, last = diagnosis, diagnosis.first, diagnosis.last
+    lines = [
+        f"# Privileged-illusion diagnostics: {d.name}",
+        "",
+        f"Teacher: `{d.teacher}`; student template `{d.student_template}`. "
+        f"{sum(len(v) for v in d.annotated.values())} saved rollouts over {len(d.annotated)} step(s) "
+        f"({first} to {last}). Intervals are 95% bootstrap intervals over rollouts.",
+        "",
+        "## Verdict",
+        "",
+    ]
+    for step in sorted({first, last}):
+        score = d.illusion[step]
+        flag = "**WARNING: above the threshold**" if score.warning else "below the threshold"
+        lines.append(f"- Illusion score at step {step}: **{score.share}** (threshold {score.threshold}; {flag}); "
+                     f"answer tokens are {score.token_share:.1%} of tokens, so their share of |advantage| is "
+                     f"{score.lift:.1f}x their share of tokens.")
+    per_step = min(len(v) for v in d.annotated.values())
+    if per_step < 32:
+        lines.append(f"- Only {per_step} rollouts saved per step: intervals are wide. Raise `run.rollouts_to_save` "
+                     "(default 32) for a sharper picture.")
+    if d.model_part is not None:
+        lines.append(f"- Before training, privileged gain (same weights, with minus without context): illusion score "
+                     f"**{d.model_part.illusion.share}**.")
+    lines += [f"- {w}" for w in d.warnings] or ["- No collapse of length or epistemic words, no leaked phrases in outputs."]
+    lines += [
+        "",
+        "Held-out outcome of the run (greedy, paired over the same items):",
+        "",
+        "```",
+        d.outcome,
+        "```",
+        "",
+        "The illusion score is the share of the teacher's total |advantage| on answer tokens (classes "
+        "`answer_copy` and `answer_slot`). A teacher that read the answer off its context and teaches only that "
+        "puts its signal there: the student is pushed to state an answer it was never shown. On tasks the student "
+        "can compute, a high score is a warning to check the wrong-context contrast and held-out accuracy, not a verdict.",
+        "",
+        "## Where the advantage sits",
+        "",
+        f"![class shares]({figures['classes']})",
+        "",
+        _class_table(d.decompositions),
+        "",
+        "## Over training",
+        "",
+        f"![behaviour]({figures['behaviour']})",
+        "",
+        "| step | rollouts | accuracy | length (tokens) | at the cap | epistemic / 100 tok | leaking outputs | illusion score |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for b in d.behaviour:
+        lines.append(f"| {b.step} | {b.rollouts} | {b.accuracy:.2f} | {b.length.value:.1f} [{b.length.low:.1f}, "
+                     f"{b.length.high:.1f}] | {b.at_cap:.0%} | {b.epistemic_per_100:.2f} | {b.leak_rate:.0%} | "
+                     f"{d.illusion[b.step].share} |")
+    if d.model_part is not None:
+        lines += ["", _model_section(d.model_part, first, figures)]
+    leaks = [(step, r) for step, rollouts in d.annotated.items() for r in rollouts if r.leaks]
+    if leaks:
+        lines += ["", "## Outputs that refer to or copy privileged context", ""]
+        for step, r in leaks[:8]:
+            lines.append(f"- step {step}, item {r.record.id}: {', '.join(repr(p) for p in r.leaks[:3])}")
+    lines += ["", "## Per-token heatmaps", "",
+              "Blue: the teacher likes the token more than the student does; red: less. "
+              "Interactive view with logprobs on hover: [heatmaps.html](heatmaps.html).", ""]
+    lines += [f"![{key}]({path})" for key, path in figures.items() if key.startswith("heatmap")]
+    lines += ["", "## Token classes", ""] + [f"- `{k}`: {v}" for k, v in CLASS_NOTES.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _class_table(decompositions: dict[str, list[ClassRow]]) -> str:
+    labels = list(decompositions)
+    header = "| class | " + " | ".join(f"{label}: tokens | {label}: share of \\|adv\\| | {label}: mean adv"
+                                      for label in labels) + " |"
+    rows = [header, "|---|" + "---:|---:|---:|" * len(labels)]
+    for index, name in enumerate(row.name for row in decompositions[labels[0]]):
+        cells = []
+        for label in labels:
+            row = decompositions[label][index]
+            cells.append(f"{row.token_share:.1%} | {row.abs_share} | {_signed(row.mean)}")
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def _model_section(part: TemplateDiagnosis, step: int, figures: dict[str, str]) -> str:
+    contrast = part.contrast
+    lines = [
+        f"## Wrong-context contrast (rollouts of step {step}, starting weights)",
+        "",
+        "The same rollouts scored with the correct privileged context and with a deliberately wrong one "
+        "(a nearby wrong number or another item's answer; another item's hints and solution). Privileged gain "
+        "= log p(token | context) - log p(token | no context), same weights.",
+        "",
+        "| class | mean gain, correct context | mean gain, wrong context |",
+        "|---|---:|---:|",
+    ]
+    for name in contrast.mean_gain_correct:
+        lines.append(f"| {name} | {_signed(contrast.mean_gain_correct[name])} | {_signed(contrast.mean_gain_wrong[name])} |")
+    lines += [
+        "",
+        f"- Share of the correct-vs-wrong difference (sum of |gain - gain_wrong|) on answer tokens: "
+        f"**{contrast.answer_share_of_difference}**.",
+        "- Correct rollouts whose answer tokens gain more with the correct context than with the wrong one: "
+        + (f"**{_percent(contrast.follows_context)}** of {contrast.correct_rollouts}: near 100% means the teacher "
+           "reads the answer off its context." if contrast.correct_rollouts else "none of these rollouts is correct."),
+    ]
+    if "contrast" in figures:
+        lines += ["", f"![contrast]({figures['contrast']})"]
+    if part.gap is not None:
+        gap = part.gap
+        lines += [
+            "",
+            "## Gap before training (greedy, held-out items, starting weights)",
+            "",
+            "| | accuracy [95% CI] |",
+            "|---|---:|",
+            f"| student (no context) | {gap.student} |",
+            f"| teacher weights alone (no context) | {gap.teacher_alone} |",
+            f"| teacher with the privileged context | {gap.with_context} |",
+            "",
+            f"Gap (teacher with context - student): **{gap.gap}**. It bounds what the context can teach; when it "
+            "comes from a stated answer, most of it is the illusion's, not an attainable target.",
+        ]
+    return "\n".join(lines)
+
+
+def _signed(value: float) -> str:
+    return "n/a" if not math.isfinite(value) else f"{value:+.3f}"
+
+
+def _percent(value: float) -> str:
+    return "n/a" if not math.isfinite(value) else f"{value:.0%}"

@@ -1,0 +1,173 @@
+"""Diagnostics on real runs of the packaged SmolLM2: saved rollouts, privileged gain against a
+float64 reference, the wrong-context contrast, `selfopd diagnose`, and the notebooks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib.image
+import nbformat
+import pytest
+import torch
+from nbclient import NotebookClient
+
+from selfopd.cli import main
+from selfopd.config import load_config
+from selfopd.data import load_examples
+from selfopd.diagnostics import (
+    Prompting,
+    RolloutRecord,
+    annotate_records,
+    context_contrast,
+    privileged_gains,
+    read_run_rollouts,
+    wrong_example,
+)
+from selfopd.engines.local import LocalEngine
+from selfopd.example import Example
+from selfopd.templates import load_template
+from selfopd.trainer import train
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+DATA = "rg:chain_sum?min_terms=2&max_terms=2&min_digits=1&max_digits=1&size=200&seed=5"
+SMALL_RUN = [
+    f"data.spec={DATA}", "data.eval_size=8", "run.steps=2", "run.rollouts_to_save=4", "run.progress=false",
+    "run.eval_every=0", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_tokens=16",
+    "optim.micro_batch_prompts=2", "optim.lr=1e-5", "loss.lambda_rl=0", "eval.max_tokens=16", "eval.batch_size=8",
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, smollm2_dir) -> dict[str, Path]:
+    """Two 2-step self-distillation runs: the leaky and the clean reference-answer template."""
+    out = tmp_path_factory.mktemp("runs")
+    made = {}
+    for label, template in (("leaky", "teacher/answer_hint_leaky"), ("clean", "teacher/reference_answer")):
+        config = load_config(None, [*SMALL_RUN, f"run.out_dir={out}", f"run.name={label}",
+                                    f"teacher.template={template}"])
+        made[label] = train(config)
+    return made
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_model, smollm2_tokenizer):
+    return LocalEngine(smollm2_model, smollm2_tokenizer, batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def prompting(smollm2_tokenizer):
+    """Prompts as the runs make them, with the leaky teacher."""
+    return Prompting(smollm2_tokenizer, load_template("student/plain"), load_template("teacher/answer_hint_leaky"),
+                     {e.id: e for e in load_examples(DATA)})
+
+
+def test_saved_rollouts_hold_student_logprobs_and_advantage(runs):
+    by_step = read_run_rollouts(runs["leaky"])
+    assert list(by_step) == [1, 2] and all(len(records) == 4 for records in by_step.values())
+    for record in by_step[1]:
+        # lambda_rl = 0: the advantage is exactly teacher - student; step 1 sampled the trained weights.
+        assert record.advantage == pytest.approx(record.opd_advantage, abs=1e-6)
+        assert record.student_logprobs == pytest.approx(record.sampler_logprobs, abs=1e-4)
+        assert any(abs(a) > 1e-3 for a in record.advantage)
+
+
+def test_privileged_gain_equals_a_float64_reference(runs, engine, smollm2_model, smollm2_tokenizer, prompting):
+    record = read_run_rollouts(runs["leaky"])[1][0]
+    gains, _ = privileged_gains(engine, [record], prompting)
+    teacher_prompt = prompting.teacher_ids(prompting.example(record.id), record.text)
+    assert smollm2_tokenizer.decode(teacher_prompt).count("Hint: the correct final answer is") == 1
+    model64 = type(smollm2_model).from_pretrained(smollm2_model.name_or_path, dtype=torch.float64).eval()
+
+    def reference(prompt):
+        ids = torch.tensor([prompt + record.completion_ids])
+        with torch.no_grad():
+            logprobs = model64(ids).logits[0, :-1].log_softmax(-1)
+        targets = ids[0, 1:]
+        return logprobs.gather(-1, targets[:, None])[:, 0][len(prompt) - 1 :].numpy()
+
+    expected = reference(teacher_prompt) - reference(record.prompt_ids)
+    assert gains[0] == pytest.approx(expected, abs=2e-4)
+    assert abs(expected).max() > 0.05  # the hint changes the teacher's view
+
+
+def answer_rollouts(prompting, examples) -> list[RolloutRecord]:
+    """'The answer is X.' with the right X for each item, as exact token ids."""
+    tokenizer, records = prompting.tokenizer, []
+    for example in examples:
+        ids = tokenizer.encode(f"The answer is {example.answer}.", add_special_tokens=False) + [tokenizer.eos_token_id]
+        prompt = prompting.student_ids(example)
+        zeros = [0.0] * len(ids)
+        records.append(RolloutRecord(0, example.id, 0, prompt, ids, tokenizer.decode(ids), zeros, zeros, zeros, zeros,
+                                     1.0, True, example.answer))
+    return records
+
+
+def test_leaky_teacher_follows_a_wrong_answer_and_the_empty_control_gains_nothing(engine, prompting):
+    records = answer_rollouts(prompting, list(prompting.examples_by_id.values())[:6])
+    gains, wrong = privileged_gains(engine, records, prompting)
+    contrast = context_contrast(annotate_records(records, prompting), gains, wrong)
+    assert contrast.correct_rollouts == 6 and contrast.follows_context == 1.0
+    assert contrast.mean_gain_correct["answer_copy"] > 0.5 > -0.5 > contrast.mean_gain_wrong["answer_copy"]
+
+    empty_gains, empty_wrong = privileged_gains(engine, records, prompting.with_teacher(load_template("teacher/empty")))
+    assert all((g == 0).all() and (w == 0).all() for g, w in zip(empty_gains, empty_wrong))
+
+
+def test_wrong_example_changes_only_the_privileged_context():
+    item = Example("a", "What is 2 + 3?", "5", solution="2 + 3 = 5", hints=("add",), meta={"reasoning_gym": {}, "k": 1})
+    other = Example("b", "Spell cat", "tac", solution="reverse it", hints=("reverse",))
+    wrong = wrong_example(item, other)
+    assert wrong.prompt == item.prompt and wrong.answer != "5" and int(wrong.answer) >= 0
+    assert wrong.solution == "reverse it" and wrong.hints == ("reverse",) and wrong.meta == {"k": 1}
+    assert wrong_example(item, other) == wrong  # seeded
+    words = wrong_example(Example("c", "Capital of France?", "Paris"), Example("d", "x", "Rome"))
+    assert words.answer == "Rome" and words.solution is None
+
+
+def test_diagnose_writes_a_report_with_figures(runs, capsys):
+    assert main(["diagnose", str(runs["leaky"]), "--gap-items", "6", "--heatmaps", "2"]) == 0
+    out = runs["leaky"] / "diagnostics"
+    printed = capsys.readouterr().out
+    assert "illusion score at step 1" in printed and str(out / "report.md") in printed
+    report = (out / "report.md").read_text()
+    for heading in ("## Verdict", "## Where the advantage sits", "## Over training", "## Wrong-context contrast",
+                    "## Gap before training", "## Per-token heatmaps"):
+        assert heading in report
+    for link in [line.split("](")[1][:-1] for line in report.splitlines() if line.startswith("![")]:
+        image = matplotlib.image.imread(out / link)
+        assert image.shape[0] > 50 and image.shape[1] > 200, link
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["illusion"]) == {"1", "2"} and summary["at_start"]["gap"]["student"]["n"] == 6
+    share = summary["illusion"]["1"]["share"]
+    assert 0 <= share["low"] <= share["value"] <= share["high"] <= 1
+    assert "<span" in (out / "heatmaps.html").read_text()
+
+
+def test_diagnose_names_a_folder_that_is_not_a_run(tmp_path, capsys):
+    assert main(["diagnose", str(tmp_path), "--no-model"]) == 1
+    assert "not a run folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_runs_headless(notebook, runs, tmp_path, monkeypatch):
+    monkeypatch.setenv("SELFOPD_RUN_DIR", str(runs["leaky"]))
+    monkeypatch.setenv("SELFOPD_RUNS", f"{runs['leaky']}:{runs['clean']}")
+    monkeypatch.setenv("SELFOPD_NOTEBOOK_OUT", str(tmp_path))
+    monkeypatch.setenv("SELFOPD_NB_PROMPTS", "4")
+    monkeypatch.setenv("SELFOPD_NB_GAP_ITEMS", "6")
+    nb = nbformat.read(notebook, as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(notebook.parent)}}).execute()
+    images = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs if "image/png" in o.get("data", {})]
+    assert images, f"{notebook.name} displayed no figure"
+    assert list(tmp_path.glob("*.png"))
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebooks_are_committed_without_outputs(notebook):
+    nb = nbformat.read(notebook, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, f"{notebook.name}: strip outputs before committing"
