@@ -22,7 +22,7 @@ from selfopd.config import (
 
 # The defaults as the design states them; a changed default must change this table too.
 EXPECTED_DEFAULTS = {
-    "run": dict(name="run", out_dir="runs", seed=0, steps=20, eval_every=10, checkpoint_every=0, rollouts_to_save=8, progress=True),
+    "run": dict(name="run", out_dir="runs", seed=0, steps=20, eval_every=10, checkpoint_every=0, rollouts_to_save=32, progress=True),
     "model": dict(student="smollm2-135m-instruct", dtype="float32", threads=0),
     "teacher": dict(kind="self", model="", template="teacher/reference_answer"),
     "data": dict(
