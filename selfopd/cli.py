@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import textwrap
@@ -341,20 +340,17 @@ def _add_diagnose(commands: argparse._SubParsersAction) -> None:
 
 
 def _diagnose(args: argparse.Namespace) -> None:
-    from selfopd.diagnostics.report import diagnose_run
+    from selfopd.diagnostics.report import measure_run, write_report
 
     if args.gap_items < 0 or args.heatmaps < 0:
         raise UserError("--gap-items and --heatmaps must be >= 0")
-    report = diagnose_run(args.run_dir, with_model=not args.no_model, gap_items=args.gap_items,
-                          heatmaps=args.heatmaps, progress=True)
-    summary = json.loads((report.parent / "summary.json").read_text())
-    steps = list(summary["illusion"])
-    for step in dict.fromkeys([steps[0], steps[-1]]):  # first and last saved step
-        score = summary["illusion"][step]
-        flag = "  WARNING" if score["warning"] else ""
-        print(f"illusion score at step {step}: {score['share']['value']:.3f} "
-              f"[{score['share']['low']:.3f}, {score['share']['high']:.3f}]{flag}")
-    for warning in summary["warnings"]:
+    diagnosis = measure_run(args.run_dir, with_model=not args.no_model, gap_items=args.gap_items, progress=True)
+    report = write_report(diagnosis, args.run_dir / "diagnostics", args.heatmaps)
+    for step in sorted({diagnosis.first, diagnosis.last}):
+        score = diagnosis.illusion[step]
+        flag = "  WARNING" if score.warning else ""
+        print(f"illusion score at step {step}: {score.share}{flag}")
+    for warning in diagnosis.warnings:
         print(f"warning: {warning}")
     print(f"report: {report}")
 

@@ -123,7 +123,6 @@ def train_step(run: Run) -> dict[str, float]:
     run.model.train()
     total_tokens = sum(len(s.rollout.completion_ids) for s in scored)
     collected: dict[str, list[torch.Tensor]] = {"teacher": [], "student": [], "sampler": [], "advantage": []}
-    per_rollout: list[tuple[list[float], list[float]]] = []  # (student logprobs, advantage), for saving
     loss_total = 0.0
     with timer("train"):
         for start in range(0, len(scored), per_micro):
@@ -151,9 +150,6 @@ def train_step(run: Run) -> dict[str, float]:
             loss_total += loss.item() * weight
             for key, tensor in (("teacher", teacher_lp_BC), ("student", student_lp_BC), ("sampler", sampler_lp_BC), ("advantage", advantage_BC)):
                 collected[key].append(tensor.detach()[mask_BC])
-            for row in range(len(micro)):
-                keep = mask_BC[row]
-                per_rollout.append((student_lp_BC[row].detach()[keep].tolist(), advantage_BC[row].detach()[keep].tolist()))
 
     # 4. Optimizer step (AdamW state persists across steps).
     with timer("optim"):
@@ -186,7 +182,7 @@ def train_step(run: Run) -> dict[str, float]:
         "rollout/truncated_share": sum(s.rollout.finish_reason == "length" for s in scored) / len(scored),
         **timer.as_metrics(),
     }
-    save_rollouts(run, scored, per_rollout, cfg.run.rollouts_to_save)
+    save_rollouts(run, scored, flat["student"][0], flat["advantage"][0], cfg.run.rollouts_to_save)
     return metrics
 
 
@@ -404,18 +400,21 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save_rollouts(run: Run, scored: Sequence[Scored], per_rollout: Sequence[tuple[list[float], list[float]]],
+def save_rollouts(run: Run, scored: Sequence[Scored], student_lp_N: torch.Tensor, advantage_N: torch.Tensor,
                   limit: int) -> None:
     """A bounded sample of this step's rollouts (the first `limit`, whole prompt groups
-    first), for diagnostics and notebooks after the run."""
+    first), for diagnostics and notebooks after the run. `student_lp_N` and `advantage_N`
+    are the step's completion tokens, rollout after rollout, as the loss saw them."""
     if limit <= 0:
         return
+    lengths = [len(s.rollout.completion_ids) for s in scored]
+    per_rollout = zip(student_lp_N.split(lengths), advantage_N.split(lengths))
     records = [
         RolloutRecord(
             step=run.step, id=s.example.id, group=s.group, prompt_ids=s.rollout.prompt_ids,
             completion_ids=s.rollout.completion_ids, text=s.rollout.text,
-            sampler_logprobs=list(s.rollout.sampler_logprobs), student_logprobs=student,
-            teacher_logprobs=s.teacher_logprobs.tolist(), advantage=advantage, reward=s.reward,
+            sampler_logprobs=list(s.rollout.sampler_logprobs), student_logprobs=student.tolist(),
+            teacher_logprobs=s.teacher_logprobs.tolist(), advantage=advantage.tolist(), reward=s.reward,
             correct=s.correct, answer=s.example.answer,
         )
         for s, (student, advantage) in zip(scored[:limit], per_rollout)

@@ -10,7 +10,7 @@ over training, and measure the accuracy gap a context opens before training.
     tokens    token_pieces, classify_tokens, ...    token classes from text spans
     measures  decompose, illusion_score, ...         numbers with bootstrap intervals
     context   privileged_gains, context_gap, ...     the parts that need a model
-    report    diagnose_run                           `selfopd diagnose RUN_DIR`
+    report    measure_run, write_report              `selfopd diagnose RUN_DIR`
 """
 
 from selfopd.diagnostics.context import Prompting, annotate_records, context_gap, fresh_records, privileged_gains, wrong_example

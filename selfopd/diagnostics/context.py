@@ -50,14 +50,16 @@ class Prompting:
     def student_ids(self, example: Example) -> list[int]:
         return prompt_token_ids(self.tokenizer, render_student(self.student_template, example))
 
-    def teacher_messages(self, example: Example, attempt: str) -> list[dict[str, str]]:
-        """The teacher's messages for `attempt`, with feedback graded against this example's answer."""
-        feedback = verify_example(attempt, example).feedback
+    def teacher_messages(self, example: Example, attempt: str, feedback: str | None = None) -> list[dict[str, str]]:
+        """The teacher's messages for `attempt`, with feedback graded against this example's
+        answer (pass `feedback` when the attempt is already graded)."""
+        if feedback is None:
+            feedback = verify_example(attempt, example).feedback
         return render_teacher(self.teacher_template, example, render_student(self.student_template, example),
                               attempt, feedback)
 
-    def teacher_ids(self, example: Example, attempt: str) -> list[int]:
-        return prompt_token_ids(self.tokenizer, self.teacher_messages(example, attempt))
+    def teacher_ids(self, example: Example, attempt: str, feedback: str | None = None) -> list[int]:
+        return prompt_token_ids(self.tokenizer, self.teacher_messages(example, attempt, feedback))
 
 
 def annotate_records(records: Sequence[RolloutRecord], prompting: Prompting, progress: bool = False) -> list[Annotated]:
@@ -67,12 +69,13 @@ def annotate_records(records: Sequence[RolloutRecord], prompting: Prompting, pro
     annotated = []
     for record in tqdm(records, desc="annotate", unit="rollout", disable=not progress):
         example = prompting.example(record.id)
+        verdict = verify_example(record.text, example)
         student_prompt = _content(render_student(prompting.student_template, example))
-        privileged = privileged_only_text(_content(prompting.teacher_messages(example, record.text)), student_prompt,
-                                          record.text)
+        teacher_text = _content(prompting.teacher_messages(example, record.text, verdict.feedback))
+        privileged = privileged_only_text(teacher_text, student_prompt, record.text)
         annotated.append(annotate(record, token_pieces(prompting.tokenizer, record.completion_ids),
-                                  reference_answer(example.answer), privileged, student_prompt,
-                                  verify_example(record.text, example).extracted, special))
+                                  reference_answer(example.answer), privileged, student_prompt, verdict.extracted,
+                                  special))
     return annotated
 
 
@@ -118,13 +121,13 @@ def fresh_records(student: Engine, teacher: Engine, examples: Sequence[Example],
     with advantage = teacher - student (no verifier-reward term)."""
     groups = student.sample([prompting.student_ids(e) for e in examples], params)
     flat = [(group, e, r) for group, (e, rollouts) in enumerate(zip(examples, groups)) for r in rollouts]
+    verdicts = [verify_example(r.text, e) for _, e, r in flat]
     completions = [r.completion_ids for _, _, r in flat]
     student_lp = _score(student, [r.prompt_ids for _, _, r in flat], completions, batch_size, False, "student")
-    teacher_lp = _score(teacher, [prompting.teacher_ids(e, r.text) for _, e, r in flat], completions, batch_size,
-                        False, "teacher")
+    teacher_prompts = [prompting.teacher_ids(e, r.text, v.feedback) for (_, e, r), v in zip(flat, verdicts)]
+    teacher_lp = _score(teacher, teacher_prompts, completions, batch_size, False, "teacher")
     records = []
-    for (group, example, rollout), s, t in zip(flat, student_lp, teacher_lp):
-        verdict = verify_example(rollout.text, example)
+    for (group, example, rollout), verdict, s, t in zip(flat, verdicts, student_lp, teacher_lp):
         records.append(RolloutRecord(
             step=0, id=example.id, group=group, prompt_ids=rollout.prompt_ids, completion_ids=rollout.completion_ids,
             text=rollout.text, sampler_logprobs=list(rollout.sampler_logprobs), student_logprobs=s.tolist(),
@@ -154,11 +157,12 @@ def context_gap(student: Engine, teacher: Engine, examples: Sequence[Example], p
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     plain_prompts = [prompting.student_ids(e) for e in examples]
     attempts = _greedy(student, plain_prompts, params, batch_size, progress, "student")
-    student_ok = _graded(attempts, examples)
+    verdicts = [verify_example(a, e) for a, e in zip(attempts, examples)]
+    student_ok = [v.correct for v in verdicts]
     alone_ok = student_ok
     if teacher is not student:
         alone_ok = _graded(_greedy(teacher, plain_prompts, params, batch_size, progress, "teacher alone"), examples)
-    context_prompts = [prompting.teacher_ids(e, a) for e, a in zip(examples, attempts)]
+    context_prompts = [prompting.teacher_ids(e, a, v.feedback) for e, a, v in zip(examples, attempts, verdicts)]
     context_ok = _graded(_greedy(teacher, context_prompts, params, batch_size, progress, "teacher with context"),
                          examples)
     return ContextGap(_proportion(student_ok), _proportion(alone_ok), _proportion(context_ok),

@@ -41,6 +41,10 @@ class Annotated:
     advantage: np.ndarray  # (T,) float64, usually teacher - student logprob
     leaks: list[str]  # phrases in the output that refer to or copy privileged context
 
+    def in_classes(self, *names: str) -> np.ndarray:
+        """(T,) bool: which tokens belong to any of the classes `names`."""
+        return np.array([c in names for c in self.classes], dtype=bool)
+
 
 @dataclass(frozen=True)
 class Share:
@@ -120,7 +124,7 @@ def decompose(rollouts: Sequence[Annotated]) -> list[ClassRow]:
     total_tokens = sum(len(r.classes) for r in rollouts)
     rows = []
     for name in CLASSES:
-        in_class = [np.array([c == name for c in r.classes], dtype=bool) for r in rollouts]
+        in_class = [r.in_classes(name) for r in rollouts]
         class_abs = [float(np.abs(r.advantage[m]).sum()) for r, m in zip(rollouts, in_class)]
         values = np.concatenate([r.advantage[m] for r, m in zip(rollouts, in_class)]) if rollouts else np.zeros(0)
         tokens = int(sum(m.sum() for m in in_class))
@@ -143,7 +147,7 @@ def illusion_score(rollouts: Sequence[Annotated], threshold: float = ILLUSION_WA
     """
     answer_abs, total_abs, answer_tokens, tokens = [], [], 0, 0
     for r in rollouts:
-        mask = np.array([c in ANSWER_CLASSES for c in r.classes], dtype=bool)
+        mask = r.in_classes(*ANSWER_CLASSES)
         answer_abs.append(float(np.abs(r.advantage[mask]).sum()))
         total_abs.append(float(np.abs(r.advantage).sum()))
         answer_tokens += int(mask.sum())
@@ -236,13 +240,13 @@ def context_contrast(rollouts: Sequence[Annotated], gains_correct: Sequence[np.n
                      gains_wrong: Sequence[np.ndarray]) -> ContextContrast:
     mean_correct, mean_wrong = {}, {}
     for name in CLASSES:
-        masks = [np.array([c == name for c in r.classes], dtype=bool) for r in rollouts]
+        masks = [r.in_classes(name) for r in rollouts]
         tokens = sum(int(m.sum()) for m in masks)
         mean_correct[name] = sum(float(g[m].sum()) for g, m in zip(gains_correct, masks)) / tokens if tokens else math.nan
         mean_wrong[name] = sum(float(g[m].sum()) for g, m in zip(gains_wrong, masks)) / tokens if tokens else math.nan
     answer_diff, total_diff, follows, correct = [], [], 0, 0
     for r, g, w in zip(rollouts, gains_correct, gains_wrong):
-        mask = np.array([c in ANSWER_CLASSES for c in r.classes], dtype=bool)
+        mask = r.in_classes(*ANSWER_CLASSES)
         answer_diff.append(float(np.abs(g - w)[mask].sum()))
         total_diff.append(float(np.abs(g - w).sum()))
         if r.record.correct and mask.any():

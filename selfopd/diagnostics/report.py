@@ -1,4 +1,5 @@
-"""`selfopd diagnose RUN_DIR`: a markdown report on where a run's teacher signal came from.
+"""`selfopd diagnose RUN_DIR` (`measure_run`, then `write_report`): a markdown report on
+where a run's teacher signal came from.
 
 From the saved rollouts alone: the |advantage| decomposition by token class, the illusion
 score per step, and length, epistemic words and leakage over training. With a model (the
@@ -105,14 +106,9 @@ class RunDiagnosis:
         return max(self.annotated)
 
 
-def diagnose_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, heatmaps: int = 4,
-                 progress: bool = True) -> Path:
-    """Write RUN_DIR/diagnostics/{report.md, summary.json, figures/, heatmaps.html}; returns report.md."""
-    diagnosis = measure_run(Path(run_dir), with_model, gap_items, progress)
-    return write_report(diagnosis, Path(run_dir) / "diagnostics", heatmaps)
-
-
 def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, progress: bool = True) -> RunDiagnosis:
+    """Everything the report shows, from RUN_DIR's config, saved rollouts and evaluations;
+    `with_model` adds the wrong-context contrast and the gap (the run's starting weights)."""
     from transformers import AutoTokenizer
 
     from selfopd.config import load_config
@@ -148,6 +144,7 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
 
 
 def write_report(diagnosis: RunDiagnosis, out: Path, heatmaps: int = 4) -> Path:
+    """Write out/{report.md, summary.json, figures/, heatmaps.html}; returns report.md."""
     out.mkdir(parents=True, exist_ok=True)
     figures = _write_figures(diagnosis, out, heatmaps)
     summary = {
