@@ -62,13 +62,13 @@ def plot_training_curves(metrics: list[dict], out_dir: Path, title: str = "") ->
     written = []
     with matplotlib.rc_context(STYLE):
         for name, draw in panels:
-            figure = _figure(1, title)
+            figure = new_figure(1, title)
             draw(figure.axes[0], metrics)
-            written.append(_save(figure, out_dir / f"{name}.png"))
-        figure = _figure(len(panels), title)
+            written.append(save_figure(figure, out_dir / f"{name}.png"))
+        figure = new_figure(len(panels), title)
         for axes, (_, draw) in zip(figure.axes, panels):
             draw(axes, metrics)
-        written.append(_save(figure, out_dir / "curves.png"))
+        written.append(save_figure(figure, out_dir / "curves.png"))
     return written
 
 
@@ -81,7 +81,7 @@ def _series(metrics: list[dict], key: str) -> tuple[list[float], list[float]]:
 def _draw_loss(axes: Axes, metrics: list[dict]) -> None:
     steps, values = _series(metrics, "loss/pg")
     _line(axes, steps, values, color="tab:blue")
-    _decorate(axes, "Policy-gradient loss", "loss/pg")
+    decorate(axes, "Policy-gradient loss", "loss/pg")
 
 
 def _draw_kl(axes: Axes, metrics: list[dict]) -> None:
@@ -89,7 +89,7 @@ def _draw_kl(axes: Axes, metrics: list[dict]) -> None:
     _line(axes, steps, values, color="tab:red")
     # A sampled-token estimate: single steps can dip below zero, the true KL cannot.
     axes.axhline(0.0, color="0.5", linewidth=0.8, linestyle=":")
-    _decorate(axes, "Reverse KL to teacher (estimate)", "nats / token")
+    decorate(axes, "Reverse KL to teacher (estimate)", "nats / token")
 
 
 def _draw_accuracy(axes: Axes, metrics: list[dict]) -> None:
@@ -113,7 +113,7 @@ def _draw_accuracy(axes: Axes, metrics: list[dict]) -> None:
     if values and 0.0 <= min(values) and max(values) <= 1.0:
         axes.set_ylim(-0.03, 1.03)
     axes.legend(loc="best")
-    _decorate(axes, "Accuracy", "accuracy")
+    decorate(axes, "Accuracy", "accuracy")
 
 
 def _line(axes: Axes, steps: list[float], values: list[float], **style) -> None:
@@ -121,15 +121,18 @@ def _line(axes: Axes, steps: list[float], values: list[float], **style) -> None:
     axes.plot(steps, values, marker=marker, markersize=3.5, linewidth=1.5, **style)
 
 
-def _decorate(axes: Axes, title: str, ylabel: str) -> None:
+def decorate(axes: Axes, title: str, ylabel: str, xlabel: str = "step") -> None:
+    """Title, labels and a light grid; integer ticks when x counts steps."""
     axes.set_title(title)
-    axes.set_xlabel("step")
+    axes.set_xlabel(xlabel)
     axes.set_ylabel(ylabel)
-    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if xlabel == "step":
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.grid(True, alpha=0.3)
 
 
-def _figure(panels: int, title: str) -> Figure:
+def new_figure(panels: int, title: str) -> Figure:
+    """A row of `panels` axes on an Agg canvas (no pyplot state)."""
     figure = Figure(figsize=(5.5 * panels, 4.2), dpi=DPI, layout="constrained")
     FigureCanvasAgg(figure)
     figure.subplots(1, panels, squeeze=False)
@@ -138,7 +141,8 @@ def _figure(panels: int, title: str) -> Figure:
     return figure
 
 
-def _save(figure: Figure, path: Path) -> Path:
+def save_figure(figure: Figure, path: Path) -> Path:
+    """Write the figure at the toolkit's DPI; returns the path."""
     figure.savefig(path, dpi=DPI)
     return path
 

@@ -322,8 +322,12 @@ def _checked_external_teacher(config: TrainConfig, tokenizer: Any) -> tuple[Path
     return teacher_dir, teacher_tokenizer
 
 
-def train(config: TrainConfig, resume: bool = False) -> Path:
-    """Run (or continue) training; returns the run folder."""
+def train(config: TrainConfig, resume: bool = False, initial_eval: Path | None = None) -> Path:
+    """Run (or continue) training; returns the run folder.
+
+    `initial_eval`: an eval folder (eval.jsonl + summary.json) of these very starting weights
+    on this eval split, used as the step-0 eval instead of evaluating again. `selfopd
+    compare` evaluates the shared base model once for all its arms."""
     run_dir = Path(config.run.out_dir) / config.run.name
     checkpoint = latest_checkpoint(run_dir) if resume else None
     if resume and checkpoint is None:
@@ -335,15 +339,17 @@ def train(config: TrainConfig, resume: bool = False) -> Path:
         (run_dir / "config.toml").write_text(config_to_toml(config))
     run = build_run(config, checkpoint)
     with contextlib.closing(run):  # stops launched servers on any exit, Ctrl-C included
-        _train_loop(run, run_dir / "metrics.jsonl", resume)
+        _train_loop(run, run_dir / "metrics.jsonl", resume, initial_eval)
     _plot(run_dir)
     return run_dir
 
 
-def _train_loop(run: Run, metrics_path: Path, resume: bool) -> None:
+def _train_loop(run: Run, metrics_path: Path, resume: bool, initial_eval: Path | None) -> None:
     config = run.config
     if resume:
         _truncate_metrics(metrics_path, run.step)
+    elif initial_eval is not None:
+        _log(metrics_path, reuse_eval(run, initial_eval))
     else:
         _log(metrics_path, run_eval(run))
     bar = tqdm(total=config.run.steps, initial=run.step, desc=config.run.name, unit="step", disable=not config.run.progress)
@@ -373,6 +379,29 @@ def run_eval(run: Run) -> dict[str, float]:
         "eval/ci_high": accuracy.high,
         "eval/n": accuracy.n,
         "eval/length_mean": sum(r.completion_tokens for r in records) / max(len(records), 1),
+    }
+
+
+def reuse_eval(run: Run, source: Path) -> dict[str, float]:
+    """Copy an existing eval of the current weights in as this step's eval; its metrics.
+
+    Refused unless it covers exactly this run's held-out ids: a stale or foreign eval
+    would silently shift every paired comparison against it."""
+    ids = {json.loads(line)["id"] for line in (source / "eval.jsonl").read_text().splitlines()}
+    expected = {example.id for example in run.eval_examples}
+    if ids != expected:
+        raise ValueError(f"{source}: its eval items are not this run's held-out split "
+                         f"({len(ids ^ expected)} ids differ); evaluate again")
+    target = run.run_dir / "eval" / f"step_{run.step:05d}"
+    shutil.copytree(source, target, dirs_exist_ok=True)
+    summary = json.loads((source / "summary.json").read_text())
+    return {
+        "step": run.step,
+        "eval/accuracy": summary["accuracy"],
+        "eval/ci_low": summary["ci95"][0],
+        "eval/ci_high": summary["ci95"][1],
+        "eval/n": summary["n"],
+        "eval/length_mean": summary["mean_completion_tokens"],
     }
 
 

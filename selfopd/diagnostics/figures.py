@@ -14,7 +14,7 @@ from selfopd.diagnostics.measures import ClassRow, IllusionScore, StepBehaviour
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from selfopd.plots import DPI, STYLE, _decorate, _save
+from selfopd.plots import DPI, STYLE, decorate, save_figure
 
 def plot_class_shares(decompositions: dict[str, Sequence[ClassRow]], path: Path, title: str = "") -> Path:
     """For each labelled decomposition (e.g. first vs last step, or two templates): each
@@ -47,7 +47,7 @@ def plot_class_shares(decompositions: dict[str, Sequence[ClassRow]], path: Path,
         axes.set_title("Where the teacher's |advantage| sits, by token class")
         axes.grid(True, axis="y", alpha=0.3)
         axes.legend(loc="upper left", fontsize=9)
-        return _save(figure, Path(path))
+        return save_figure(figure, Path(path))
 
 
 def plot_behaviour(behaviour: Sequence[StepBehaviour], illusion: dict[int, IllusionScore], path: Path,
@@ -73,13 +73,13 @@ def plot_behaviour(behaviour: Sequence[StepBehaviour], illusion: dict[int, Illus
                             label="warning threshold")
             axes[0].legend(loc="best")
         axes[0].set_ylim(0, 1)
-        _decorate(axes[0], "Illusion score", "answer tokens' share of |adv|")
+        decorate(axes[0], "Illusion score", "answer tokens' share of |adv|")
         axes[1].fill_between(steps, [b.length.low for b in behaviour], [b.length.high for b in behaviour],
                              color="tab:blue", alpha=0.2)
         axes[1].plot(steps, [b.length.value for b in behaviour], color="tab:blue", marker="o", markersize=3.5)
-        _decorate(axes[1], "Response length", "tokens")
+        decorate(axes[1], "Response length", "tokens")
         axes[2].plot(steps, [b.epistemic_per_100 for b in behaviour], color="tab:purple", marker="o", markersize=3.5)
-        _decorate(axes[2], "Epistemic words", "per 100 tokens")
+        decorate(axes[2], "Epistemic words", "per 100 tokens")
         axes[3].plot(steps, [b.leak_rate for b in behaviour], color="tab:orange", marker="o", markersize=3.5,
                      label="refers to / copies context")
         axes[3].plot(steps, [b.accuracy for b in behaviour], color="tab:green", marker="o", markersize=3.5,
@@ -88,5 +88,5 @@ def plot_behaviour(behaviour: Sequence[StepBehaviour], illusion: dict[int, Illus
                      linestyle=":", label="at the token cap")
         axes[3].set_ylim(-0.03, 1.03)
         axes[3].legend(loc="best")
-        _decorate(axes[3], "Student outputs", "share of rollouts")
-        return _save(figure, Path(path))
+        decorate(axes[3], "Student outputs", "share of rollouts")
+        return save_figure(figure, Path(path))
