@@ -162,20 +162,28 @@ def _flatten(config: TrainConfig) -> dict[str, Any]:
     return {f"{section}.{key}": value for section, table in config_to_dict(config).items() for key, value in table.items()}
 
 
-def sft_model_folder(compare: CompareConfig) -> Path | None:
-    """Where the [sft] teacher's model folder is (or will be)."""
+# What the [sft] teacher takes from the arms' config (and may not set differently): the
+# same model, data and held-out split, so it never trains on an item the arms are scored on.
+SFT_FROM_ARMS = {"student": "model.student", "data": "data.spec", "eval_size": "data.eval_size",
+                 "split_seed": "data.split_seed", "student_template": "data.student_template",
+                 "eval_max_tokens": "eval.max_tokens"}
+
+
+def sft_config(compare: CompareConfig, arm_config: TrainConfig):
+    """The [sft] teacher's config, its split and model taken from the arms; None without [sft]."""
     if compare.sft is None:
         return None
-    from selfopd.sft import sft_config_from_table, sft_model_dir
+    from selfopd.sft import sft_config_from_table
 
-    return sft_model_dir(sft_config_from_table(_sft_table(compare), source=f"{compare.source} [sft]"))
-
-
-def _sft_table(compare: CompareConfig) -> dict[str, Any]:
-    """The [sft] table, its output under the comparison's folder unless it names one."""
-    table = dict(compare.sft or {})
+    table = dict(compare.sft)
     table.setdefault("out_dir", str(compare.folder))
-    return table
+    flat = _flatten(arm_config)
+    for key, arm_key in SFT_FROM_ARMS.items():
+        if key in table and table[key] != flat[arm_key]:
+            raise ConfigError(f"sft.{key}", f"is {table[key]!r} but the arms' {arm_key} is {flat[arm_key]!r}: the "
+                              "teacher must share the arms' model and held-out split; leave it out", source=str(compare.source))
+        table[key] = flat[arm_key]
+    return sft_config_from_table(table, source=f"{compare.source} [sft]")
 
 
 def run_compare(compare: CompareConfig, progress: bool = True) -> Path:
@@ -183,14 +191,16 @@ def run_compare(compare: CompareConfig, progress: bool = True) -> Path:
     from selfopd.compare_report import write_compare_report
     from selfopd.trainer import latest_checkpoint, train
 
-    configs = arm_configs(compare, sft_model_folder(compare))  # every arm checked before any work
+    # Every arm and the teacher's config are checked before any work starts.
+    sft = sft_config(compare, arm_configs(compare, None)[compare.arms[0].name])
+    configs = arm_configs(compare, sft.model_dir if sft else None)
     compare.folder.mkdir(parents=True, exist_ok=True)
     (compare.folder / "compare.toml").write_text(compare.source.read_text())
-    if compare.sft is not None:
-        from selfopd.sft import run_sft, sft_config_from_table
+    if sft is not None:
+        from selfopd.sft import run_sft
 
         started = time.perf_counter()
-        run_sft(sft_config_from_table(_sft_table(compare), source=f"{compare.source} [sft]"), progress=progress)
+        run_sft(sft, progress=progress)
         _note(compare, "sft", time.perf_counter() - started)
     for index, arm in enumerate(compare.arms, start=1):
         name, config, run_dir = arm.name, configs[arm.name], compare.arm_dir(arm.name)

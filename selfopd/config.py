@@ -33,6 +33,8 @@ Schedule = Literal["constant", "cosine", "linear"]
 EngineKind = Literal["local", "vllm"]
 WeightSyncKind = Literal["auto", "file", "nccl"]
 Switch = Literal["auto", "on", "off"]
+Divergence = Literal["sampled", "topk_reverse_kl", "reverse_kl", "forward_kl", "jsd"]
+FULL_VOCABULARY = ("reverse_kl", "forward_kl", "jsd")  # divergences that need the teacher in process
 
 
 class ConfigError(ValueError):
@@ -183,10 +185,21 @@ class LossConfig(_Section):
     lambda_rl: float = _field(0.0, "Weight of the GRPO advantage of the verifier reward.")
     normalisation: Normalisation = _field("token", "Loss average: over all completion tokens ('token') or per sequence first ('sequence').")
     is_cap: float = _field(2.0, "Cap of the truncated importance-sampling ratio trainer/engine (0: no ratio).")
+    divergence: Divergence = _field(
+        "sampled",
+        "What the OPD term minimises at each completion position. 'sampled': policy gradient on teacher_lp - "
+        "student_lp of the sampled token (reverse KL, one-sample estimate; any engine). 'topk_reverse_kl': exact "
+        "reverse KL over the teacher's top-k tokens plus one tail bucket (any engine that returns top-k). "
+        "'reverse_kl', 'forward_kl', 'jsd': full vocabulary, needs the teacher in process (engine.kind = 'local').")
+    top_k: int = _field(20, "Teacher top-k for divergence = 'topk_reverse_kl'.")
+    jsd_beta: float = _field(0.5, "beta of the generalised JSD (0: forward KL, 1: reverse KL), for divergence = 'jsd'.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._at_least("lambda_opd", 0.0)
+        self._at_least("top_k", 1)
+        if not 0.0 <= self.jsd_beta <= 1.0:
+            _fail(self._key("jsd_beta"), f"must be in [0, 1], got {self.jsd_beta!r}")
         self._at_least("lambda_rl", 0.0)
         if self.lambda_opd == 0 and self.lambda_rl == 0:
             _fail(self._key("lambda_opd"), "loss.lambda_opd and loss.lambda_rl are both 0: nothing to train on")
@@ -323,6 +336,9 @@ class TrainConfig:
             )
         if self.optim.warmup_steps > self.run.steps:
             _fail("optim.warmup_steps", f"must be <= run.steps ({self.run.steps}), got {self.optim.warmup_steps}")
+        if self.loss.divergence in FULL_VOCABULARY and self.engine.kind != "local":
+            _fail("loss.divergence", f"{self.loss.divergence!r} needs the teacher's full distribution in process "
+                  "(engine.kind = 'local'); with vLLM use 'sampled' or 'topk_reverse_kl'")
         if self.loss.lambda_rl > 0 and self.rollout.samples_per_prompt < 2:
             _fail(
                 "rollout.samples_per_prompt",

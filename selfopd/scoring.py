@@ -34,17 +34,22 @@ def completion_logprobs(model: Any, sequences: Sequences, pad_id: int, chunk_siz
     Differentiable when grad is enabled. Vocabulary logits are formed a chunk of positions
     at a time, so the batch never holds (B, C, V) fp32 logits.
     """
-    hidden_BCH, targets_BC, mask_BC = _completion_hidden(model, sequences, pad_id)
+    hidden_BCH, targets_BC, mask_BC = completion_hidden(model, sequences, pad_id)
+    return logprobs_from_hidden(model, hidden_BCH, targets_BC, mask_BC, chunk_size), mask_BC
+
+
+def logprobs_from_hidden(model: Any, hidden_BCH: Tensor, targets_BC: Tensor, mask_BC: Tensor,
+                         chunk_size: int = 256) -> Tensor:
+    """The second half of `completion_logprobs`, for callers that also need the hidden states."""
     head_VH = model.get_output_embeddings().weight
-    logprobs_BC = token_logprobs_from_hidden(hidden_BCH, head_VH, targets_BC, chunk_size)
-    return logprobs_BC * mask_BC, mask_BC
+    return token_logprobs_from_hidden(hidden_BCH, head_VH, targets_BC, chunk_size) * mask_BC
 
 
 @torch.no_grad()
 def completion_topk(model: Any, sequences: Sequences, pad_id: int, k: int, chunk_size: int = 256) -> tuple[Tensor, Tensor]:
     """The k most likely tokens at each completion position: (ids_BCK, logprobs_BCK),
     the distribution each completion token was drawn from."""
-    hidden_BCH, _, _ = _completion_hidden(model, sequences, pad_id)
+    hidden_BCH, _, _ = completion_hidden(model, sequences, pad_id)
     head_VH = model.get_output_embeddings().weight
     ids, values = [], []
     for start in range(0, hidden_BCH.shape[1], chunk_size):
@@ -55,8 +60,10 @@ def completion_topk(model: Any, sequences: Sequences, pad_id: int, k: int, chunk
     return torch.cat(ids, dim=1), torch.cat(values, dim=1)
 
 
-def _completion_hidden(model: Any, sequences: Sequences, pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Final hidden states that predict each completion token, the tokens, and their mask.
+def completion_hidden(model: Any, sequences: Sequences, pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Final hidden states that predict each completion token, the tokens, and their mask:
+    (hidden_BCH, ids_BC, mask_BC). With the unembedding (`model.get_output_embeddings()`)
+    they give every next-token distribution, for the full-vocabulary losses.
 
     Two decoder calls: the distinct prompts, left-padded so they all end at the same
     position; then every completion, right-padded, attending to its prompt's cached

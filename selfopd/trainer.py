@@ -26,9 +26,17 @@ from selfopd.engines.base import Engine, Rollout, SamplingParams
 from selfopd.engines.local import LocalEngine
 from selfopd.evaluate import evaluate
 from selfopd.example import Example
-from selfopd.losses import combined_advantage, opd_metrics, policy_gradient_loss, truncated_is_ratio
+from selfopd.losses import (
+    combined_advantage,
+    full_vocab_divergence,
+    masked_mean,
+    opd_metrics,
+    policy_gradient_loss,
+    topk_reverse_kl,
+    truncated_is_ratio,
+)
 from selfopd.models import resolve_model
-from selfopd.scoring import completion_logprobs, pad_completions
+from selfopd.scoring import completion_hidden, completion_logprobs, logprobs_from_hidden, pad_completions
 from selfopd.templates import PromptTemplate, load_template, prompt_token_ids, render_student, render_teacher
 from selfopd.tokenizer_check import check_tokenizers_compatible
 from verifiers import verify_example
@@ -76,6 +84,8 @@ class Scored:
     reward: float
     correct: bool
     teacher_logprobs: torch.Tensor  # (T,) over the completion tokens
+    teacher_prompt: list[int]
+    teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None  # (T, k) ids and logprobs, when the loss needs them
 
 
 def train_step(run: Run) -> dict[str, float]:
@@ -110,40 +120,50 @@ def train_step(run: Run) -> dict[str, float]:
         # Scored in the trainer's micro-batches: with the empty-context control the teacher
         # then computes exactly what the student does, bit for bit (same batch, same padding).
         per_micro = cfg.optim.micro_batch_prompts * cfg.rollout.samples_per_prompt
+        top_k = cfg.loss.top_k if cfg.loss.divergence == "topk_reverse_kl" else 0
         scores = []
         for start in range(0, len(pending), per_micro):
             micro = pending[start : start + per_micro]
-            scores.extend(run.teacher_engine.score([(teacher_prompt, rollout.completion_ids) for _, _, rollout, _, teacher_prompt in micro]))
+            pairs = [(teacher_prompt, rollout.completion_ids) for _, _, rollout, _, teacher_prompt in micro]
+            scores.extend(run.teacher_engine.score(pairs, top_k=top_k))
     scored = [
-        Scored(example, group, rollout, verdict.reward, verdict.correct, score.logprobs)
-        for (example, group, rollout, verdict, _), score in zip(pending, scores)
+        Scored(example, group, rollout, verdict.reward, verdict.correct, score.logprobs, teacher_prompt,
+               (score.topk_ids, score.topk_logprobs) if top_k else None)
+        for (example, group, rollout, verdict, teacher_prompt), score in zip(pending, scores)
     ]
 
     # 3. Student forward/backward in micro-batches of whole prompt groups; gradients accumulate.
     run.model.train()
     total_tokens = sum(len(s.rollout.completion_ids) for s in scored)
-    collected: dict[str, list[torch.Tensor]] = {"teacher": [], "student": [], "sampler": [], "advantage": []}
+    collected: dict[str, list[torch.Tensor]] = {"teacher": [], "student": [], "sampler": [], "advantage": [], "divergence": []}
+    sampled = cfg.loss.divergence == "sampled"
     loss_total = 0.0
     with timer("train"):
         for start in range(0, len(scored), per_micro):
             micro = scored[start : start + per_micro]
             sequences = [(s.rollout.prompt_ids, s.rollout.completion_ids) for s in micro]
-            student_lp_BC, mask_BC = completion_logprobs(run.model, sequences, run.tokenizer.pad_token_id)  # with grad
+            hidden_BCH, tokens_BC, mask_BC = completion_hidden(run.model, sequences, run.tokenizer.pad_token_id)  # with grad
+            student_lp_BC = logprobs_from_hidden(run.model, hidden_BCH, tokens_BC, mask_BC)
             mask_BC = mask_BC.bool()
             length = mask_BC.shape[1]
             teacher_lp_BC = pad_completions([s.teacher_logprobs for s in micro], length)
             sampler_lp_BC = pad_completions([s.rollout.sampler_logprobs for s in micro], length)
-            advantage_BC = combined_advantage(
-                teacher_lp_BC,
-                student_lp_BC,
-                mask_BC,
-                rewards_B=torch.tensor([s.reward for s in micro]),
-                group_ids_B=torch.tensor([s.group for s in micro]),
-                lambda_opd=cfg.loss.lambda_opd,
-                lambda_rl=cfg.loss.lambda_rl,
-            )
+            rewards_B = torch.tensor([s.reward for s in micro])
+            group_ids_B = torch.tensor([s.group for s in micro])
+            # The sampled-token advantage (OPD + GRPO) is always computed: it is saved and
+            # measured even when the teacher term of the loss is an exact divergence.
+            advantage_BC = combined_advantage(teacher_lp_BC, student_lp_BC, mask_BC, rewards_B, group_ids_B,
+                                              lambda_opd=cfg.loss.lambda_opd, lambda_rl=cfg.loss.lambda_rl)
             ratio_BC = truncated_is_ratio(student_lp_BC, sampler_lp_BC, cfg.loss.is_cap) if cfg.loss.is_cap else None
-            loss = policy_gradient_loss(student_lp_BC, advantage_BC, mask_BC, ratio_BC, cfg.loss.normalisation)
+            if sampled:
+                loss = policy_gradient_loss(student_lp_BC, advantage_BC, mask_BC, ratio_BC, cfg.loss.normalisation)
+            else:  # the teacher term is an exact divergence; only the GRPO term stays a policy gradient
+                grpo_BC = combined_advantage(teacher_lp_BC, student_lp_BC, mask_BC, rewards_B, group_ids_B,
+                                             lambda_opd=0.0, lambda_rl=cfg.loss.lambda_rl)
+                divergence_BC = distribution_divergence(run, micro, hidden_BCH, mask_BC)
+                loss = (policy_gradient_loss(student_lp_BC, grpo_BC, mask_BC, ratio_BC, cfg.loss.normalisation)
+                        + cfg.loss.lambda_opd * masked_mean(divergence_BC, mask_BC, cfg.loss.normalisation))
+                collected["divergence"].append(divergence_BC.detach()[mask_BC])
             # Scale so the accumulated gradient equals one big batch's mean.
             weight = int(mask_BC.sum()) / total_tokens if cfg.loss.normalisation == "token" else len(micro) / len(scored)
             (loss * weight).backward()
@@ -165,7 +185,7 @@ def train_step(run: Run) -> dict[str, float]:
     with timer("probe"):
         probe_diff = check_probe(run)
 
-    flat = {key: torch.cat(values)[None] for key, values in collected.items()}
+    flat = {key: torch.cat(values)[None] for key, values in collected.items() if values}
     metrics = {
         "step": run.step,
         "loss/pg": loss_total,
@@ -177,6 +197,7 @@ def train_step(run: Run) -> dict[str, float]:
             sampler_lp_BT=flat["sampler"], cap=cfg.loss.is_cap or None, advantage_BT=flat["advantage"],
             rewards_B=torch.tensor([s.reward for s in scored]),
         ),
+        **({} if sampled else {f"loss/{cfg.loss.divergence}": flat["divergence"].double().mean().item()}),
         "reward/accuracy": sum(s.correct for s in scored) / len(scored),
         "rollout/length_mean": total_tokens / len(scored),
         "rollout/truncated_share": sum(s.rollout.finish_reason == "length" for s in scored) / len(scored),
@@ -184,6 +205,29 @@ def train_step(run: Run) -> dict[str, float]:
     }
     save_rollouts(run, scored, flat["student"][0], flat["advantage"][0], cfg.run.rollouts_to_save)
     return metrics
+
+
+def distribution_divergence(run: Run, micro: Sequence[Scored], hidden_BCH: torch.Tensor,
+                            mask_BC: torch.Tensor) -> torch.Tensor:
+    """Per-token divergence (B, C) of the student's next-token distributions from the
+    teacher's (`loss.divergence`), differentiable in the student's hidden states."""
+    cfg = run.config.loss
+    head_VH = run.model.get_output_embeddings().weight
+    length = mask_BC.shape[1]
+    if cfg.divergence == "topk_reverse_kl":
+        ids_BCK = torch.zeros(len(micro), length, cfg.top_k, dtype=torch.long)
+        logprobs_BCK = torch.zeros(len(micro), length, cfg.top_k)
+        for row, s in enumerate(micro):
+            ids, logprobs = s.teacher_topk
+            ids_BCK[row, : len(ids)], logprobs_BCK[row, : len(ids)] = ids, logprobs
+        return topk_reverse_kl(hidden_BCH, head_VH, ids_BCK, logprobs_BCK, mask_BC)
+    teacher = run.teacher_engine.model  # in process: the config refuses full-vocabulary losses with vLLM
+    with torch.no_grad():
+        pairs = [(s.teacher_prompt, s.rollout.completion_ids) for s in micro]
+        teacher_hidden_BCH, _, _ = completion_hidden(teacher, pairs, run.tokenizer.pad_token_id)
+    return full_vocab_divergence(hidden_BCH, head_VH, mask_BC, teacher_hidden_BTH=teacher_hidden_BCH,
+                                 teacher_weight_VH=teacher.get_output_embeddings().weight,
+                                 divergence=cfg.divergence, beta=cfg.jsd_beta)
 
 
 def batch_for_step(examples: Sequence[Example], step: int, size: int, seed: int) -> list[Example]:
