@@ -51,8 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prompts(commands)
     _add_eval(commands)
     _add_train(commands)
+    _add_sft(commands)
     _add_serve(commands)
     _add_diagnose(commands)
+    _add_compare(commands)
     return parser
 
 
@@ -285,6 +287,32 @@ def _train(args: argparse.Namespace) -> None:
     print(f"run folder: {run_dir} (metrics.jsonl, plots/, eval/, checkpoints/, rollouts/)")
 
 
+# --- sft ----------------------------------------------------------------------------
+
+
+def _add_sft(commands: argparse._SubParsersAction) -> None:
+    sft = _command(commands, "sft", _sft,
+                   "fine-tune the student on worked solutions or its own verified privileged answers: "
+                   "a stronger teacher with the same tokenizer (the off-policy warm-up before OPD)")
+    sft.add_argument("config", nargs="?", type=Path,
+                     help="TOML file with an [sft] table (see experiments/sft_teacher.toml; default: all defaults)")
+    sft.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override an [sft] value, e.g. --set lr=3e-5 (repeatable; 'sft.' prefix optional)")
+    sft.add_argument("--show-config", action="store_true",
+                     help="print the resolved [sft] table (every field, with its help) and exit")
+
+
+def _sft(args: argparse.Namespace) -> None:
+    from selfopd.sft import load_sft_config, run_sft, sft_config_to_toml
+
+    config = load_sft_config(args.config, args.overrides)
+    if args.show_config:
+        print(sft_config_to_toml(config), end="")
+        return
+    model_dir = run_sft(config)
+    print(f"run folder: {model_dir.parent} (summary.json, README.md, eval/, targets.jsonl, model/)")
+
+
 # --- serve --------------------------------------------------------------------------
 
 
@@ -352,6 +380,29 @@ def _diagnose(args: argparse.Namespace) -> None:
         print(f"illusion score at step {step}: {score.share}{flag}")
     for warning in diagnosis.warnings:
         print(f"warning: {warning}")
+    print(f"report: {report}")
+
+
+# --- compare ------------------------------------------------------------------------
+
+
+def _add_compare(commands: argparse._SubParsersAction) -> None:
+    compare = _command(commands, "compare", _compare,
+                       "train several arms (teachers, losses) under one budget, one after another, and report")
+    compare.add_argument("config", type=Path, help="comparison TOML (see experiments/self_vs_external.toml)")
+    _add_overrides(compare, "run.steps=4")
+    compare.add_argument("--arms", default="", help="comma-separated arm names to run (default: all)")
+    compare.add_argument("--report-only", action="store_true", help="rewrite report.md from the arms' folders, train nothing")
+
+
+def _compare(args: argparse.Namespace) -> None:
+    from selfopd.compare import load_compare_config, run_compare
+    from selfopd.compare_report import write_compare_report
+
+    only = [name.strip() for name in args.arms.split(",") if name.strip()]
+    compare = load_compare_config(args.config, args.overrides, only)
+    report = write_compare_report(compare) if args.report_only else run_compare(compare)
+    print(report.read_text())
     print(f"report: {report}")
 
 

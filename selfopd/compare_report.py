@@ -166,6 +166,7 @@ def render_report(compare: CompareConfig, results: list[ArmResult], figure: Path
                      + (f"; {_verdict(r.vs_reference)} relative to `{compare.reference}`" if r.vs_reference else "") + ".")
     if figure is not None:
         lines += ["", f"![accuracy vs step, generated tokens and wall time]({figure.name})"]
+    lines += _sft_lines(compare)
     lines += _timing_lines(compare.folder / "timing.jsonl")
     lines += ["", "## Reading this table", "",
               "- Intervals are over held-out items (paired: the same items for every arm and the base). "
@@ -174,6 +175,23 @@ def render_report(compare: CompareConfig, results: list[ArmResult], figure: Path
               "across teachers, and a falling KL is not a gain: check the accuracy column.",
               "- Train time excludes evaluation; it is wall time on a shared machine, so compare it loosely.", ""]
     return "\n".join(lines)
+
+
+def _sft_lines(compare: CompareConfig) -> list[str]:
+    """How strong the [sft] teacher is on the arms' held-out items (its own before/after eval)."""
+    if compare.sft is None:
+        return []
+    from selfopd.sft import SftConfig
+
+    folder = Path(compare.sft.get("out_dir", compare.folder)) / compare.sft.get("name", SftConfig().name)
+    if not (folder / "summary.json").is_file():
+        return []
+    summary = json.loads((folder / "summary.json").read_text())
+    tuned, diff = summary["tuned"], summary["paired_difference"]
+    return ["", f"External teacher (`selfopd sft`, {summary['train_pairs']} {summary['targets']} targets, "
+            f"{summary['steps']} steps): held-out accuracy {tuned['accuracy']:.3f} [{tuned['ci95'][0]:.3f}, "
+            f"{tuned['ci95'][1]:.3f}], {diff['mean']:+.3f} [{diff['ci95'][0]:+.3f}, {diff['ci95'][1]:+.3f}] "
+            f"over the base model (paired, n={summary['eval_n']}); see `{folder}/README.md`."]
 
 
 def _timing_lines(path: Path) -> list[str]:

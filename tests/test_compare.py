@@ -55,7 +55,7 @@ def test_the_shipped_comparison_parses_and_every_arm_shares_the_budget():
     configs = arm_configs(compare, Path("/nowhere/sft/model"))
     assert list(configs) == ["self_answer_note", "self_feedback", "frozen_answer_note", "external_sft", "grpo_only", "grpo_opd"]
     assert {c.run.seed for c in configs.values()} == {0}
-    assert {(c.rollout.prompts_per_step, c.rollout.samples_per_prompt, c.run.steps) for c in configs.values()} == {(8, 4, 10)}
+    assert {(c.rollout.prompts_per_step, c.rollout.samples_per_prompt, c.run.steps) for c in configs.values()} == {(8, 4, 8)}
     assert configs["external_sft"].teacher.model == "/nowhere/sft/model"
     assert configs["grpo_only"].loss.lambda_opd == 0
     assert {c.run.out_dir for c in configs.values()} == {"runs/self_vs_external/arms"}

@@ -1,0 +1,231 @@
+"""`selfopd sft`: config errors, rejection sampling, solution targets, the saved and reused teacher.
+
+Config and plumbing tests need no model or a tiny random one; one test runs the whole
+command on the real packaged SmolLM2 at a tiny size (about half a minute on 2 CPU cores).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from selfopd.cli import main
+from selfopd.config import ConfigError
+from selfopd.data import load_examples, split_examples
+from selfopd.engines.base import Rollout
+from selfopd.engines.local import LocalEngine
+from selfopd.sft import (
+    MARKER,
+    SftConfig,
+    load_sft_config,
+    run_sft,
+    sampled_targets,
+    select_rollouts,
+    sft_config_from_table,
+    sft_config_to_toml,
+)
+from selfopd.templates import load_template, prompt_token_ids, render_student, render_teacher
+from selfopd.tokenizer_check import check_tokenizers_compatible
+
+TINY_DATA = "rg:chain_sum?min_terms=2&max_terms=2&min_digits=1&max_digits=1&size=40&seed=3"
+
+
+# --------------------------------------------------------------------------- config
+
+
+def test_defaults_are_the_demo_task_and_split():
+    config = SftConfig()
+    assert config.data.startswith("rg:chain_sum") and "size=4000" in config.data
+    assert (config.eval_size, config.split_seed, config.student_template) == (300, 0, "student/plain")
+    assert config.model_dir == Path("runs") / "sft-teacher" / "model"
+
+
+@pytest.mark.parametrize(
+    ("table", "key", "fragment"),
+    [
+        ({"epoch": 3}, "sft.epoch", "did you mean 'epochs'"),
+        ({"lr": 0}, "sft.lr", "must be > 0"),
+        ({"lr": "fast"}, "sft.lr", "expected a number"),
+        ({"epochs": True}, "sft.epochs", "expected an integer"),
+        ({"targets": "solutions"}, "sft.targets", "must be one of 'auto', 'solution', 'sampled'"),
+        ({"samples_per_prompt": 4}, "sft.samples_per_prompt", "greedy samples are identical"),
+        ({"name": "a/b"}, "sft.name", "plain folder name"),
+        ({"batch_size": 0}, "sft.batch_size", "must be >= 1"),
+    ],
+)
+def test_bad_tables_name_the_key_and_source(table, key, fragment):
+    with pytest.raises(ConfigError) as caught:
+        sft_config_from_table(table, source="my.toml")
+    assert caught.value.key == key and fragment in str(caught.value) and str(caught.value).startswith("my.toml: ")
+
+
+def test_file_and_overrides(tmp_path):
+    path = tmp_path / "sft.toml"
+    path.write_text('[sft]\nname = "from-file"\nlr = 1e-5\nepochs = 3\n')
+    config = load_sft_config(path, ["lr=3e-5", "sft.batch_size=8"])
+    assert (config.name, config.lr, config.epochs, config.batch_size) == ("from-file", 3e-5, 3, 8)
+    round_trip = tmp_path / "round_trip.toml"
+    round_trip.write_text(sft_config_to_toml(config))
+    assert load_sft_config(round_trip) == config
+    with pytest.raises(ConfigError, match=r"^--set epochs=two: sft.epochs: expected an integer"):
+        load_sft_config(path, ["epochs=two"])
+    with pytest.raises(ConfigError, match=r"^--set temperature=-1: sft.temperature: must be >= 0"):
+        load_sft_config(path, ["temperature=-1"])
+    (tmp_path / "other.toml").write_text('[train]\nsteps = 3\n')
+    with pytest.raises(ConfigError, match=r"other.toml: train: unknown section"):
+        load_sft_config(tmp_path / "other.toml")
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_sft_config(tmp_path / "missing.toml")
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("data=rg:no_such_task", "sft.data"),
+        ("sample_template=teacher/no_such_template", "sft.sample_template"),
+        ("student_template=student/nope", "sft.student_template"),
+        ("eval_size=5000", "sft.eval_size"),
+    ],
+)
+def test_bad_inputs_fail_before_any_model_loads(tmp_path, override, key):
+    config = load_sft_config(None, [f"out_dir={tmp_path}", "student=/no/such/model", override])
+    with pytest.raises(ConfigError) as caught:
+        run_sft(config, progress=False)
+    assert caught.value.key == key
+
+
+def test_missing_student_model_names_the_key(tmp_path):
+    config = load_sft_config(None, [f"out_dir={tmp_path}", "student=/no/such/model", f"data={TINY_DATA}", "eval_size=4"])
+    with pytest.raises(ConfigError, match="sft.student: model spec '/no/such/model'"):
+        run_sft(config, progress=False)
+
+
+def test_cli_reports_errors_in_one_line(capsys):
+    assert main(["sft", "--set", "lrr=1"]) == 1
+    assert "sft.lrr: unknown key (did you mean 'lr'?)" in capsys.readouterr().err
+    assert main(["sft", "--set", "epochs=3", "--show-config"]) == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith("[sft]\n") and "epochs = 3\n" in shown
+
+
+# --------------------------------------------------------------------------- targets
+
+
+def _rollout(text: str, ids: list[int], finish: str = "stop") -> Rollout:
+    return Rollout(prompt_ids=[1], completion_ids=ids, sampler_logprobs=[0.0] * len(ids), finish_reason=finish, text=text)
+
+
+def test_rejection_keeps_only_correct_finished_distinct_rollouts():
+    example = load_examples(TINY_DATA)[0]
+    right, wrong = f"The answer is {example.answer}.", f"The answer is {int(example.answer) + 1}."
+    rollouts = [
+        _rollout(right, [5, 6]),
+        _rollout(wrong, [7, 8]),
+        _rollout(right, [5, 6]),  # a repeat
+        _rollout(right, [9, 10], finish="length"),  # cut at max_tokens
+        _rollout(f"It is {example.answer}", [11]),
+    ]
+    kept, counts = select_rollouts(example, rollouts)
+    assert [r.completion_ids for r in kept] == [[5, 6], [11]]
+    assert counts == {"drawn": 5, "wrong": 1, "unfinished": 1, "duplicate": 1}
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
+    """A random 2-layer Llama with SmolLM2's tokenizer and chat template, for plumbing."""
+    folder = tmp_path_factory.mktemp("tiny-llama-sft")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(smollm2_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    smollm2_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_solution_targets_append_the_answer_and_train(tmp_path, tiny_model_dir):
+    rows = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b),
+             "solution": f"Add {a} and {b} to get {a + b}." if a % 2 else f"Add {a} and {b}."}
+            for a in range(1, 7) for b in range(1, 4)]
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = load_sft_config(None, [f"out_dir={tmp_path}", "name=solution", f"student={tiny_model_dir}",
+                                    f"data={data}?solution=solution", "eval_size=4", "train_examples=0",
+                                    "epochs=2", "batch_size=7", "lr=1e-3", "eval_max_tokens=4"])
+    run_sft(config, progress=False)
+    summary = json.loads((config.run_dir / "summary.json").read_text())
+    assert summary["targets"] == "solution" and summary["train_pairs"] == 14 and summary["steps"] == 4
+    by_id = {e.id: e for e in load_examples(config.data)}
+    fixed = 0
+    for line in (config.run_dir / "targets.jsonl").read_text().splitlines():
+        target = json.loads(line)
+        example = by_id[target["id"]]
+        if example.solution.endswith(f" {example.answer}."):  # the verifier finds the answer already
+            assert target["text"] == example.solution
+        else:
+            assert target["text"] == f"{example.solution}\n\nThe final answer is {example.answer}."
+            fixed += 1
+    assert summary["target_counts"]["fixed"] == fixed > 0
+    assert summary["train_nll_after"] < summary["train_nll_before"]
+    # A finished folder with another config is refused, not silently reused.
+    with pytest.raises(FileExistsError, match="sft.lr"):
+        run_sft(dataclasses.replace(config, lr=2e-3), progress=False)
+
+
+# --------------------------------------------------------------------------- the real model
+
+
+@pytest.mark.slow
+def test_real_model_sampled_sft_end_to_end(tmp_path, smollm2_dir, smollm2_tokenizer, smollm2_model, capsys):
+    config = load_sft_config(None, [
+        f"out_dir={tmp_path}", "name=real", f"data={TINY_DATA}", "eval_size=8", "train_examples=8",
+        "samples_per_prompt=2", "temperature=0.7", "max_tokens=24", "epochs=1", "batch_size=4", "lr=3e-5",
+        "eval_max_tokens=16", "eval_batch_size=16",
+    ])
+    # Rejection sampling from the privileged prompt trains on the *student* prompt.
+    train, held_out = split_examples(load_examples(TINY_DATA), eval_size=8, seed=0)
+    student, teacher = load_template("student/plain"), load_template("teacher/answer_note")
+    engine = LocalEngine(smollm2_model, smollm2_tokenizer, batch_size=16)
+    targets, stats = sampled_targets(engine, smollm2_tokenizer, train[:6], student, teacher, config, progress=False)
+    assert stats.drawn == 12 and stats.kept == len(targets) > 0
+    assert stats.kept + stats.wrong + stats.unfinished + stats.duplicate == stats.drawn
+    by_id = {e.id: e for e in train}
+    from verifiers import verify_example
+
+    for target in targets:
+        example = by_id[target.example_id]
+        student_ids = prompt_token_ids(smollm2_tokenizer, render_student(student, example))
+        teacher_ids = prompt_token_ids(smollm2_tokenizer, render_teacher(teacher, example, render_student(student, example)))
+        assert target.prompt_ids == student_ids != teacher_ids
+        assert verify_example(target.text, example).correct and target.completion_ids[-1] == smollm2_tokenizer.eos_token_id
+
+    # The whole command: held-out items never trained on, the loss falls, the folder loads.
+    model_dir = run_sft(config, progress=False)
+    run_dir = model_dir.parent
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["targets"] == "sampled" and summary["train_pairs"] == summary["target_counts"]["kept"] > 0
+    assert summary["train_nll_after"] < summary["train_nll_before"]
+    trained_ids = {json.loads(line)["id"] for line in (run_dir / "targets.jsonl").read_text().splitlines()}
+    held_ids = {json.loads(line)["id"] for line in (run_dir / "eval" / "tuned" / "eval.jsonl").read_text().splitlines()}
+    assert held_ids == {e.id for e in held_out} and not trained_ids & held_ids
+    assert not {by_id[i].prompt for i in trained_ids} & {e.prompt for e in held_out}
+    assert {"config.toml", "summary.json", "README.md", "targets.jsonl", "model"} <= {p.name for p in run_dir.iterdir()}
+    assert not list(run_dir.glob(".model.partial-*"))
+
+    reloaded = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    check_tokenizers_compatible(smollm2_tokenizer, tokenizer, reloaded.config.vocab_size, "student", "sft teacher")
+    changed = any(not torch.equal(p, smollm2_model.state_dict()[n]) for n, p in reloaded.named_parameters())
+    assert changed
+
+    # A second call reuses the finished folder: nothing is retrained or rewritten.
+    stamp = (model_dir / MARKER).stat().st_mtime_ns, (model_dir / "model.safetensors").stat().st_mtime_ns
+    capsys.readouterr()
+    assert run_sft(config, progress=False) == model_dir
+    assert "reusing the finished SFT model" in capsys.readouterr().out
+    assert ((model_dir / MARKER).stat().st_mtime_ns, (model_dir / "model.safetensors").stat().st_mtime_ns) == stamp
