@@ -169,15 +169,21 @@ SFT_FROM_ARMS = {"student": "model.student", "data": "data.spec", "eval_size": "
                  "eval_max_tokens": "eval.max_tokens"}
 
 
-def sft_config(compare: CompareConfig, arm_config: TrainConfig):
-    """The [sft] teacher's config, its split and model taken from the arms; None without [sft]."""
+def sft_config(compare: CompareConfig):
+    """The [sft] teacher's config, its split and model taken from the arms; None without [sft].
+
+    Read from the base config plus compare.set: arms cannot change these settings."""
     if compare.sft is None:
         return None
     from selfopd.sft import sft_config_from_table
 
     table = dict(compare.sft)
     table.setdefault("out_dir", str(compare.folder))
-    flat = _flatten(arm_config)
+    shared = [override for override in compare.common if SFT_PLACEHOLDER not in override]
+    try:
+        flat = _flatten(load_config(compare.base, shared))
+    except ConfigError as error:
+        raise ConfigError(error.key, error.message, source=f"{compare.source} [compare]") from None
     for key, arm_key in SFT_FROM_ARMS.items():
         if key in table and table[key] != flat[arm_key]:
             raise ConfigError(f"sft.{key}", f"is {table[key]!r} but the arms' {arm_key} is {flat[arm_key]!r}: the "
@@ -192,7 +198,7 @@ def run_compare(compare: CompareConfig, progress: bool = True) -> Path:
     from selfopd.trainer import latest_checkpoint, train
 
     # Every arm and the teacher's config are checked before any work starts.
-    sft = sft_config(compare, arm_configs(compare, None)[compare.arms[0].name])
+    sft = sft_config(compare)
     configs = arm_configs(compare, sft.model_dir if sft else None)
     compare.folder.mkdir(parents=True, exist_ok=True)
     (compare.folder / "compare.toml").write_text(compare.source.read_text())

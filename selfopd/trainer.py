@@ -414,15 +414,22 @@ def run_eval(run: Run) -> dict[str, float]:
     """Greedy held-out accuracy of the current student, with its 95% interval."""
     cfg = run.config
     out_dir = run.run_dir / "eval" / f"step_{run.step:05d}"
-    accuracy, records = evaluate(run.student_engine, run.tokenizer, run.eval_examples, run.student_template,
-                                 cfg.eval.max_tokens, cfg.eval.batch_size, out_dir=out_dir, progress=cfg.run.progress)
+    evaluate(run.student_engine, run.tokenizer, run.eval_examples, run.student_template,
+             cfg.eval.max_tokens, cfg.eval.batch_size, out_dir=out_dir, progress=cfg.run.progress)
+    return eval_metrics(run.step, out_dir)
+
+
+def eval_metrics(step: int, eval_dir: Path) -> dict[str, float]:
+    """The metrics.jsonl row of one eval folder, read from its summary.json, so that a
+    fresh eval and a reused one log exactly the same fields."""
+    summary = json.loads((eval_dir / "summary.json").read_text())
     return {
-        "step": run.step,
-        "eval/accuracy": accuracy.value,
-        "eval/ci_low": accuracy.low,
-        "eval/ci_high": accuracy.high,
-        "eval/n": accuracy.n,
-        "eval/length_mean": sum(r.completion_tokens for r in records) / max(len(records), 1),
+        "step": step,
+        "eval/accuracy": summary["accuracy"],
+        "eval/ci_low": summary["ci95"][0],
+        "eval/ci_high": summary["ci95"][1],
+        "eval/n": summary["n"],
+        "eval/length_mean": summary["mean_completion_tokens"],
     }
 
 
@@ -438,15 +445,7 @@ def reuse_eval(run: Run, source: Path) -> dict[str, float]:
                          f"({len(ids ^ expected)} ids differ); evaluate again")
     target = run.run_dir / "eval" / f"step_{run.step:05d}"
     shutil.copytree(source, target, dirs_exist_ok=True)
-    summary = json.loads((source / "summary.json").read_text())
-    return {
-        "step": run.step,
-        "eval/accuracy": summary["accuracy"],
-        "eval/ci_low": summary["ci95"][0],
-        "eval/ci_high": summary["ci95"][1],
-        "eval/n": summary["n"],
-        "eval/length_mean": summary["mean_completion_tokens"],
-    }
+    return eval_metrics(run.step, target)
 
 
 def save_checkpoint(run: Run) -> Path:

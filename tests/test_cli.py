@@ -36,8 +36,8 @@ def test_every_command_has_help(capsys):
         assert "usage: selfopd" in capsys.readouterr().out
 
 
-def test_console_script_is_installed():
-    result = subprocess.run([sys.executable, "-m", "selfopd.cli", "prompts", "list"], capture_output=True, text=True)
+def test_python_dash_m_selfopd_runs_the_cli():
+    result = subprocess.run([sys.executable, "-m", "selfopd", "prompts", "list"], capture_output=True, text=True)
     assert result.returncode == 0
     assert "teacher/reference_answer" in result.stdout.split()
 

@@ -88,13 +88,13 @@ def test_a_bad_value_in_an_arm_names_the_arm(tmp_path):
 def test_the_sft_teacher_takes_the_arms_split_and_may_not_change_it(tmp_path):
     arm = '[arms.ext]\nset = ["teacher.kind=external", "teacher.model={sft}", "loss.lambda_rl=0"]'
     compare = load_compare_config(_write(tmp_path, arm, extra='[sft]\nname = "t"\nepochs = 1'))
-    config = sft_config(compare, arm_configs(compare, None)["ext"])
+    config = sft_config(compare)
     assert (config.data, config.eval_size, config.epochs) == (DATA, 8, 1)
     assert config.model_dir == tmp_path / "runs" / "cmp" / "t" / "model"
     assert arm_configs(compare, config.model_dir)["ext"].teacher.model == str(config.model_dir)
     compare = load_compare_config(_write(tmp_path, arm, extra='[sft]\neval_size = 300'))
     with pytest.raises(ConfigError, match=r"sft.eval_size: is 300 but the arms' data.eval_size is 8"):
-        sft_config(compare, arm_configs(compare, None)["ext"])
+        sft_config(compare)
 
 
 def test_unknown_arm_and_key_are_refused(tmp_path):

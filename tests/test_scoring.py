@@ -8,7 +8,7 @@ import torch
 import transformers.models.llama.modeling_llama as modeling_llama
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from selfopd.scoring import completion_logprobs, completion_topk, pad_completions
+from selfopd.scoring import completion_hidden, completion_logprobs, pad_completions, topk_from_hidden
 
 # Shared prompts, a duplicate row, prompts of different lengths (left padding), ragged completions.
 SEQUENCES = [
@@ -67,7 +67,8 @@ def test_values_and_gradients_equal_the_unshared_reference(float64_llama):
 
 
 def test_topk_matches_reference(float64_llama):
-    ids_BCK, logprobs_BCK = completion_topk(float64_llama, SEQUENCES, pad_id=0, k=3, chunk_size=3)
+    hidden_BCH, _, _ = completion_hidden(float64_llama, SEQUENCES, pad_id=0)
+    ids_BCK, logprobs_BCK = topk_from_hidden(float64_llama, hidden_BCH, k=3, chunk_size=3)
     prompt, completion = SEQUENCES[2]
     with torch.no_grad():
         logprobs_TV = float64_llama(torch.tensor([prompt + completion])).logits[0].log_softmax(-1)

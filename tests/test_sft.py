@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from selfopd.cli import main
 from selfopd.config import ConfigError
@@ -133,19 +133,6 @@ def test_rejection_keeps_only_correct_finished_distinct_rollouts():
     kept, counts = select_rollouts(example, rollouts)
     assert [r.completion_ids for r in kept] == [[5, 6], [11]]
     assert counts == {"drawn": 5, "wrong": 1, "unfinished": 1, "duplicate": 1}
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
-    """A random 2-layer Llama with SmolLM2's tokenizer and chat template, for plumbing."""
-    folder = tmp_path_factory.mktemp("tiny-llama-sft")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(smollm2_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    smollm2_tokenizer.save_pretrained(folder)
-    return folder
 
 
 def test_solution_targets_append_the_answer_and_train(tmp_path, tiny_model_dir):

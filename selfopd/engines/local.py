@@ -13,7 +13,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from selfopd.engines.base import Rollout, SamplingParams, TokenScores
-from selfopd.scoring import completion_logprobs, completion_topk, left_pad
+from selfopd.scoring import completion_hidden, left_pad, logprobs_from_hidden, topk_from_hidden
 
 
 class LocalEngine:
@@ -47,8 +47,9 @@ class LocalEngine:
         scores: list[TokenScores] = []
         for start in range(0, len(sequences), self.batch_size):
             chunk = sequences[start : start + self.batch_size]
-            logprobs_BC, _ = completion_logprobs(self.model, chunk, self.pad_id, self.chunk_size)
-            topk = completion_topk(self.model, chunk, self.pad_id, top_k, self.chunk_size) if top_k else None
+            hidden_BCH, targets_BC, mask_BC = completion_hidden(self.model, chunk, self.pad_id)  # one decoder pass
+            logprobs_BC = logprobs_from_hidden(self.model, hidden_BCH, targets_BC, mask_BC, self.chunk_size)
+            topk = topk_from_hidden(self.model, hidden_BCH, top_k, self.chunk_size) if top_k else None
             for row, (_, completion) in enumerate(chunk):
                 span = slice(0, len(completion))
                 scores.append(
