@@ -1,7 +1,7 @@
 """The report of a comparison: one table row per arm, and accuracy against three budgets.
 
-Everything is read back from the arms' run folders (metrics.jsonl, eval/step_*/eval.jsonl),
-so a report can be rewritten at any time, also while later arms still run. Accuracy
+Everything is read back from the arms' run folders (metrics.jsonl, eval/step_*/eval.jsonl,
+rollouts/step_*.jsonl), so a report can be rewritten at any time, also while later arms still run. Accuracy
 changes are paired differences on the same held-out items: against the shared base
 model, and against the comparison's reference arm.
 """
@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING
 import matplotlib
 
 from selfopd.config import load_config
+from selfopd.diagnostics.measures import correct_preference
+from selfopd.diagnostics.records import read_records
 from selfopd.plots import STYLE, decorate, new_figure, read_metrics, save_figure
-from selfopd.stats import PairedDifference, Proportion, paired_difference, wilson_interval
+from selfopd.stats import MeanEstimate, PairedDifference, Proportion, paired_difference, wilson_interval
 
 if TYPE_CHECKING:
     from selfopd.compare import CompareConfig
@@ -51,6 +53,8 @@ class ArmResult:
     train_seconds: float
     kl_first: float
     kl_last: float
+    opd_weight: float  # loss.lambda_opd: 0 when the teacher only fills the KL column
+    teacher_preference: MeanEstimate | None  # signal on correct - wrong samples of a prompt (saved rollouts)
     curve: list[EvalPoint]
 
 
@@ -83,6 +87,9 @@ def measure_arm(run_dir: Path, name: str, description: str = "") -> ArmResult | 
         generated_tokens=tokens, train_seconds=seconds,
         kl_first=steps[0]["opd/reverse_kl"] if steps else math.nan,
         kl_last=steps[-1]["opd/reverse_kl"] if steps else math.nan,
+        opd_weight=config.loss.lambda_opd,
+        teacher_preference=correct_preference([r for path in sorted((run_dir / "rollouts").glob("step_*.jsonl"))
+                                               for r in read_records(path)]),
         curve=curve,
     )
 
@@ -113,23 +120,39 @@ def measure_comparison(compare: CompareConfig) -> list[ArmResult]:
 
 
 def plot_comparison(results: list[ArmResult], path: Path, title: str = "") -> Path:
-    """Held-out accuracy (95% intervals) against steps, generated tokens and training wall time."""
+    """Held-out accuracy against steps, generated tokens and training wall time, and each
+    arm's paired change over the base model with its 95% interval.
+
+    The absolute intervals of arms that start from one model overlap almost entirely (they
+    share the items' difficulty); the paired change is where arms actually separate, so it
+    gets its own panel instead of wide bands."""
     axes_spec = (("step", "step", lambda p: p.step),
                  ("generated tokens (student samples)", "tokens", lambda p: p.generated_tokens),
                  ("training wall time (minutes)", "minutes", lambda p: p.train_seconds / 60))
     with matplotlib.rc_context(STYLE):
-        figure = new_figure(3, title)
+        figure = new_figure(4, title)
         for axes, (label, short, x_of) in zip(figure.axes, axes_spec):
             for index, result in enumerate(results):
                 xs = [x_of(p) for p in result.curve]
                 ys = [p.accuracy for p in result.curve]
-                color = f"C{index % 10}"
-                axes.fill_between(xs, [p.low for p in result.curve], [p.high for p in result.curve], color=color, alpha=0.08)
-                axes.plot(xs, ys, color=color, marker="o", markersize=4, linewidth=1.6, label=result.name)
+                axes.plot(xs, ys, color=f"C{index % 10}", marker="o", markersize=4, linewidth=1.6, label=result.name)
             decorate(axes, f"Accuracy vs {short}", "held-out accuracy (greedy)", xlabel=label)
         figure.axes[0].legend(loc="best", fontsize=8)
+        _draw_changes(figure.axes[3], results)
         path.parent.mkdir(parents=True, exist_ok=True)
         return save_figure(figure, path)
+
+
+def _draw_changes(axes, results: list[ArmResult]) -> None:
+    """One row per arm: paired change vs base at its last eval, 95% interval, zero marked."""
+    rows = list(range(len(results)))[::-1]  # first arm on top, as in the legend
+    for row, (index, result) in zip(rows, enumerate(results)):
+        change = result.vs_base
+        axes.errorbar([change.mean], [row], xerr=[[change.mean - change.low], [change.high - change.mean]],
+                      color=f"C{index % 10}", marker="o", capsize=4, linewidth=1.6)
+    axes.axvline(0.0, color="0.4", linewidth=1, linestyle="--")
+    axes.set_yticks(rows, [result.name for result in results])
+    decorate(axes, "Change vs base at the last eval", "", xlabel="paired change in held-out accuracy (95% CI)")
 
 
 def render_report(compare: CompareConfig, results: list[ArmResult], figure: Path | None) -> str:
@@ -147,7 +170,8 @@ def render_report(compare: CompareConfig, results: list[ArmResult], figure: Path
     header = ["arm", "teacher", "loss", "steps", "held-out acc. [95% CI]", "change vs base [95% CI]"]
     if reference:
         header.append(f"change {reference} [95% CI]")
-    header += ["generated tokens", "train time (min)", "reverse KL first -> last"]
+    header += ["generated tokens", "train time (min)", "reverse KL first -> last",
+               "teacher prefers correct [95% CI] (prompts)"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
         steps = f"{r.steps}" + ("" if r.finished else " (unfinished)")
@@ -155,12 +179,14 @@ def render_report(compare: CompareConfig, results: list[ArmResult], figure: Path
                _difference(r.vs_base)]
         if reference:
             row.append("(reference)" if r.name == compare.reference else _difference(r.vs_reference))
-        row += [f"{r.generated_tokens:,}", f"{r.train_seconds / 60:.1f}", f"{r.kl_first:.3f} -> {r.kl_last:.3f}"]
+        row += [f"{r.generated_tokens:,}", f"{r.train_seconds / 60:.1f}", f"{r.kl_first:.3f} -> {r.kl_last:.3f}",
+                _preference(r.teacher_preference)]
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "## Verdicts", ""]
     for r in results:
         lines.append(f"- `{r.name}`: {_verdict(r.vs_base)} relative to the base model"
-                     + (f"; {_verdict(r.vs_reference)} relative to `{compare.reference}`" if r.vs_reference else "") + ".")
+                     + (f"; {_verdict(r.vs_reference)} relative to `{compare.reference}`" if r.vs_reference else "")
+                     + _preference_verdict(r) + ".")
     if figure is not None:
         lines += ["", f"![accuracy vs step, generated tokens and wall time]({figure.name})"]
     lines += _sft_lines(compare)
@@ -170,8 +196,19 @@ def render_report(compare: CompareConfig, results: list[ArmResult], figure: Path
               "They do not cover training-seed variance: one seed per arm.",
               "- The reverse KL is each arm's sampled estimate against its own teacher, so it is not comparable "
               "across teachers, and a falling KL is not a gain: check the accuracy column.",
+              "- Teacher prefers correct: per saved rollout the mean teacher - student logprob per token; within "
+              "each prompt whose samples were both right and wrong, correct minus wrong; the mean over those prompts. "
+              "Positive: the distillation signal favours the student's correct attempts. Not positive: it pushes "
+              "toward wrong answers as hard as toward right ones, whatever the KL does. (For an arm without the "
+              "OPD term it describes the teacher scored for the KL column, not what trained.)",
               "- Train time excludes evaluation; it is wall time on a shared machine, so compare it loosely.", ""]
     return "\n".join(lines)
+
+
+def _preference(estimate: MeanEstimate | None) -> str:
+    if estimate is None:
+        return "n/a (no prompt with both outcomes)"
+    return f"{estimate.value:+.3f} [{estimate.low:+.3f}, {estimate.high:+.3f}] ({estimate.n})"
 
 
 def _sft_lines(compare: CompareConfig) -> list[str]:
@@ -204,6 +241,17 @@ def _timing_lines(path: Path) -> list[str]:
 
 def _difference(d: PairedDifference | None) -> str:
     return "" if d is None else f"{d.mean:+.3f} [{d.low:+.3f}, {d.high:+.3f}]"
+
+
+def _preference_verdict(r: ArmResult) -> str:
+    """Flag a trained-on teacher signal that does not favour correct attempts."""
+    p = r.teacher_preference
+    if p is None or r.opd_weight == 0 or p.low > 0:
+        return ""
+    interval = f"{p.value:+.3f} [{p.low:+.3f}, {p.high:+.3f}] over {p.n} prompts"
+    if p.high < 0:
+        return f"; its teacher signal favours the student's **wrong** attempts ({interval})"
+    return f"; its teacher signal does not reliably favour correct attempts ({interval})"
 
 
 def _verdict(d: PairedDifference | None) -> str:

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = "rg:chain_sum?min_terms=2&max_terms=2&min_digits=1&max_digits=1&size=200&seed=5"
 SHARED = [
     f"data.spec={DATA}", "data.eval_size=8", "run.steps=1", "run.eval_every=0", "run.progress=false",
-    "run.rollouts_to_save=0", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_tokens=8",
+    "run.rollouts_to_save=4", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_tokens=8",
     "optim.micro_batch_prompts=2", "optim.lr=1e-5", "eval.max_tokens=8", "eval.batch_size=8",
 ]
 
@@ -131,11 +131,24 @@ def test_two_arms_share_the_base_eval_skip_when_finished_and_report_paired_numbe
         sum(opd[i] - grpo[i] for i in ids) / len(ids))
     metrics = [json.loads(line) for line in (arms / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert summary["grpo"]["generated_tokens"] == sum(m["tokens/completion"] for m in metrics if "time/step" in m)
+    # Teacher preference for correct attempts, recomputed from the saved rollouts.
+    groups: dict = {}
+    for line in (arms / "opd" / "rollouts" / "step_00001.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        signal = sum(t - s for t, s in zip(r["teacher_logprobs"], r["student_logprobs"])) / len(r["completion_ids"])
+        groups.setdefault(r["group"], {True: [], False: []})[r["correct"]].append(signal)
+    contrasts = [sum(g[True]) / len(g[True]) - sum(g[False]) / len(g[False]) for g in groups.values() if g[True] and g[False]]
+    preference = summary["opd"]["teacher_preference"]
+    if contrasts:
+        assert preference["n"] == len(contrasts)
+        assert preference["value"] == pytest.approx(sum(contrasts) / len(contrasts))
+    else:
+        assert preference is None
     report = (folder / "report.md").read_text()
     assert "| `opd` | self, teacher/answer_note | 1 x OPD + 0 x GRPO | 1 |" in report
     assert "| `grpo` | none (KL column:" in report
     image = matplotlib.image.imread(folder / "accuracy.png")
-    assert image.shape[1] > 3 * image.shape[0]  # three panels side by side
+    assert image.shape[1] > 4 * image.shape[0]  # four panels side by side
 
     # Rerun: nothing trains again.
     before = {arm: (arms / arm / "metrics.jsonl").read_bytes() for arm in ("opd", "grpo")}

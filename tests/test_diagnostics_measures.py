@@ -9,6 +9,7 @@ from selfopd.diagnostics.measures import (
     Annotated,
     collapse_warnings,
     context_contrast,
+    correct_preference,
     decompose,
     illusion_score,
     ratio_share,
@@ -117,3 +118,33 @@ def test_step_behaviour_numbers():
     assert b.length.value == pytest.approx(20.0) and b.length.low < 20 < b.length.high
     assert b.epistemic_per_100 == pytest.approx(100 * 2 / 40)
     assert b.leak_rate == 0.5 and b.accuracy == 0.5
+
+
+def _record(step, group, teacher, student, correct):
+    n = len(teacher)
+    return RolloutRecord(step=step, id=f"{step}/{group}", group=group, prompt_ids=[0], completion_ids=list(range(n)),
+                         text="x", sampler_logprobs=list(student), student_logprobs=list(student),
+                         teacher_logprobs=list(teacher), advantage=[0.0] * n, reward=float(correct),
+                         correct=correct, answer="5")
+
+
+def test_correct_preference_contrasts_correct_and_wrong_within_each_prompt():
+    records = [
+        # step 1, prompt 0: correct signals mean(1, 3) = 2 and 0.5; wrong: mean(-1, 0, -2) = -1 -> 1.25 - (-1) = 2.25
+        _record(1, 0, [0.0, 2.0], [-1.0, -1.0], True),
+        _record(1, 0, [0.5], [0.0], True),
+        _record(1, 0, [-1.0, 0.0, -2.0], [0.0, 0.0, 0.0], False),
+        # step 2, prompt 0 (same group index, another step: another prompt): 0 - 1 = -1
+        _record(2, 0, [0.0], [0.0], True),
+        _record(2, 0, [1.0], [0.0], False),
+        # all wrong, all correct: no contrast, ignored
+        _record(1, 1, [5.0], [0.0], False),
+        _record(2, 1, [-5.0], [0.0], True),
+    ]
+    estimate = correct_preference(records)
+    contrasts = np.array([2.25, -1.0])
+    half = 1.959963984540054 * contrasts.std(ddof=1) / np.sqrt(2)
+    assert estimate.n == 2
+    assert estimate.value == pytest.approx(contrasts.mean())
+    assert (estimate.low, estimate.high) == pytest.approx((contrasts.mean() - half, contrasts.mean() + half))
+    assert correct_preference(records[5:]) is None

@@ -144,6 +144,9 @@ def test_diagnose_writes_a_report_with_figures(runs, capsys):
     share = summary["illusion"]["1"]["share"]
     assert 0 <= share["low"] <= share["value"] <= share["high"] <= 1
     assert "<span" in (out / "heatmaps.html").read_text()
+    assert "- Teacher prefers correct attempts" in report
+    preference = summary["teacher_prefers_correct"]
+    assert preference is None or preference["low"] <= preference["value"] <= preference["high"]
 
 
 def test_diagnose_names_a_folder_that_is_not_a_run(tmp_path, capsys):

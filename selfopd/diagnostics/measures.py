@@ -256,6 +256,24 @@ def context_contrast(rollouts: Sequence[Annotated], gains_correct: Sequence[np.n
                            follows / correct if correct else math.nan, correct)
 
 
+def correct_preference(records: Sequence[RolloutRecord]) -> MeanEstimate | None:
+    """Does the teacher's distillation signal favour the student's correct attempts?
+
+    Per rollout, the mean per-token teacher - student logprob; per prompt group (one step's
+    samples of one prompt) with both verified-correct and wrong samples, the correct
+    samples' mean minus the wrong ones'; then the mean over those groups with a normal 95%
+    interval over groups. Comparing within a prompt cancels its difficulty. A teacher whose
+    signal is not positive here pushes the student toward wrong answers as much as right
+    ones, however much its KL falls. None when no group has both outcomes."""
+    groups: dict[tuple[int, int], dict[bool, list[float]]] = {}
+    for record in records:
+        signal = record.opd_advantage
+        outcome = groups.setdefault((record.step, record.group), {True: [], False: []})
+        outcome[bool(record.correct)].append(sum(signal) / len(signal))
+    contrasts = [sum(g[True]) / len(g[True]) - sum(g[False]) / len(g[False]) for g in groups.values() if g[True] and g[False]]
+    return mean_interval(contrasts, unit_range=False) if contrasts else None
+
+
 def as_jsonable(value: Any) -> Any:
     """Dataclasses, numpy numbers and nan as plain JSON values (nan becomes null)."""
     from dataclasses import asdict, is_dataclass

@@ -28,6 +28,7 @@ from selfopd.diagnostics.measures import (
     as_jsonable,
     collapse_warnings,
     context_contrast,
+    correct_preference,
     decompose,
     illusion_score,
     step_behaviour,
@@ -35,6 +36,7 @@ from selfopd.diagnostics.measures import (
 from selfopd.diagnostics.records import RolloutRecord, read_run_rollouts
 from selfopd.engines.base import Engine
 from selfopd.example import Example
+from selfopd.stats import MeanEstimate
 
 CLASS_NOTES = {
     "answer_copy": "states the reference answer, or copies a phrase of the privileged text",
@@ -95,6 +97,7 @@ class RunDiagnosis:
     decompositions: dict[str, list[ClassRow]]  # first and last saved step
     warnings: list[str]
     outcome: str  # base vs trained held-out accuracy, from the run's evaluations
+    preference: MeanEstimate | None  # teacher signal on correct - wrong samples of a prompt, all saved steps
     model_part: TemplateDiagnosis | None  # with the starting weights
 
     @property
@@ -139,7 +142,8 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
     return RunDiagnosis(
         run_dir.name, f"{config.teacher.kind} with {prompting.teacher_template.name}", prompting.student_template.name,
         annotated, behaviour, {step: illusion_score(rollouts) for step, rollouts in annotated.items()},
-        decompositions, collapse_warnings(behaviour, _read_metrics(run_dir)), summarize_run(run_dir), model_part,
+        decompositions, collapse_warnings(behaviour, _read_metrics(run_dir)), summarize_run(run_dir),
+        correct_preference([record for records in by_step.values() for record in records]), model_part,
     )
 
 
@@ -152,7 +156,7 @@ def write_report(diagnosis: RunDiagnosis, out: Path, heatmaps: int = 4) -> Path:
         "steps": sorted(diagnosis.annotated), "outcome": diagnosis.outcome,
         "illusion": {step: _illusion_json(score) for step, score in diagnosis.illusion.items()},
         "decomposition": as_jsonable(diagnosis.decompositions), "behaviour": as_jsonable(diagnosis.behaviour),
-        "warnings": diagnosis.warnings,
+        "warnings": diagnosis.warnings, "teacher_prefers_correct": as_jsonable(diagnosis.preference),
     }
     part = diagnosis.model_part
     if part is not None:
@@ -277,6 +281,7 @@ def render_report(diagnosis: RunDiagnosis, figures: dict[str, str]) -> str:
     if per_step < 32:
         lines.append(f"- Only {per_step} rollouts saved per step: intervals are wide. Raise `run.rollouts_to_save` "
                      "(default 32) for a sharper picture.")
+    lines.append(_preference_line(d.preference))
     if d.model_part is not None:
         lines.append(f"- Before training, privileged gain (same weights, with minus without context): illusion score "
                      f"**{d.model_part.illusion.share}**.")
@@ -324,6 +329,18 @@ def render_report(diagnosis: RunDiagnosis, figures: dict[str, str]) -> str:
     lines += [f"![{key}]({path})" for key, path in figures.items() if key.startswith("heatmap")]
     lines += ["", "## Token classes", ""] + [f"- `{k}`: {v}" for k, v in CLASS_NOTES.items()]
     return "\n".join(lines) + "\n"
+
+
+def _preference_line(p: MeanEstimate | None) -> str:
+    """Whether the teacher's signal ranks the student's correct attempts above its wrong ones."""
+    if p is None:
+        return ("- Teacher prefers correct attempts: not measurable (no saved prompt group has both a correct "
+                "and a wrong sample).")
+    verdict = ("it favours correct attempts" if p.low > 0 else
+               "**it favours the wrong attempts: this teacher pushes the student toward wrong answers**" if p.high < 0
+               else "**not reliably positive: the signal does not rank correct attempts above wrong ones**")
+    return (f"- Teacher prefers correct attempts (mean teacher - student logprob per token, correct minus wrong "
+            f"samples of the same prompt, {p.n} prompts): {p.value:+.3f} [{p.low:+.3f}, {p.high:+.3f}]; {verdict}.")
 
 
 def _class_table(decompositions: dict[str, list[ClassRow]]) -> str:
