@@ -25,12 +25,11 @@ from __future__ import annotations
 import json
 import shutil
 import time
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from selfopd.config import ConfigError, TrainConfig, config_to_dict, load_config
+from selfopd.config import ConfigError, TrainConfig, config_to_dict, load_config, read_toml
 
 ARM_SECTIONS = ("teacher", "loss", "optim")  # what arms may change; everything else is shared
 SFT_PLACEHOLDER = "{sft}"
@@ -69,12 +68,7 @@ def load_compare_config(path: Path, overrides: Sequence[str] = (), only: Sequenc
     """Parse and check a comparison file. `overrides` (`--set`) apply to every arm after the
     file's own settings; `only` keeps those arms, in the file's order."""
     path = Path(path)
-    try:
-        tables = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError("", "no such comparison file", source=str(path)) from None
-    except tomllib.TOMLDecodeError as error:
-        raise ConfigError("", f"invalid TOML: {error}", source=str(path)) from None
+    tables = read_toml(path, what="comparison file")
 
     def fail(key: str, message: str) -> ConfigError:
         return ConfigError(key, message, source=str(path))

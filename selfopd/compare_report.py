@@ -18,7 +18,7 @@ import matplotlib
 
 from selfopd.config import load_config
 from selfopd.diagnostics.measures import correct_preference
-from selfopd.diagnostics.records import read_records
+from selfopd.diagnostics.records import read_run_rollouts
 from selfopd.plots import STYLE, decorate, new_figure, read_metrics, save_figure
 from selfopd.stats import MeanEstimate, PairedDifference, Proportion, paired_difference, wilson_interval
 
@@ -88,10 +88,18 @@ def measure_arm(run_dir: Path, name: str, description: str = "") -> ArmResult | 
         kl_first=steps[0]["opd/reverse_kl"] if steps else math.nan,
         kl_last=steps[-1]["opd/reverse_kl"] if steps else math.nan,
         opd_weight=config.loss.lambda_opd,
-        teacher_preference=correct_preference([r for path in sorted((run_dir / "rollouts").glob("step_*.jsonl"))
-                                               for r in read_records(path)]),
+        teacher_preference=_teacher_preference(run_dir),
         curve=curve,
     )
+
+
+def _teacher_preference(run_dir: Path) -> MeanEstimate | None:
+    """`correct_preference` over every saved rollout; None for a run that saved none."""
+    try:
+        by_step = read_run_rollouts(run_dir)
+    except FileNotFoundError:  # run.rollouts_to_save = 0
+        return None
+    return correct_preference([record for records in by_step.values() for record in records])
 
 
 def eval_outcomes(run_dir: Path, step: int) -> dict[str, bool]:

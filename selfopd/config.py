@@ -404,10 +404,16 @@ def _resolve(section: str, key: str | None = None) -> type[Section]:
     if section not in SECTIONS:
         fail(f"[{section}]", f"unknown section{did_you_mean(section, SECTIONS)}; sections: {', '.join(SECTIONS)}")
     cls = SECTIONS[section]
-    names = [f.name for f in dataclasses.fields(cls)]
-    if key is not None and key not in names:
-        fail(f"{section}.{key}", f"unknown key{did_you_mean(key, names)}; keys of [{section}]: {', '.join(names)}")
+    if key is not None:
+        check_key(section, cls, key)
     return cls
+
+
+def check_key(section: str, cls: type, key: str) -> None:
+    """Fail on a key that is not a field of the section class `cls`, listing the keys."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    if key not in names:
+        fail(f"{section}.{key}", f"unknown key{did_you_mean(key, names)}; keys of [{section}]: {', '.join(names)}")
 
 
 def did_you_mean(name: str, choices: Any) -> str:
@@ -472,21 +478,24 @@ def build_config(tables: dict[str, Any]) -> TrainConfig:
     return TrainConfig(**sections)
 
 
+def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
+    """The tables of a TOML file; a missing file or bad syntax is a ConfigError naming it."""
+    try:
+        with open(path, "rb") as file:
+            return tomllib.load(file)
+    except FileNotFoundError:
+        raise ConfigError("", f"no such {what}", source=str(path)) from None
+    except tomllib.TOMLDecodeError as error:  # its message ends "(at line L, column C)"
+        raise ConfigError("", f"invalid TOML: {error}", source=str(path)) from None
+
+
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
     """The config in the TOML file at `path` (None: all defaults) with `--set` overrides applied.
 
     A `--set` wins over the file. Errors name the file, or the `--set` when the bad value
     came from one.
     """
-    tables: dict[str, Any] = {}
-    if path is not None:
-        try:
-            with open(path, "rb") as file:
-                tables = tomllib.load(file)
-        except FileNotFoundError:
-            raise ConfigError("", "no such config file", source=str(path)) from None
-        except tomllib.TOMLDecodeError as error:  # its message ends "(at line L, column C)"
-            raise ConfigError("", f"invalid TOML: {error}", source=str(path)) from None
+    tables: dict[str, Any] = {} if path is None else read_toml(path)
     for section, values in parse_overrides(overrides).items():
         table = tables.setdefault(section, {})
         if isinstance(table, dict):  # else build_config reports the file's top-level key
@@ -506,16 +515,17 @@ def config_to_dict(config: TrainConfig) -> dict[str, dict[str, Any]]:
 
 def config_to_toml(config: TrainConfig) -> str:
     """The full config as TOML with each field's help as a comment; `load_config` of it gives `config`."""
-    lines: list[str] = []
-    for section in dataclasses.fields(config):
-        if lines:
-            lines.append("")
-        lines.append(f"[{section.name}]")
-        values = getattr(config, section.name)
-        for f in dataclasses.fields(values):
-            lines.append(f"# {f.metadata['help']}")
-            lines.append(f"{f.name} = {toml_value(getattr(values, f.name))}")
-    return "\n".join(lines) + "\n"
+    tables = ["\n".join(section_toml(section.name, getattr(config, section.name))) for section in dataclasses.fields(config)]
+    return "\n\n".join(tables) + "\n"
+
+
+def section_toml(name: str, values: Section) -> list[str]:
+    """The lines of one `[name]` table: every field, its help as a comment above it."""
+    lines = [f"[{name}]"]
+    for f in dataclasses.fields(values):
+        lines.append(f"# {f.metadata['help']}")
+        lines.append(f"{f.name} = {toml_value(getattr(values, f.name))}")
+    return lines
 
 
 def toml_value(value: Any) -> str:

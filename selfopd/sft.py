@@ -31,13 +31,12 @@ import json
 import random
 import shutil
 import time
-import tomllib
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Sequence
 
-from selfopd.config import ConfigError, Section, did_you_mean, fail, field_types, parse_value, setting, toml_value
+from selfopd.config import ConfigError, Section, check_key, fail, field_types, parse_value, read_toml, section_toml, setting
 from selfopd.example import Example
 
 Targets = Literal["auto", "solution", "sampled"]
@@ -117,10 +116,8 @@ def sft_config_from_table(table: dict[str, Any], source: str | None = None) -> S
     try:
         if not isinstance(table, dict):
             fail("[sft]", f"expected a table, got {type(table).__name__}")
-        names = [f.name for f in dataclasses.fields(SftConfig)]
         for key in table:
-            if key not in names:
-                fail(f"sft.{key}", f"unknown key{did_you_mean(key, names)}; keys of [sft]: {', '.join(names)}")
+            check_key("sft", SftConfig, key)
         return SftConfig(**table)
     except ConfigError as error:
         raise ConfigError(error.key, error.message, source=source or error.source) from None
@@ -130,15 +127,13 @@ def parse_sft_overrides(overrides: Sequence[str]) -> dict[str, Any]:
     """`["lr=3e-5", "sft.epochs=3"]` -> `{"lr": 3e-5, "epochs": 3}` (the `sft.` prefix is optional)."""
     parsed: dict[str, Any] = {}
     types = field_types(SftConfig)
-    names = [f.name for f in dataclasses.fields(SftConfig)]
     for override in overrides:
         path, eq, text = override.partition("=")
         key = path.strip().removeprefix("sft.")
         try:
             if not eq or not key:
                 raise ConfigError("", "expected key=value, e.g. --set lr=3e-5")
-            if key not in names:
-                fail(f"sft.{key}", f"unknown key{did_you_mean(key, names)}; keys of [sft]: {', '.join(names)}")
+            check_key("sft", SftConfig, key)
             parsed[key] = parse_value(f"sft.{key}", types[key], text)
         except ConfigError as error:
             raise ConfigError(error.key, error.message, source=f"--set {override}") from None
@@ -150,13 +145,7 @@ def load_sft_config(path: str | Path | None, overrides: Sequence[str] = ()) -> S
     overrides applied; a `--set` wins over the file, and errors name where the bad value came from."""
     table: dict[str, Any] = {}
     if path is not None:
-        try:
-            with open(path, "rb") as file:
-                document = tomllib.load(file)
-        except FileNotFoundError:
-            raise ConfigError("", "no such config file", source=str(path)) from None
-        except tomllib.TOMLDecodeError as error:
-            raise ConfigError("", f"invalid TOML: {error}", source=str(path)) from None
+        document = read_toml(path)
         for key in document:
             if key != "sft":
                 raise ConfigError(key, "unknown section or top-level key: an SFT config has one [sft] table",
@@ -176,11 +165,7 @@ def load_sft_config(path: str | Path | None, overrides: Sequence[str] = ()) -> S
 
 def sft_config_to_toml(config: SftConfig) -> str:
     """The full `[sft]` table with each field's help as a comment; `load_sft_config` of it gives `config`."""
-    lines = ["[sft]"]
-    for f in dataclasses.fields(config):
-        lines.append(f"# {f.metadata['help']}")
-        lines.append(f"{f.name} = {toml_value(getattr(config, f.name))}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(section_toml("sft", config)) + "\n"
 
 
 def _compared(config: SftConfig | dict[str, Any]) -> dict[str, Any]:
