@@ -27,14 +27,17 @@ def verify(completion: str, reference: str, *, timeout_s: float = DEFAULT_TIMEOU
     return graded(found.text, found.method, verdict is Verdict.EQUIVALENT)
 
 
-def verify_example(completion: str, example: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> VerifyResult:
+def verify_example(completion: str, example: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                   partial_credit: bool = False) -> VerifyResult:
     """Grade against an example with `.answer` and `.meta` (e.g. selfopd's Example).
 
     A reasoning-gym item carries `meta["reasoning_gym"] = {"task": name, "entry": {...}}` and
-    is scored by reasoning-gym itself; anything else is compared with `example.answer`.
+    is scored by reasoning-gym itself (its partial credit is the reward only with
+    `partial_credit`); anything else is compared with `example.answer`.
     """
     meta = getattr(example, "meta", None) or {}
     rg = meta.get("reasoning_gym")
     if isinstance(rg, dict) and "task" in rg and "entry" in rg:
-        return verify_reasoning_gym(completion, rg["task"], rg["entry"], timeout_s=timeout_s)
+        return verify_reasoning_gym(completion, rg["task"], rg["entry"], timeout_s=timeout_s,
+                                    partial_credit=partial_credit)
     return verify(completion, example.answer, timeout_s=timeout_s)

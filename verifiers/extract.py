@@ -8,6 +8,9 @@ Rules, most explicit first (the first rule that finds something wins):
   answer_line  last "Answer: ..." / "Final answer: ..." / "the answer is ..." (any case)
   gsm8k        last `#### ...` line
   last_number  last number in the text (integer, decimal, negative, 1,234, or a/b)
+
+Whatever rule found it, an answer written as a worked equation of numbers ("3 + 4 = 7",
+"2 * 3 = 6 = 6") is its right-hand side: the student stated 7, not the sum.
 """
 
 from __future__ import annotations
@@ -117,6 +120,21 @@ def extract_last_number(text: str) -> str | None:
     return matches[-1] if matches else None
 
 
+# Numbers, arithmetic operators and "=" only, ending in "= <result>".
+_WORKED_EQUATION = re.compile(r"^[\d\s.,+\-*/×÷·()^=]*=\s*(?P<result>[^=]*[^=\s])\s*$")
+
+
+def equation_result(answer: str) -> str:
+    """The result of a worked arithmetic equation ("3 + 4 = 7" -> "7"); other text unchanged.
+
+    Only when everything left of the last "=" is numbers and operators: "x = 3" and
+    "a = 1, b = 2" stay as written (the equivalence check reads those)."""
+    match = _WORKED_EQUATION.match(answer)
+    if match and re.search(r"\d", answer[: match.start("result")]):
+        return match.group("result").strip()
+    return answer
+
+
 _RULES = (
     ("boxed", extract_boxed),
     ("answer_tag", extract_answer_tag),
@@ -138,5 +156,5 @@ def extract_answer(text: str, *, methods: tuple[str, ...] = METHODS) -> Extracti
         if name in methods:
             found = rule(text)
             if found:
-                return Extraction(text=found, method=name)
+                return Extraction(text=equation_result(found), method=name)
     return None

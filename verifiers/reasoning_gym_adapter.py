@@ -1,7 +1,9 @@
 """Score a completion with a reasoning-gym task's own `score_answer`.
 
-reasoning-gym knows best what counts as right for its tasks (string tasks, partial credit),
-so we only extract the answer and let it score. The scorer runs in the worker process under
+reasoning-gym knows best what counts as right for its tasks (string tasks, number formats),
+so we only extract the answer and let it score. Its scorers also give partial credit
+("17" or "-7" score 0.5 against 7): that is the reward only when asked for, since a
+GRPO reward built on it pays wrong answers. The scorer runs in the worker process under
 the time limit: some scorers call sympy on the model's answer and could hang on `9**9**9**9`.
 """
 
@@ -58,11 +60,13 @@ def score_in_worker(task: str, answer: str, entry: dict[str, Any]) -> float:
 
 
 def verify_reasoning_gym(
-    completion: str, task: str, entry: dict[str, Any], *, timeout_s: float = DEFAULT_TIMEOUT_S
+    completion: str, task: str, entry: dict[str, Any], *, timeout_s: float = DEFAULT_TIMEOUT_S,
+    partial_credit: bool = False,
 ) -> VerifyResult:
     """Extract the final answer and score it with reasoning-gym task `task` on its `entry`.
 
-    reward is reasoning-gym's score (some tasks give partial credit); correct is score == 1.
+    correct is score == 1; reward is 1.0 or 0.0, or reasoning-gym's own score (partial
+    credit) with `partial_credit`.
     """
     check_task(task)
     found = extract_answer(completion)
@@ -86,4 +90,4 @@ def verify_reasoning_gym(
     except WorkerError as e:
         logger.warning("reasoning-gym %s scorer failed: %s", task, e)
         return unchecked(found.text, found.method)
-    return scored(found.text, found.method, score)
+    return scored(found.text, found.method, score, partial_credit)

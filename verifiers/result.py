@@ -16,7 +16,8 @@ class VerifyResult:
     """What a verifier concluded about one completion.
 
     reward:    1.0 correct, 0.0 otherwise (wrong, no answer, or not checkable in time);
-               reasoning-gym tasks pass through their own score in [0, 1] (partial credit).
+               a reasoning-gym task's own score in [0, 1] only when partial credit was
+               asked for (its scorers pay 0.5 for "17" or "-7" when the answer is 7).
     correct:   reward == 1.0.
     extracted: the final answer text as found in the completion, None if none was found.
     method:    the extraction rule that found it (see `extract.METHODS`), None if none.
@@ -57,9 +58,10 @@ def unchecked(extracted: str, method: str) -> VerifyResult:
     return VerifyResult(0.0, False, extracted, method, feedback, unchecked=True)
 
 
-def scored(extracted: str, method: str, score: float) -> VerifyResult:
-    """A result from a task's own scorer, which may give partial credit."""
-    if score >= 1.0 or score <= 0.0:
+def scored(extracted: str, method: str, score: float, partial_credit: bool = False) -> VerifyResult:
+    """A result from a task's own scorer. Its partial credit becomes the reward only when
+    `partial_credit`; otherwise anything short of a full score is wrong (reward 0)."""
+    if score >= 1.0 or score <= 0.0 or not partial_credit:
         return graded(extracted, method, score >= 1.0)
     feedback = f"Your final answer {quote(extracted)} is only partly correct (score {score:.2f})."
     return VerifyResult(score, False, extracted, method, feedback)

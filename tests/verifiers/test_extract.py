@@ -56,6 +56,13 @@ from verifiers.latex import matching_brace, top_level_commas, unwrap_commands
         ("Answer:\nFinal answer: 8", "8", "answer_line"),
         ("Answer: 3. Wait, the final answer is 4.", "4", "answer_line"),
         ("The answer is B.", "B", "answer_line"),
+        # a worked equation of numbers is its result; an equation with a variable stays whole
+        ("The answer is 3 + 4 = 7", "7", "answer_line"),
+        ("The answer is 3 + 4 = 7.", "7", "answer_line"),
+        ("Answer: 2 * 3 = 5 + 1 = 6", "6", "answer_line"),
+        ("Answer: -3 - -4 = 1", "1", "answer_line"),
+        (r"\boxed{8 - 1 = 7}", "7", "boxed"),
+        (r"\boxed{a = 1, b = 2}", "a = 1, b = 2", "boxed"),
         # "the answer is" followed by prose is not an answer: fall through
         ("Finding the answer is not easy. Still, 6 * 7 = 42", "42", "last_number"),
         ("answer is the same as before", None, None),

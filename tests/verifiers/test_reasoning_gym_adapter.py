@@ -40,14 +40,43 @@ def test_wrong_answers_score_zero(task):
         assert not result.unchecked
 
 
-def test_string_task_and_partial_credit():
+def test_string_task_and_partial_credit_only_when_asked():
     entry = _entries("spell_backward")[0]
     word = entry["answer"]
     assert verify_reasoning_gym(rf"\boxed{{\text{{{word}}}}}", "spell_backward", entry).correct
     near = word[:-1] + ("x" if word[-1] != "x" else "y")
-    partial = verify_reasoning_gym(f"<answer>{near}</answer>", "spell_backward", entry)
+    exact = verify_reasoning_gym(f"<answer>{near}</answer>", "spell_backward", entry)
+    assert exact.reward == 0.0 and not exact.correct and exact.feedback == f"Your final answer {near} is wrong."
+    partial = verify_reasoning_gym(f"<answer>{near}</answer>", "spell_backward", entry, partial_credit=True)
     assert 0.0 < partial.reward < 1.0 and not partial.correct
     assert "partly correct" in partial.feedback and word not in partial.feedback
+
+
+def _chain_sum_example(answer: str) -> Example:
+    entry = {"question": "State the final answer to the following arithmetic problem: 3 + 4 =", "answer": answer,
+             "metadata": {}}
+    return Example(id="chain_sum/x", prompt=entry["question"], answer=answer,
+                   meta={"reasoning_gym": {"task": "chain_sum", "config": {}, "entry": entry}})
+
+
+@pytest.mark.parametrize(
+    "completion, reward, partial",
+    [
+        # reasoning-gym's chain_sum scorer pays 0.5 for these wrong answers; the reward must not.
+        ("The answer is 17.", 0.0, 0.5),
+        ("The answer is -7.", 0.0, 0.5),
+        ("The answer is 7.", 1.0, 1.0),
+        # a worked equation states its right-hand side
+        ("The answer is 3 + 4 = 7", 1.0, 1.0),
+        ("The answer is 3 + 4 = 8.", 0.0, 0.0),
+        ("3 + 4 = 7", 1.0, 1.0),
+    ],
+)
+def test_reward_is_exact_unless_partial_credit_is_asked_for(completion, reward, partial):
+    example = _chain_sum_example("7")
+    exact = verify_example(completion, example)
+    assert exact.reward == reward and exact.correct == (reward == 1.0)
+    assert verify_example(completion, example, partial_credit=True).reward == pytest.approx(partial)
 
 
 def test_no_answer_and_pathological_answer():
