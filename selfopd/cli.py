@@ -229,7 +229,8 @@ def _eval(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from selfopd.data import load_examples, split_examples
+    from selfopd.data import load_examples
+    from selfopd.split import split_examples
     from selfopd.engines.local import LocalEngine
     from selfopd.evaluate import evaluate
     from selfopd.models import resolve_model

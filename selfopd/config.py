@@ -171,7 +171,9 @@ class RolloutConfig(Section):
     prompts_per_step: int = setting(8, "Prompts sampled per optimizer step.")
     samples_per_prompt: int = setting(4, "Samples per prompt (n); a GRPO group is the n samples of one prompt.")
     max_tokens: int = setting(48, "Most completion tokens per sample.")
-    temperature: float = setting(1.0, "Sampling temperature (0: greedy).")
+    temperature: float = setting(
+        1.0, "Sampling temperature (0: greedy). The trained policy is this tempered distribution: student and "
+        "in-process teacher logprobs are taken at it, so a teacher equal to the student has advantage 0.")
     top_p: float = setting(1.0, "Nucleus sampling mass, in (0, 1] (1: off).")
 
     def __post_init__(self) -> None:
@@ -199,6 +201,9 @@ class LossConfig(Section):
         "'reverse_kl', 'forward_kl', 'jsd': full vocabulary, needs the teacher in process (engine.kind = 'local').")
     top_k: int = setting(20, "Teacher top-k for divergence = 'topk_reverse_kl'.")
     jsd_beta: float = setting(0.5, "beta of the generalised JSD (0: forward KL, 1: reverse KL), for divergence = 'jsd'.")
+    partial_credit: bool = setting(
+        False, "Reward = the task scorer's partial credit (reasoning-gym pays 0.5 for '17' or '-7' when the answer "
+        "is 7); off: 1 for a correct final answer, 0 otherwise.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -345,6 +350,10 @@ class TrainConfig:
         if self.loss.divergence in FULL_VOCABULARY and self.engine.kind != "local":
             fail("loss.divergence", f"{self.loss.divergence!r} needs the teacher's full distribution in process "
                   "(engine.kind = 'local'); with vLLM use 'sampled' or 'topk_reverse_kl'")
+        if self.engine.kind == "vllm" and self.rollout.temperature != 1.0:
+            fail("rollout.temperature", f"must be 1 with engine.kind = 'vllm', got {self.rollout.temperature}: vLLM "
+                 "scores (prompt logprobs) from the raw logits only, so a vLLM teacher cannot score the tempered "
+                 "distribution the student samples from; use engine.kind = 'local' for other temperatures")
         if self.loss.lambda_rl > 0 and self.rollout.samples_per_prompt < 2:
             fail(
                 "rollout.samples_per_prompt",

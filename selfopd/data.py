@@ -17,6 +17,7 @@ One spec string names a data source everywhere (CLI, configs, logs):
 Options, by source (each is a `DataSpec` field of the same name; `id`, `prompt`,
 `answer`, `solution`, `hints` are the `*_col` fields):
 
+    all       distinct     true: keep each prompt once (default for rg, false elsewhere)
     hf, file  id, prompt, answer, solution, hints   column names for the Example fields
                 (defaults: prompt="prompt", answer="answer", no id / solution / hints column;
                  a preset supplies its own defaults, explicit options win)
@@ -25,17 +26,23 @@ Options, by source (each is a `DataSpec` field of the same name; `id`, `prompt`,
               preset       a named mapping from PRESETS (hf: chosen by dataset name by default)
               limit        keep only the first N examples
     hf        config, split  the Hub config name and split (default: the preset's, else "train")
-    rg        seed (default 0), size (default 500); any other key is passed to the task's
-              generator config (e.g. min_terms); unknown keys fail with the allowed list
-              (no limit: use size)
+    rg        seed (default 0), size (default 500): the number of items, distinct prompts
+              unless distinct=false (the generator is drawn from until it gives that many, and
+              says so when its problem space holds fewer); any other key is passed to the
+              task's generator config (e.g. min_terms); unknown keys fail with the allowed
+              list (no limit: use size)
     champ     concepts=true  put the problem's concepts before its hints (most general first)
               limit
 
 Values are read as bool (true/false), int, float or str, as the field's type says; generator
 options (unknown types) are guessed in that order. `&` and `=` cannot appear inside values.
 
-`split_examples` splits by prompt text by default, so duplicate prompts (common in small
-reasoning-gym configs) never sit on both sides; `by="id"` splits by id instead.
+Small procedural tasks repeat prompts a lot (chain_sum with 2-3 one-digit terms: 1763
+distinct prompts in 4000 items), and a repeated prompt is one observation, not several:
+procedural sources are deduplicated by default. Fresh items for a procedural task come
+from excluding known prompts (`load_examples(spec, exclude=...)`), never from another seed:
+reasoning-gym's item i of seed s is item i - 1 of seed s + 1. Splitting into train and eval
+is `selfopd.split`'s job.
 """
 
 from __future__ import annotations
@@ -43,15 +50,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import hashlib
 import json
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Collection, Literal
 
-from selfopd.example import Example
+from selfopd.example import Example, prompt_key
 
 
 class DataError(ValueError):
@@ -107,11 +113,12 @@ _COLUMN_KEYS = {"id": "id_col", "prompt": "prompt_col", "answer": "answer_col",
 _TABLE = {"id_col", "prompt_col", "answer_col", "solution_col", "hints_col",
           "answer_sep", "preset", "limit"}
 _APPLIES = {  # which DataSpec fields each source reads
-    "hf": _TABLE | {"config", "split"},
-    "file": _TABLE,
-    "rg": {"seed", "size", "task_config"},
-    "champ": {"concepts", "limit"},
+    "hf": _TABLE | {"config", "split", "distinct"},
+    "file": _TABLE | {"distinct"},
+    "rg": {"seed", "size", "task_config", "distinct"},
+    "champ": {"concepts", "limit", "distinct"},
 }
+PROCEDURAL = ("rg",)  # sources that generate items, and repeat prompts unless told not to
 
 
 @dataclass(frozen=True)
@@ -139,6 +146,8 @@ class DataSpec:
     concepts: bool = False  # prepend the problem's concepts to its hints
     # all but rg (use size there)
     limit: int | None = None  # keep the first `limit` examples
+    # all: keep each prompt once (None: yes for procedural sources, no otherwise)
+    distinct: bool | None = None
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -164,6 +173,11 @@ class DataSpec:
                             f"allowed: {', '.join(PRESETS)}")
         if self.source == "file" and Path(self.name).suffix.lower() not in FILE_BUILDERS:
             raise DataError(f"{self.name}: unknown file type; allowed: {', '.join(FILE_BUILDERS)}")
+
+    @property
+    def dedup(self) -> bool:
+        """Whether each prompt is kept once: `distinct`, by default for procedural sources."""
+        return self.source in PROCEDURAL if self.distinct is None else self.distinct
 
     @property
     def label(self) -> str:
@@ -195,7 +209,7 @@ def _allowed_keys(source: str) -> list[str]:
     return keys + (["<generator option>"] if source == "rg" else [])
 
 
-_FIELD_TYPES = {"seed": int, "size": int, "limit": int, "concepts": bool}  # others are str
+_FIELD_TYPES = {"seed": int, "size": int, "limit": int, "concepts": bool, "distinct": bool}  # others are str
 
 
 def _parse_value(text: str, kind: type | None) -> Any:
@@ -261,17 +275,37 @@ def parse_data_spec(text: str) -> DataSpec:
 
 # --------------------------------------------------------------------------- loading
 
+# Distinct procedural prompts: draw at most this many items per prompt asked for, and stop
+# early once this many draws in a row (or as many as found so far) brought nothing new.
+MAX_DRAWS_PER_ITEM = 50
+MIN_STALL_DRAWS = 2000
 
-def load_examples(spec: DataSpec | str) -> list[Example]:
-    """Load every example a spec names. Ids are unique (checked); order is the source's."""
+
+def load_examples(spec: DataSpec | str, exclude: Collection[str] = ()) -> list[Example]:
+    """Load every example a spec names. Ids are unique (checked); order is the source's.
+
+    `exclude` holds prompt keys (`selfopd.example.prompt_key`) that must not appear: fresh
+    items for a procedural task are drawn past them, other sources just drop those rows.
+    With `distinct` (the default for procedural sources) each prompt is kept once."""
     spec = parse_data_spec(spec) if isinstance(spec, str) else spec
-    loader = {"hf": _load_hub, "file": _load_file, "rg": _load_reasoning_gym, "champ": _load_champ}
+    excluded = frozenset(exclude)
+    if spec.source == "rg":
+        return _load_reasoning_gym(spec, excluded)
+    loader = {"hf": _load_hub, "file": _load_file, "champ": _load_champ}
     examples = loader[spec.source](spec)
-    _check_unique_ids(examples, spec.label)
-    return examples if spec.limit is None else examples[: spec.limit]
+    check_unique_ids(examples, spec.label)
+    kept, seen = [], set(excluded)
+    for example in examples:
+        key = prompt_key(example.prompt)
+        if key in seen:
+            continue
+        if spec.dedup:
+            seen.add(key)
+        kept.append(example)
+    return kept if spec.limit is None else kept[: spec.limit]
 
 
-def _check_unique_ids(examples: list[Example], label: str) -> None:
+def check_unique_ids(examples: list[Example], label: str) -> None:
     first: dict[str, int] = {}
     for i, ex in enumerate(examples):
         if ex.id in first:
@@ -386,8 +420,13 @@ def _as_hints(value: Any) -> tuple[str, ...]:
     return tuple(str(h) for h in items if h is not None and str(h).strip())
 
 
-def _load_reasoning_gym(spec: DataSpec) -> list[Example]:
+def _load_reasoning_gym(spec: DataSpec, exclude: frozenset[str] = frozenset()) -> list[Example]:
     """Procedural items; item i depends only on (task, config, seed, i).
+
+    With `spec.dedup` the generator is drawn from, in index order, until it has given
+    `spec.size` distinct prompts outside `exclude`; a task whose problem space is smaller
+    stops being drawn from once it brings nothing new, with an error that says how many it
+    holds. Ids keep the generator index, so an item is the same wherever it is loaded.
 
     meta["reasoning_gym"]["entry"] is the generator's own dict, for `score_answer(answer, entry)`.
     Keep that object: a JSON round trip turns its tuples into lists, which breaks the scoring
@@ -407,14 +446,27 @@ def _load_reasoning_gym(spec: DataSpec) -> list[Example]:
         if key not in allowed:
             raise DataError(f"rg:{task}: unknown option {key!r}; allowed: {', '.join(allowed)}")
     config = {"seed": spec.seed, "size": spec.size, **spec.task_config}
+    draws = max(MAX_DRAWS_PER_ITEM * spec.size, MIN_STALL_DRAWS) if spec.dedup else spec.size
     try:
-        dataset = reasoning_gym.create_dataset(task, **config)
+        # Items are generated on access, so a large size costs nothing until drawn.
+        dataset = reasoning_gym.create_dataset(task, **{**config, "size": draws})
     except (AssertionError, TypeError, ValueError) as e:  # the generator's own config checks
         raise DataError(f"rg:{task}: invalid config {config}: {e or type(e).__name__}") from e
 
-    examples = []
-    for i in range(len(dataset)):
+    examples: list[Example] = []
+    seen, last_new = set(exclude), 0
+    for i in range(draws):
+        if len(examples) == spec.size:
+            break
+        if spec.dedup and i - last_new >= max(MIN_STALL_DRAWS, len(examples)):
+            break
         entry = dataset[i]
+        key = prompt_key(entry["question"])
+        if key in seen:
+            continue
+        if spec.dedup:
+            seen.add(key)
+            last_new = i
         answer = entry.get("answer")
         if answer is None or not str(answer).strip():
             raise DataError(f"rg:{task} row {i}: missing field 'answer' (this task has no reference "
@@ -430,6 +482,13 @@ def _load_reasoning_gym(spec: DataSpec) -> list[Example]:
             meta={"source": spec.label, "row": i,
                   "reasoning_gym": {"task": task, "config": config, "entry": entry}},
         ))
+    if spec.dedup and len(examples) < spec.size:
+        outside = f" outside the {len(exclude)} excluded ones" if exclude else ""
+        raise DataError(
+            f"rg:{task}: asked for {spec.size} distinct prompts{outside}, but {i + 1} draws gave only "
+            f"{len(examples)} (config {spec.task_config or 'default'}): that is about all its problem space holds. "
+            f"Ask for fewer (size={len(examples)}), widen the task (more terms or digits), or allow repeated "
+            f"prompts with distinct=false")
     return examples
 
 
@@ -456,49 +515,3 @@ def _load_champ(spec: DataSpec) -> list[Example]:
             meta={"source": "champ", "row": i, "category": problem.category, "concepts": concepts},
         ))
     return examples
-
-
-# --------------------------------------------------------------------------- splitting
-
-
-def split_examples(
-    examples: list[Example],
-    *,
-    eval_size: int | None = None,
-    eval_fraction: float | None = None,
-    seed: int = 0,
-    by: Literal["prompt", "id"] = "prompt",
-) -> tuple[list[Example], list[Example]]:
-    """Deterministic (train, eval) split, the same in every process for the same seed.
-
-    Groups examples by prompt text (or id), orders groups by sha256(seed, key), and fills eval
-    with whole groups until it holds at least the target count, so an eval prompt never
-    appears in train. With unique prompts eval has exactly the target size. Both parts keep
-    the input order.
-    """
-    if (eval_size is None) == (eval_fraction is None):
-        raise DataError("split_examples: give exactly one of eval_size, eval_fraction")
-    if eval_fraction is not None:
-        if not 0.0 <= eval_fraction <= 1.0:
-            raise DataError(f"split_examples: eval_fraction must be in [0, 1], got {eval_fraction}")
-        eval_size = round(eval_fraction * len(examples))
-    if not 0 <= eval_size <= len(examples):
-        raise DataError(f"split_examples: eval_size must be in [0, {len(examples)}], got {eval_size}")
-    if by not in ("prompt", "id"):
-        raise DataError(f"split_examples: by must be 'prompt' or 'id', got {by!r}")
-    _check_unique_ids(examples, "split_examples")
-
-    groups: dict[str, list[str]] = {}
-    for ex in examples:
-        groups.setdefault(ex.prompt if by == "prompt" else ex.id, []).append(ex.id)
-
-    def rank(key: str) -> str:
-        return hashlib.sha256(f"{seed}\0{key}".encode()).hexdigest()
-
-    eval_ids: set[str] = set()
-    for key in sorted(groups, key=rank):
-        if len(eval_ids) >= eval_size:
-            break
-        eval_ids.update(groups[key])
-    return ([ex for ex in examples if ex.id not in eval_ids],
-            [ex for ex in examples if ex.id in eval_ids])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,3 +24,11 @@ class Example:
     solution: str | None = None
     hints: tuple[str, ...] = ()
     meta: dict[str, Any] = field(default_factory=dict)
+
+
+def prompt_key(prompt: str) -> str:
+    """A prompt's identity: the first 16 hex digits of the sha256 of its text, surrounding
+    whitespace ignored. Two items with the same key are one prompt: greedy decoding answers
+    them alike, so they count once. Short enough to list thousands in a run folder;
+    collisions are vanishingly unlikely at the dataset sizes selfopd sees."""
+    return hashlib.sha256(prompt.strip().encode()).hexdigest()[:16]

@@ -45,6 +45,15 @@ def logprobs_from_hidden(model: Any, hidden_BCH: Tensor, targets_BC: Tensor, mas
     return token_logprobs_from_hidden(hidden_BCH, head_VH, targets_BC, chunk_size) * mask_BC
 
 
+def tempered(hidden_BCH: Tensor, temperature: float) -> Tensor:
+    """Hidden states whose logits are the model's divided by `temperature`: the head is
+    linear without bias (`_check_plain_head`), so scaling before it is scaling the logits,
+    and every loss and scorer downstream works unchanged on the tempered distribution."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    return hidden_BCH if temperature == 1.0 else hidden_BCH / temperature
+
+
 @torch.no_grad()
 def topk_from_hidden(model: Any, hidden_BCH: Tensor, k: int, chunk_size: int = 256) -> tuple[Tensor, Tensor]:
     """The k most likely tokens at each completion position: (ids_BCK, logprobs_BCK), the

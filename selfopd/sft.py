@@ -434,7 +434,8 @@ def run_sft(config: SftConfig, progress: bool = True) -> Path:
 
 def _load_inputs(config: SftConfig) -> tuple[list[Example], list[Example], Any, Any]:
     """Data split and templates, checked before any model loads; errors name the sft key."""
-    from selfopd.data import DataError, load_examples, split_examples
+    from selfopd.data import DataError, load_examples
+    from selfopd.split import split_examples
     from selfopd.templates import TemplateError, load_template
 
     try:

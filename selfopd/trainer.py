@@ -20,10 +20,10 @@ import torch
 from tqdm.auto import tqdm
 
 from selfopd.config import TrainConfig, config_to_toml
-from selfopd.data import load_examples, split_examples
+from selfopd.data import load_examples
 from selfopd.diagnostics.records import RolloutRecord, write_records
 from selfopd.engines.base import Engine, Rollout, SamplingParams
-from selfopd.engines.local import LocalEngine
+from selfopd.engines.local import LocalEngine, pad_token_id
 from selfopd.evaluate import evaluate
 from selfopd.example import Example
 from selfopd.losses import (
@@ -36,7 +36,8 @@ from selfopd.losses import (
     truncated_is_ratio,
 )
 from selfopd.models import resolve_model
-from selfopd.scoring import completion_hidden, completion_logprobs, logprobs_from_hidden, pad_completions
+from selfopd.scoring import completion_hidden, completion_logprobs, logprobs_from_hidden, pad_completions, tempered
+from selfopd.split import SplitRecord, split_examples
 from selfopd.templates import PromptTemplate, load_template, prompt_token_ids, render_student, render_teacher
 from selfopd.tokenizer_check import check_tokenizers_compatible
 from verifiers import verify_example
@@ -73,6 +74,16 @@ class Run:
         """Close engine clients and stop the servers this run launched."""
         self.resources.close()
 
+    @property
+    def pad_id(self) -> int:
+        return pad_token_id(self.tokenizer, self.model)
+
+    @property
+    def temperature(self) -> float:
+        """The policy that is trained: the distribution the student samples from, its logits
+        divided by the rollout temperature (as TRL does); greedy rollouts train at 1."""
+        return self.config.rollout.temperature or 1.0
+
 
 @dataclass(frozen=True)
 class Scored:
@@ -92,6 +103,7 @@ def train_step(run: Run) -> dict[str, float]:
     """One OPD step; returns its metrics."""
     cfg = run.config
     timer = _PhaseTimer()
+    temperature = run.temperature  # student and teacher logprobs are both at the sampling temperature
 
     # 1. Data and student rollouts (exact ids, sampler logprobs).
     examples = batch_for_step(run.train_examples, run.step, cfg.rollout.prompts_per_step, cfg.run.seed)
@@ -113,7 +125,7 @@ def train_step(run: Run) -> dict[str, float]:
         pending = []
         for group, (example, messages, rollouts) in enumerate(zip(examples, student_messages, groups)):
             for rollout in rollouts:
-                verdict = verify_example(rollout.text, example)
+                verdict = verify_example(rollout.text, example, partial_credit=cfg.loss.partial_credit)
                 teacher_messages = render_teacher(run.teacher_template, example, messages, rollout.text, verdict.feedback)
                 pending.append((example, group, rollout, verdict, prompt_token_ids(run.tokenizer, teacher_messages)))
     with timer("teacher"):
@@ -125,7 +137,7 @@ def train_step(run: Run) -> dict[str, float]:
         for start in range(0, len(pending), per_micro):
             micro = pending[start : start + per_micro]
             pairs = [(teacher_prompt, rollout.completion_ids) for _, _, rollout, _, teacher_prompt in micro]
-            scores.extend(run.teacher_engine.score(pairs, top_k=top_k))
+            scores.extend(run.teacher_engine.score(pairs, top_k=top_k, temperature=temperature))
     scored = [
         Scored(example, group, rollout, verdict.reward, verdict.correct, score.logprobs, teacher_prompt,
                (score.topk_ids, score.topk_logprobs) if top_k else None)
@@ -142,7 +154,8 @@ def train_step(run: Run) -> dict[str, float]:
         for start in range(0, len(scored), per_micro):
             micro = scored[start : start + per_micro]
             sequences = [(s.rollout.prompt_ids, s.rollout.completion_ids) for s in micro]
-            hidden_BCH, tokens_BC, mask_BC = completion_hidden(run.model, sequences, run.tokenizer.pad_token_id)  # with grad
+            hidden_BCH, tokens_BC, mask_BC = completion_hidden(run.model, sequences, run.pad_id)  # with grad
+            hidden_BCH = tempered(hidden_BCH, temperature)  # the sampling distribution's logits
             student_lp_BC = logprobs_from_hidden(run.model, hidden_BCH, tokens_BC, mask_BC)
             mask_BC = mask_BC.bool()
             length = mask_BC.shape[1]
@@ -210,7 +223,8 @@ def train_step(run: Run) -> dict[str, float]:
 def distribution_divergence(run: Run, micro: Sequence[Scored], hidden_BCH: torch.Tensor,
                             mask_BC: torch.Tensor) -> torch.Tensor:
     """Per-token divergence (B, C) of the student's next-token distributions from the
-    teacher's (`loss.divergence`), differentiable in the student's hidden states."""
+    teacher's (`loss.divergence`), differentiable in the student's (tempered) hidden states;
+    the teacher's are tempered alike."""
     cfg = run.config.loss
     head_VH = run.model.get_output_embeddings().weight
     length = mask_BC.shape[1]
@@ -224,8 +238,8 @@ def distribution_divergence(run: Run, micro: Sequence[Scored], hidden_BCH: torch
     teacher = run.teacher_engine.model  # in process: the config refuses full-vocabulary losses with vLLM
     with torch.no_grad():
         pairs = [(s.teacher_prompt, s.rollout.completion_ids) for s in micro]
-        teacher_hidden_BCH, _, _ = completion_hidden(teacher, pairs, run.tokenizer.pad_token_id)
-    return full_vocab_divergence(hidden_BCH, head_VH, mask_BC, teacher_hidden_BTH=teacher_hidden_BCH,
+        teacher_hidden_BCH, _, _ = completion_hidden(teacher, pairs, run.pad_id)
+    return full_vocab_divergence(hidden_BCH, head_VH, mask_BC, teacher_hidden_BTH=tempered(teacher_hidden_BCH, run.temperature),
                                  teacher_weight_VH=teacher.get_output_embeddings().weight,
                                  divergence=cfg.divergence, beta=cfg.jsd_beta)
 
@@ -263,7 +277,7 @@ def check_probe(run: Run) -> float:
     prompt, completion = run.probe
     was_training = run.model.training
     run.model.eval()
-    trainer_lp = completion_logprobs(run.model, [run.probe], run.tokenizer.pad_token_id)[0][0]
+    trainer_lp = completion_logprobs(run.model, [run.probe], run.pad_id)[0][0]
     run.model.train(was_training)
     worst = 0.0
     for name, engine in engines_serving_student_weights(run):
@@ -383,6 +397,11 @@ def train(config: TrainConfig, resume: bool = False, initial_eval: Path | None =
         (run_dir / "config.toml").write_text(config_to_toml(config))
     run = build_run(config, checkpoint)
     with contextlib.closing(run):  # stops launched servers on any exit, Ctrl-C included
+        split = SplitRecord.of(config.data.spec, config.data.split_seed, run.train_examples, run.eval_examples)
+        if resume:
+            SplitRecord.read(run_dir).check_same(split, str(run_dir))
+        else:
+            split.write(run_dir)
         _train_loop(run, run_dir / "metrics.jsonl", resume, initial_eval)
     _plot(run_dir)
     return run_dir

@@ -9,7 +9,9 @@ import time
 import pandas as pd
 import pytest
 
-from selfopd.data import DataError, DataSpec, load_examples, parse_data_spec, split_examples
+from selfopd.data import DataError, DataSpec, load_examples, parse_data_spec
+from selfopd.example import prompt_key
+from selfopd.split import SplitRecord, split_examples, trained_on
 from selfopd.example import Example
 
 
@@ -186,7 +188,7 @@ def test_spec_values_are_typed():
 @pytest.mark.parametrize("text,pattern", [
     ("gsm8k", r"unknown data source 'gsm8k'; allowed: rg:TASK, champ, hf:NAME"),
     ("s3:bucket/x.jsonl", r"unknown data source 's3:'"),
-    ("champ?seed=1", r"unknown option 'seed' for source 'champ'; allowed: concepts, limit"),
+    ("champ?seed=1", r"unknown option 'seed' for source 'champ'; allowed: concepts, distinct, limit"),
     ("x.jsonl?colour=red", r"unknown option 'colour' .*allowed: .*answer_sep.*prompt"),
     ("rg:chain_sum?size=many", r"option 'size': expected int"),
     ("x.jsonl?preset=gsm9k", r"unknown preset 'gsm9k'; allowed: openai/gsm8k"),
@@ -235,6 +237,50 @@ def test_reasoning_gym_basic_arithmetic_and_errors():
         load_examples("rg:boxnet?size=1")  # judged by rules only: no reference answer
 
 
+DEMO_LIKE = "rg:chain_sum?min_terms=2&max_terms=3&min_digits=1&max_digits=1&seed=1"
+
+
+def test_reasoning_gym_prompts_are_distinct_by_default():
+    """4000 plain draws of this task hold only ~1800 distinct prompts ("5 - 2 =" many times);
+    distinct loading draws on until it has 4000 different ones, and says so when it cannot."""
+    repeated = load_examples(DEMO_LIKE + "&size=4000&distinct=false")
+    assert len(repeated) == 4000 and len({ex.prompt for ex in repeated}) < 2000
+    distinct = load_examples(DEMO_LIKE + "&size=4000")
+    assert len(distinct) == 4000 and len({ex.prompt for ex in distinct}) == 4000
+    first_ids = {ex.id: ex.prompt for ex in repeated}
+    assert all(first_ids.get(ex.id, ex.prompt) == ex.prompt for ex in distinct)  # ids keep the generator index
+    two_terms = "rg:chain_sum?min_terms=2&max_terms=2&min_digits=1&max_digits=1&size=300"
+    with pytest.raises(DataError, match=r"rg:chain_sum: asked for 300 distinct prompts, but \d+ draws gave only 200 "
+                                        r".*Ask for fewer \(size=200\)"):
+        load_examples(two_terms)  # a + b and a - b with one-digit terms: 200 problems in all
+
+
+def test_fresh_items_exclude_known_prompts_instead_of_another_seed():
+    known = load_examples(DEMO_LIKE + "&size=500")
+    # another seed is mostly the same items, shifted by one
+    shifted = load_examples(DEMO_LIKE.replace("seed=1", "seed=2") + "&size=500")
+    assert len({ex.prompt for ex in known} & {ex.prompt for ex in shifted}) > 400
+    keys = {prompt_key(ex.prompt) for ex in known}
+    fresh = load_examples(DEMO_LIKE + "&size=300", exclude=keys)
+    assert len(fresh) == 300 and not {prompt_key(ex.prompt) for ex in fresh} & keys
+    table = load_examples("champ", exclude={prompt_key(ex.prompt) for ex in load_examples("champ?limit=20")})
+    assert len(table) == 250
+
+
+def test_a_run_records_its_split_and_finds_overlaps(tmp_path):
+    examples = make_examples([f"question {i % 30}" for i in range(60)])
+    train, evals = split_examples(examples, eval_size=5, seed=0)
+    record = SplitRecord.of("spec", 0, train, evals)
+    record.write(tmp_path)
+    again = SplitRecord.read(tmp_path)
+    assert again == record and len(again.eval_ids) == 5 and len(again.train_prompts) == 25
+    assert trained_on(evals, again) == []
+    assert len(trained_on(examples, again)) == 50  # every copy of the 25 training prompts
+    other = SplitRecord.of("spec", 1, *split_examples(examples, eval_size=5, seed=1))
+    with pytest.raises(DataError, match=r"run-x: the data now gives another split than the run recorded \(\d+ held-out"):
+        record.check_same(other, "run-x")
+
+
 def test_reasoning_gym_worked_solution_when_the_task_has_one():
     example = load_examples("rg:gsm_symbolic?size=2&seed=0")[0]
     assert example.solution.rstrip().endswith(f"#### {example.answer}")
@@ -279,7 +325,7 @@ def test_split_is_deterministic_disjoint_and_complete():
 def test_split_is_the_same_in_another_process():
     examples = make_examples([f"question {i}" for i in range(50)])
     ids_here = [ex.id for ex in split_examples(examples, eval_size=10, seed=5)[1]]
-    code = ("from selfopd.data import split_examples\nfrom selfopd.example import Example\n"
+    code = ("from selfopd.split import split_examples\nfrom selfopd.example import Example\n"
             "ex = [Example(id=f'e{i}', prompt=f'question {i}', answer='0') for i in range(50)]\n"
             "print(','.join(e.id for e in split_examples(ex, eval_size=10, seed=5)[1]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -287,12 +333,15 @@ def test_split_is_the_same_in_another_process():
     assert out.strip().split(",") == ids_here
 
 
-def test_split_keeps_duplicate_prompts_together():
+def test_split_holds_each_eval_prompt_once_and_never_trains_on_it():
     examples = make_examples([f"question {i % 10}" for i in range(40)])  # each prompt 4 times
     for seed in range(5):
-        train, evals = split_examples(examples, eval_size=8, seed=seed)
+        train, evals = split_examples(examples, eval_size=2, seed=seed)
         assert {ex.prompt for ex in train}.isdisjoint(ex.prompt for ex in evals)
-        assert len(evals) == 8 and len(train) == 32
+        assert len(evals) == 2 and len({ex.prompt for ex in evals}) == 2  # eval_size counts distinct prompts
+        assert len(train) == 32  # the other 8 prompts, duplicates kept; the eval prompts' copies dropped
+    with pytest.raises(DataError, match=r"eval_size must be in \[0, 10\] \(the data holds 10 distinct prompts in 40"):
+        split_examples(examples, eval_size=11)
     by_id = split_examples(examples, eval_size=8, seed=0, by="id")
     assert len(by_id[1]) == 8 and {ex.prompt for ex in by_id[0]} & {ex.prompt for ex in by_id[1]}
 

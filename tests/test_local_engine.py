@@ -56,6 +56,32 @@ def test_sampler_logprobs_equal_scoring_logprobs(engine, rollouts):
         torch.testing.assert_close(score.logprobs, torch.tensor(rollout.sampler_logprobs), atol=2e-4, rtol=0)
 
 
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_sampler_logprobs_are_those_of_the_tempered_distribution(engine, prompts, temperature):
+    """At temperature T the sampler reports log softmax(logits / T) of the drawn token, which
+    scoring at T reproduces (the trainer's importance ratio is then 1) and raw scoring does not."""
+    groups = engine.sample(prompts, SamplingParams(max_tokens=10, temperature=temperature, n=2, seed=3))
+    flat = [r for group in groups for r in group]
+    pairs = [(r.prompt_ids, r.completion_ids) for r in flat]
+    tempered, raw = engine.score(pairs, temperature=temperature), engine.score(pairs)
+    worst_raw = 0.0
+    for rollout, at_t, at_1 in zip(flat, tempered, raw):
+        sampler = torch.tensor(rollout.sampler_logprobs)
+        torch.testing.assert_close(at_t.logprobs, sampler, atol=2e-4, rtol=0)
+        worst_raw = max(worst_raw, (at_1.logprobs - sampler).abs().max().item())
+    assert worst_raw > 0.01  # so the check above can tell a tempered from a raw sampler
+
+
+def test_top_p_sampler_logprobs_are_renormalised_over_the_nucleus(engine, prompts):
+    """With top_p < 1 the sampler's distribution is the nucleus: each drawn token is at least
+    as likely there as under the full tempered distribution, and strictly more somewhere."""
+    groups = engine.sample(prompts, SamplingParams(max_tokens=10, temperature=1.0, top_p=0.5, n=2, seed=4))
+    flat = [r for group in groups for r in group]
+    scores = engine.score([(r.prompt_ids, r.completion_ids) for r in flat])
+    gaps = torch.cat([torch.tensor(r.sampler_logprobs) - s.logprobs for r, s in zip(flat, scores)])
+    assert gaps.min() > -2e-4 and gaps.max() > 0.05
+
+
 def test_scores_equal_float64_reference_and_topk_is_consistent(engine, rollouts, smollm2_model):
     rollout = rollouts[0][0]
     (score,) = engine.score([(rollout.prompt_ids, rollout.completion_ids)], top_k=5)

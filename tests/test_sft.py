@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from selfopd.cli import main
 from selfopd.config import ConfigError
-from selfopd.data import load_examples, split_examples
+from selfopd.data import load_examples
+from selfopd.split import split_examples
 from selfopd.engines.base import Rollout
 from selfopd.engines.local import LocalEngine
 from selfopd.sft import (

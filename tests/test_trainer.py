@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -129,6 +130,32 @@ def test_self_teacher_with_empty_context_gives_exactly_zero_advantage(tmp_path, 
         assert torch.equal(param, before[name]), name
 
 
+@pytest.mark.slow
+def test_policy_is_the_sampling_distribution_at_any_temperature(tmp_path, smollm2_dir):
+    """Sampling at T = 0.7: the trainer's logprobs are those of the tempered distribution the
+    sampler drew from (importance ratio 1 up to fp32 noise, where raw logprobs would be off
+    by far more), and the empty-context self teacher, scored at the same temperature, still
+    gives exactly zero advantage."""
+    run = build_run(_config(tmp_path, "smollm2-135m-instruct", "teacher.template=teacher/empty", "run.name=tempered",
+                            "rollout.temperature=0.7", "rollout.max_tokens=8"))
+    metrics = train_step(run)
+    assert metrics["is/sampler_logprob_abs_diff"] < 1e-4
+    assert metrics["opd/advantage_mean"] == 0.0 and metrics["opd/reverse_kl"] == 0.0
+    (record, *_) = [json.loads(line) for line in (run.run_dir / "rollouts" / "step_00001.jsonl").read_text().splitlines()]
+    raw = run.student_engine.score([(record["prompt_ids"], record["completion_ids"])])[0].logprobs
+    assert (raw - torch.tensor(record["student_logprobs"])).abs().max() > 0.01
+
+
+def test_tokenizer_without_pad_token_trains(tmp_path, tiny_model_dir):
+    """Llama 3 tokenizers have no pad token: batches are padded with end-of-sequence instead."""
+    run = build_run(_config(tmp_path, tiny_model_dir, "run.name=nopad"))
+    run.tokenizer.pad_token = None
+    assert run.tokenizer.pad_token_id is None
+    run.student_engine = run.teacher_engine = LocalEngine(run.model, run.tokenizer)
+    metrics = train_step(run)
+    assert math.isfinite(metrics["loss/pg"]) and run.pad_id == run.model.generation_config.eos_token_id
+
+
 def test_bfloat16_run_trains_and_probes(tmp_path, tiny_model_dir):
     run = build_run(_config(tmp_path, tiny_model_dir, "model.dtype=bfloat16", "run.name=bf16"))
     run.run_dir.mkdir(parents=True)
@@ -189,3 +216,11 @@ def test_full_vocabulary_divergence_with_vllm_is_refused():
 
     with pytest.raises(ConfigError, match="loss.divergence: 'jsd' needs the teacher's full distribution"):
         load_config(None, ["loss.divergence=jsd", "engine.kind=vllm"])
+
+
+def test_tempered_sampling_with_vllm_is_refused():
+    """vLLM scores from raw logits only: a tempered policy could not be scored by its teacher."""
+    from selfopd.config import ConfigError
+
+    with pytest.raises(ConfigError, match="rollout.temperature: must be 1 with engine.kind = 'vllm', got 0.7"):
+        load_config(None, ["rollout.temperature=0.7", "engine.kind=vllm"])

@@ -23,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from selfopd.config import load_config
-from selfopd.data import load_examples, split_examples
+from selfopd.data import load_examples
 from selfopd.diagnostics import Prompting, fresh_records
 from selfopd.diagnostics.measures import as_jsonable
 from selfopd.diagnostics.report import diagnose_template

@@ -118,14 +118,17 @@ def privileged_gains(engine: Engine, records: Sequence[RolloutRecord], prompting
 def fresh_records(student: Engine, teacher: Engine, examples: Sequence[Example], prompting: Prompting,
                   params: SamplingParams, batch_size: int = 16) -> list[RolloutRecord]:
     """Sample the student now and score with the teacher: records like a run's step 0,
-    with advantage = teacher - student (no verifier-reward term)."""
+    with advantage = teacher - student (no verifier-reward term), both at the sampling
+    temperature, as the trainer scores them."""
     groups = student.sample([prompting.student_ids(e) for e in examples], params)
     flat = [(group, e, r) for group, (e, rollouts) in enumerate(zip(examples, groups)) for r in rollouts]
     verdicts = [verify_example(r.text, e) for _, e, r in flat]
     completions = [r.completion_ids for _, _, r in flat]
-    student_lp = _score(student, [r.prompt_ids for _, _, r in flat], completions, batch_size, False, "student")
+    temperature = params.temperature or 1.0
+    student_lp = _score(student, [r.prompt_ids for _, _, r in flat], completions, batch_size, False, "student",
+                        temperature)
     teacher_prompts = [prompting.teacher_ids(e, r.text, v.feedback) for (_, e, r), v in zip(flat, verdicts)]
-    teacher_lp = _score(teacher, teacher_prompts, completions, batch_size, False, "teacher")
+    teacher_lp = _score(teacher, teacher_prompts, completions, batch_size, False, "teacher", temperature)
     records = []
     for (group, example, rollout), verdict, s, t in zip(flat, verdicts, student_lp, teacher_lp):
         records.append(RolloutRecord(
@@ -186,12 +189,13 @@ def _greedy(engine: Engine, prompts: list[list[int]], params: SamplingParams, ba
 
 
 def _score(engine: Engine, prompts: Sequence[list[int]], completions: Sequence[list[int]], batch_size: int,
-           progress: bool, label: str) -> list[np.ndarray]:
+           progress: bool, label: str, temperature: float = 1.0) -> list[np.ndarray]:
     """float64 logprobs of each completion after its prompt, in batches."""
     pairs = [(list(p), list(c)) for p, c in zip(prompts, completions)]
     out = []
     for start in tqdm(range(0, len(pairs), batch_size), desc=label, unit="batch", disable=not progress):
-        out.extend(s.logprobs.double().numpy() for s in engine.score(pairs[start : start + batch_size]))
+        scores = engine.score(pairs[start : start + batch_size], temperature=temperature)
+        out.extend(s.logprobs.double().numpy() for s in scores)
     return out
 
 

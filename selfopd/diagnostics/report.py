@@ -115,7 +115,8 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
     from transformers import AutoTokenizer
 
     from selfopd.config import load_config
-    from selfopd.data import load_examples, split_examples
+    from selfopd.data import load_examples
+    from selfopd.split import split_examples
     from selfopd.models import resolve_model
     from selfopd.run_summary import summarize_run
     from selfopd.templates import load_template

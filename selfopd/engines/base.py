@@ -37,8 +37,10 @@ class SamplingParams:
 class Rollout:
     """One sampled completion with the exact ids, as the sampler produced them.
 
-    sampler_logprobs are the model's raw (temperature 1) logprobs of each completion
-    token at sampling time: the trainer compares them with its own to measure mismatch.
+    sampler_logprobs are the logprobs of each completion token under the distribution it
+    was drawn from: the model's logits divided by the temperature, restricted to the top-p
+    nucleus when top_p < 1 (greedy: the raw logits). The trainer's policy is the tempered
+    distribution too, so its importance ratio against these is 1 when both agree.
     The end-of-sequence token, when produced, is the last completion id.
     """
 
@@ -70,8 +72,10 @@ class Engine(Protocol):
         """`params.n` rollouts per prompt, in prompt order."""
         ...
 
-    def score(self, sequences: Sequence[tuple[list[int], list[int]]], top_k: int = 0) -> list[TokenScores]:
-        """Logprobs of each completion token given its prompt, for (prompt_ids, completion_ids) pairs."""
+    def score(self, sequences: Sequence[tuple[list[int], list[int]]], top_k: int = 0,
+              temperature: float = 1.0) -> list[TokenScores]:
+        """Logprobs of each completion token given its prompt, for (prompt_ids, completion_ids)
+        pairs, under the model's logits divided by `temperature` (1: the raw model)."""
         ...
 
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from selfopd.engines.base import Rollout, SamplingParams, TokenScores
-from selfopd.scoring import completion_hidden, left_pad, logprobs_from_hidden, topk_from_hidden
+from selfopd.scoring import completion_hidden, left_pad, logprobs_from_hidden, tempered, topk_from_hidden
 
 
 class LocalEngine:
@@ -27,7 +27,7 @@ class LocalEngine:
         self.version = 0
         eos = model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self.pad_id = pad_token_id(tokenizer, model)
 
     def sample(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[list[Rollout]]:
         if params.seed is not None:
@@ -39,15 +39,18 @@ class LocalEngine:
         return [rollouts[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
 
     @torch.no_grad()
-    def score(self, sequences: Sequence[tuple[list[int], list[int]]], top_k: int = 0) -> list[TokenScores]:
+    def score(self, sequences: Sequence[tuple[list[int], list[int]]], top_k: int = 0,
+              temperature: float = 1.0) -> list[TokenScores]:
         with _eval_mode(self.model):
-            return self._score(sequences, top_k)
+            return self._score(sequences, top_k, temperature)
 
-    def _score(self, sequences: Sequence[tuple[list[int], list[int]]], top_k: int) -> list[TokenScores]:
+    def _score(self, sequences: Sequence[tuple[list[int], list[int]]], top_k: int,
+               temperature: float) -> list[TokenScores]:
         scores: list[TokenScores] = []
         for start in range(0, len(sequences), self.batch_size):
             chunk = sequences[start : start + self.batch_size]
             hidden_BCH, targets_BC, mask_BC = completion_hidden(self.model, chunk, self.pad_id)  # one decoder pass
+            hidden_BCH = tempered(hidden_BCH, temperature)
             logprobs_BC = logprobs_from_hidden(self.model, hidden_BCH, targets_BC, mask_BC, self.chunk_size)
             topk = topk_from_hidden(self.model, hidden_BCH, top_k, self.chunk_size) if top_k else None
             for row, (_, completion) in enumerate(chunk):
@@ -87,14 +90,15 @@ class LocalEngine:
                 attention_mask=mask_BT,
                 max_new_tokens=params.max_tokens,
                 pad_token_id=self.pad_id,
-                output_logits=True,
+                output_scores=True,
                 return_dict_in_generate=True,
                 **sampling,
             )
         new_BS = output.sequences[:, width:]
-        # Raw (temperature 1) logprobs of the drawn tokens, as vLLM reports them by default.
-        raw_BSV = torch.stack(output.logits, dim=1).float().log_softmax(-1)
-        logprobs_BS = raw_BSV.gather(-1, new_BS.unsqueeze(-1)).squeeze(-1)
+        # Logprobs of the distribution each token was drawn from: generate's scores are the
+        # logits after temperature and top-p (as vLLM's processed_logprobs), raw when greedy.
+        drawn_BSV = torch.stack(output.scores, dim=1).float().log_softmax(-1)
+        logprobs_BS = drawn_BSV.gather(-1, new_BS.unsqueeze(-1)).squeeze(-1)
         rollouts = []
         for row, prompt in enumerate(prompts):
             tokens = new_BS[row].tolist()
@@ -111,6 +115,21 @@ class LocalEngine:
                 )
             )
         return rollouts
+
+
+def pad_token_id(tokenizer: Any, model: Any) -> int:
+    """The id that pads batches: the tokenizer's pad token, else the model's end-of-sequence
+    token (the Llama 3 family has no pad token). Padded positions are masked everywhere,
+    so which id fills them does not change a result."""
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError(f"{type(model).__name__}: the tokenizer has no pad token and the model no "
+                         "end-of-sequence token to pad batches with")
+    return min(eos) if isinstance(eos, list) else eos
 
 
 @contextlib.contextmanager

@@ -3,10 +3,12 @@
 Token ids in, token ids out, over the OpenAI-compatible `/v1/completions` route:
 
 - `sample` sends the prompt as ids and asks for `return_token_ids` and the sampled
-  tokens' logprobs (vLLM reports raw, temperature-1 logprobs by default), so the teacher
-  later scores exactly the ids the student produced.
+  tokens' logprobs, so the teacher later scores exactly the ids the student produced.
+  Launched servers report the logprobs of the distribution sampled from (temperature
+  and top-p applied: `--logprobs-mode processed_logprobs`), as the local engine does.
 - `score` sends prompt + completion as ids with `max_tokens=1` and `prompt_logprobs=k`:
-  vLLM returns, for every prompt position, the logprob of the actual token (and the top k).
+  vLLM returns, for every prompt position, the logprob of the actual token (and the top k),
+  always from the raw logits: temperature 1 only.
 
 Requests run concurrently (bounded) on an event loop in a background thread, so the
 engine is a plain synchronous object, also inside Jupyter, whose own loop is busy. The
@@ -78,7 +80,11 @@ class VLLMEngine:
         return [_rollout(prompt, choice, self.urls[server]) for choice in choices]
 
     # --- scoring ------------------------------------------------------------------------
-    def score(self, sequences: Sequence[tuple[list[int], list[int]]], top_k: int = 0) -> list[TokenScores]:
+    def score(self, sequences: Sequence[tuple[list[int], list[int]]], top_k: int = 0,
+              temperature: float = 1.0) -> list[TokenScores]:
+        if temperature != 1.0:
+            raise ValueError(f"{', '.join(self.urls)}: vLLM computes prompt logprobs from the raw logits only "
+                             f"(temperature 1); scoring at temperature {temperature} needs the local engine")
         for index, (prompt, completion) in enumerate(sequences):
             if len(prompt) + len(completion) + 1 > self.max_model_len:
                 raise ServerError(

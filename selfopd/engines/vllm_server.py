@@ -78,6 +78,9 @@ def server_command(spec: ServerSpec) -> list[str]:
         "--max-model-len", str(spec.max_model_len),
         "--max-logprobs", str(spec.max_logprobs),
         "--generation-config", "vllm",  # sampling defaults come from selfopd, not the checkpoint
+        # Sampled tokens' logprobs under the distribution drawn from (temperature, top-p), as
+        # the trainer's importance ratio needs; prompt logprobs (scoring) stay raw.
+        "--logprobs-mode", "processed_logprobs",
         "--worker-extension-cls", WORKER_EXTENSION,
         "--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching",
     ]
