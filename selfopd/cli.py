@@ -211,17 +211,26 @@ def _side_by_side(columns: list[tuple[str, str]]) -> str:
 
 
 def _add_eval(commands: argparse._SubParsersAction) -> None:
-    evaluate = _command(commands, "eval", _eval, "greedy or avg@k accuracy of a model on a data spec, with a 95%% interval")
-    evaluate.add_argument("--model", default=DEFAULT_MODEL, help=f"model spec (default: {DEFAULT_MODEL})")
-    evaluate.add_argument("--data", default=DEFAULT_DATA, help="data spec (default: the demo task)")
-    evaluate.add_argument("--template", default=DEFAULT_STUDENT, help=f"student template (default: {DEFAULT_STUDENT})")
-    evaluate.add_argument("--split", choices=("all", "train", "eval"), default="eval", help="which split (default: eval)")
-    evaluate.add_argument("--eval-size", type=int, default=200, help="held-out rows (default: 200)")
-    evaluate.add_argument("--seed", type=int, default=0, help="split and sampling seed (default: 0)")
-    evaluate.add_argument("--max-new-tokens", type=int, default=64, help="(default: 64)")
-    evaluate.add_argument("--batch-size", type=int, default=16, help="(default: 16)")
+    evaluate = _command(commands, "eval", _eval,
+                        "greedy or avg@k accuracy of a model on distinct held-out prompts, with a 95%% interval")
+    evaluate.add_argument("config", nargs="?", type=Path,
+                          help="training config whose model, data, split, template and eval settings are the defaults "
+                               "(default: all defaults; with --run: the run's own)")
+    _add_overrides(evaluate, "eval.max_tokens=96")
+    evaluate.add_argument("--run", dest="run_dir", type=Path, metavar="RUN_DIR",
+                          help="evaluate that run's recorded held-out prompts (its split.json), by default with its "
+                               "latest checkpoint; with --data, refuse prompts the run trained on")
+    evaluate.add_argument("--model", help="model spec or checkpoint folder (default: the config's model.student; "
+                                          "with --run: its latest checkpoint)")
+    evaluate.add_argument("--data", help="data spec to evaluate instead of the config's held-out split (all its items)")
+    evaluate.add_argument("--fresh", action="store_true",
+                          help="with --run and --data: draw the data past every prompt the run's data holds "
+                               "(train and held-out) instead of refusing an overlap")
+    evaluate.add_argument("--split", choices=("all", "train", "eval"), default="eval",
+                          help="without --data: which part of the config's split (default: eval)")
     evaluate.add_argument("--samples", type=int, default=1, help="k for avg@k accuracy (default: 1, greedy)")
     evaluate.add_argument("--temperature", type=float, default=0.0, help="sampling temperature for avg@k (default: 0)")
+    evaluate.add_argument("--seed", type=int, default=0, help="sampling seed for avg@k (default: 0)")
     evaluate.add_argument("--out", type=Path, default=Path("runs/eval"), help="output folder (default: runs/eval)")
 
 
@@ -229,27 +238,51 @@ def _eval(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from selfopd.config import load_config
     from selfopd.data import load_examples
-    from selfopd.split import split_examples
     from selfopd.engines.local import LocalEngine
     from selfopd.evaluate import evaluate
     from selfopd.models import resolve_model
+    from selfopd.split import SplitRecord, distinct_prompts, split_examples, trained_on
     from selfopd.templates import load_template
+    from selfopd.trainer import latest_checkpoint
 
     if args.samples > 1 and args.temperature == 0:
         raise UserError("--samples > 1 (avg@k) needs temperature > 0: greedy samples are identical")
-    template = load_template(args.template)
-    examples = load_examples(args.data)
-    if args.split != "all":
-        train, held_out = split_examples(examples, eval_size=args.eval_size, seed=args.seed)
-        examples = train if args.split == "train" else held_out
-    folder = resolve_model(args.model)
+    if args.run_dir is not None and args.config is not None:
+        raise UserError("give either a CONFIG or --run RUN_DIR (whose config is used), not both")
+    if args.fresh and (args.run_dir is None or args.data is None):
+        raise UserError("--fresh needs --run RUN_DIR and --data SPEC: it draws SPEC past the run's prompts")
+    config = load_config(args.run_dir / "config.toml" if args.run_dir else args.config, args.overrides)
+    template = load_template(config.data.student_template)
+    record = SplitRecord.read(args.run_dir) if args.run_dir else None
+    model = args.model or (latest_checkpoint(args.run_dir) if args.run_dir else None) or config.model.student
+    if args.data is not None:
+        known = set(record.eval_prompts) | set(record.train_prompts) if args.fresh else ()
+        examples, what = load_examples(args.data, exclude=known), args.data
+        if record is not None and not args.fresh:
+            overlap = trained_on(examples, record)
+            if overlap:
+                raise UserError(f"{len(overlap)} of the {distinct_prompts(examples)} distinct prompts of {args.data} "
+                                f"were trained on by {args.run_dir} (e.g. {overlap[0].prompt!r}); evaluate its held-out "
+                                f"prompts (no --data), or pass --fresh to draw prompts its data never held")
+    else:
+        train, held_out = split_examples(load_examples(config.data.spec), eval_size=config.data.eval_size,
+                                         seed=config.data.split_seed)
+        if record is not None:
+            SplitRecord.of(config.data.spec, config.data.split_seed, train, held_out).check_same(record, str(args.run_dir))
+            examples, what = held_out, f"{args.run_dir}'s held-out prompts"
+        else:
+            examples = {"train": train, "eval": held_out, "all": train + held_out}[args.split]
+            what = f"{config.data.spec} [{args.split}]"
+    folder = resolve_model(str(model))
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    engine = LocalEngine(model, tokenizer, batch_size=args.batch_size)
-    accuracy, _ = evaluate(engine, tokenizer, examples, template, args.max_new_tokens, args.batch_size, out_dir=args.out,
-                           samples=args.samples, temperature=args.temperature, seed=args.seed)
-    print(f"{args.model} on {args.data} [{args.split}] with {template.name}: accuracy {accuracy}")
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    engine = LocalEngine(loaded, tokenizer, batch_size=config.eval.batch_size)
+    accuracy, _ = evaluate(engine, tokenizer, examples, template, config.eval.max_tokens, config.eval.batch_size,
+                           out_dir=args.out, samples=args.samples, temperature=args.temperature, seed=args.seed)
+    print(f"{model} on {what} with {template.name}: accuracy {accuracy} "
+          f"({len(examples)} items, {distinct_prompts(examples)} distinct prompts)")
     print(f"wrote {args.out / 'eval.jsonl'} and {args.out / 'summary.json'}")
 
 
@@ -393,6 +426,7 @@ def _add_compare(commands: argparse._SubParsersAction) -> None:
     compare.add_argument("config", type=Path, help="comparison TOML (see experiments/self_vs_external.toml)")
     _add_overrides(compare, "run.steps=4")
     compare.add_argument("--arms", default="", help="comma-separated arm names to run (default: all)")
+    compare.add_argument("--seeds", default="", help="comma-separated training seeds to run, of compare.seeds (default: all)")
     compare.add_argument("--report-only", action="store_true", help="rewrite report.md from the arms' folders, train nothing")
 
 
@@ -401,7 +435,11 @@ def _compare(args: argparse.Namespace) -> None:
     from selfopd.compare_report import write_compare_report
 
     only = [name.strip() for name in args.arms.split(",") if name.strip()]
-    compare = load_compare_config(args.config, args.overrides, only)
+    try:
+        seeds = [int(seed) for seed in args.seeds.split(",") if seed.strip()]
+    except ValueError:
+        raise UserError(f"--seeds: expected comma-separated integers, got {args.seeds!r}") from None
+    compare = load_compare_config(args.config, args.overrides, only, seeds)
     report = write_compare_report(compare) if args.report_only else run_compare(compare)
     print(report.read_text())
     print(f"report: {report}")

@@ -8,16 +8,20 @@ difference between arms is a difference of method, not of luck or budget.
     [compare]
     base = "demo.toml"                       # relative to this file
     set = ["run.steps=10"]                   # applied to every arm
+    seeds = [0, 1, 2]                        # every arm under each training seed (default: the base's)
     [sft]                                    # optional: `selfopd sft` builds a teacher first;
     name = "sft-teacher"                     # arms refer to its model folder as {sft}
     [arms.self_answer_note]
     set = ["teacher.kind=self", "loss.lambda_rl=0"]
 
-Layout: OUT_DIR/NAME/arms/ARM is an ordinary run folder (`selfopd diagnose` works on it);
-`finished.json` marks an arm done, so after an interruption a rerun skips finished arms,
+A training seed sets the data order and the sampling; every arm runs under each seed, and
+the report pools the seeds (intervals over prompts and seeds). Layout:
+OUT_DIR/NAME/arms/ARM/seedS is an ordinary run folder (`selfopd diagnose` works on it);
+`finished.json` marks a run done, so after an interruption a rerun skips finished runs,
 resumes an unfinished one from its checkpoint (or restarts it), and then writes
-OUT_DIR/NAME/report.md. The base model is evaluated once, by the first arm to run; the
-others reuse that eval (same weights, same items, same greedy decoding).
+OUT_DIR/NAME/report.md. Runs go seed by seed, so an interrupted comparison has whole seeds
+first. The base model is evaluated once, by the first run; the others reuse that eval
+(same weights, same prompts, same greedy decoding).
 """
 
 from __future__ import annotations
@@ -55,18 +59,24 @@ class CompareConfig:
     arms: tuple[Arm, ...]
     sft: dict[str, Any] | None
     reference: str  # the arm every other arm is also compared with, paired ("" for none)
+    seeds: tuple[int, ...]  # training seeds every arm runs under
 
     @property
     def folder(self) -> Path:
         return self.out_dir / self.name
 
-    def arm_dir(self, arm: str) -> Path:
-        return self.folder / "arms" / arm
+    def arm_dir(self, arm: str, seed: int) -> Path:
+        return self.folder / "arms" / arm / f"seed{seed}"
+
+    def runs(self) -> list[tuple[str, int]]:
+        """(arm, seed) of every training run, in the order they run: seed by seed."""
+        return [(arm.name, seed) for seed in self.seeds for arm in self.arms]
 
 
-def load_compare_config(path: Path, overrides: Sequence[str] = (), only: Sequence[str] = ()) -> CompareConfig:
+def load_compare_config(path: Path, overrides: Sequence[str] = (), only: Sequence[str] = (),
+                        only_seeds: Sequence[int] = ()) -> CompareConfig:
     """Parse and check a comparison file. `overrides` (`--set`) apply to every arm after the
-    file's own settings; `only` keeps those arms, in the file's order."""
+    file's own settings; `only` keeps those arms, in the file's order; `only_seeds` those seeds."""
     path = Path(path)
     tables = read_toml(path, what="comparison file")
 
@@ -77,7 +87,7 @@ def load_compare_config(path: Path, overrides: Sequence[str] = (), only: Sequenc
     if unknown:
         raise fail(f"[{sorted(unknown)[0]}]", "unknown section; sections: [compare], [sft], [arms.NAME]")
     compare = tables.get("compare", {})
-    allowed = {"name", "out_dir", "base", "set", "reference"}
+    allowed = {"name", "out_dir", "base", "set", "reference", "seeds"}
     for key in compare:
         if key not in allowed:
             raise fail(f"compare.{key}", f"unknown key; keys of [compare]: {', '.join(sorted(allowed))}")
@@ -87,6 +97,22 @@ def load_compare_config(path: Path, overrides: Sequence[str] = (), only: Sequenc
     if not base.is_file():
         raise fail("compare.base", f"no such training config: {base}")
     common = tuple(_string_list(compare.get("set", []), "compare.set", fail)) + tuple(overrides)
+    if any(override.partition("=")[0].strip() == "run.seed" for override in common):
+        raise fail("compare.set", "run.seed is set per run by compare.seeds; list the seeds there")
+    seeds = compare.get("seeds")
+    if seeds is None:
+        try:
+            seeds = [load_config(base, common).run.seed]
+        except ConfigError as error:
+            raise ConfigError(error.key, error.message, source=f"{path} [compare]") from None
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                                                           for s in seeds) or len(set(seeds)) != len(seeds):
+        raise fail("compare.seeds", f"expected a non-empty list of distinct seeds >= 0, got {seeds!r}")
+    if only_seeds:
+        missing = [seed for seed in only_seeds if seed not in seeds]
+        if missing:
+            raise fail("compare.seeds", f"no seed {missing[0]}; seeds: {seeds}")
+        seeds = [seed for seed in seeds if seed in only_seeds]
 
     arms_table = tables.get("arms", {})
     if not arms_table:
@@ -117,7 +143,7 @@ def load_compare_config(path: Path, overrides: Sequence[str] = (), only: Sequenc
     if reference and reference not in [arm.name for arm in arms]:
         reference = ""  # not among the arms run (e.g. --arms); compared with the base only
     return CompareConfig(path, str(compare.get("name", path.stem)), Path(compare.get("out_dir", "runs")), base,
-                         common, tuple(arms), sft if uses_sft else None, reference)
+                         common, tuple(arms), sft if uses_sft else None, reference, tuple(seeds))
 
 
 def _string_list(value: Any, key: str, fail) -> list[str]:
@@ -126,29 +152,32 @@ def _string_list(value: Any, key: str, fail) -> list[str]:
     return value
 
 
-def arm_configs(compare: CompareConfig, sft_model: Path | None) -> dict[str, TrainConfig]:
-    """One TrainConfig per arm, all built (and so checked) before anything runs."""
+def arm_configs(compare: CompareConfig, sft_model: Path | None) -> dict[tuple[str, int], TrainConfig]:
+    """One TrainConfig per (arm, seed), all built (and so checked) before anything runs."""
+    arms = {arm.name: arm for arm in compare.arms}
     configs = {}
-    for arm in compare.arms:
-        overrides = [o.replace(SFT_PLACEHOLDER, str(sft_model)) for o in (*compare.common, *arm.overrides)]
-        overrides += [f"run.out_dir={compare.folder / 'arms'}", f"run.name={arm.name}"]
+    for name, seed in compare.runs():
+        overrides = [o.replace(SFT_PLACEHOLDER, str(sft_model)) for o in (*compare.common, *arms[name].overrides)]
+        run_dir = compare.arm_dir(name, seed)
+        overrides += [f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}", f"run.seed={seed}"]
         try:
-            configs[arm.name] = load_config(compare.base, overrides)
+            configs[name, seed] = load_config(compare.base, overrides)
         except ConfigError as error:
-            raise ConfigError(error.key, error.message, source=f"{compare.source} arm {arm.name}") from None
-    shared = {name: _shared_part(config) for name, config in configs.items()}
+            raise ConfigError(error.key, error.message, source=f"{compare.source} arm {name}") from None
+    shared = {key: _shared_part(config) for key, config in configs.items()}
     first = next(iter(shared))
-    for name, part in shared.items():
+    for (name, seed), part in shared.items():
         if part != shared[first]:
             key = next(k for k in part if part[k] != shared[first][k])
-            raise ConfigError(key, f"arm {name} differs from arm {first} here; arms must share it", source=str(compare.source))
+            raise ConfigError(key, f"arm {name} differs from arm {first[0]} here; arms must share it", source=str(compare.source))
     return configs
 
 
 def _shared_part(config: TrainConfig) -> dict[str, Any]:
-    """The settings that must be equal across arms, flattened to section.key."""
+    """The settings that must be equal across arms and seeds, flattened to section.key."""
     flat = {key: value for key, value in _flatten(config).items() if key.partition(".")[0] not in ARM_SECTIONS}
-    flat.pop("run.name")
+    for per_run in ("run.name", "run.out_dir", "run.seed"):
+        flat.pop(per_run)
     return flat
 
 
@@ -202,9 +231,10 @@ def run_compare(compare: CompareConfig, progress: bool = True) -> Path:
         started = time.perf_counter()
         run_sft(sft, progress=progress)
         _note(compare, "sft", time.perf_counter() - started)
-    for index, arm in enumerate(compare.arms, start=1):
-        name, config, run_dir = arm.name, configs[arm.name], compare.arm_dir(arm.name)
-        header = f"[{index}/{len(configs)}] arm {name}"
+    arms = {arm.name: arm for arm in compare.arms}
+    for index, (name, seed) in enumerate(compare.runs(), start=1):
+        config, run_dir, arm = configs[name, seed], compare.arm_dir(name, seed), arms[name]
+        header = f"[{index}/{len(configs)}] arm {name}, seed {seed}"
         if (run_dir / FINISHED).is_file():
             _check_unchanged(run_dir, config, name)
             print(f"{header}: finished earlier, not rerun")
@@ -219,18 +249,20 @@ def run_compare(compare: CompareConfig, progress: bool = True) -> Path:
                 shutil.rmtree(run_dir)
             print(f"{header}: {arm.description or ' '.join(arm.overrides) or 'the base config'}")
         started = time.perf_counter()
-        train(config, resume=resume, initial_eval=None if resume else base_eval(compare, exclude=name))
+        train(config, resume=resume, initial_eval=None if resume else base_eval(compare, exclude=run_dir))
         seconds = time.perf_counter() - started
-        (run_dir / FINISHED).write_text(json.dumps({"arm": name, "wall_seconds_last_session": seconds}, indent=2) + "\n")
-        _note(compare, name, seconds)
+        (run_dir / FINISHED).write_text(json.dumps({"arm": name, "seed": seed, "wall_seconds_last_session": seconds},
+                                                   indent=2) + "\n")
+        _note(compare, f"{name} seed {seed}", seconds)
     return write_compare_report(compare)
 
 
-def base_eval(compare: CompareConfig, exclude: str) -> Path | None:
-    """The step-0 eval of an arm already run (all arms start from the same weights)."""
-    for arm in compare.arms:
-        folder = compare.arm_dir(arm.name) / "eval" / "step_00000"
-        if arm.name != exclude and (folder / "summary.json").is_file():
+def base_eval(compare: CompareConfig, exclude: Path) -> Path | None:
+    """The step-0 eval of a run already made (all arms and seeds start from the same weights)."""
+    for name, seed in compare.runs():
+        run_dir = compare.arm_dir(name, seed)
+        folder = run_dir / "eval" / "step_00000"
+        if run_dir != exclude and (folder / "summary.json").is_file():
             return folder
     return None
 

@@ -1,26 +1,31 @@
-"""The report of a comparison: one table row per arm, and accuracy against three budgets.
+"""The report of a comparison: one table row per arm, pooled over its training seeds, one
+row per (arm, seed), and accuracy against three budgets.
 
-Everything is read back from the arms' run folders (metrics.jsonl, eval/step_*/eval.jsonl,
-rollouts/step_*.jsonl), so a report can be rewritten at any time, also while later arms still run. Accuracy
-changes are paired differences on the same held-out items: against the shared base
-model, and against the comparison's reference arm.
+Everything is read back from the runs' folders (metrics.jsonl, eval/step_*/eval.jsonl,
+rollouts/step_*.jsonl), so a report can be rewritten at any time, also while later runs
+still train. Accuracy changes are paired by prompt, each distinct prompt counted once:
+against the shared base model, and against the comparison's reference arm under the same
+seed. Pooled over seeds, intervals treat prompts and seeds as random draws
+(`selfopd.stats.pooled_change`); a difference is called only when its interval excludes 0.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import matplotlib
+import numpy as np
 
 from selfopd.config import load_config
 from selfopd.diagnostics.measures import correct_preference
 from selfopd.diagnostics.records import read_run_rollouts
+from selfopd.evaluate import read_eval_outcomes
 from selfopd.plots import STYLE, decorate, new_figure, read_metrics, save_figure
-from selfopd.stats import MeanEstimate, PairedDifference, Proportion, paired_difference, wilson_interval
+from selfopd.stats import MeanEstimate, PairedDifference, paired_change, pooled_accuracy, pooled_change
 
 if TYPE_CHECKING:
     from selfopd.compare import CompareConfig
@@ -28,7 +33,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class EvalPoint:
-    """One held-out eval of an arm, placed on all three budget axes."""
+    """One held-out eval of a run, placed on all three budget axes."""
 
     step: int
     accuracy: float
@@ -39,27 +44,67 @@ class EvalPoint:
 
 
 @dataclass(frozen=True)
+class SeedRun:
+    """What one (arm, seed) run folder shows."""
+
+    seed: int
+    steps: int
+    finished: bool
+    base: dict[str, list[bool]]  # prompt key -> outcomes at the first eval
+    final: dict[str, list[bool]]  # ... at the last eval
+    vs_base: PairedDifference
+    generated_tokens: int
+    train_seconds: float
+    kl_first: float
+    kl_last: float
+    curve: list[EvalPoint]
+
+    @property
+    def final_accuracy(self) -> float:
+        """Accuracy at the last eval, each distinct prompt counted once."""
+        return float(np.mean([np.mean(outcomes) for outcomes in self.final.values()]))
+
+
+@dataclass(frozen=True)
 class ArmResult:
+    """An arm over its seeds: pooled numbers, and each seed's."""
+
     name: str
     description: str
     teacher: str
     loss: str
     steps: int
     finished: bool
-    final: Proportion
-    vs_base: PairedDifference
-    vs_reference: PairedDifference | None
-    generated_tokens: int
-    train_seconds: float
-    kl_first: float
+    final: MeanEstimate  # accuracy at the last eval, pooled over seeds
+    vs_base: PairedDifference  # pooled over seeds
+    vs_reference: PairedDifference | None  # pooled over seeds, paired with the reference arm's run of each seed
+    per_seed: list[SeedRun]
+    per_seed_vs_reference: dict[int, PairedDifference]
+    generated_tokens: float  # mean over seeds
+    train_seconds: float  # mean over seeds
+    kl_first: float  # mean over seeds
     kl_last: float
     opd_weight: float  # loss.lambda_opd: 0 when the teacher only fills the KL column
     teacher_preference: MeanEstimate | None  # signal on correct - wrong samples of a prompt (saved rollouts)
-    curve: list[EvalPoint]
+
+    @property
+    def seeds(self) -> list[int]:
+        return [run.seed for run in self.per_seed]
+
+    @property
+    def curve(self) -> list[EvalPoint]:
+        """Mean accuracy and budgets per eval step over the seeds that reached it."""
+        by_step: dict[int, list[EvalPoint]] = {}
+        for run in self.per_seed:
+            for point in run.curve:
+                by_step.setdefault(point.step, []).append(point)
+        return [EvalPoint(step, *(float(np.mean([getattr(p, f) for p in points]))
+                                  for f in ("accuracy", "low", "high", "generated_tokens", "train_seconds")))
+                for step, points in sorted(by_step.items())]
 
 
-def measure_arm(run_dir: Path, name: str, description: str = "") -> ArmResult | None:
-    """What an arm's run folder shows; None when it has no eval after step 0 yet."""
+def measure_seed_run(run_dir: Path, seed: int) -> SeedRun | None:
+    """What a run folder shows; None when it has no eval after step 0 yet."""
     if not (run_dir / "metrics.jsonl").is_file():
         return None
     config = load_config(run_dir / "config.toml")
@@ -73,58 +118,81 @@ def measure_arm(run_dir: Path, name: str, description: str = "") -> ArmResult | 
             curve.append(EvalPoint(m["step"], m["eval/accuracy"], m["eval/ci_low"], m["eval/ci_high"], tokens, seconds))
     if len(curve) < 2:
         return None
-    base, last = eval_outcomes(run_dir, curve[0].step), eval_outcomes(run_dir, curve[-1].step)
-    ids = sorted(base)
-    teacher = config.teacher.kind + (f" {config.teacher.model}" if config.teacher.model else "") + f", {config.teacher.template}"
-    if config.loss.lambda_opd == 0:
-        teacher = f"none (KL column: {teacher})"
-    loss = f"{config.loss.lambda_opd:g} x OPD + {config.loss.lambda_rl:g} x GRPO"
-    return ArmResult(
-        name=name, description=description, teacher=teacher, loss=loss, steps=curve[-1].step,
-        finished=curve[-1].step == config.run.steps,
-        final=wilson_interval(sum(last[i] for i in ids), len(ids)),
-        vs_base=paired_difference([base[i] for i in ids], [last[i] for i in ids]), vs_reference=None,
-        generated_tokens=tokens, train_seconds=seconds,
+    base, final = eval_outcomes(run_dir, curve[0].step), eval_outcomes(run_dir, curve[-1].step)
+    return SeedRun(
+        seed=seed, steps=curve[-1].step, finished=curve[-1].step == config.run.steps, base=base, final=final,
+        vs_base=paired_change(base, final), generated_tokens=tokens, train_seconds=seconds,
         kl_first=steps[0]["opd/reverse_kl"] if steps else math.nan,
-        kl_last=steps[-1]["opd/reverse_kl"] if steps else math.nan,
-        opd_weight=config.loss.lambda_opd,
-        teacher_preference=_teacher_preference(run_dir),
-        curve=curve,
+        kl_last=steps[-1]["opd/reverse_kl"] if steps else math.nan, curve=curve,
     )
 
 
-def _teacher_preference(run_dir: Path) -> MeanEstimate | None:
-    """`correct_preference` over every saved rollout; None for a run that saved none."""
-    try:
-        by_step = read_run_rollouts(run_dir)
-    except FileNotFoundError:  # run.rollouts_to_save = 0
+def measure_arm(compare: CompareConfig, name: str, description: str = "") -> ArmResult | None:
+    """An arm pooled over the seeds that have results; None when none has."""
+    runs = [run for run in (measure_seed_run(compare.arm_dir(name, seed), seed) for seed in compare.seeds) if run]
+    if not runs:
         return None
-    return correct_preference([record for records in by_step.values() for record in records])
+    config = load_config(compare.arm_dir(name, runs[0].seed) / "config.toml")
+    teacher = config.teacher.kind + (f" {config.teacher.model}" if config.teacher.model else "") + f", {config.teacher.template}"
+    if config.loss.lambda_opd == 0:
+        teacher = f"none (KL column: {teacher})"
+    return ArmResult(
+        name=name, description=description, teacher=teacher,
+        loss=f"{config.loss.lambda_opd:g} x OPD + {config.loss.lambda_rl:g} x GRPO",
+        steps=min(run.steps for run in runs), finished=all(run.finished for run in runs),
+        final=pooled_accuracy([run.final for run in runs]),
+        vs_base=pooled_change([(run.base, run.final) for run in runs]), vs_reference=None,
+        per_seed=runs, per_seed_vs_reference={},
+        generated_tokens=float(np.mean([run.generated_tokens for run in runs])),
+        train_seconds=float(np.mean([run.train_seconds for run in runs])),
+        kl_first=float(np.mean([run.kl_first for run in runs])), kl_last=float(np.mean([run.kl_last for run in runs])),
+        opd_weight=config.loss.lambda_opd,
+        teacher_preference=_teacher_preference([compare.arm_dir(name, run.seed) for run in runs]),
+    )
 
 
-def eval_outcomes(run_dir: Path, step: int) -> dict[str, bool]:
-    """Held-out id -> correct, for one eval of a run."""
-    path = run_dir / "eval" / f"step_{step:05d}" / "eval.jsonl"
-    return {record["id"]: record["correct"] for record in map(json.loads, path.read_text().splitlines())}
+def _teacher_preference(run_dirs: list[Path]) -> MeanEstimate | None:
+    """`correct_preference` over every saved rollout of the runs; None for runs that saved none."""
+    records = []
+    for run_dir in run_dirs:
+        try:
+            by_step = read_run_rollouts(run_dir)
+        except FileNotFoundError:  # run.rollouts_to_save = 0
+            continue
+        records += [record for step_records in by_step.values() for record in step_records]
+    return correct_preference(records) if records else None
+
+
+def eval_outcomes(run_dir: Path, step: int) -> dict[str, list[bool]]:
+    """Prompt key -> outcomes, for one eval of a run."""
+    return read_eval_outcomes(run_dir / "eval" / f"step_{step:05d}")
 
 
 def measure_comparison(compare: CompareConfig) -> list[ArmResult]:
-    """Every arm with results, in the file's order, with paired differences vs the reference arm."""
-    results = {arm.name: measure_arm(compare.arm_dir(arm.name), arm.name, arm.description) for arm in compare.arms}
+    """Every arm with results, in the file's order, with paired differences vs the reference
+    arm: under each seed, against the reference arm's run of that seed; then pooled."""
+    results = {arm.name: measure_arm(compare, arm.name, arm.description) for arm in compare.arms}
     found = {name: result for name, result in results.items() if result is not None}
     reference = found.get(compare.reference)
     if reference is None:
         return list(found.values())
-    reference_outcomes = eval_outcomes(compare.arm_dir(reference.name), reference.steps)
+    reference_final = {run.seed: run.final for run in reference.per_seed}
     measured = []
     for name, result in found.items():
         if name != reference.name:
-            outcomes = eval_outcomes(compare.arm_dir(name), result.steps)
-            ids = sorted(outcomes)
-            difference = paired_difference([reference_outcomes[i] for i in ids], [outcomes[i] for i in ids])
-            result = replace(result, vs_reference=difference)
+            pairs = {run.seed: (reference_final[run.seed], run.final) for run in result.per_seed
+                     if run.seed in reference_final}
+            if pairs:
+                result = _with_reference(result, {seed: paired_change(*pair) for seed, pair in pairs.items()},
+                                         pooled_change(list(pairs.values())))
         measured.append(result)
     return measured
+
+
+def _with_reference(result: ArmResult, per_seed: dict[int, PairedDifference], pooled: PairedDifference) -> ArmResult:
+    from dataclasses import replace
+
+    return replace(result, per_seed_vs_reference=per_seed, vs_reference=pooled)
 
 
 def plot_comparison(results: list[ArmResult], path: Path, title: str = "") -> Path:
@@ -164,18 +232,19 @@ def _draw_changes(axes, results: list[ArmResult]) -> None:
 
 
 def render_report(compare: CompareConfig, results: list[ArmResult], figure: Path | None) -> str:
-    """The comparison as markdown: settings, table, verdicts, figure, caveats."""
+    """The comparison as markdown: settings, pooled table, per-seed table, verdicts, figure, caveats."""
     lines = [f"# Comparison `{compare.name}`", ""]
     lines += [f"Base config `{compare.base.name}`; shared settings: "
-              + (", ".join(f"`{o}`" for o in compare.common) or "none") + ".", ""]
+              + (", ".join(f"`{o}`" for o in compare.common) or "none")
+              + f"; training seeds {', '.join(map(str, compare.seeds))}.", ""]
     if not results:
         return "\n".join(lines + ["No arm has finished an evaluation yet.", ""])
     base = results[0].curve[0]
     n = results[0].final.n
-    lines += [f"Base model (step 0, shared by all arms): held-out accuracy {base.accuracy:.3f} "
-              f"[{base.low:.3f}, {base.high:.3f}] (n={n}, greedy).", ""]
+    lines += [f"Base model (step 0, shared by all arms and seeds): held-out accuracy {base.accuracy:.3f} "
+              f"[{base.low:.3f}, {base.high:.3f}] over {n} distinct held-out prompts, none trained on (greedy).", ""]
     reference = f"vs `{compare.reference}`" if compare.reference else ""
-    header = ["arm", "teacher", "loss", "steps", "held-out acc. [95% CI]", "change vs base [95% CI]"]
+    header = ["arm", "teacher", "loss", "steps", "seeds", "held-out acc. [95% CI]", "change vs base [95% CI]"]
     if reference:
         header.append(f"change {reference} [95% CI]")
     header += ["generated tokens", "train time (min)", "reverse KL first -> last",
@@ -183,13 +252,24 @@ def render_report(compare: CompareConfig, results: list[ArmResult], figure: Path
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
         steps = f"{r.steps}" + ("" if r.finished else " (unfinished)")
-        row = [f"`{r.name}`", r.teacher, r.loss, steps, f"{r.final.value:.3f} [{r.final.low:.3f}, {r.final.high:.3f}]",
-               _difference(r.vs_base)]
+        row = [f"`{r.name}`", r.teacher, r.loss, steps, ", ".join(map(str, r.seeds)),
+               f"{r.final.value:.3f} [{r.final.low:.3f}, {r.final.high:.3f}]", _difference(r.vs_base)]
         if reference:
             row.append("(reference)" if r.name == compare.reference else _difference(r.vs_reference))
-        row += [f"{r.generated_tokens:,}", f"{r.train_seconds / 60:.1f}", f"{r.kl_first:.3f} -> {r.kl_last:.3f}",
+        row += [f"{r.generated_tokens:,.0f}", f"{r.train_seconds / 60:.1f}", f"{r.kl_first:.3f} -> {r.kl_last:.3f}",
                 _preference(r.teacher_preference)]
         lines.append("| " + " | ".join(row) + " |")
+    if len(compare.seeds) > 1:
+        lines += ["", "### Each seed", "", "| arm | seed | held-out acc. | change vs base [95% CI]"
+                  + (f" | change {reference} [95% CI]" if reference else "") + " |",
+                  "|---|---:|---:|---|" + ("---|" if reference else "")]
+        for r in results:
+            for run in r.per_seed:
+                row = [f"`{r.name}`", str(run.seed), f"{run.final_accuracy:.3f}", _difference(run.vs_base)]
+                if reference:
+                    row.append("(reference)" if r.name == compare.reference
+                               else _difference(r.per_seed_vs_reference.get(run.seed)))
+                lines.append("| " + " | ".join(row) + " |")
     lines += ["", "## Verdicts", ""]
     for r in results:
         lines.append(f"- `{r.name}`: {_verdict(r.vs_base)} relative to the base model"
@@ -200,15 +280,21 @@ def render_report(compare: CompareConfig, results: list[ArmResult], figure: Path
     lines += _sft_lines(compare)
     lines += _timing_lines(compare.folder / "timing.jsonl")
     lines += ["", "## Reading this table", "",
-              "- Intervals are over held-out items (paired: the same items for every arm and the base). "
-              "They do not cover training-seed variance: one seed per arm.",
+              f"- The unit is the distinct prompt: {n} held-out prompts, each counted once, none of them trained on. "
+              "Changes are paired by prompt (the same prompts for every arm, seed and the base)"
+              + (f"; with {len(compare.seeds)} seeds, intervals treat prompts and seeds as random draws "
+                 "(two-way random effects, t quantile at Satterthwaite's degrees of freedom), so a seed that "
+                 "moves every prompt widens them." if len(compare.seeds) > 1 else
+                 "; they do not cover training-seed variance: one seed per arm.")
+              + " A difference is called only when its interval excludes 0.",
               "- The reverse KL is each arm's sampled estimate against its own teacher, so it is not comparable "
               "across teachers, and a falling KL is not a gain: check the accuracy column.",
               "- Teacher prefers correct: per saved rollout the mean teacher - student logprob per token; within "
-              "each prompt whose samples were both right and wrong, correct minus wrong; the mean over those prompts. "
-              "Positive: the distillation signal favours the student's correct attempts. Not positive: it pushes "
-              "toward wrong answers as hard as toward right ones, whatever the KL does. (For an arm without the "
-              "OPD term it describes the teacher scored for the KL column, not what trained.)",
+              "each prompt group whose samples were both right and wrong, correct minus wrong; averaged per prompt, "
+              "then over prompts (interval over prompts). Positive: the distillation signal favours the student's "
+              "correct attempts. Not positive: it pushes toward wrong answers as hard as toward right ones, whatever "
+              "the KL does. (For an arm without the OPD term it describes the teacher scored for the KL column, not "
+              "what trained.)",
               "- Train time excludes evaluation; it is wall time on a shared machine, so compare it loosely.", ""]
     return "\n".join(lines)
 
@@ -265,19 +351,26 @@ def _preference_verdict(r: ArmResult) -> str:
 def _verdict(d: PairedDifference | None) -> str:
     if d is None:
         return "not compared"
-    if d.low > 0:
-        return "**better**"
-    if d.high < 0:
-        return "**worse**"
-    return "no significant difference"
+    return "no significant difference" if d.verdict == "no significant change" else f"**{d.verdict}**"
 
 
 def write_compare_report(compare: CompareConfig) -> Path:
     """Write report.md, accuracy.png and summary.json under the comparison's folder."""
     results = measure_comparison(compare)
     figure = plot_comparison(results, compare.folder / "accuracy.png", compare.name) if results else None
-    summary = [{**asdict(r), "final_accuracy": r.final.value} for r in results]
+    summary = [_summary_row(r) for r in results]
     (compare.folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     report = compare.folder / "report.md"
     report.write_text(render_report(compare, results, figure))
     return report
+
+
+
+def _summary_row(result: ArmResult) -> dict:
+    """An arm as JSON: every field, each seed's final accuracy in place of its per-prompt
+    outcome tables (those are in the runs' eval files)."""
+    row = asdict(result)
+    for run, seed_run in zip(row["per_seed"], result.per_seed):
+        del run["base"], run["final"]
+        run["final_accuracy"] = seed_run.final_accuracy
+    return {**row, "final_accuracy": result.final.value}

@@ -1,4 +1,5 @@
-"""Held-out accuracy of a model on a split, through the verifiers, with a 95% interval."""
+"""Held-out accuracy of a model on a split, through the verifiers, with a 95% interval over
+distinct prompts (each prompt counts once, whatever its copies or samples)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
-from selfopd.example import Example
+from selfopd.example import Example, prompt_key
 from selfopd.engines.base import Engine, SamplingParams
-from selfopd.stats import MeanEstimate, Proportion, mean_interval, wilson_interval
+from selfopd.stats import MeanEstimate, Proportion, prompt_accuracy
 from selfopd.templates import PromptTemplate, prompt_token_ids, render_student
 from verifiers import verify_example
 
@@ -76,14 +77,25 @@ def evaluate(
     return accuracy, records
 
 
-def accuracy_of(records: Sequence[EvalRecord], samples: int) -> Proportion | MeanEstimate:
-    """Greedy: a Wilson interval on k/n. avg@k: per-item mean over k samples, interval over items."""
-    if samples == 1:
-        return wilson_interval(sum(r.correct for r in records), len(records))
-    per_item: dict[str, list[bool]] = {}
+def accuracy_of(records: Sequence[EvalRecord], samples: int = 1) -> Proportion | MeanEstimate:
+    """Accuracy over distinct prompts: greedy on distinct prompts is a Wilson interval on
+    k/n prompts; avg@k (or repeated prompts) the per-prompt mean with an interval over prompts."""
+    return prompt_accuracy(outcomes_by_prompt(records))
+
+
+def outcomes_by_prompt(records: Sequence[EvalRecord | dict]) -> dict[str, list[bool]]:
+    """Prompt key -> the correctness of each of its records (samples, or repeated items)."""
+    outcomes: dict[str, list[bool]] = {}
     for record in records:
-        per_item.setdefault(record.id, []).append(record.correct)
-    return mean_interval([sum(outcomes) / len(outcomes) for outcomes in per_item.values()])
+        row = record if isinstance(record, dict) else asdict(record)
+        outcomes.setdefault(prompt_key(row["prompt"]), []).append(bool(row["correct"]))
+    return outcomes
+
+
+def read_eval_outcomes(eval_dir: Path) -> dict[str, list[bool]]:
+    """`outcomes_by_prompt` of an eval folder's eval.jsonl (a run's eval/step_N, `selfopd eval --out`)."""
+    path = Path(eval_dir) / "eval.jsonl"
+    return outcomes_by_prompt([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
 
 
 def write_eval(
@@ -101,7 +113,9 @@ def write_eval(
     summary = {
         "template": template_name,
         "metric": "greedy accuracy" if samples == 1 else f"avg@{samples} accuracy at temperature {temperature}",
-        "n": accuracy.n,
+        "n": accuracy.n,  # distinct prompts
+        "prompts": accuracy.n,
+        "items": len({r.id for r in records}),
         "samples_per_item": samples,
         "accuracy": accuracy.value,
         "ci95": [accuracy.low, accuracy.high],

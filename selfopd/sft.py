@@ -509,12 +509,10 @@ def _save_model(model: Any, tokenizer: Any, config: SftConfig, summary: dict[str
 def _summary(config: SftConfig, kind: str, stats: TargetStats, targets: Sequence[Target], losses: list[float],
              nll_before: float, nll_after: float, base: Any, base_records: Sequence[Any], tuned: Any,
              tuned_records: Sequence[Any], seconds: dict[str, float]) -> dict[str, Any]:
-    from selfopd.stats import paired_difference
+    from selfopd.evaluate import outcomes_by_prompt
+    from selfopd.stats import paired_change
 
-    before = {r.id: r.correct for r in base_records}
-    after = {r.id: r.correct for r in tuned_records}
-    ids = sorted(before)
-    difference = paired_difference([before[i] for i in ids], [after[i] for i in ids])
+    difference = paired_change(outcomes_by_prompt(base_records), outcomes_by_prompt(tuned_records))
     steps_per_epoch = -(-len(targets) // config.batch_size)
     return {
         "student": config.student,
@@ -550,7 +548,7 @@ def _verdict(summary: dict[str, Any]) -> str:
 def _headline(summary: dict[str, Any]) -> str:
     base, tuned, diff = summary["base"], summary["tuned"], summary["paired_difference"]
     return "\n".join([
-        f"held-out greedy accuracy (n={summary['eval_n']}):",
+        f"held-out greedy accuracy over {summary['eval_n']} distinct prompts, none trained on:",
         f"  base   {base['accuracy']:.3f} [{base['ci95'][0]:.3f}, {base['ci95'][1]:.3f}]",
         f"  tuned  {tuned['accuracy']:.3f} [{tuned['ci95'][0]:.3f}, {tuned['ci95'][1]:.3f}]",
         f"  change {diff['mean']:+.3f} [{diff['ci95'][0]:+.3f}, {diff['ci95'][1]:+.3f}] (paired): {_verdict(summary)}",

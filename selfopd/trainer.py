@@ -272,24 +272,46 @@ def sync_weights(run: Run) -> None:
 
 
 @torch.no_grad()
+def probe_logprobs(model: Any, probe: tuple[list[int], list[int]], pad_id: int) -> torch.Tensor:
+    """The trainer-side logprobs of the probe sequence (eval mode, no dropout)."""
+    was_training = model.training
+    model.eval()
+    try:
+        return completion_logprobs(model, [probe], pad_id)[0][0]
+    finally:
+        model.train(was_training)
+
+
+@torch.no_grad()
 def check_probe(run: Run) -> float:
-    """Max |engine - trainer| logprob on a fixed sequence; raises past the tolerance."""
-    prompt, completion = run.probe
-    was_training = run.model.training
-    run.model.eval()
-    trainer_lp = completion_logprobs(run.model, [run.probe], run.pad_id)[0][0]
-    run.model.train(was_training)
+    """Max |engine - trainer| logprob on a fixed sequence, over every replica of every engine
+    that serves the student's weights (each student server, a `self` teacher's server);
+    raises past the tolerance, naming the replica."""
+    trainer_lp = probe_logprobs(run.model, run.probe, run.pad_id)
     worst = 0.0
     for name, engine in engines_serving_student_weights(run):
-        (score,) = engine.score([(prompt, completion)])
-        diff = (score.logprobs - trainer_lp).abs().max().item()
+        for replica, score in engine.score_replicas(run.probe):
+            diff = (score.logprobs - trainer_lp).abs().max().item()
+            if not diff <= run.config.probe.tolerance:
+                raise WeightSyncError(
+                    f"after step {run.step} the {name} engine's logprobs ({replica}) differ from the trainer's by "
+                    f"{diff:.3g} (tolerance probe.tolerance = {run.config.probe.tolerance}): the weight update did "
+                    "not arrive")
+            worst = max(worst, diff)
+    return worst
+
+
+@torch.no_grad()
+def check_frozen_teacher(run: Run, initial_lp: torch.Tensor) -> None:
+    """A `frozen` teacher must serve the initial student weights; a server given by URL may
+    hold anything, so every replica is probed once at start (and on resume)."""
+    for replica, score in run.teacher_engine.score_replicas(run.probe):
+        diff = (score.logprobs - initial_lp).abs().max().item()
         if not diff <= run.config.probe.tolerance:
             raise WeightSyncError(
-                f"after step {run.step} the {name} engine's logprobs differ from the trainer's by {diff:.3g} "
-                f"(tolerance probe.tolerance = {run.config.probe.tolerance}): the weight update did not arrive"
-            )
-        worst = max(worst, diff)
-    return worst
+                f"the frozen teacher ({replica}) does not serve the initial student weights "
+                f"({run.config.model.student}): its probe logprobs differ by {diff:.3g} (tolerance "
+                f"probe.tolerance = {run.config.probe.tolerance}); give it a server of the student's initial model")
 
 
 def build_run(config: TrainConfig, resume_from: Path | None = None) -> Run:
@@ -338,6 +360,9 @@ def build_run(config: TrainConfig, resume_from: Path | None = None) -> Run:
             # trainer's weights (a resumed checkpoint's, say) before the first rollout.
             sync_weights(run)
             check_probe(run)
+        if config.teacher.kind == "frozen":
+            initial = model if resume_from is None else AutoModelForCausalLM.from_pretrained(student_dir, dtype=dtype)
+            check_frozen_teacher(run, probe_logprobs(initial, probe, run.pad_id))
     except BaseException:
         resources.close()
         raise

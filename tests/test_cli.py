@@ -79,23 +79,23 @@ def test_lint_exit_codes(capsys, tmp_path):
 @pytest.mark.slow
 def test_eval_writes_per_example_records_and_summary(tmp_path, capsys, smollm2_dir):
     out_dir = tmp_path / "eval"
-    code = main(["eval", "--data", SMALL_DATA, "--split", "all", "--max-new-tokens", "24",
-                 "--batch-size", "8", "--out", str(out_dir)])
+    code = main(["eval", "--data", SMALL_DATA, "--set", "eval.max_tokens=24", "--set", "eval.batch_size=8",
+                 "--out", str(out_dir)])
     assert code == 0
     records = [json.loads(line) for line in (out_dir / "eval.jsonl").read_text().splitlines()]
     summary = json.loads((out_dir / "summary.json").read_text())
-    assert len(records) == 40 == summary["n"]
+    assert len(records) == 40 == summary["n"] == summary["prompts"]
     assert summary["accuracy"] == sum(r["correct"] for r in records) / 40
     low, high = summary["ci95"]
     assert 0 <= low <= summary["accuracy"] <= high <= 1
     assert {"id", "prompt", "completion", "extracted", "reference", "correct"} <= set(records[0])
-    assert "accuracy" in capsys.readouterr().out
+    assert "(40 items, 40 distinct prompts)" in capsys.readouterr().out
 
 
 @pytest.mark.slow
 def test_eval_avg_at_k_averages_per_item(tmp_path, smollm2_dir):
     out_dir = tmp_path / "avg"
-    code = main(["eval", "--data", SMALL_DATA, "--split", "all", "--max-new-tokens", "12", "--samples", "3",
+    code = main(["eval", "--data", SMALL_DATA, "--set", "eval.max_tokens=12", "--samples", "3",
                  "--temperature", "1.0", "--out", str(out_dir)])
     assert code == 0
     records = [json.loads(line) for line in (out_dir / "eval.jsonl").read_text().splitlines()]
@@ -104,6 +104,44 @@ def test_eval_avg_at_k_averages_per_item(tmp_path, smollm2_dir):
     assert sorted({r["sample"] for r in records}) == [0, 1, 2]
     assert summary["accuracy"] == pytest.approx(sum(r["correct"] for r in records) / 120)
     assert summary["metric"] == "avg@3 accuracy at temperature 1.0"
+
+
+def _recorded_run(tmp_path: Path) -> tuple[Path, "SplitRecord"]:
+    """A run folder as `selfopd train` starts it: its config and its split record."""
+    from selfopd.config import config_to_toml, load_config
+    from selfopd.split import SplitRecord, load_split
+
+    config = load_config(None, [f"data.spec={SMALL_DATA}", "data.eval_size=6", "eval.max_tokens=6", "eval.batch_size=8"])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.toml").write_text(config_to_toml(config))
+    record = SplitRecord.of(SMALL_DATA, 0, *load_split(SMALL_DATA, 6, 0))
+    record.write(run_dir)
+    return run_dir, record
+
+
+def test_eval_refuses_prompts_a_run_trained_on(tmp_path, capsys):
+    run_dir, _ = _recorded_run(tmp_path)
+    other_seed = SMALL_DATA.replace("seed=3", "seed=4")  # "another seed" is mostly the same prompts
+    assert main(["eval", "--run", str(run_dir), "--data", other_seed]) == 1
+    err = capsys.readouterr().err
+    assert re.search(rf"error: \d+ of the 40 distinct prompts of {re.escape(other_seed)} were trained on by {run_dir}", err)
+    assert "Traceback" not in err
+
+
+def test_eval_of_a_run_uses_its_held_out_prompts_and_fresh_data_avoids_all_of_its_prompts(tmp_path, tiny_model_dir):
+    run_dir, record = _recorded_run(tmp_path)
+    out = tmp_path / "held_out"
+    assert main(["eval", "--run", str(run_dir), "--model", str(tiny_model_dir), "--out", str(out)]) == 0
+    assert [json.loads(line)["id"] for line in (out / "eval.jsonl").read_text().splitlines()] == record.eval_ids
+    fresh = tmp_path / "fresh"
+    spec = "rg:chain_sum?min_terms=2&max_terms=3&size=30&seed=3"
+    assert main(["eval", "--run", str(run_dir), "--data", spec, "--fresh", "--model", str(tiny_model_dir),
+                 "--out", str(fresh)]) == 0
+    from selfopd.example import prompt_key
+
+    prompts = {prompt_key(json.loads(line)["prompt"]) for line in (fresh / "eval.jsonl").read_text().splitlines()}
+    assert len(prompts) == 30 and not prompts & (set(record.train_prompts) | set(record.eval_prompts))
 
 
 def test_avg_at_k_needs_a_temperature(capsys):

@@ -13,8 +13,8 @@ import pytest
 
 from selfopd.cli import main
 from selfopd.compare import arm_configs, load_compare_config, sft_config
-from selfopd.config import ConfigError
-from selfopd.stats import paired_difference
+from selfopd.config import ConfigError, load_config
+from selfopd.example import prompt_key
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = "rg:chain_sum?min_terms=2&max_terms=2&min_digits=1&max_digits=1&size=200&seed=5"
@@ -53,12 +53,13 @@ set = ["loss.lambda_opd=0", "loss.lambda_rl=1"]
 def test_the_shipped_comparison_parses_and_every_arm_shares_the_budget():
     compare = load_compare_config(ROOT / "experiments" / "self_vs_external.toml")
     configs = arm_configs(compare, Path("/nowhere/sft/model"))
-    assert list(configs) == ["self_answer_note", "self_feedback", "frozen_answer_note", "external_sft", "grpo_only", "grpo_opd"]
-    assert {c.run.seed for c in configs.values()} == {0}
+    arms = ["self_answer_note", "self_feedback", "frozen_answer_note", "external_sft", "grpo_only", "grpo_opd"]
+    assert list(configs) == [(arm, seed) for seed in (0, 1, 2) for arm in arms]  # seed by seed
+    assert all(c.run.seed == seed and c.run.name == f"seed{seed}" for (_, seed), c in configs.items())
     assert {(c.rollout.prompts_per_step, c.rollout.samples_per_prompt, c.run.steps) for c in configs.values()} == {(8, 4, 8)}
-    assert configs["external_sft"].teacher.model == "/nowhere/sft/model"
-    assert configs["grpo_only"].loss.lambda_opd == 0
-    assert {c.run.out_dir for c in configs.values()} == {"runs/self_vs_external/arms"}
+    assert configs["external_sft", 1].teacher.model == "/nowhere/sft/model"
+    assert configs["grpo_only", 2].loss.lambda_opd == 0
+    assert configs["grpo_opd", 0].run.out_dir == "runs/self_vs_external/arms/grpo_opd"
 
 
 @pytest.mark.parametrize(
@@ -71,11 +72,13 @@ def test_the_shipped_comparison_parses_and_every_arm_shares_the_budget():
         ('[arms.a]\nset = ["teacher.kind=external", "teacher.model={sft}"]', "", "no [sft] section"),
         ("", "", "no arms"),
         ('[arms.a]\nset = []', "[extra]\nx = 1", "unknown section"),
+        ('[arms.a]\nset = []', "", "compare.seeds: expected a non-empty list of distinct seeds"),
     ],
 )
 def test_bad_comparison_files_name_the_offending_key(tmp_path, arms, extra, message):
+    seeds = "seeds = [1, 1]" if "seeds" in message else ""
     with pytest.raises(ConfigError, match=message.replace("*", r"\*").replace("[", r"\[").replace("]", r"\]")) as error:
-        load_compare_config(_write(tmp_path, arms, extra))
+        load_compare_config(_write(tmp_path, arms, extra, compare_extra=seeds))
     assert str(tmp_path / "cmp.toml") in str(error.value)
 
 
@@ -91,7 +94,7 @@ def test_the_sft_teacher_takes_the_arms_split_and_may_not_change_it(tmp_path):
     config = sft_config(compare)
     assert (config.data, config.eval_size, config.epochs) == (DATA, 8, 1)
     assert config.model_dir == tmp_path / "runs" / "cmp" / "t" / "model"
-    assert arm_configs(compare, config.model_dir)["ext"].teacher.model == str(config.model_dir)
+    assert arm_configs(compare, config.model_dir)["ext", 0].teacher.model == str(config.model_dir)
     compare = load_compare_config(_write(tmp_path, arm, extra='[sft]\neval_size = 300'))
     with pytest.raises(ConfigError, match=r"sft.eval_size: is 300 but the arms' data.eval_size is 8"):
         sft_config(compare)
@@ -106,70 +109,83 @@ def test_unknown_arm_and_key_are_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_arms_share_the_base_eval_skip_when_finished_and_report_paired_numbers(tmp_path, smollm2_dir, capsys):
-    path = _write(tmp_path, TWO_ARMS, compare_extra='reference = "grpo"')
+def test_two_arms_two_seeds_share_the_base_eval_skip_when_finished_and_report_pooled_numbers(tmp_path, smollm2_dir, capsys):
+    path = _write(tmp_path, TWO_ARMS, compare_extra='reference = "grpo"\nseeds = [0, 1]')
     assert main(["compare", str(path)]) == 0
     folder = tmp_path / "runs" / "cmp"
-    arms = folder / "arms"
-    # One base eval, reused: the second arm's step-0 eval is the first arm's, byte for byte.
-    assert (arms / "opd" / "eval" / "step_00000" / "eval.jsonl").read_bytes() == \
-        (arms / "grpo" / "eval" / "step_00000" / "eval.jsonl").read_bytes()
-    assert (arms / "opd" / "finished.json").is_file() and (arms / "grpo" / "finished.json").is_file()
+    runs = {(arm, seed): folder / "arms" / arm / f"seed{seed}" for arm in ("opd", "grpo") for seed in (0, 1)}
+    # One base eval, reused by every arm and seed, byte for byte.
+    base_bytes = {(runs[key] / "eval" / "step_00000" / "eval.jsonl").read_bytes() for key in runs}
+    assert len(base_bytes) == 1 and all((run / "finished.json").is_file() for run in runs.values())
+    assert [load_config(runs["opd", seed] / "config.toml").run.seed for seed in (0, 1)] == [0, 1]
 
-    # The report's numbers, recomputed from the eval files.
-    def outcomes(arm: str, step: int) -> dict[str, bool]:
-        lines = (arms / arm / "eval" / f"step_{step:05d}" / "eval.jsonl").read_text().splitlines()
-        return {r["id"]: r["correct"] for r in map(json.loads, lines)}
+    # The report's numbers, recomputed from the eval files, prompt by prompt.
+    def outcomes(key, step: int) -> dict[str, float]:
+        lines = (runs[key] / "eval" / f"step_{step:05d}" / "eval.jsonl").read_text().splitlines()
+        return {prompt_key(r["prompt"]): float(r["correct"]) for r in map(json.loads, lines)}
 
-    base, opd, grpo = outcomes("opd", 0), outcomes("opd", 1), outcomes("grpo", 1)
-    ids = sorted(base)
+    base = outcomes(("opd", 0), 0)
+    assert len(base) == 8  # eval_size distinct prompts, each once
+    change = {key: sum(outcomes(key, 1)[p] - base[p] for p in base) / len(base) for key in runs}
     summary = {row["name"]: row for row in json.loads((folder / "summary.json").read_text())}
-    assert summary["opd"]["final_accuracy"] == sum(opd.values()) / len(opd)
-    assert summary["opd"]["vs_base"]["mean"] == pytest.approx(
-        paired_difference([base[i] for i in ids], [opd[i] for i in ids]).mean)
-    assert summary["opd"]["vs_reference"]["mean"] == pytest.approx(
-        sum(opd[i] - grpo[i] for i in ids) / len(ids))
-    metrics = [json.loads(line) for line in (arms / "grpo" / "metrics.jsonl").read_text().splitlines()]
-    assert summary["grpo"]["generated_tokens"] == sum(m["tokens/completion"] for m in metrics if "time/step" in m)
-    # Teacher preference for correct attempts, recomputed from the saved rollouts.
-    groups: dict = {}
-    for line in (arms / "opd" / "rollouts" / "step_00001.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        signal = sum(t - s for t, s in zip(r["teacher_logprobs"], r["student_logprobs"])) / len(r["completion_ids"])
-        groups.setdefault(r["group"], {True: [], False: []})[r["correct"]].append(signal)
-    contrasts = [sum(g[True]) / len(g[True]) - sum(g[False]) / len(g[False]) for g in groups.values() if g[True] and g[False]]
-    preference = summary["opd"]["teacher_preference"]
-    if contrasts:
-        assert preference["n"] == len(contrasts)
-        assert preference["value"] == pytest.approx(sum(contrasts) / len(contrasts))
+    opd = summary["opd"]
+    assert opd["vs_base"]["mean"] == pytest.approx((change["opd", 0] + change["opd", 1]) / 2)
+    assert opd["vs_base"]["seeds"] == 2 and opd["vs_base"]["n"] == 8
+    assert [run["vs_base"]["mean"] for run in opd["per_seed"]] == pytest.approx([change["opd", 0], change["opd", 1]])
+    assert opd["final_accuracy"] == pytest.approx(sum(sum(outcomes(("opd", s), 1).values()) / 8 for s in (0, 1)) / 2)
+    vs_reference = [sum(outcomes(("opd", s), 1)[p] - outcomes(("grpo", s), 1)[p] for p in base) / 8 for s in (0, 1)]
+    assert opd["vs_reference"]["mean"] == pytest.approx(sum(vs_reference) / 2)
+    assert [opd["per_seed_vs_reference"][str(s)]["mean"] for s in (0, 1)] == pytest.approx(vs_reference)
+    metrics = [json.loads(line) for line in (runs["grpo", 1] / "metrics.jsonl").read_text().splitlines()]
+    assert summary["grpo"]["per_seed"][1]["generated_tokens"] == sum(m["tokens/completion"] for m in metrics if "time/step" in m)
+    # Teacher preference for correct attempts, recomputed from the saved rollouts: a contrast
+    # per prompt group, averaged per distinct prompt, then over prompts.
+    by_prompt: dict = {}
+    for seed in (0, 1):
+        groups: dict = {}
+        for line in (runs["opd", seed] / "rollouts" / "step_00001.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            signal = sum(t - s for t, s in zip(r["teacher_logprobs"], r["student_logprobs"])) / len(r["completion_ids"])
+            groups.setdefault((r["group"], tuple(r["prompt_ids"])), {True: [], False: []})[r["correct"]].append(signal)
+        for (_, prompt), g in groups.items():
+            if g[True] and g[False]:
+                by_prompt.setdefault(prompt, []).append(sum(g[True]) / len(g[True]) - sum(g[False]) / len(g[False]))
+    preference = opd["teacher_preference"]
+    if by_prompt:
+        assert preference["n"] == len(by_prompt)
+        assert preference["value"] == pytest.approx(sum(sum(v) / len(v) for v in by_prompt.values()) / len(by_prompt))
     else:
         assert preference is None
     report = (folder / "report.md").read_text()
-    assert "| `opd` | self, teacher/answer_note | 1 x OPD + 0 x GRPO | 1 |" in report
-    assert "| `grpo` | none (KL column:" in report
+    assert "| `opd` | self, teacher/answer_note | 1 x OPD + 0 x GRPO | 1 | 0, 1 |" in report
+    assert "| `grpo` | none (KL column:" in report and "### Each seed" in report
+    assert "8 distinct held-out prompts, none trained on" in report
     image = matplotlib.image.imread(folder / "accuracy.png")
     assert image.shape[1] > 4 * image.shape[0]  # four panels side by side
 
     # Rerun: nothing trains again.
-    before = {arm: (arms / arm / "metrics.jsonl").read_bytes() for arm in ("opd", "grpo")}
+    before = {key: (run / "metrics.jsonl").read_bytes() for key, run in runs.items()}
     capsys.readouterr()
     assert main(["compare", str(path)]) == 0
     out = capsys.readouterr().out
-    assert out.count("finished earlier, not rerun") == 2
-    assert {arm: (arms / arm / "metrics.jsonl").read_bytes() for arm in ("opd", "grpo")} == before
+    assert out.count("finished earlier, not rerun") == 4
+    assert {key: (run / "metrics.jsonl").read_bytes() for key, run in runs.items()} == before
 
-    # An arm interrupted before its checkpoint starts again; the finished one is kept.
-    (arms / "grpo" / "finished.json").unlink()
-    shutil.rmtree(arms / "grpo" / "checkpoints")
-    assert main(["compare", str(path)]) == 0
+    # A run interrupted before its checkpoint starts again; the finished ones are kept.
+    (runs["grpo", 1] / "finished.json").unlink()
+    shutil.rmtree(runs["grpo", 1] / "checkpoints")
+    assert main(["compare", str(path), "--seeds", "1"]) == 0
     out = capsys.readouterr().out
-    assert "arm opd: finished earlier" in out and "arm grpo: interrupted before its first checkpoint" in out
-    assert (arms / "opd" / "metrics.jsonl").read_bytes() == before["opd"]
+    assert "arm opd, seed 1: finished earlier" in out and "arm grpo, seed 1: interrupted before its first checkpoint" in out
+    assert "seed 0" not in out
+    assert (runs["opd", 1] / "metrics.jsonl").read_bytes() == before["opd", 1]
+
     def untimed(text: str) -> list[dict]:
         return [{k: v for k, v in json.loads(line).items() if not k.startswith("time/")} for line in text.splitlines()]
 
-    rerun = (arms / "grpo" / "metrics.jsonl").read_text()
-    assert untimed(rerun) == untimed(before["grpo"].decode())  # same seed, same numbers
+    rerun = (runs["grpo", 1] / "metrics.jsonl").read_text()
+    assert untimed(rerun) == untimed(before["grpo", 1].decode())  # same seed, same numbers
+    assert untimed(rerun) != untimed(before["grpo", 0].decode())  # another seed, other numbers
 
     # A finished arm whose settings changed is not silently reported as the new one.
     path.write_text(path.read_text().replace('"loss.lambda_rl=0"', '"loss.lambda_rl=0", "optim.lr=2e-5"'))

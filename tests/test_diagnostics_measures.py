@@ -19,10 +19,10 @@ from selfopd.diagnostics.records import RolloutRecord
 from selfopd.diagnostics.tokens import TokenPieces
 
 
-def rollout(classes, advantage, text=None, correct=True, leaks=()):
+def rollout(classes, advantage, text=None, correct=True, leaks=(), prompt=0):
     n = len(classes)
     pieces = [f"w{i} " for i in range(n)]
-    record = RolloutRecord(step=1, id="x", group=0, prompt_ids=[0], completion_ids=list(range(n)),
+    record = RolloutRecord(step=1, id=f"x{prompt}", group=prompt, prompt_ids=[prompt], completion_ids=list(range(n)),
                            text="".join(pieces), sampler_logprobs=[0.0] * n, student_logprobs=[0.0] * n,
                            teacher_logprobs=list(advantage), advantage=list(advantage), reward=float(correct),
                            correct=correct, answer="5")
@@ -36,7 +36,7 @@ def rollout(classes, advantage, text=None, correct=True, leaks=()):
 
 ROLLOUTS = [
     rollout(["answer_copy", "structural", "other", "other"], [2.0, -0.5, 0.25, -0.25]),
-    rollout(["answer_slot", "epistemic", "other"], [-3.0, 1.0, 0.0], correct=False),
+    rollout(["answer_slot", "epistemic", "other"], [-3.0, 1.0, 0.0], correct=False, prompt=1),
 ]
 
 
@@ -120,9 +120,10 @@ def test_step_behaviour_numbers():
     assert b.leak_rate == 0.5 and b.accuracy == 0.5
 
 
-def _record(step, group, teacher, student, correct):
+def _record(step, group, teacher, student, correct, prompt=None):
     n = len(teacher)
-    return RolloutRecord(step=step, id=f"{step}/{group}", group=group, prompt_ids=[0], completion_ids=list(range(n)),
+    prompt_ids = [step * 100 + group] if prompt is None else [prompt]
+    return RolloutRecord(step=step, id=f"{step}/{group}", group=group, prompt_ids=prompt_ids, completion_ids=list(range(n)),
                          text="x", sampler_logprobs=list(student), student_logprobs=list(student),
                          teacher_logprobs=list(teacher), advantage=[0.0] * n, reward=float(correct),
                          correct=correct, answer="5")
@@ -148,3 +149,24 @@ def test_correct_preference_contrasts_correct_and_wrong_within_each_prompt():
     assert estimate.value == pytest.approx(contrasts.mean())
     assert (estimate.low, estimate.high) == pytest.approx((contrasts.mean() - half, contrasts.mean() + half))
     assert correct_preference(records[5:]) is None
+
+
+def test_correct_preference_counts_a_prompt_met_at_several_steps_once():
+    """The unit is the prompt: its groups at two steps are averaged into one contrast."""
+    records = [
+        _record(1, 0, [1.0], [0.0], True, prompt=7), _record(1, 0, [0.0], [0.0], False, prompt=7),  # +1
+        _record(3, 2, [3.0], [0.0], True, prompt=7), _record(3, 2, [0.0], [0.0], False, prompt=7),  # +3
+        _record(2, 0, [0.0], [0.0], True, prompt=8), _record(2, 0, [2.0], [0.0], False, prompt=8),  # -2
+    ]
+    estimate = correct_preference(records)
+    assert estimate.n == 2 and estimate.value == pytest.approx((2.0 + -2.0) / 2)
+
+
+def test_ratio_share_resamples_prompts_not_rollouts():
+    """Four prompts, ten alike samples each: the interval is over 4 observations, not 40."""
+    numerators = [0.9] * 10 + [0.1] * 10 + [0.8] * 10 + [0.2] * 10
+    clusters = [prompt for prompt in "abcd" for _ in range(10)]
+    by_rollout = ratio_share(numerators, [1.0] * 40)
+    by_prompt = ratio_share(numerators, [1.0] * 40, clusters)
+    assert (by_prompt.n, by_rollout.n) == (4, 40) and by_prompt.value == pytest.approx(by_rollout.value)
+    assert by_prompt.high - by_prompt.low > 2 * (by_rollout.high - by_rollout.low)

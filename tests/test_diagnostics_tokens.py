@@ -42,11 +42,20 @@ def test_classes_of_a_correct_answer(smollm2_tokenizer):
     by_class = {}
     for piece, name in tagged:
         by_class.setdefault(name, []).append(piece.strip())
-    assert by_class["answer_copy"] == ["1", "7", "1", "7"]  # both occurrences of 17, digit by digit
+    assert by_class["answer_copy"] == ["1", "7"]  # the final answer 17, digit by digit; the 17 of the working is not
     assert {"Wait", "check", "Maybe"} <= set(by_class["epistemic"])
     assert {",", ":", "+", "=", ".", "?"} <= set(by_class["structural"])
     assert "1" in by_class["other"] and "8" in by_class["other"]  # 18 and 14 are not the answer
     assert "answer_slot" not in by_class
+
+
+def test_an_operand_equal_to_the_answer_is_not_an_answer_token(smollm2_tokenizer):
+    """In "7 - 3 + 3 = 7" the first 7 is the question's operand: only the final answer counts."""
+    tagged = classes_by_piece(smollm2_tokenizer, "7 - 3 + 3 = 7", answer="7", extracted_answer="7", correct=True)
+    sevens = [name for piece, name in tagged if piece.strip() == "7"]
+    assert sevens == ["other", "answer_copy"]
+    wrong = classes_by_piece(smollm2_tokenizer, "7 - 3 + 3 = 8", answer="7", extracted_answer="8", correct=False)
+    assert [name for piece, name in wrong if piece.strip() in ("7", "8")] == ["other", "answer_slot"]
 
 
 def test_a_wrong_final_answer_is_the_answer_slot_only_where_it_is_stated_last(smollm2_tokenizer):

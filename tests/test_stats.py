@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
-from selfopd.stats import mean_interval, paired_difference, wilson_interval
+from selfopd.stats import (
+    mean_interval,
+    paired_change,
+    paired_difference,
+    pooled_accuracy,
+    pooled_change,
+    prompt_accuracy,
+    crossed_interval,
+    wilson_interval,
+)
 
 
 def test_wilson_matches_closed_form_and_stays_in_bounds():
@@ -44,3 +54,82 @@ def test_wilson_bounds_are_exact_at_zero_and_all():
     # Rounding once put the lower bound of 0/25 a hair above 0, which broke error bars.
     for n in range(1, 400):
         assert wilson_interval(0, n).low == 0.0 and wilson_interval(n, n).high == 1.0
+
+
+def _duplicated_eval_set():
+    """Ten distinct prompts; one of them flips from wrong to right after training and happens
+    to be repeated 30 times in the eval set (as "5 - 2 =" was 18 times in the old demo's)."""
+    before = {f"p{i}": [i < 3] for i in range(10)}
+    after = {f"p{i}": [i < 3] for i in range(10)}
+    before["p9"], after["p9"] = [False] * 30, [True] * 30
+    return before, after
+
+
+def test_a_repeated_prompt_counts_once():
+    before, after = _duplicated_eval_set()
+    items_before = [o for key in sorted(before) for o in before[key]]
+    items_after = [o for key in sorted(after) for o in after[key]]
+    item_level = paired_difference(items_before, items_after, unit="items")
+    assert item_level.n == 39 and item_level.low > 0  # 30 of 39 "items" improved: looks like a gain
+    prompt_level = paired_change(before, after)
+    assert prompt_level.n == 10 and prompt_level.mean == pytest.approx(0.1)
+    assert prompt_level.low < 0 < prompt_level.high and prompt_level.verdict == "no significant change"
+    assert "n=10 prompts" in str(prompt_level)
+    accuracy = prompt_accuracy(after)  # 4 of 10 prompts, not 33 of 39 items
+    assert accuracy.value == pytest.approx(0.4) and accuracy.n == 10
+
+
+def test_prompt_accuracy_is_wilson_for_one_outcome_per_prompt_and_a_cluster_mean_otherwise():
+    single = prompt_accuracy({f"p{i}": [i % 4 == 0] for i in range(40)})
+    assert (single.k, single.n) == (10, 40) and single.low == wilson_interval(10, 40).low
+    sampled = prompt_accuracy({"a": [1, 1, 0, 0], "b": [1, 1, 1, 1], "c": [0, 0, 0, 0], "d": [1, 0, 0, 0]})
+    expected = mean_interval([0.5, 1.0, 0.0, 0.25])
+    assert (sampled.value, sampled.low, sampled.high, sampled.n) == (expected.value, expected.low, expected.high, 4)
+
+
+def test_paired_change_pairs_by_prompt_not_by_position():
+    before = {"a": [0], "b": [1], "c": [0]}
+    after = {"c": [1], "b": [1], "a": [1], "z": [1]}  # another order, and a prompt the base never saw
+    change = paired_change(before, after)
+    assert change.n == 3 and change.mean == pytest.approx(2 / 3)
+
+
+def _seed_tables(rng, seeds, prompts, seed_sd, prompt_sd=0.3, noise_sd=0.3, true=0.0):
+    prompt_effect = rng.normal(0, prompt_sd, prompts)
+    seed_effect = rng.normal(0, seed_sd, seeds)
+    return true + prompt_effect[None, :] + seed_effect[:, None] + rng.normal(0, noise_sd, (seeds, prompts))
+
+
+@pytest.mark.parametrize("seed_sd", [0.0, 0.1])
+def test_crossed_interval_covers_the_truth_when_seeds_move_every_prompt(seed_sd):
+    """A crossed random-effects simulation with three seeds: a training seed shifts all
+    prompts together. The interval covers the true mean about 95% of the time whether or not
+    seeds matter; treating the seeds' rows as more prompts (an interval over 450 "prompts")
+    misses it far more often when they do."""
+    rng = np.random.default_rng(0)
+    trials, crossed, naive = 400, 0, 0
+    for _ in range(trials):
+        table = _seed_tables(rng, seeds=3, prompts=150, seed_sd=seed_sd)
+        low, high = crossed_interval(table)
+        crossed += low <= 0.0 <= high
+        flat = mean_interval(list(table.ravel()), unit_range=False)
+        naive += flat.low <= 0.0 <= flat.high
+    assert 0.90 <= crossed / trials <= 0.99
+    if seed_sd:
+        assert naive / trials < 0.75
+
+
+def test_pooled_change_over_seeds():
+    rng = np.random.default_rng(1)
+    keys = [f"p{i}" for i in range(60)]
+    base = {k: [bool(rng.random() < 0.3)] for k in keys}
+    runs = [{k: [bool(rng.random() < 0.3 + 0.1 * s)] for k in keys} for s in range(3)]
+    pooled = pooled_change([(base, run) for run in runs])
+    per_seed = [paired_change(base, run).mean for run in runs]
+    assert pooled.mean == pytest.approx(np.mean(per_seed)) and pooled.seeds == 3 and pooled.n == 60
+    assert pooled.low < pooled.mean < pooled.high and "60 prompts x 3 seeds" in str(pooled)
+    one = pooled_change([(base, runs[0])])
+    assert (one.mean, one.low, one.high) == pytest.approx(tuple(paired_change(base, runs[0]).__dict__[k]
+                                                               for k in ("mean", "low", "high")))
+    accuracy = pooled_accuracy(runs)
+    assert accuracy.value == pytest.approx(np.mean([[v[0] for v in run.values()] for run in runs]))

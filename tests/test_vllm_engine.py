@@ -75,7 +75,7 @@ def hf_logprobs(model, prompt, completion):
     return logprobs.gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 
-def test_rollouts_carry_exact_ids_and_raw_sampler_logprobs(engines, smollm2_model, smollm2_tokenizer):
+def test_rollouts_carry_exact_ids_and_the_sampled_distributions_logprobs(engines, smollm2_model, smollm2_tokenizer):
     engine = engines["student"]
     prompts = chat_prompts(smollm2_tokenizer, QUESTIONS)
     params = SamplingParams(max_tokens=24, temperature=1.0, n=2, seed=7)
@@ -91,11 +91,28 @@ def test_rollouts_carry_exact_ids_and_raw_sampler_logprobs(engines, smollm2_mode
                 assert rollout.completion_ids[-1] == eos and eos not in rollout.completion_ids[:-1]
             else:
                 assert len(rollout.completion_ids) == params.max_tokens and eos not in rollout.completion_ids
-            # Raw (temperature-1) logprobs of exactly these ids, as a plain HF forward gives them.
+            # At temperature 1 without top-p the sampled distribution is the raw model's.
             reference = hf_logprobs(smollm2_model, prompt, rollout.completion_ids)
             assert torch.allclose(torch.tensor(rollout.sampler_logprobs, dtype=torch.float64), reference, atol=TOLERANCE)
     again = engine.sample(prompts, params)
     assert [[r.completion_ids for r in g] for g in again] == [[r.completion_ids for r in g] for g in groups]
+
+
+def test_sampler_logprobs_follow_temperature_and_top_p_as_the_local_engine(engines, smollm2_model, smollm2_tokenizer):
+    """Launched servers report processed logprobs (--logprobs-mode processed_logprobs): the
+    tempered distribution the token was drawn from, as the local engine reports it. The
+    trainer's importance ratio relies on it. Raw logprobs would differ by far more."""
+    prompts = chat_prompts(smollm2_tokenizer, QUESTIONS)
+    local = LocalEngine(smollm2_model, smollm2_tokenizer)
+    rollouts = [r for g in engines["student"].sample(prompts, SamplingParams(max_tokens=12, temperature=0.6, n=2, seed=9))
+                for r in g]
+    pairs = [(r.prompt_ids, r.completion_ids) for r in rollouts]
+    worst_raw = 0.0
+    for rollout, tempered, raw in zip(rollouts, local.score(pairs, temperature=0.6), local.score(pairs)):
+        sampler = torch.tensor(rollout.sampler_logprobs)
+        assert (sampler - tempered.logprobs).abs().max().item() <= TOLERANCE
+        worst_raw = max(worst_raw, (sampler - raw.logprobs).abs().max().item())
+    assert worst_raw > 0.01
 
 
 def test_many_seeded_prompts_at_once_keep_the_server_alive(engines, smollm2_tokenizer):
@@ -196,8 +213,48 @@ def train_config(servers, out_dir, *extra):
     return load_config(ROOT / "experiments/demo.toml", [
         "engine.kind=vllm", f"engine.student_urls={servers['student']}", f"engine.teacher_url={servers['teacher']}",
         f"run.out_dir={out_dir}", "run.progress=false", "data.eval_size=8", "rollout.prompts_per_step=2",
-        "rollout.samples_per_prompt=2", "optim.micro_batch_prompts=2", "rollout.max_tokens=16", *extra,
+        "rollout.samples_per_prompt=2", "optim.micro_batch_prompts=2", "rollout.max_tokens=16",
+        "rollout.temperature=1.0", *extra,
     ])
+
+
+def test_a_partial_weight_load_is_refused_naming_what_was_not_loaded(servers, engines, smollm2_model, base_weights_after):
+    """The worker answers with the parameters its loader really wrote, not the count sent."""
+    everything = dict(smollm2_model.named_parameters())
+    some = {name: tensor for name, tensor in everything.items() if ".layers.0." not in name}
+    with pytest.raises(ServerError, match=rf"{servers['student']}: the server's loader wrote \d+ of its \d+ parameters "
+                                          rf"from the {len(some)} tensors sent; not loaded: model\.layers\.0\."):
+        engines["student"].update_weights(some, version=7)
+
+
+def test_the_probe_checks_every_student_server(servers, engines, base_weights_after, tmp_path):
+    """Two student servers, one of which never receives the update: the probe names it."""
+    from selfopd.trainer import WeightSyncError, build_run, train_step
+
+    run = build_run(train_config(servers, tmp_path, "optim.lr=1e-4", "run.name=two-students", "teacher.kind=frozen",
+                                 f"engine.student_urls={servers['student']},{servers['teacher']}"))
+    try:
+        stale = VLLMEngine([servers["student"], servers["teacher"]],
+                           weight_sync=FileWeightSync([ServerControl(servers["student"])]))
+        run.resources.callback(stale.close)
+        run.student_engine = stale
+        with pytest.raises(WeightSyncError, match=rf"the student engine's logprobs \({servers['teacher']}\) differ"):
+            train_step(run)
+    finally:
+        run.close()
+
+
+def test_a_frozen_teacher_server_must_serve_the_initial_weights(servers, engines, smollm2_model, base_weights_after,
+                                                                 tmp_path):
+    from selfopd.trainer import WeightSyncError, build_run
+
+    config = train_config(servers, tmp_path, "run.name=frozen", "teacher.kind=frozen")
+    build_run(config).close()  # the teacher server holds the packaged (initial) weights: accepted
+    changed = {name: tensor * 1.01 if name == "model.norm.weight" else tensor
+               for name, tensor in smollm2_model.named_parameters()}
+    engines["teacher"].update_weights(changed, version=5)
+    with pytest.raises(WeightSyncError, match=rf"the frozen teacher \({servers['teacher']}\) does not serve the initial"):
+        build_run(config)
 
 
 def test_training_step_syncs_student_and_teacher_servers(servers, engines, base_weights_after, tmp_path):
@@ -229,7 +286,8 @@ def test_selfopd_train_with_the_vllm_engine_runs_two_steps(servers, base_weights
                "--set=engine.kind=vllm", f"--set=engine.student_urls={servers['student']}",
                f"--set=engine.teacher_url={servers['teacher']}", f"--set=run.out_dir={tmp_path}", "--set=run.name=two",
                "--set=run.steps=2", "--set=run.progress=false", "--set=data.eval_size=8",
-               "--set=rollout.prompts_per_step=2", "--set=optim.micro_batch_prompts=2", "--set=rollout.max_tokens=16"]
+               "--set=rollout.prompts_per_step=2", "--set=optim.micro_batch_prompts=2", "--set=rollout.max_tokens=16",
+               "--set=rollout.temperature=1.0"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = [json.loads(line) for line in (tmp_path / "two/metrics.jsonl").read_text().splitlines()]

@@ -1,7 +1,8 @@
 """What the diagnostics measure, from annotated rollouts: where the teacher's advantage
 sits (by token class), the illusion score, and epistemic words, length and leakage over
-training. Every share comes with a bootstrap 95% interval over rollouts, the unit that
-was sampled."""
+training. Every share comes with a bootstrap 95% interval over prompts: the samples of one
+prompt (and its rollouts at other steps) share its difficulty and its answer, so they are
+one observation, and resampling rollouts would make intervals too narrow."""
 
 from __future__ import annotations
 
@@ -48,12 +49,12 @@ class Annotated:
 
 @dataclass(frozen=True)
 class Share:
-    """A ratio of sums over rollouts, with a bootstrap 95% interval over rollouts."""
+    """A ratio of sums over rollouts, with a bootstrap 95% interval over prompts."""
 
     value: float
     low: float
     high: float
-    n: int  # rollouts
+    n: int  # distinct prompts
 
     def __str__(self) -> str:
         return f"{self.value:.3f} [{self.low:.3f}, {self.high:.3f}]"
@@ -97,15 +98,20 @@ def annotate(
     advantage: Sequence[float] | None = None,
 ) -> Annotated:
     """Classify a rollout's tokens; `advantage` defaults to the saved teacher - student."""
-    classes = classify_tokens(pieces, answer, privileged_text, student_prompt, extracted_answer, special_tokens)
+    classes = classify_tokens(pieces, answer, privileged_text, student_prompt, extracted_answer, special_tokens,
+                              correct=record.correct)
     values = np.asarray(record.opd_advantage if advantage is None else advantage, dtype=np.float64)
     leaks = leaked_phrases(pieces.text, privileged_text, student_prompt)
     return Annotated(record, pieces, classes, values, leaks)
 
 
-def ratio_share(numerators: Sequence[float], denominators: Sequence[float], seed: int = 0,
-                samples: int = BOOTSTRAP_SAMPLES) -> Share:
-    """sum(numerators) / sum(denominators) with a percentile bootstrap over the pairs."""
+def ratio_share(numerators: Sequence[float], denominators: Sequence[float], clusters: Sequence[str] | None = None,
+                seed: int = 0, samples: int = BOOTSTRAP_SAMPLES) -> Share:
+    """sum(numerators) / sum(denominators) with a percentile bootstrap over clusters (the
+    prompts: pairs of one cluster are summed first and resampled together; default: each
+    pair its own cluster)."""
+    if clusters is not None:
+        numerators, denominators = _sum_by_cluster(numerators, clusters), _sum_by_cluster(denominators, clusters)
     num, den = np.asarray(numerators, dtype=np.float64), np.asarray(denominators, dtype=np.float64)
     if len(num) == 0 or den.sum() == 0:
         return Share(math.nan, math.nan, math.nan, len(num))
@@ -116,6 +122,17 @@ def ratio_share(numerators: Sequence[float], denominators: Sequence[float], seed
     boot = boot[np.isfinite(boot)]
     low, high = np.percentile(boot, [2.5, 97.5]) if len(boot) else (math.nan, math.nan)
     return Share(float(num.sum() / den.sum()), float(low), float(high), len(num))
+
+
+def _sum_by_cluster(values: Sequence[float], clusters: Sequence[str]) -> list[float]:
+    sums: dict[str, float] = {}
+    for value, cluster in zip(values, clusters, strict=True):
+        sums[cluster] = sums.get(cluster, 0.0) + float(value)
+    return list(sums.values())
+
+
+def _prompts(rollouts: Sequence[Annotated]) -> list[str]:
+    return [r.record.prompt for r in rollouts]
 
 
 def decompose(rollouts: Sequence[Annotated]) -> list[ClassRow]:
@@ -130,7 +147,7 @@ def decompose(rollouts: Sequence[Annotated]) -> list[ClassRow]:
         tokens = int(sum(m.sum() for m in in_class))
         rows.append(ClassRow(
             name, tokens, tokens / total_tokens if total_tokens else math.nan,
-            ratio_share(class_abs, total_abs), float(values.mean()) if tokens else math.nan,
+            ratio_share(class_abs, total_abs, _prompts(rollouts)), float(values.mean()) if tokens else math.nan,
         ))
     return rows
 
@@ -152,7 +169,8 @@ def illusion_score(rollouts: Sequence[Annotated], threshold: float = ILLUSION_WA
         total_abs.append(float(np.abs(r.advantage).sum()))
         answer_tokens += int(mask.sum())
         tokens += len(mask)
-    return IllusionScore(ratio_share(answer_abs, total_abs), answer_tokens / tokens if tokens else math.nan, threshold)
+    return IllusionScore(ratio_share(answer_abs, total_abs, _prompts(rollouts)),
+                         answer_tokens / tokens if tokens else math.nan, threshold)
 
 
 @dataclass(frozen=True)
@@ -173,7 +191,7 @@ def step_behaviour(step: int, rollouts: Sequence[Annotated], max_tokens: int | N
     words = sum(epistemic_count(r.pieces.text) for r in rollouts)
     count = max(len(rollouts), 1)
     return StepBehaviour(
-        step, len(rollouts), mean_interval([float(n) for n in lengths], unit_range=False),
+        step, len(rollouts), mean_interval([float(n) for n in lengths], unit_range=False, unit="rollouts"),
         100 * words / max(sum(lengths), 1),
         sum(bool(r.leaks) for r in rollouts) / count,
         sum(r.record.correct for r in rollouts) / count,
@@ -252,7 +270,7 @@ def context_contrast(rollouts: Sequence[Annotated], gains_correct: Sequence[np.n
         if r.record.correct and mask.any():
             correct += 1
             follows += float(g[mask].sum()) > float(w[mask].sum())
-    return ContextContrast(mean_correct, mean_wrong, ratio_share(answer_diff, total_diff),
+    return ContextContrast(mean_correct, mean_wrong, ratio_share(answer_diff, total_diff, _prompts(rollouts)),
                            follows / correct if correct else math.nan, correct)
 
 
@@ -261,16 +279,21 @@ def correct_preference(records: Sequence[RolloutRecord]) -> MeanEstimate | None:
 
     Per rollout, the mean per-token teacher - student logprob; per prompt group (one step's
     samples of one prompt) with both verified-correct and wrong samples, the correct
-    samples' mean minus the wrong ones'; then the mean over those groups with a normal 95%
-    interval over groups. Comparing within a prompt cancels its difficulty. A teacher whose
-    signal is not positive here pushes the student toward wrong answers as much as right
-    ones, however much its KL falls. None when no group has both outcomes."""
-    groups: dict[tuple[int, int], dict[bool, list[float]]] = {}
+    samples' mean minus the wrong ones'; averaged per distinct prompt (a prompt met at
+    several steps is one observation), then over prompts with a normal 95% interval over
+    prompts. Comparing within a prompt cancels its difficulty. A teacher whose signal is not
+    positive here pushes the student toward wrong answers as much as right ones, however
+    much its KL falls. None when no group has both outcomes."""
+    groups: dict[tuple[int, int, str], dict[bool, list[float]]] = {}
     for record in records:
         signal = record.opd_advantage
-        outcome = groups.setdefault((record.step, record.group), {True: [], False: []})
+        outcome = groups.setdefault((record.step, record.group, record.prompt), {True: [], False: []})
         outcome[bool(record.correct)].append(sum(signal) / len(signal))
-    contrasts = [sum(g[True]) / len(g[True]) - sum(g[False]) / len(g[False]) for g in groups.values() if g[True] and g[False]]
+    by_prompt: dict[str, list[float]] = {}
+    for (_, _, prompt), g in groups.items():
+        if g[True] and g[False]:
+            by_prompt.setdefault(prompt, []).append(sum(g[True]) / len(g[True]) - sum(g[False]) / len(g[False]))
+    contrasts = [sum(values) / len(values) for values in by_prompt.values()]
     return mean_interval(contrasts, unit_range=False) if contrasts else None
 
 

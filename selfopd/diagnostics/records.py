@@ -47,6 +47,14 @@ class RolloutRecord:
                 )
 
     @property
+    def prompt(self) -> str:
+        """The prompt's identity, for intervals over prompts: a key of the exact prompt ids
+        the student saw (the same prompt in two steps, or under two ids, is one prompt)."""
+        import hashlib
+
+        return hashlib.sha256(",".join(map(str, self.prompt_ids)).encode()).hexdigest()[:16]
+
+    @property
     def opd_advantage(self) -> list[float]:
         """teacher - student logprob per token: the distillation signal alone."""
         return [t - s for t, s in zip(self.teacher_logprobs, self.student_logprobs)]

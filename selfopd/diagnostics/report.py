@@ -267,7 +267,8 @@ def render_report(diagnosis: RunDiagnosis, figures: dict[str, str]) -> str:
         "",
         f"Teacher: `{d.teacher}`; student template `{d.student_template}`. "
         f"{sum(len(v) for v in d.annotated.values())} saved rollouts over {len(d.annotated)} step(s) "
-        f"({first} to {last}). Intervals are 95% bootstrap intervals over rollouts.",
+        f"({first} to {last}). Intervals are 95% bootstrap intervals over the distinct prompts "
+        f"({len({r.record.prompt for rs in d.annotated.values() for r in rs})}) the rollouts answer.",
         "",
         "## Verdict",
         "",

@@ -5,10 +5,13 @@ span, so it does not depend on how a tokenizer splits words or numbers (SmolLM2 
 "17" into "1" "7"; a word may be several pieces). A token belongs to the first class
 that claims any of its characters, in this order:
 
-  answer_copy   inside an occurrence of the reference answer, or of a word n-gram
-                (`COPY_NGRAM` words) shared with the privileged-only text
-  answer_slot   inside the student's own final answer where it is not the reference
+  answer_copy   inside the student's final answer where it is the reference, or inside a
+                word n-gram (`COPY_NGRAM` words) shared with the privileged-only text
+  answer_slot   inside the student's final answer where it is not the reference
                 (a wrong answer: where a copying teacher pulls hardest)
+
+Only the final answer (the last place the extracted answer is written) is an answer token:
+the operand 7 in "7 - 3 + 3 = 7" is part of the question, not a copy of the answer.
   epistemic     part of a word that voices doubt or checking (`EPISTEMIC_WORDS`)
   structural    whitespace, punctuation, operators, markup (`\\boxed`, tags), special tokens
   other         everything else: words and numbers of the reasoning itself
@@ -77,13 +80,19 @@ def classify_tokens(
     special_tokens: frozenset[str] = frozenset(),
     epistemic_words: frozenset[str] = EPISTEMIC_WORDS,
     copy_ngram: int = COPY_NGRAM,
+    correct: bool | None = None,
 ) -> list[str]:
-    """One class name (see `CLASSES`) per token."""
+    """One class name (see `CLASSES`) per token. `extracted_answer` is the final answer the
+    verifier found; `correct` its verdict (None: the answer is the reference when the two
+    read the same)."""
     text = pieces.text
-    copy_ranges = answer_occurrences(text, answer) + shared_ngram_ranges(text, privileged_text, student_prompt, copy_ngram)
+    copy_ranges = shared_ngram_ranges(text, privileged_text, student_prompt, copy_ngram)
     slot_ranges = []
-    if extracted_answer and not _same_answer(extracted_answer, answer):
-        slot_ranges = answer_occurrences(text, extracted_answer)[-1:]
+    final_span = answer_occurrences(text, extracted_answer)[-1:] if extracted_answer else []
+    if correct if correct is not None else extracted_answer and _same_answer(extracted_answer, answer):
+        copy_ranges += final_span
+    else:
+        slot_ranges = final_span
     epistemic_ranges = [m.span() for m in _WORD.finditer(text) if m.group().lower() in epistemic_words]
     classes = []
     for (start, end), piece in zip(pieces.spans, pieces.pieces):

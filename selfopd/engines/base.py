@@ -78,6 +78,12 @@ class Engine(Protocol):
         pairs, under the model's logits divided by `temperature` (1: the raw model)."""
         ...
 
+    def score_replicas(self, sequence: tuple[list[int], list[int]]) -> list[tuple[str, TokenScores]]:
+        """One sequence scored by every replica behind this engine (each server of a vLLM
+        engine; the one model in process), named: a weight sync or a frozen teacher is
+        checked on every copy that serves, not on whichever one `score` picks."""
+        ...
+
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """Load new weights (HF checkpoint names); later calls see them."""
         ...

@@ -64,6 +64,9 @@ class LocalEngine:
                 )
         return scores
 
+    def score_replicas(self, sequence: tuple[list[int], list[int]]) -> list[tuple[str, TokenScores]]:
+        return [("in-process model", self.score([sequence])[0])]
+
     @torch.no_grad()
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy weights in by name; tensors that already are this model's storage are skipped."""

@@ -85,14 +85,25 @@ class VLLMEngine:
         if temperature != 1.0:
             raise ValueError(f"{', '.join(self.urls)}: vLLM computes prompt logprobs from the raw logits only "
                              f"(temperature 1); scoring at temperature {temperature} needs the local engine")
+        self._check_lengths(sequences)
+        return self._loop.run(self._gather([self._score_one(i, list(p), list(c), top_k)
+                                            for i, (p, c) in enumerate(sequences)]))
+
+    def score_replicas(self, sequence: tuple[list[int], list[int]]) -> list[tuple[str, TokenScores]]:
+        """The sequence scored by each server (request i goes to server i % n)."""
+        prompt, completion = sequence
+        self._check_lengths([sequence])
+        scores = self._loop.run(self._gather([self._score_one(i, list(prompt), list(completion), 0)
+                                              for i in range(len(self.urls))]))
+        return list(zip(self.urls, scores))
+
+    def _check_lengths(self, sequences: Sequence[tuple[list[int], list[int]]]) -> None:
         for index, (prompt, completion) in enumerate(sequences):
             if len(prompt) + len(completion) + 1 > self.max_model_len:
                 raise ServerError(
                     f"{self.urls[index % len(self.urls)]}: sequence {index} has {len(prompt)} prompt + "
                     f"{len(completion)} completion tokens; scoring needs max_model_len >= prompt + completion + 1, "
                     f"the server has {self.max_model_len}")
-        return self._loop.run(self._gather([self._score_one(i, list(p), list(c), top_k)
-                                            for i, (p, c) in enumerate(sequences)]))
 
     async def _score_one(self, index: int, prompt: list[int], completion: list[int], top_k: int) -> TokenScores:
         server = index % len(self.urls)

@@ -20,8 +20,21 @@ class SelfOPDWorkerExtension:
     """Mixed into vLLM's worker class; methods are reached through `/collective_rpc`."""
 
     def selfopd_load_weights(self, path: str) -> dict[str, Any]:
-        """Load a safetensors file of HF-named weights written by the trainer."""
+        """Load a safetensors file of HF-named weights written by the trainer.
+
+        Answers what was really loaded: the model's own parameters (vLLM names, fused where
+        vLLM fuses) that its loader wrote, as `model.load_weights` reports them, out of all it
+        has, and the names of any it did not. The trainer refuses a partial update."""
         from safetensors import safe_open
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        loaded: set[str] = set()
+        load_weights = model.load_weights
+
+        def recording_load(weights: Any) -> Any:
+            result = load_weights(weights)
+            loaded.update(result or ())
+            return result
 
         with safe_open(path, framework="pt") as handle:
             names = list(handle.keys())
@@ -30,9 +43,16 @@ class SelfOPDWorkerExtension:
                 for name in names:
                     yield name, handle.get_tensor(name)
 
-            self.reload_weights(weights_iterator=weights())  # type: ignore[attr-defined]
-        repacked = _repack_cpu_gemm_weights(self.model_runner.get_model())  # type: ignore[attr-defined]
-        return {"loaded": len(names), "repacked": repacked}
+            model.load_weights = recording_load  # the reload calls it; see what it wrote
+            try:
+                self.reload_weights(weights_iterator=weights())  # type: ignore[attr-defined]
+            finally:
+                del model.load_weights
+        repacked = _repack_cpu_gemm_weights(model)
+        own = {name for name, _ in model.named_parameters()}
+        missing = sorted(own - loaded)
+        return {"sent": len(names), "loaded": len(own & loaded), "parameters": len(own), "not_loaded": missing[:10],
+                "repacked": repacked}
 
 
 def _repack_cpu_gemm_weights(model: torch.nn.Module) -> list[str]:

@@ -102,9 +102,12 @@ class FileWeightSync:
         try:
             for control in self.controls:
                 with _updating(control, version):
-                    (result, *_) = control.rpc("selfopd_load_weights", path=str(path))
-                    if result.get("loaded") != len(tensors):
-                        raise ServerError(f"{control.url}: loaded {result.get('loaded')} of {len(tensors)} tensors")
+                    for result in control.rpc("selfopd_load_weights", path=str(path)):  # one per worker
+                        if result["loaded"] != result["parameters"]:
+                            raise ServerError(
+                                f"{control.url}: the server's loader wrote {result['loaded']} of its "
+                                f"{result['parameters']} parameters from the {len(tensors)} tensors sent; not loaded: "
+                                f"{', '.join(result['not_loaded'])}")
         finally:
             path.unlink(missing_ok=True)
         return {"write_s": written - started, "load_s": time.perf_counter() - written, "gigabytes": _gigabytes(tensors)}
