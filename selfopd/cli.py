@@ -243,7 +243,7 @@ def _eval(args: argparse.Namespace) -> None:
     from selfopd.engines.local import LocalEngine
     from selfopd.evaluate import evaluate
     from selfopd.models import resolve_model
-    from selfopd.split import SplitRecord, distinct_prompts, split_examples, trained_on
+    from selfopd.split import SplitRecord, distinct_prompts, load_split, trained_on
     from selfopd.templates import load_template
     from selfopd.trainer import latest_checkpoint
 
@@ -267,8 +267,7 @@ def _eval(args: argparse.Namespace) -> None:
                                 f"were trained on by {args.run_dir} (e.g. {overlap[0].prompt!r}); evaluate its held-out "
                                 f"prompts (no --data), or pass --fresh to draw prompts its data never held")
     else:
-        train, held_out = split_examples(load_examples(config.data.spec), eval_size=config.data.eval_size,
-                                         seed=config.data.split_seed)
+        train, held_out = load_split(config.data.spec, config.data.eval_size, config.data.split_seed)
         if record is not None:
             SplitRecord.of(config.data.spec, config.data.split_seed, train, held_out).check_same(record, str(args.run_dir))
             examples, what = held_out, f"{args.run_dir}'s held-out prompts"
@@ -411,7 +410,7 @@ def _diagnose(args: argparse.Namespace) -> None:
     for step in sorted({diagnosis.first, diagnosis.last}):
         score = diagnosis.illusion[step]
         flag = "  WARNING" if score.warning else ""
-        print(f"illusion score at step {step}: {score.share}{flag}")
+        print(f"illusion score at step {step}: {score.share} (interval over {score.share.n} distinct prompts){flag}")
     for warning in diagnosis.warnings:
         print(f"warning: {warning}")
     print(f"report: {report}")

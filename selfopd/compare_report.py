@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -183,16 +183,10 @@ def measure_comparison(compare: CompareConfig) -> list[ArmResult]:
             pairs = {run.seed: (reference_final[run.seed], run.final) for run in result.per_seed
                      if run.seed in reference_final}
             if pairs:
-                result = _with_reference(result, {seed: paired_change(*pair) for seed, pair in pairs.items()},
-                                         pooled_change(list(pairs.values())))
+                result = replace(result, per_seed_vs_reference={seed: paired_change(*pair) for seed, pair in pairs.items()},
+                                 vs_reference=pooled_change(list(pairs.values())))
         measured.append(result)
     return measured
-
-
-def _with_reference(result: ArmResult, per_seed: dict[int, PairedDifference], pooled: PairedDifference) -> ArmResult:
-    from dataclasses import replace
-
-    return replace(result, per_seed_vs_reference=per_seed, vs_reference=pooled)
 
 
 def plot_comparison(results: list[ArmResult], path: Path, title: str = "") -> Path:

@@ -144,6 +144,20 @@ def test_eval_of_a_run_uses_its_held_out_prompts_and_fresh_data_avoids_all_of_it
     assert len(prompts) == 30 and not prompts & (set(record.train_prompts) | set(record.eval_prompts))
 
 
+def test_eval_takes_model_data_split_and_eval_settings_from_a_training_config(tmp_path, tiny_model_dir):
+    from selfopd.config import load_config
+    from selfopd.split import load_split
+
+    out = tmp_path / "from_config"
+    assert main(["eval", str(DEMO_CONFIG), "--model", str(tiny_model_dir), "--set", "data.eval_size=5",
+                 "--set", "eval.max_tokens=3", "--out", str(out)]) == 0
+    config = load_config(DEMO_CONFIG)
+    _, held_out = load_split(config.data.spec, 5, config.data.split_seed)
+    records = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in records] == [e.id for e in held_out]
+    assert all(r["completion_tokens"] <= 3 for r in records)
+
+
 def test_avg_at_k_needs_a_temperature(capsys):
     assert main(["eval", "--samples", "4"]) == 1
     assert "needs temperature > 0" in capsys.readouterr().err

@@ -8,7 +8,7 @@ The base student (the demo's packaged SmolLM2) samples `--prompts` x `--samples`
 of the demo task once. Each teacher template then scores exactly those token ids with the
 same weights (a `self` teacher at step 0): privileged gain by token class, illusion score,
 wrong-context contrast, and the greedy accuracy gap the context opens on `--gap-items`
-held-out items. Prints a table and writes JSON (and a side-by-side heatmap of one rollout
+distinct held-out prompts. Intervals are over prompts. Prints a table and writes JSON (and a side-by-side heatmap of one rollout
 under the leakiest and the cleanest template) to experiments/results/.
 """
 
@@ -31,6 +31,7 @@ from selfopd.engines.base import SamplingParams
 from selfopd.engines.local import LocalEngine
 from selfopd.models import resolve_model
 from selfopd.plots import plot_token_heatmaps_side_by_side
+from selfopd.split import split_examples
 from selfopd.templates import load_template
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,8 +79,8 @@ def main() -> None:
             "contrast": as_jsonable(diagnosis.contrast), "gap": as_jsonable(diagnosis.gap),
         })
 
-    print(f"\n{len(records)} rollouts ({args.prompts} prompts x {args.samples}), "
-          f"{sum(r.correct for r in records)} correct; gap on {args.gap_items} held-out items (greedy)\n")
+    print(f"\n{len(records)} rollouts ({args.prompts} distinct prompts x {args.samples}), "
+          f"{sum(r.correct for r in records)} correct; gap on {args.gap_items} distinct held-out prompts (greedy)\n")
     header = (f"{'template':<28}{'illusion [95% CI]':>24}{'copy share':>12}{'|gain|/tok':>12}"
               f"{'follows ctx':>13}{'acc w/ ctx':>12}{'gap':>26}")
     print(header)

@@ -276,7 +276,8 @@ def render_report(diagnosis: RunDiagnosis, figures: dict[str, str]) -> str:
     for step in sorted({first, last}):
         score = d.illusion[step]
         flag = "**WARNING: above the threshold**" if score.warning else "below the threshold"
-        lines.append(f"- Illusion score at step {step}: **{score.share}** (threshold {score.threshold}; {flag}); "
+        lines.append(f"- Illusion score at step {step}: **{score.share}** over {score.share.n} distinct prompts "
+                     f"(threshold {score.threshold}; {flag}); "
                      f"answer tokens are {score.token_share:.1%} of tokens, so their share of |advantage| is "
                      f"{score.lift:.1f}x their share of tokens.")
     per_step = min(len(v) for v in d.annotated.values())
