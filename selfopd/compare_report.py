@@ -25,7 +25,7 @@ from selfopd.diagnostics.measures import correct_preference
 from selfopd.diagnostics.records import read_run_rollouts
 from selfopd.evaluate import read_eval_outcomes
 from selfopd.plots import STYLE, decorate, new_figure, read_metrics, save_figure
-from selfopd.stats import MeanEstimate, PairedDifference, paired_change, pooled_accuracy, pooled_change
+from selfopd.stats import MeanEstimate, PairedDifference, Proportion, paired_change, pooled_accuracy, pooled_change
 
 if TYPE_CHECKING:
     from selfopd.compare import CompareConfig
@@ -75,7 +75,7 @@ class ArmResult:
     loss: str
     steps: int
     finished: bool
-    final: MeanEstimate  # accuracy at the last eval, pooled over seeds
+    final: Proportion | MeanEstimate  # accuracy at the last eval, pooled over seeds
     vs_base: PairedDifference  # pooled over seeds
     vs_reference: PairedDifference | None  # pooled over seeds, paired with the reference arm's run of each seed
     per_seed: list[SeedRun]

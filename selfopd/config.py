@@ -35,6 +35,10 @@ WeightSyncKind = Literal["auto", "file", "nccl"]
 Switch = Literal["auto", "on", "off"]
 Divergence = Literal["sampled", "topk_reverse_kl", "reverse_kl", "forward_kl", "jsd"]
 FULL_VOCABULARY = ("reverse_kl", "forward_kl", "jsd")  # divergences that need the teacher in process
+# The demo's task (experiments/demo.toml, tested): the default data of every command, so that
+# `selfopd eval` or `selfopd sft` without a config see the demo's split and its held-out prompts.
+DEMO_DATA = ("rg:basic_arithmetic?min_terms=2&max_terms=2&min_digits=1&max_digits=2&operators=+&allow_negation=false"
+             "&allow_parentheses=false&size=4000&seed=1")
 
 
 class ConfigError(ValueError):
@@ -150,9 +154,7 @@ class TeacherConfig(Section):
 class DataConfig(Section):
     SECTION: ClassVar[str] = "data"
     spec: str = setting(
-        "rg:chain_sum?min_terms=2&max_terms=3&min_digits=1&max_digits=1&size=2000&seed=1",
-        "Data spec (see selfopd.data): where the prompts, answers and privileged information come from.",
-    )
+        DEMO_DATA, "Data spec (see selfopd.data): where the prompts, answers and privileged information come from.")
     student_template: str = setting("student/plain", "Prompt template the student sees.")
     eval_size: int = setting(200, "Held-out examples, never trained on, for the greedy eval.")
     split_seed: int = setting(0, "Seed of the train / eval split.")

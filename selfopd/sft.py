@@ -36,12 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Sequence
 
-from selfopd.config import ConfigError, Section, check_key, fail, field_types, parse_value, read_toml, section_toml, setting
+from selfopd.config import DEMO_DATA, ConfigError, Section, check_key, fail, field_types, parse_value, read_toml, section_toml, setting
 from selfopd.example import Example
 
 Targets = Literal["auto", "solution", "sampled"]
 MARKER = "selfopd_sft.json"  # inside the model folder: written before the rename, so present = finished
-DEMO_DATA = "rg:chain_sum?min_terms=2&max_terms=3&min_digits=1&max_digits=1&size=4000&seed=1"
 # Fields that do not change the result: a finished folder is reused whatever they say.
 NOT_COMPARED = ("threads",)
 NLL_PROBE_SIZE = 64  # training targets whose NLL is reported before and after training
@@ -58,7 +57,7 @@ class SftConfig(Section):
         "smollm2-135m-instruct", "The model to fine-tune: a packaged model name, a local folder or a hub id.")
     data: str = setting(
         DEMO_DATA, "Data spec (see selfopd.data); the same spec as the OPD run keeps the same held-out split.")
-    eval_size: int = setting(300, "Held-out examples, never trained on (as data.eval_size of `selfopd train`).")
+    eval_size: int = setting(200, "Held-out distinct prompts, never trained on (as data.eval_size of `selfopd train`).")
     split_seed: int = setting(0, "Seed of the train / eval split (as data.split_seed of `selfopd train`).")
     student_template: str = setting("student/plain", "Prompt template the model is trained and evaluated with.")
     targets: Targets = setting(
@@ -69,7 +68,7 @@ class SftConfig(Section):
     samples_per_prompt: int = setting(1, "sampled: completions drawn per training item (> 1 needs temperature > 0).")
     temperature: float = setting(
         0.0, "sampled: sampling temperature (0: greedy; with the answer in view it is mostly right).")
-    max_tokens: int = setting(24, "sampled: most tokens per completion; unfinished completions are dropped.")
+    max_tokens: int = setting(32, "sampled: most tokens per completion; unfinished completions are dropped.")
     max_target_tokens: int = setting(512, "solution: worked solutions longer than this many tokens are dropped.")
     train_examples: int = setting(512, "Training items used: a seeded sample of at most this many from the train split (0: all).")
     epochs: int = setting(1, "Passes over the kept targets.")
@@ -78,7 +77,7 @@ class SftConfig(Section):
     grad_clip: float = setting(1.0, "Max global gradient norm (0: no clipping).")
     batch_size: int = setting(16, "Targets per optimizer step (cross-entropy averaged over their completion tokens).")
     seed: int = setting(0, "Seeds the choice of training items, sampling and data order.")
-    eval_max_tokens: int = setting(24, "Most tokens per greedy held-out answer (as eval.max_tokens of `selfopd train`).")
+    eval_max_tokens: int = setting(32, "Most tokens per greedy held-out answer (as eval.max_tokens of `selfopd train`).")
     eval_batch_size: int = setting(64, "Prompts per generation batch (held-out eval and sampling).")
     threads: int = setting(0, "Torch CPU threads (0: torch's default).")
 

@@ -176,16 +176,17 @@ def pooled_change(per_seed: Sequence[tuple[Outcomes, Outcomes]]) -> PairedDiffer
     return PairedDifference(float(changes_SP.mean()), low, high, len(keys), seeds=len(per_seed))
 
 
-def pooled_accuracy(per_seed: Sequence[Outcomes]) -> MeanEstimate:
+def pooled_accuracy(per_seed: Sequence[Outcomes]) -> Proportion | MeanEstimate:
     """Accuracy pooled over training seeds (one evaluation per seed, same prompts), with the
-    interval of `crossed_interval`."""
+    interval of `crossed_interval`. With one seed it is `prompt_accuracy`."""
+    if len(per_seed) == 1:
+        return prompt_accuracy(per_seed[0])
     keys = sorted(set.intersection(*(set(outcomes) for outcomes in per_seed)))
     if not keys:
         raise ValueError("the seeds' evaluations share no prompt")
     values_SP = np.array([[means[k] for k in keys] for means in map(per_prompt_means, per_seed)])
-    low, high = crossed_interval(values_SP) if len(per_seed) > 1 else _normal_interval(values_SP[0])
-    return MeanEstimate(float(values_SP.mean()), low, high, len(keys), "prompts" + (
-        f" x {len(per_seed)} seeds" if len(per_seed) > 1 else ""))
+    low, high = crossed_interval(values_SP)
+    return MeanEstimate(float(values_SP.mean()), low, high, len(keys), f"prompts x {len(per_seed)} seeds")
 
 
 def crossed_interval(values_SP: np.ndarray, level: float = 0.95) -> tuple[float, float]:
@@ -220,11 +221,6 @@ def crossed_interval(values_SP: np.ndarray, level: float = 0.95) -> tuple[float,
         return float(grand), float(grand)
     half = student_t.ppf(0.5 + level / 2, df) * math.sqrt(combined / (n_seeds * n_prompts))
     return float(grand - half), float(grand + half)
-
-
-def _normal_interval(values: np.ndarray) -> tuple[float, float]:
-    mean, half = _mean_and_half_width(list(map(float, values)), Z_95)
-    return mean - half, mean + half
 
 
 def _mean_and_half_width(values: Sequence[float], z: float) -> tuple[float, float]:

@@ -56,7 +56,7 @@ def test_the_shipped_comparison_parses_and_every_arm_shares_the_budget():
     arms = ["self_answer_note", "self_feedback", "frozen_answer_note", "external_sft", "grpo_only", "grpo_opd"]
     assert list(configs) == [(arm, seed) for seed in (0, 1, 2) for arm in arms]  # seed by seed
     assert all(c.run.seed == seed and c.run.name == f"seed{seed}" for (_, seed), c in configs.items())
-    assert {(c.rollout.prompts_per_step, c.rollout.samples_per_prompt, c.run.steps) for c in configs.values()} == {(8, 4, 8)}
+    assert {(c.rollout.prompts_per_step, c.rollout.samples_per_prompt, c.run.steps) for c in configs.values()} == {(8, 4, 12)}
     assert configs["external_sft", 1].teacher.model == "/nowhere/sft/model"
     assert configs["grpo_only", 2].loss.lambda_opd == 0
     assert configs["grpo_opd", 0].run.out_dir == "runs/self_vs_external/arms/grpo_opd"

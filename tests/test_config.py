@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from pathlib import Path
 
 import pytest
 
 from selfopd.config import (
+    DEMO_DATA,
     EngineConfig,
     SECTIONS,
     ConfigError,
@@ -26,7 +28,7 @@ EXPECTED_DEFAULTS = {
     "model": dict(student="smollm2-135m-instruct", dtype="float32", threads=0),
     "teacher": dict(kind="self", model="", template="teacher/reference_answer"),
     "data": dict(
-        spec="rg:chain_sum?min_terms=2&max_terms=3&min_digits=1&max_digits=1&size=2000&seed=1",
+        spec=DEMO_DATA,
         student_template="student/plain",
         eval_size=200,
         split_seed=0,
@@ -57,6 +59,14 @@ def load_error(tmp_path, text: str, overrides=()) -> ConfigError:
     with pytest.raises(ConfigError) as info:
         load_config(path, overrides)
     return info.value
+
+
+def test_the_default_data_is_the_demos():
+    """`selfopd eval` without a config must look at the demo's split, never at its training prompts."""
+    demo = load_config(Path(__file__).resolve().parents[1] / "experiments" / "demo.toml")
+    defaults = load_config(None)
+    assert (defaults.data.spec, defaults.data.eval_size, defaults.data.split_seed, defaults.data.student_template) == (
+        demo.data.spec, demo.data.eval_size, demo.data.split_seed, demo.data.student_template)
 
 
 def test_defaults():

@@ -40,9 +40,11 @@ TINY_DATA = "rg:chain_sum?min_terms=2&max_terms=2&min_digits=1&max_digits=1&size
 
 
 def test_defaults_are_the_demo_task_and_split():
-    config = SftConfig()
-    assert config.data.startswith("rg:chain_sum") and "size=4000" in config.data
-    assert (config.eval_size, config.split_seed, config.student_template) == (300, 0, "student/plain")
+    from selfopd.config import load_config
+
+    config, demo = SftConfig(), load_config(Path(__file__).resolve().parents[1] / "experiments" / "demo.toml")
+    assert (config.data, config.eval_size, config.split_seed, config.student_template, config.eval_max_tokens) == (
+        demo.data.spec, demo.data.eval_size, demo.data.split_seed, demo.data.student_template, demo.eval.max_tokens)
     assert config.model_dir == Path("runs") / "sft-teacher" / "model"
 
 
