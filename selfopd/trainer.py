@@ -23,7 +23,7 @@ from selfopd.config import TrainConfig, config_to_toml
 from selfopd.data import load_examples
 from selfopd.diagnostics.records import RolloutRecord, write_records
 from selfopd.engines.base import Engine, Rollout, SamplingParams
-from selfopd.engines.local import LocalEngine, pad_token_id
+from selfopd.engines.local import LocalEngine, eval_mode, pad_token_id
 from selfopd.evaluate import evaluate
 from selfopd.example import Example
 from selfopd.losses import (
@@ -274,12 +274,8 @@ def sync_weights(run: Run) -> None:
 @torch.no_grad()
 def probe_logprobs(model: Any, probe: tuple[list[int], list[int]], pad_id: int) -> torch.Tensor:
     """The trainer-side logprobs of the probe sequence (eval mode, no dropout)."""
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         return completion_logprobs(model, [probe], pad_id)[0][0]
-    finally:
-        model.train(was_training)
 
 
 @torch.no_grad()

@@ -41,7 +41,7 @@ class LocalEngine:
     @torch.no_grad()
     def score(self, sequences: Sequence[tuple[list[int], list[int]]], top_k: int = 0,
               temperature: float = 1.0) -> list[TokenScores]:
-        with _eval_mode(self.model):
+        with eval_mode(self.model):
             return self._score(sequences, top_k, temperature)
 
     def _score(self, sequences: Sequence[tuple[list[int], list[int]]], top_k: int,
@@ -87,7 +87,7 @@ class LocalEngine:
         width = ids_BT.shape[1]
         greedy = params.temperature == 0
         sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
-        with torch.no_grad(), _eval_mode(self.model):
+        with torch.no_grad(), eval_mode(self.model):
             output = self.model.generate(
                 input_ids=ids_BT,
                 attention_mask=mask_BT,
@@ -136,7 +136,7 @@ def pad_token_id(tokenizer: Any, model: Any) -> int:
 
 
 @contextlib.contextmanager
-def _eval_mode(model: Any) -> Iterator[None]:
+def eval_mode(model: Any) -> Iterator[None]:
     """Sample and score without dropout, then give the trainer its module back as it was."""
     was_training = model.training
     model.eval()
