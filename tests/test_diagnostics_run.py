@@ -110,7 +110,10 @@ def test_leaky_teacher_follows_a_wrong_answer_and_the_empty_control_gains_nothin
     gains, wrong = privileged_gains(engine, records, prompting)
     contrast = context_contrast(annotate_records(records, prompting), gains, wrong)
     assert contrast.correct_rollouts == 6 and contrast.follows_context == 1.0
-    assert contrast.mean_gain_correct["answer_copy"] > 0.5 > -0.5 > contrast.mean_gain_wrong["answer_copy"]
+    right, wrong_gain = contrast.mean_gain_correct["answer_copy"], contrast.mean_gain_wrong["answer_copy"]
+    # The answer tokens gain with the true answer in context, lose with a wrong one, and the two
+    # differ by more than a nat (the leak, not noise, moves the teacher).
+    assert right > 0 > wrong_gain and right - wrong_gain > 1.0
 
     empty_gains, empty_wrong = privileged_gains(engine, records, prompting.with_teacher(load_template("teacher/empty")))
     assert all((g == 0).all() and (w == 0).all() for g, w in zip(empty_gains, empty_wrong))
