@@ -446,7 +446,9 @@ def _load_reasoning_gym(spec: DataSpec, exclude: frozenset[str] = frozenset()) -
         if key not in allowed:
             raise DataError(f"rg:{task}: unknown option {key!r}; allowed: {', '.join(allowed)}")
     config = {"seed": spec.seed, "size": spec.size, **spec.task_config}
-    draws = max(MAX_DRAWS_PER_ITEM * spec.size, MIN_STALL_DRAWS) if spec.dedup else spec.size
+    # Excluded prompts of the same generator come up in the stream too: they count towards the
+    # draw budget and as progress (a new distinct prompt, if not one we may keep).
+    draws = max(MAX_DRAWS_PER_ITEM * (spec.size + len(exclude)), MIN_STALL_DRAWS) if spec.dedup else spec.size
     try:
         # Items are generated on access, so a large size costs nothing until drawn.
         dataset = reasoning_gym.create_dataset(task, **{**config, "size": draws})
@@ -454,11 +456,11 @@ def _load_reasoning_gym(spec: DataSpec, exclude: frozenset[str] = frozenset()) -
         raise DataError(f"rg:{task}: invalid config {config}: {e or type(e).__name__}") from e
 
     examples: list[Example] = []
-    seen, last_new = set(exclude), 0
+    excluded, seen, last_new = set(exclude), set(), 0
     for i in range(draws):
         if len(examples) == spec.size:
             break
-        if spec.dedup and i - last_new >= max(MIN_STALL_DRAWS, len(examples)):
+        if spec.dedup and i - last_new >= max(MIN_STALL_DRAWS, len(seen)):
             break
         entry = dataset[i]
         key = prompt_key(entry["question"])
@@ -467,6 +469,8 @@ def _load_reasoning_gym(spec: DataSpec, exclude: frozenset[str] = frozenset()) -
         if spec.dedup:
             seen.add(key)
             last_new = i
+        if key in excluded:
+            continue
         answer = entry.get("answer")
         if answer is None or not str(answer).strip():
             raise DataError(f"rg:{task} row {i}: missing field 'answer' (this task has no reference "

@@ -267,6 +267,17 @@ def test_fresh_items_exclude_known_prompts_instead_of_another_seed():
     assert len(table) == 250
 
 
+def test_fresh_items_come_after_more_excluded_prompts_than_the_stall_limit():
+    """The demo's 4000 prompts fill the generator's first 4000+ draws: drawing past them is
+    progress, not a stalled generator."""
+    from selfopd.config import DEMO_DATA
+
+    keys = {prompt_key(ex.prompt) for ex in load_examples(DEMO_DATA)}
+    assert len(keys) == 4000
+    fresh = load_examples(DEMO_DATA.replace("size=4000", "size=400"), exclude=keys)
+    assert len(fresh) == 400 and not {prompt_key(ex.prompt) for ex in fresh} & keys
+
+
 def test_a_run_records_its_split_and_finds_overlaps(tmp_path):
     examples = make_examples([f"question {i % 30}" for i in range(60)])
     train, evals = split_examples(examples, eval_size=5, seed=0)
