@@ -1,6 +1,6 @@
 """Does a finished demo run's gain hold beyond its own eval? Two checks, base vs trained:
 
-    python experiments/demo_checks.py runs/demo-YYYYmmdd-HHMMSS      # ~6 minutes on 2 CPU cores
+    python experiments/demo_checks.py runs/demo-YYYYmmdd-HHMMSS      # ~15 minutes on 2 CPU cores
 
 1. Answer budget: the run's held-out prompts at its eval budget (eval.max_tokens) and with a
    4x longer one. The base model explains before it answers and often runs out of tokens;
