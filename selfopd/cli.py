@@ -235,14 +235,10 @@ def _add_eval(commands: argparse._SubParsersAction) -> None:
 
 
 def _eval(args: argparse.Namespace) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from selfopd.config import load_config
     from selfopd.data import load_examples
-    from selfopd.engines.local import LocalEngine
+    from selfopd.engines.build import frozen_engine
     from selfopd.evaluate import evaluate
-    from selfopd.models import resolve_model
     from selfopd.split import SplitRecord, distinct_prompts, load_split, trained_on
     from selfopd.templates import load_template
     from selfopd.trainer import latest_checkpoint
@@ -274,10 +270,8 @@ def _eval(args: argparse.Namespace) -> None:
         else:
             examples = {"train": train, "eval": held_out, "all": train + held_out}[args.split]
             what = f"{config.data.spec} [{args.split}]"
-    folder = resolve_model(str(model))
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    engine = LocalEngine(loaded, tokenizer, batch_size=config.eval.batch_size)
+    engine = frozen_engine(model, config)
+    tokenizer = engine.tokenizer
     accuracy, _ = evaluate(engine, tokenizer, examples, template, config.eval.max_tokens, config.eval.batch_size,
                            out_dir=args.out, samples=args.samples, temperature=args.temperature, seed=args.seed)
     print(f"{model} on {what} with {template.name}: accuracy {accuracy} "
@@ -328,11 +322,14 @@ def _add_sft(commands: argparse._SubParsersAction) -> None:
                    "fine-tune the student on worked solutions or its own verified privileged answers: "
                    "a stronger teacher with the same tokenizer (the off-policy warm-up before OPD)")
     sft.add_argument("config", nargs="?", type=Path,
-                     help="TOML file with an [sft] table (see experiments/sft_teacher.toml; default: all defaults)")
-    sft.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override an [sft] value, e.g. --set lr=3e-5 (repeatable; 'sft.' prefix optional)")
+                     help="TOML file: the training sections it reads ([run], [model], [data], [optim], [eval]) and an "
+                          "[sft] section (see experiments/sft_teacher.toml; a training config such as "
+                          "experiments/demo.toml works too; default: all defaults)")
+    _add_overrides(sft, "sft.lr=3e-5")
+    sft.add_argument("--student-run", type=Path, metavar="RUN_DIR",
+                     help="a training run whose held-out prompts the teacher must not train on (refused if it would)")
     sft.add_argument("--show-config", action="store_true",
-                     help="print the resolved [sft] table (every field, with its help) and exit")
+                     help="print the resolved config (every field it reads, with its help) and exit")
 
 
 def _sft(args: argparse.Namespace) -> None:
@@ -342,7 +339,7 @@ def _sft(args: argparse.Namespace) -> None:
     if args.show_config:
         print(sft_config_to_toml(config), end="")
         return
-    model_dir = run_sft(config)
+    model_dir = run_sft(config, student_run=args.student_run)
     print(f"run folder: {model_dir.parent} (summary.json, README.md, eval/, targets.jsonl, model/)")
 
 
@@ -439,7 +436,9 @@ def _compare(args: argparse.Namespace) -> None:
     except ValueError:
         raise UserError(f"--seeds: expected comma-separated integers, got {args.seeds!r}") from None
     compare = load_compare_config(args.config, args.overrides, only, seeds)
-    report = write_compare_report(compare) if args.report_only else run_compare(compare)
+    if not args.report_only:
+        run_compare(compare)
+    report = write_compare_report(compare)
     print(report.read_text())
     print(f"report: {report}")
 

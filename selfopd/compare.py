@@ -31,13 +31,44 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
-from selfopd.config import ConfigError, TrainConfig, config_to_dict, load_config, read_toml
+from selfopd.config import ConfigError, TrainConfig, flat_config, load_config
+from selfopd.settings import Section, build_sections, check_key, read_toml, setting
 
 ARM_SECTIONS = ("teacher", "loss", "optim")  # what arms may change; everything else is shared
 SFT_PLACEHOLDER = "{sft}"
 FINISHED = "finished.json"
+
+
+@dataclass(frozen=True)
+class CompareSection(Section):
+    """The `[compare]` table."""
+
+    SECTION: ClassVar[str] = "compare"
+    base: str = setting("", "The training config every arm starts from (relative to this file); required.")
+    name: str = setting("", "Name of the comparison: its folder is OUT_DIR/NAME (default: the file's name).")
+    out_dir: str = setting("runs", "Folder that holds the comparison's folder.")
+    set: tuple[str, ...] = setting((), "`section.key=value` settings every arm shares, applied after the base file.")
+    reference: str = setting("", "The arm every other arm is also compared with, paired (empty: the base model only).")
+    seeds: tuple[int, ...] = setting((), "Training seeds every arm runs under (empty: the base config's run.seed).")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._non_empty("base")
+        if any(seed < 0 for seed in self.seeds) or len(set(self.seeds)) != len(self.seeds):
+            raise ConfigError(self._key("seeds"), f"expected distinct seeds >= 0, got {list(self.seeds)}")
+        if any(override.partition("=")[0].strip() == "run.seed" for override in self.set):
+            raise ConfigError(self._key("set"), "run.seed is set per run by compare.seeds; list the seeds there")
+
+
+@dataclass(frozen=True)
+class ArmTable(Section):
+    """One `[arms.NAME]` table."""
+
+    SECTION: ClassVar[str] = "arms"
+    set: tuple[str, ...] = setting((), "`section.key=value` settings of this arm: only teacher.*, loss.*, optim.*.")
+    description: str = setting("", "One line on what the arm is, for the report.")
 
 
 @dataclass(frozen=True)
@@ -57,7 +88,7 @@ class CompareConfig:
     base: Path
     common: tuple[str, ...]
     arms: tuple[Arm, ...]
-    sft: dict[str, Any] | None
+    sft: Any  # the [sft] section (selfopd.sft.SftSection) when an arm uses {sft}, else None
     reference: str  # the arm every other arm is also compared with, paired ("" for none)
     seeds: tuple[int, ...]  # training seeds every arm runs under
 
@@ -77,79 +108,78 @@ def load_compare_config(path: Path, overrides: Sequence[str] = (), only: Sequenc
                         only_seeds: Sequence[int] = ()) -> CompareConfig:
     """Parse and check a comparison file. `overrides` (`--set`) apply to every arm after the
     file's own settings; `only` keeps those arms, in the file's order; `only_seeds` those seeds."""
+    from selfopd.sft import SftSection
+
     path = Path(path)
     tables = read_toml(path, what="comparison file")
 
-    def fail(key: str, message: str) -> ConfigError:
+    def error(key: str, message: str) -> ConfigError:
         return ConfigError(key, message, source=str(path))
 
     unknown = set(tables) - {"compare", "sft", "arms"}
     if unknown:
-        raise fail(f"[{sorted(unknown)[0]}]", "unknown section; sections: [compare], [sft], [arms.NAME]")
-    compare = tables.get("compare", {})
-    allowed = {"name", "out_dir", "base", "set", "reference", "seeds"}
-    for key in compare:
-        if key not in allowed:
-            raise fail(f"compare.{key}", f"unknown key; keys of [compare]: {', '.join(sorted(allowed))}")
-    if "base" not in compare:
-        raise fail("compare.base", "required: the training config every arm starts from")
-    base = (path.parent / compare["base"]).resolve()
+        raise error(f"[{sorted(unknown)[0]}]", "unknown section; sections: [compare], [sft], [arms.NAME]")
+    try:
+        sections = build_sections({"compare": tables.get("compare", {}), **({"sft": tables["sft"]} if "sft" in tables else {})},
+                                  {"compare": CompareSection, "sft": SftSection})
+    except ConfigError as failure:
+        if failure.key == "compare.base" and "compare" in tables and "base" not in tables["compare"]:
+            raise error("compare.base", "required: the training config every arm starts from") from None
+        raise error(failure.key, failure.message) from None
+    compare = sections["compare"]
+    base = (path.parent / compare.base).resolve()
     if not base.is_file():
-        raise fail("compare.base", f"no such training config: {base}")
-    common = tuple(_string_list(compare.get("set", []), "compare.set", fail)) + tuple(overrides)
-    if any(override.partition("=")[0].strip() == "run.seed" for override in common):
-        raise fail("compare.set", "run.seed is set per run by compare.seeds; list the seeds there")
-    seeds = compare.get("seeds")
-    if seeds is None:
+        raise error("compare.base", f"no such training config: {base}")
+    common = compare.set + tuple(overrides)
+    seeds = list(compare.seeds)
+    if not seeds:
         try:
             seeds = [load_config(base, common).run.seed]
-        except ConfigError as error:
-            raise ConfigError(error.key, error.message, source=f"{path} [compare]") from None
-    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
-                                                           for s in seeds) or len(set(seeds)) != len(seeds):
-        raise fail("compare.seeds", f"expected a non-empty list of distinct seeds >= 0, got {seeds!r}")
+        except ConfigError as failure:
+            raise ConfigError(failure.key, failure.message, source=f"{path} [compare]") from None
     if only_seeds:
         missing = [seed for seed in only_seeds if seed not in seeds]
         if missing:
-            raise fail("compare.seeds", f"no seed {missing[0]}; seeds: {seeds}")
+            raise error("compare.seeds", f"no seed {missing[0]}; seeds: {seeds}")
         seeds = [seed for seed in seeds if seed in only_seeds]
 
     arms_table = tables.get("arms", {})
     if not arms_table:
-        raise fail("[arms]", "no arms: add at least one [arms.NAME] table with set = [...]")
-    arms = []
-    for arm_name, table in arms_table.items():
-        if not isinstance(table, dict) or set(table) - {"set", "description"}:
-            raise fail(f"arms.{arm_name}", "an arm is a table with `set = [...]` and an optional `description`")
-        arm_overrides = tuple(_string_list(table.get("set", []), f"arms.{arm_name}.set", fail))
-        for override in arm_overrides:
-            section = override.partition("=")[0].strip().partition(".")[0]
-            if section not in ARM_SECTIONS:
-                raise fail(f"arms.{arm_name}.set",
-                           f"{override!r}: arms may only change {', '.join(s + '.*' for s in ARM_SECTIONS)}; "
-                           "put settings every arm shares in compare.set")
-        arms.append(Arm(arm_name, arm_overrides, str(table.get("description", ""))))
+        raise error("[arms]", "no arms: add at least one [arms.NAME] table with set = [...]")
+    arms = [_arm(arm_name, table, error) for arm_name, table in arms_table.items()]
     if only:
         missing = [name for name in only if name not in arms_table]
         if missing:
-            raise fail("[arms]", f"no arm named {missing[0]!r}; arms: {', '.join(arms_table)}")
+            raise error("[arms]", f"no arm named {missing[0]!r}; arms: {', '.join(arms_table)}")
         arms = [arm for arm in arms if arm.name in only]
 
-    sft = tables.get("sft")
     uses_sft = any(SFT_PLACEHOLDER in override for arm in arms for override in arm.overrides)
-    if uses_sft and sft is None:
-        raise fail("[sft]", f"an arm uses {SFT_PLACEHOLDER} but the file has no [sft] section")
-    reference = str(compare.get("reference", ""))
+    if uses_sft and "sft" not in sections:
+        raise error("[sft]", f"an arm uses {SFT_PLACEHOLDER} but the file has no [sft] section")
+    reference = compare.reference
     if reference and reference not in [arm.name for arm in arms]:
         reference = ""  # not among the arms run (e.g. --arms); compared with the base only
-    return CompareConfig(path, str(compare.get("name", path.stem)), Path(compare.get("out_dir", "runs")), base,
-                         common, tuple(arms), sft if uses_sft else None, reference, tuple(seeds))
+    return CompareConfig(path, compare.name or path.stem, Path(compare.out_dir), base, common, tuple(arms),
+                         sections.get("sft") if uses_sft else None, reference, tuple(seeds))
 
 
-def _string_list(value: Any, key: str, fail) -> list[str]:
-    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-        raise fail(key, f"expected a list of \"section.key=value\" strings, got {value!r}")
-    return value
+def _arm(name: str, table: Any, error) -> Arm:
+    """One arm from its `[arms.NAME]` table; errors name `arms.NAME.KEY`."""
+    if not isinstance(table, dict):
+        raise error(f"arms.{name}", "an arm is a table with `set = [...]` and an optional `description`")
+    try:
+        for key in table:
+            check_key(f"arms.{name}", ArmTable, key)
+        arm = ArmTable(**table)
+    except ConfigError as failure:
+        raise error(failure.key.replace("arms.", f"arms.{name}.", 1) if failure.key.count(".") == 1 else failure.key,
+                    failure.message) from None
+    for override in arm.set:
+        section = override.partition("=")[0].strip().partition(".")[0]
+        if section not in ARM_SECTIONS:
+            raise error(f"arms.{name}.set", f"{override!r}: arms may only change "
+                        f"{', '.join(s + '.*' for s in ARM_SECTIONS)}; put settings every arm shares in compare.set")
+    return Arm(name, arm.set, arm.description)
 
 
 def arm_configs(compare: CompareConfig, sft_model: Path | None) -> dict[tuple[str, int], TrainConfig]:
@@ -175,49 +205,30 @@ def arm_configs(compare: CompareConfig, sft_model: Path | None) -> dict[tuple[st
 
 def _shared_part(config: TrainConfig) -> dict[str, Any]:
     """The settings that must be equal across arms and seeds, flattened to section.key."""
-    flat = {key: value for key, value in _flatten(config).items() if key.partition(".")[0] not in ARM_SECTIONS}
+    flat = {key: value for key, value in flat_config(config).items() if key.partition(".")[0] not in ARM_SECTIONS}
     for per_run in ("run.name", "run.out_dir", "run.seed"):
         flat.pop(per_run)
     return flat
 
 
-def _flatten(config: TrainConfig) -> dict[str, Any]:
-    return {f"{section}.{key}": value for section, table in config_to_dict(config).items() for key, value in table.items()}
-
-
-# What the [sft] teacher takes from the arms' config (and may not set differently): the
-# same model, data and held-out split, so it never trains on an item the arms are scored on.
-SFT_FROM_ARMS = {"student": "model.student", "data": "data.spec", "eval_size": "data.eval_size",
-                 "split_seed": "data.split_seed", "student_template": "data.student_template",
-                 "eval_max_tokens": "eval.max_tokens"}
-
-
 def sft_config(compare: CompareConfig):
-    """The [sft] teacher's config, its split and model taken from the arms; None without [sft].
-
-    Read from the base config plus compare.set: arms cannot change these settings."""
+    """The [sft] teacher's config: the arms' shared training sections (base + compare.set:
+    the same model, data and held-out split, which arms cannot change) and its [sft] section,
+    its folder inside the comparison's. None without [sft]."""
     if compare.sft is None:
         return None
-    from selfopd.sft import sft_config_from_table
+    from selfopd.sft import SftConfig
 
-    table = dict(compare.sft)
-    table.setdefault("out_dir", str(compare.folder))
     shared = [override for override in compare.common if SFT_PLACEHOLDER not in override]
     try:
-        flat = _flatten(load_config(compare.base, shared))
+        train = load_config(compare.base, [*shared, f"run.out_dir={compare.folder}"])
     except ConfigError as error:
         raise ConfigError(error.key, error.message, source=f"{compare.source} [compare]") from None
-    for key, arm_key in SFT_FROM_ARMS.items():
-        if key in table and table[key] != flat[arm_key]:
-            raise ConfigError(f"sft.{key}", f"is {table[key]!r} but the arms' {arm_key} is {flat[arm_key]!r}: the "
-                              "teacher must share the arms' model and held-out split; leave it out", source=str(compare.source))
-        table[key] = flat[arm_key]
-    return sft_config_from_table(table, source=f"{compare.source} [sft]")
+    return SftConfig(train, compare.sft)
 
 
-def run_compare(compare: CompareConfig, progress: bool = True) -> Path:
-    """Run every unfinished arm, then write the report; returns the report's path."""
-    from selfopd.compare_report import write_compare_report
+def run_compare(compare: CompareConfig, progress: bool = True) -> None:
+    """Run every unfinished arm (then `selfopd.compare_report.write_compare_report` reports them)."""
     from selfopd.trainer import latest_checkpoint, train
 
     # Every arm and the teacher's config are checked before any work starts.
@@ -254,7 +265,6 @@ def run_compare(compare: CompareConfig, progress: bool = True) -> Path:
         (run_dir / FINISHED).write_text(json.dumps({"arm": name, "seed": seed, "wall_seconds_last_session": seconds},
                                                    indent=2) + "\n")
         _note(compare, f"{name} seed {seed}", seconds)
-    return write_compare_report(compare)
 
 
 def base_eval(compare: CompareConfig, exclude: Path) -> Path | None:
@@ -269,7 +279,7 @@ def base_eval(compare: CompareConfig, exclude: Path) -> Path | None:
 
 def _check_unchanged(run_dir: Path, config: TrainConfig, name: str) -> None:
     """A finished or resumed arm must have run with the config it would get now."""
-    now, then = _flatten(config), _flatten(load_config(run_dir / "config.toml"))
+    now, then = flat_config(config), flat_config(load_config(run_dir / "config.toml"))
     changed = [key for key in now if now[key] != then[key] and key != "run.progress"]
     if changed:
         key = changed[0]

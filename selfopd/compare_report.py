@@ -303,9 +303,7 @@ def _sft_lines(compare: CompareConfig) -> list[str]:
     """How strong the [sft] teacher is on the arms' held-out items (its own before/after eval)."""
     if compare.sft is None:
         return []
-    from selfopd.sft import SftConfig
-
-    folder = Path(compare.sft.get("out_dir", compare.folder)) / compare.sft.get("name", SftConfig().name)
+    folder = compare.folder / compare.sft.name
     if not (folder / "summary.json").is_file():
         return []
     summary = json.loads((folder / "summary.json").read_text())

@@ -17,13 +17,22 @@ naming the key as `section.key`, prefixed by the file or the `--set` it came fro
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import math
-import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Sequence
+
+from selfopd import settings
+from selfopd.settings import (  # noqa: F401  (ConfigError and setting are this module's public names too)
+    ConfigError,
+    Section,
+    build_sections,
+    fail,
+    field_types,
+    load_document,
+    section_toml,
+    setting,
+)
 
 # Same values as selfopd.losses.Normalisation; restated so loading a config needs no torch.
 Normalisation = Literal["token", "sequence"]
@@ -39,55 +48,6 @@ FULL_VOCABULARY = ("reverse_kl", "forward_kl", "jsd")  # divergences that need t
 # `selfopd eval` or `selfopd sft` without a config see the demo's split and its held-out prompts.
 DEMO_DATA = ("rg:basic_arithmetic?min_terms=2&max_terms=2&min_digits=1&max_digits=2&operators=+&allow_negation=false"
              "&allow_parentheses=false&size=4000&seed=1")
-
-
-class ConfigError(ValueError):
-    """A bad config file, key, value or `--set`; the message names the key as `section.key`.
-
-    `key` is that `section.key` (`[section]` for a whole section, "" when no key applies, as
-    for a TOML syntax error), `source` the file or `--set` the bad value came from, if known.
-    """
-
-    def __init__(self, key: str, message: str, source: str | None = None):
-        super().__init__(": ".join(part for part in (source, key, message) if part))
-        self.key, self.message, self.source = key, message, source
-
-
-# The pieces below build a config section (here and in `selfopd.sft`): a dataclass whose
-# fields carry their help text, type-checked on creation, parsed from `--set` strings.
-
-
-def setting(default: Any, help: str) -> Any:
-    """A section field with its default and the help line `--show-config` prints."""
-    return field(default=default, metadata={"help": help})
-
-
-def fail(key: str, message: str) -> typing.NoReturn:
-    """Raise the ConfigError that names `key`."""
-    raise ConfigError(key, message)
-
-
-class Section:
-    """Type checks shared by every section; each section adds its own range checks."""
-
-    SECTION: ClassVar[str]
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = _check_type(f"{self.SECTION}.{f.name}", field_types(type(self))[f.name], getattr(self, f.name))
-            object.__setattr__(self, f.name, value)  # ints given for floats become floats
-
-    def _key(self, name: str) -> str:
-        return f"{self.SECTION}.{name}"
-
-    def _at_least(self, name: str, low: int | float) -> None:
-        value = getattr(self, name)
-        if value < low:
-            fail(self._key(name), f"must be >= {low}, got {value!r}")
-
-    def _non_empty(self, name: str) -> None:
-        if not getattr(self, name).strip():
-            fail(self._key(name), "must not be empty")
 
 
 @dataclass(frozen=True)
@@ -277,6 +237,8 @@ class EngineConfig(Section):
     SECTION: ClassVar[str] = "engine"
     kind: EngineKind = setting(
         "local", "Who samples and scores: 'local' is in-process transformers; 'vllm' uses vLLM servers.")
+    batch_size: int = setting(
+        64, "local: sequences per sampling or scoring forward of the training engines (memory vs speed).")
     student_urls: str = setting(
         "", "vllm: comma-separated URLs of running student servers (several serve one model); empty: selfopd launches one.")
     teacher_url: str = setting(
@@ -316,6 +278,7 @@ class EngineConfig(Section):
         self._at_least("request_timeout_s", 1)
         self._at_least("retries", 0)
         self._at_least("max_concurrency", 1)
+        self._at_least("batch_size", 1)
 
     def urls(self, name: str) -> list[str]:
         """The URLs in `student_urls` or `teacher_url`, without trailing slashes."""
@@ -363,141 +326,20 @@ class TrainConfig:
             )
 
 
+# Section name -> class, read off TrainConfig's fields: the one list of sections.
 SECTIONS: dict[str, type[Section]] = {
-    "run": RunConfig,
-    "model": ModelConfig,
-    "teacher": TeacherConfig,
-    "data": DataConfig,
-    "rollout": RolloutConfig,
-    "loss": LossConfig,
-    "optim": OptimConfig,
-    "eval": EvalConfig,
-    "probe": ProbeConfig,
-    "engine": EngineConfig,
+    f.name: typing.get_type_hints(TrainConfig)[f.name] for f in dataclasses.fields(TrainConfig)
 }
-
-_TYPES: dict[type, dict[str, Any]] = {}
-
-
-def field_types(cls: type) -> dict[str, Any]:
-    if cls not in _TYPES:
-        _TYPES[cls] = typing.get_type_hints(cls)
-    return _TYPES[cls]
-
-
-def _describe(tp: Any) -> str:
-    if typing.get_origin(tp) is Literal:
-        return "one of " + ", ".join(repr(v) for v in typing.get_args(tp))
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[tp]
-
-
-def _check_type(key: str, tp: Any, value: Any) -> Any:
-    """`value` if it has type `tp` (an int given for a float comes back as a float)."""
-    if typing.get_origin(tp) is Literal:
-        allowed = typing.get_args(tp)
-        if not isinstance(value, str) or value not in allowed:
-            fail(key, f"must be {_describe(tp)}, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            fail(key, f"expected a number, got {value!r}")
-        value = float(value)
-        if not math.isfinite(value):
-            fail(key, f"must be finite, got {value!r}")
-        return value
-    if (tp is int and isinstance(value, bool)) or not isinstance(value, tp):
-        fail(key, f"expected {_describe(tp)}, got {value!r}")
-    return value
-
-
-def _resolve(section: str, key: str | None = None) -> type[Section]:
-    """The section's class, failing on an unknown section or key with the allowed names."""
-    if section not in SECTIONS:
-        fail(f"[{section}]", f"unknown section{did_you_mean(section, SECTIONS)}; sections: {', '.join(SECTIONS)}")
-    cls = SECTIONS[section]
-    if key is not None:
-        check_key(section, cls, key)
-    return cls
-
-
-def check_key(section: str, cls: type, key: str) -> None:
-    """Fail on a key that is not a field of the section class `cls`, listing the keys."""
-    names = [f.name for f in dataclasses.fields(cls)]
-    if key not in names:
-        fail(f"{section}.{key}", f"unknown key{did_you_mean(key, names)}; keys of [{section}]: {', '.join(names)}")
-
-
-def did_you_mean(name: str, choices: Any) -> str:
-    close = difflib.get_close_matches(name, list(choices), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def parse_overrides(overrides: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """`["optim.lr=3e-6", "run.progress=false"]` -> `{"optim": {"lr": 3e-6}, "run": {"progress": False}}`.
-
-    The text after `=` is read as the field's type: int, float ("1e-6" and "3" both work),
-    bool ("true" / "false"), a Literal's allowed string, or a str taken verbatim (no quotes).
-    A key given twice keeps its last value, as on a command line. Range checks happen when
-    the config is built, not here.
-    """
-    parsed: dict[str, dict[str, Any]] = {}
-    for override in overrides:
-        path, eq, text = override.partition("=")
-        parts = path.strip().split(".")
-        if not eq or len(parts) != 2 or not all(parts):
-            raise ConfigError("", "expected section.key=value, e.g. --set optim.lr=3e-6", source=f"--set {override}")
-        section, key = parts
-        try:
-            tp = field_types(_resolve(section, key))[key]
-            parsed.setdefault(section, {})[key] = parse_value(f"{section}.{key}", tp, text)
-        except ConfigError as error:
-            raise ConfigError(error.key, error.message, source=f"--set {override}") from None
-    return parsed
-
-
-def parse_value(key: str, tp: Any, text: str) -> Any:
-    if tp is bool:
-        if text.strip().lower() not in ("true", "false"):
-            fail(key, f"expected true or false, got {text!r}")
-        return text.strip().lower() == "true"
-    if tp is int:
-        try:
-            return int(text)
-        except ValueError:
-            fail(key, f"expected an integer, got {text!r}")
-    if tp is float:
-        try:
-            number = float(text)
-        except ValueError:
-            fail(key, f"expected a number, got {text!r}")
-        return _check_type(key, float, number)  # rejects nan and inf
-    return _check_type(key, tp, text)  # str, or a Literal checked against its values
 
 
 def build_config(tables: dict[str, Any]) -> TrainConfig:
     """A TrainConfig from nested dicts as TOML gives them; missing sections and keys take defaults."""
-    sections = {}
-    for section, table in tables.items():
-        if not isinstance(table, dict):
-            hints = [f"{s}.{section}" for s, cls in SECTIONS.items() if section in {f.name for f in dataclasses.fields(cls)}]
-            hint = f" (did you mean {hints[0]!r}?)" if hints else ""
-            fail(section, f"a top-level key; every key belongs in a [section]{hint}")
-        cls = _resolve(section)
-        for key in table:
-            _resolve(section, key)
-        sections[section] = cls(**table)
-    return TrainConfig(**sections)
+    return TrainConfig(**build_sections(tables, SECTIONS))
 
 
-def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
-    """The tables of a TOML file; a missing file or bad syntax is a ConfigError naming it."""
-    try:
-        with open(path, "rb") as file:
-            return tomllib.load(file)
-    except FileNotFoundError:
-        raise ConfigError("", f"no such {what}", source=str(path)) from None
-    except tomllib.TOMLDecodeError as error:  # its message ends "(at line L, column C)"
-        raise ConfigError("", f"invalid TOML: {error}", source=str(path)) from None
+def parse_overrides(overrides: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """`--set` strings parsed against the training sections (see `selfopd.settings.parse_overrides`)."""
+    return settings.parse_overrides(overrides, SECTIONS)
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
@@ -506,17 +348,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Train
     A `--set` wins over the file. Errors name the file, or the `--set` when the bad value
     came from one.
     """
-    tables: dict[str, Any] = {} if path is None else read_toml(path)
-    for section, values in parse_overrides(overrides).items():
-        table = tables.setdefault(section, {})
-        if isinstance(table, dict):  # else build_config reports the file's top-level key
-            table.update(values)
-    set_by = {override.partition("=")[0].strip(): override for override in overrides}  # last wins
-    try:
-        return build_config(tables)
-    except ConfigError as error:
-        source = f"--set {set_by[error.key]}" if error.key in set_by else None if path is None else str(path)
-        raise ConfigError(error.key, error.message, source=source) from None
+    return load_document(path, overrides, SECTIONS, build_config)
 
 
 def config_to_dict(config: TrainConfig) -> dict[str, dict[str, Any]]:
@@ -530,27 +362,6 @@ def config_to_toml(config: TrainConfig) -> str:
     return "\n\n".join(tables) + "\n"
 
 
-def section_toml(name: str, values: Section) -> list[str]:
-    """The lines of one `[name]` table: every field, its help as a comment above it."""
-    lines = [f"[{name}]"]
-    for f in dataclasses.fields(values):
-        lines.append(f"# {f.metadata['help']}")
-        lines.append(f"{f.name} = {toml_value(getattr(values, f.name))}")
-    return lines
-
-
-def toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)  # repr round-trips floats exactly; validated floats are finite
-    escapes = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
-    out = []
-    for char in value:
-        if char in escapes:
-            out.append(escapes[char])
-        elif ord(char) < 0x20 or ord(char) == 0x7F:
-            out.append(f"\\u{ord(char):04x}")
-        else:
-            out.append(char)
-    return '"' + "".join(out) + '"'
+def flat_config(config: TrainConfig) -> dict[str, Any]:
+    """`{"section.key": value}` of every field (to compare two configs key by key)."""
+    return settings.flatten({f.name: getattr(config, f.name) for f in dataclasses.fields(config)})

@@ -19,13 +19,14 @@ from typing import Any, Iterator, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from selfopd.config import TrainConfig, config_to_toml
+from selfopd.config import ConfigError, TrainConfig, config_to_toml
 from selfopd.data import load_examples
 from selfopd.diagnostics.records import RolloutRecord, write_records
 from selfopd.engines.base import Engine, Rollout, SamplingParams
-from selfopd.engines.local import LocalEngine, eval_mode, pad_token_id
+from selfopd.engines.build import load_model, open_training_engines
+from selfopd.engines.local import eval_mode, pad_token_id
 from selfopd.evaluate import evaluate
-from selfopd.example import Example
+from selfopd.example import Example, prompt_key
 from selfopd.losses import (
     combined_advantage,
     full_vocab_divergence,
@@ -39,10 +40,8 @@ from selfopd.models import resolve_model
 from selfopd.scoring import completion_hidden, completion_logprobs, logprobs_from_hidden, pad_completions, tempered
 from selfopd.split import SplitRecord, split_examples
 from selfopd.templates import PromptTemplate, load_template, prompt_token_ids, render_student, render_teacher
-from selfopd.tokenizer_check import check_tokenizers_compatible
 from verifiers import verify_example
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PROBE_COMPLETION = "Let me think step by step. The answer is 42."
 
 
@@ -235,13 +234,11 @@ def distribution_divergence(run: Run, micro: Sequence[Scored], hidden_BCH: torch
             ids, logprobs = s.teacher_topk
             ids_BCK[row, : len(ids)], logprobs_BCK[row, : len(ids)] = ids, logprobs
         return topk_reverse_kl(hidden_BCH, head_VH, ids_BCK, logprobs_BCK, mask_BC)
-    teacher = run.teacher_engine.model  # in process: the config refuses full-vocabulary losses with vLLM
-    with torch.no_grad():
-        pairs = [(s.teacher_prompt, s.rollout.completion_ids) for s in micro]
-        teacher_hidden_BCH, _, _ = completion_hidden(teacher, pairs, run.pad_id)
-    return full_vocab_divergence(hidden_BCH, head_VH, mask_BC, teacher_hidden_BTH=tempered(teacher_hidden_BCH, run.temperature),
-                                 teacher_weight_VH=teacher.get_output_embeddings().weight,
-                                 divergence=cfg.divergence, beta=cfg.jsd_beta)
+    # In process only: the config refuses full-vocabulary losses with vLLM.
+    pairs = [(s.teacher_prompt, s.rollout.completion_ids) for s in micro]
+    teacher_hidden_BCH, teacher_head_VH = run.teacher_engine.completion_states(pairs, run.temperature)
+    return full_vocab_divergence(hidden_BCH, head_VH, mask_BC, teacher_hidden_BTH=teacher_hidden_BCH,
+                                 teacher_weight_VH=teacher_head_VH, divergence=cfg.divergence, beta=cfg.jsd_beta)
 
 
 def batch_for_step(examples: Sequence[Example], step: int, size: int, seed: int) -> list[Example]:
@@ -317,18 +314,16 @@ def build_run(config: TrainConfig, resume_from: Path | None = None) -> Run:
     if config.model.threads:
         torch.set_num_threads(config.model.threads)
     torch.manual_seed(config.run.seed)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run_dir = Path(config.run.out_dir) / config.run.name
     examples = load_examples(config.data.spec)
     train_examples, eval_examples = split_examples(examples, eval_size=config.data.eval_size, seed=config.data.split_seed)
     student_template = load_template(config.data.student_template)
     teacher_template = load_template(config.teacher.template)
+    if config.teacher.kind == "external":
+        check_external_teacher_split(config.teacher.model, eval_examples)
 
-    dtype = DTYPES[config.model.dtype]
-    student_dir = resolve_model(config.model.student)
-    model = AutoModelForCausalLM.from_pretrained(resume_from or student_dir, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(student_dir)
+    model, tokenizer = load_model(config.model.student, config.model.dtype, weights=resume_from)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.optim.lr, betas=(config.optim.beta1, config.optim.beta2),
         weight_decay=config.optim.weight_decay,
@@ -345,10 +340,7 @@ def build_run(config: TrainConfig, resume_from: Path | None = None) -> Run:
 
     resources = contextlib.ExitStack()
     try:
-        if config.engine.kind == "vllm":
-            student_engine, teacher_engine = _vllm_engines(config, tokenizer, run_dir, resources)
-        else:
-            student_engine, teacher_engine = _local_engines(config, model, tokenizer, student_dir, dtype)
+        student_engine, teacher_engine = open_training_engines(config, model, tokenizer, run_dir, resources)
         run = Run(config, run_dir, model, tokenizer, optimizer, scheduler, student_engine, teacher_engine,
                   student_template, teacher_template, train_examples, eval_examples, probe, step, resources)
         if config.engine.kind == "vllm":
@@ -357,7 +349,7 @@ def build_run(config: TrainConfig, resume_from: Path | None = None) -> Run:
             sync_weights(run)
             check_probe(run)
         if config.teacher.kind == "frozen":
-            initial = model if resume_from is None else AutoModelForCausalLM.from_pretrained(student_dir, dtype=dtype)
+            initial = model if resume_from is None else load_model(config.model.student, config.model.dtype)[0]
             check_frozen_teacher(run, probe_logprobs(initial, probe, run.pad_id))
     except BaseException:
         resources.close()
@@ -365,40 +357,17 @@ def build_run(config: TrainConfig, resume_from: Path | None = None) -> Run:
     return run
 
 
-def _local_engines(config: TrainConfig, model: Any, tokenizer: Any, student_dir: Path,
-                   dtype: torch.dtype) -> tuple[Engine, Engine]:
-    from transformers import AutoModelForCausalLM
+def check_external_teacher_split(teacher: str, eval_examples: Sequence[Example]) -> None:
+    """An external teacher made by `selfopd sft` must not have trained on this run's held-out
+    prompts (it records what it trained on); other teachers cannot be checked."""
+    from selfopd.sft import teacher_trained_prompts
 
-    student_engine = LocalEngine(model, tokenizer, batch_size=config.eval.batch_size)
-    if config.teacher.kind == "self":
-        return student_engine, student_engine  # same live module, privileged prompt
-    if config.teacher.kind == "frozen":
-        frozen = AutoModelForCausalLM.from_pretrained(student_dir, dtype=dtype).eval().requires_grad_(False)
-        return student_engine, LocalEngine(frozen, tokenizer, batch_size=config.eval.batch_size)
-    teacher_dir, teacher_tokenizer = _checked_external_teacher(config, tokenizer)
-    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=dtype).eval().requires_grad_(False)
-    return student_engine, LocalEngine(teacher, teacher_tokenizer, batch_size=config.eval.batch_size)
-
-
-def _vllm_engines(config: TrainConfig, tokenizer: Any, run_dir: Path,
-                  resources: contextlib.ExitStack) -> tuple[Engine, Engine]:
-    from selfopd.serving import open_vllm_engines
-
-    if config.teacher.kind == "external":  # checked before any server starts
-        _checked_external_teacher(config, tokenizer)
-    return open_vllm_engines(config, run_dir / "logs", resources, progress=config.run.progress)
-
-
-def _checked_external_teacher(config: TrainConfig, tokenizer: Any) -> tuple[Path, Any]:
-    """(folder, tokenizer) of the external teacher, refused (TokenizerMismatch) unless it
-    maps every token to the student's ids; checked before its weights load."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    teacher_dir = resolve_model(config.teacher.model)
-    teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
-    check_tokenizers_compatible(tokenizer, teacher_tokenizer, AutoConfig.from_pretrained(teacher_dir).vocab_size,
-                                config.model.student, config.teacher.model)
-    return teacher_dir, teacher_tokenizer
+    trained = teacher_trained_prompts(resolve_model(teacher))
+    shared = [e for e in eval_examples if trained and prompt_key(e.prompt) in trained]
+    if shared:
+        raise ConfigError("teacher.model", f"{teacher} was fine-tuned (selfopd sft) on {len(shared)} of this run's "
+                          f"{len(eval_examples)} held-out prompts (e.g. {shared[0].prompt!r}): train the teacher with "
+                          "this run's data, data.eval_size and data.split_seed")
 
 
 def train(config: TrainConfig, resume: bool = False, initial_eval: Path | None = None) -> Path:

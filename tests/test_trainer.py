@@ -224,3 +224,29 @@ def test_tempered_sampling_with_vllm_is_refused():
 
     with pytest.raises(ConfigError, match="rollout.temperature: must be 1 with engine.kind = 'vllm', got 0.7"):
         load_config(None, ["rollout.temperature=0.7", "engine.kind=vllm"])
+
+
+def test_an_sft_teacher_that_trained_on_the_runs_held_out_prompts_is_refused(tmp_path, tiny_model_dir):
+    """Wherever the teacher was made: its model folder records its training prompts, and a run
+    refuses it before any model loads when they include the run's held-out prompts."""
+    import shutil
+
+    from selfopd.config import ConfigError
+    from selfopd.example import prompt_key
+    from selfopd.sft import MARKER
+    from selfopd.split import load_split
+
+    config = _config(tmp_path, tiny_model_dir, "run.name=leaky-teacher")
+    train, held_out = load_split(config.data.spec, config.data.eval_size, config.data.split_seed)
+    teacher = tmp_path / "teacher"
+    shutil.copytree(tiny_model_dir, teacher)
+    trained = [prompt_key(e.prompt) for e in train[:5] + held_out[:2]]  # two held-out prompts leaked
+    (teacher / MARKER).write_text(json.dumps({"settings": {}, "summary": {}, "trained_prompts": trained}))
+    external = ["teacher.kind=external", f"teacher.model={teacher}"]
+    with pytest.raises(ConfigError, match=r"teacher.model: .* was fine-tuned \(selfopd sft\) on 2 of this run's 4 "
+                                          r"held-out prompts"):
+        build_run(_config(tmp_path, tiny_model_dir, "run.name=leaky-teacher", *external))
+    # Trained on training prompts only: accepted.
+    (teacher / MARKER).write_text(json.dumps({"settings": {}, "summary": {}, "trained_prompts": trained[:5]}))
+    run = build_run(_config(tmp_path, tiny_model_dir, "run.name=clean-teacher", *external))
+    run.close()

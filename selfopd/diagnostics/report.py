@@ -137,7 +137,9 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
     decompositions = {f"step {step}": decompose(annotated[step]) for step in sorted({first, last})}
     model_part = None
     if with_model:
-        student_engine, teacher_engine = _engines_at_start(config)
+        from selfopd.engines.build import engines_at_start
+
+        student_engine, teacher_engine = engines_at_start(config)
         model_part = diagnose_template(teacher_engine, by_step[first], prompting, eval_examples[:gap_items],
                                        config.eval.max_tokens, student_engine, config.eval.batch_size, progress)
     return RunDiagnosis(
@@ -179,24 +181,6 @@ def _read_metrics(run_dir: Path) -> list[dict]:
 
 def _illusion_json(score: IllusionScore) -> dict[str, Any]:
     return {**as_jsonable(score), "lift": as_jsonable(score.lift), "warning": score.warning}
-
-
-def _engines_at_start(config: Any) -> tuple[Engine, Engine]:
-    """In-process (student, teacher) engines with the run's starting weights; one engine
-    twice when the teacher is the student's weights (`self`, `frozen`)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from selfopd.engines.local import LocalEngine
-    from selfopd.models import resolve_model
-
-    def load(spec: str) -> LocalEngine:
-        folder = resolve_model(spec)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().requires_grad_(False)
-        return LocalEngine(model, AutoTokenizer.from_pretrained(folder), batch_size=config.eval.batch_size)
-
-    student = load(config.model.student)
-    return student, load(config.teacher.model) if config.teacher.kind == "external" else student
 
 
 def _write_figures(diagnosis: RunDiagnosis, out: Path, heatmaps: int) -> dict[str, str]:

@@ -68,6 +68,10 @@ class TokenScores:
 class Engine(Protocol):
     """What the trainer needs from a model server, local or remote."""
 
+    # True when `completion_states` gives the full next-token distributions (in process);
+    # a server returns only the top-k logprobs it is asked for.
+    supports_full_vocabulary: bool
+
     def sample(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[list[Rollout]]:
         """`params.n` rollouts per prompt, in prompt order."""
         ...
@@ -82,6 +86,13 @@ class Engine(Protocol):
         """One sequence scored by every replica behind this engine (each server of a vLLM
         engine; the one model in process), named: a weight sync or a frozen teacher is
         checked on every copy that serves, not on whichever one `score` picks."""
+        ...
+
+    def completion_states(self, sequences: Sequence[tuple[list[int], list[int]]],
+                          temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tempered final hidden states (B, C, H), output head (V, H)) at the completion
+        positions: every next-token distribution, for the full-vocabulary losses. Only
+        engines with `supports_full_vocabulary`."""
         ...
 
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:

@@ -64,6 +64,19 @@ class LocalEngine:
                 )
         return scores
 
+    @torch.no_grad()
+    def completion_states(self, sequences: Sequence[tuple[list[int], list[int]]],
+                          temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every next-token distribution over the completion positions, without the (B, C, V)
+        logits: the tempered final hidden states (B, C, H) and the output head (V, H), padded
+        like `selfopd.scoring.completion_hidden`. What the full-vocabulary losses need from a
+        teacher; only an in-process engine has it (`supports_full_vocabulary`)."""
+        with eval_mode(self.model):
+            hidden_BCH, _, _ = completion_hidden(self.model, sequences, self.pad_id)
+        return tempered(hidden_BCH, temperature), self.model.get_output_embeddings().weight
+
+    supports_full_vocabulary = True
+
     def score_replicas(self, sequence: tuple[list[int], list[int]]) -> list[tuple[str, TokenScores]]:
         return [("in-process model", self.score([sequence])[0])]
 

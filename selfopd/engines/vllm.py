@@ -60,6 +60,13 @@ class VLLMEngine:
                          for url in self.urls]
 
     # --- sampling -----------------------------------------------------------------------
+    supports_full_vocabulary = False
+
+    def completion_states(self, sequences: Sequence[tuple[list[int], list[int]]],
+                          temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError(f"{self.urls[0]}: a vLLM server returns top-k logprobs, not full next-token "
+                                  "distributions; use loss.divergence = 'sampled' or 'topk_reverse_kl'")
+
     def sample(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[list[Rollout]]:
         for index, prompt in enumerate(prompts):
             if len(prompt) + params.max_tokens > self.max_model_len:

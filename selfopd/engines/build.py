@@ -1,0 +1,88 @@
+"""The one place that turns a config into models and engines.
+
+Every command that needs a model asks here: `selfopd train` (the trainable student and the
+engines that sample and score for it), `selfopd eval`, `selfopd diagnose` and `selfopd sft`
+(a frozen model behind an in-process engine). Which engine kind (`engine.kind`: in-process
+or vLLM servers, launched or given by URL) and which teacher (`teacher.kind`: the live
+student, a frozen copy of it, an external model) are decided here and nowhere else, so a
+new engine kind or device is added in one module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from selfopd.config import TrainConfig
+from selfopd.engines.base import Engine
+from selfopd.engines.local import LocalEngine
+from selfopd.models import resolve_model
+from selfopd.tokenizer_check import check_tokenizers_compatible
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def load_model(spec: str | Path, dtype: str = "float32", *, weights: Path | None = None,
+               frozen: bool = False) -> tuple[Any, Any]:
+    """(model, tokenizer) of a packaged name, folder or hub id; `weights`: load the weights from
+    that folder instead (a checkpoint of this model). `frozen`: eval mode, no gradients."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = resolve_model(spec)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(weights or folder, dtype=DTYPES[dtype])
+    if frozen:
+        model.eval().requires_grad_(False)
+    return model, tokenizer
+
+
+def frozen_engine(spec: str | Path, config: TrainConfig) -> LocalEngine:
+    """An in-process engine over a frozen model (evaluation, diagnostics, SFT sampling)."""
+    model, tokenizer = load_model(spec, config.model.dtype, frozen=True)
+    return LocalEngine(model, tokenizer, batch_size=config.eval.batch_size)
+
+
+def engines_at_start(config: TrainConfig) -> tuple[Engine, Engine]:
+    """In-process (student, teacher) engines with a run's starting weights; one engine twice
+    when the teacher is the student's weights (`self`, `frozen`)."""
+    student = frozen_engine(config.model.student, config)
+    return student, frozen_engine(config.teacher.model, config) if config.teacher.kind == "external" else student
+
+
+def checked_external_teacher(config: TrainConfig, tokenizer: Any) -> tuple[Path, Any]:
+    """(folder, tokenizer) of the external teacher, refused (TokenizerMismatch) unless it
+    maps every token to the student's ids; checked before its weights load."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    teacher_dir = resolve_model(config.teacher.model)
+    teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
+    check_tokenizers_compatible(tokenizer, teacher_tokenizer, AutoConfig.from_pretrained(teacher_dir).vocab_size,
+                                config.model.student, config.teacher.model)
+    return teacher_dir, teacher_tokenizer
+
+
+def open_training_engines(config: TrainConfig, model: Any, tokenizer: Any, run_dir: Path,
+                          resources: contextlib.ExitStack) -> tuple[Engine, Engine]:
+    """(student engine, teacher engine) for a training run whose trainable student is `model`.
+
+    In process, the student engine wraps `model` itself (a `self` teacher is the same engine
+    with another prompt). With vLLM, launched servers are stopped when `resources` closes."""
+    if config.engine.kind == "vllm":
+        from selfopd.serving import open_vllm_engines
+
+        if config.teacher.kind == "external":  # checked before any server starts
+            checked_external_teacher(config, tokenizer)
+        return open_vllm_engines(config, run_dir / "logs", resources, progress=config.run.progress)
+    batch_size = config.engine.batch_size
+    student = LocalEngine(model, tokenizer, batch_size=batch_size)
+    if config.teacher.kind == "self":
+        return student, student
+    if config.teacher.kind == "frozen":
+        frozen, _ = load_model(config.model.student, config.model.dtype, frozen=True)
+        return student, LocalEngine(frozen, tokenizer, batch_size=batch_size)
+    teacher_dir, teacher_tokenizer = checked_external_teacher(config, tokenizer)
+    teacher, _ = load_model(teacher_dir, config.model.dtype, frozen=True)
+    return student, LocalEngine(teacher, teacher_tokenizer, batch_size=batch_size)
