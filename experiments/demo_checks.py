@@ -27,6 +27,7 @@ from selfopd.data import load_examples, parse_data_spec
 from selfopd.engines.local import LocalEngine
 from selfopd.evaluate import evaluate, outcomes_by_prompt
 from selfopd.models import resolve_model
+from selfopd.run_folder import RunFolder
 from selfopd.split import SplitRecord, load_split
 from selfopd.stats import paired_change, prompt_accuracy
 from selfopd.templates import load_template
@@ -43,7 +44,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "demo_checks.json")
     args = parser.parse_args()
 
-    config = load_config(args.run_dir / "config.toml")
+    config = load_config(RunFolder(args.run_dir).config)
     record = SplitRecord.read(args.run_dir)
     _, held_out = load_split(config.data.spec, config.data.eval_size, config.data.split_seed)
     fresh_spec = dataclasses.replace(parse_data_spec(config.data.spec), size=args.fresh)

@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 from typing import Callable, Sequence
 
+from selfopd.run_folder import RunFolder
 from selfopd.config import DataConfig, ModelConfig
 
 # The defaults of every command are the training config's, so `selfopd eval` and
@@ -249,7 +250,7 @@ def _eval(args: argparse.Namespace) -> None:
         raise UserError("give either a CONFIG or --run RUN_DIR (whose config is used), not both")
     if args.fresh and (args.run_dir is None or args.data is None):
         raise UserError("--fresh needs --run RUN_DIR and --data SPEC: it draws SPEC past the run's prompts")
-    config = load_config(args.run_dir / "config.toml" if args.run_dir else args.config, args.overrides)
+    config = load_config(RunFolder(args.run_dir).config if args.run_dir else args.config, args.overrides)
     template = load_template(config.data.student_template)
     record = SplitRecord.read(args.run_dir) if args.run_dir else None
     model = args.model or (latest_checkpoint(args.run_dir) if args.run_dir else None) or config.model.student
@@ -299,7 +300,7 @@ def _train(args: argparse.Namespace) -> None:
     if args.resume is not None:
         if args.config is not None:
             raise UserError("give either a CONFIG or --resume RUN_DIR, not both")
-        config = load_config(args.resume / "config.toml", args.overrides)
+        config = load_config(RunFolder(args.resume).config, args.overrides)
     elif args.config is None and not args.show_config:
         raise UserError("give a CONFIG file (e.g. experiments/demo.toml) or --resume RUN_DIR")
     else:
@@ -403,7 +404,7 @@ def _diagnose(args: argparse.Namespace) -> None:
     if args.gap_items < 0 or args.heatmaps < 0:
         raise UserError("--gap-items and --heatmaps must be >= 0")
     diagnosis = measure_run(args.run_dir, with_model=not args.no_model, gap_items=args.gap_items, progress=True)
-    report = write_report(diagnosis, args.run_dir / "diagnostics", args.heatmaps)
+    report = write_report(diagnosis, RunFolder(args.run_dir).diagnostics, args.heatmaps)
     for step in sorted({diagnosis.first, diagnosis.last}):
         score = diagnosis.illusion[step]
         flag = "  WARNING" if score.warning else ""
@@ -470,7 +471,7 @@ def _is_user_error(error: Exception) -> bool:
     from selfopd.tokenizer_check import TokenizerMismatch
 
     from selfopd.engines.vllm_server import ServerError
-    from selfopd.trainer import WeightSyncError
+    from selfopd.weight_checks import WeightSyncError
 
     user_errors = (UserError, ConfigError, DataError, ModelError, TemplateError, TokenizerMismatch, WeightSyncError,
                    ServerError, DiagnosticsError, FileNotFoundError, FileExistsError)

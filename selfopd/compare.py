@@ -33,12 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Sequence
 
+from selfopd.run_folder import RunFolder
 from selfopd.config import ConfigError, TrainConfig, flat_config, load_config
 from selfopd.settings import Section, build_sections, check_key, read_toml, setting
 
 ARM_SECTIONS = ("teacher", "loss", "optim")  # what arms may change; everything else is shared
 SFT_PLACEHOLDER = "{sft}"
-FINISHED = "finished.json"
 
 
 @dataclass(frozen=True)
@@ -246,7 +246,7 @@ def run_compare(compare: CompareConfig, progress: bool = True) -> None:
     for index, (name, seed) in enumerate(compare.runs(), start=1):
         config, run_dir, arm = configs[name, seed], compare.arm_dir(name, seed), arms[name]
         header = f"[{index}/{len(configs)}] arm {name}, seed {seed}"
-        if (run_dir / FINISHED).is_file():
+        if RunFolder(run_dir).finished.is_file():
             _check_unchanged(run_dir, config, name)
             print(f"{header}: finished earlier, not rerun")
             continue
@@ -262,7 +262,7 @@ def run_compare(compare: CompareConfig, progress: bool = True) -> None:
         started = time.perf_counter()
         train(config, resume=resume, initial_eval=None if resume else base_eval(compare, exclude=run_dir))
         seconds = time.perf_counter() - started
-        (run_dir / FINISHED).write_text(json.dumps({"arm": name, "seed": seed, "wall_seconds_last_session": seconds},
+        RunFolder(run_dir).finished.write_text(json.dumps({"arm": name, "seed": seed, "wall_seconds_last_session": seconds},
                                                    indent=2) + "\n")
         _note(compare, f"{name} seed {seed}", seconds)
 
@@ -271,7 +271,7 @@ def base_eval(compare: CompareConfig, exclude: Path) -> Path | None:
     """The step-0 eval of a run already made (all arms and seeds start from the same weights)."""
     for name, seed in compare.runs():
         run_dir = compare.arm_dir(name, seed)
-        folder = run_dir / "eval" / "step_00000"
+        folder = RunFolder(run_dir).eval_dir(0)
         if run_dir != exclude and (folder / "summary.json").is_file():
             return folder
     return None
@@ -279,12 +279,12 @@ def base_eval(compare: CompareConfig, exclude: Path) -> Path | None:
 
 def _check_unchanged(run_dir: Path, config: TrainConfig, name: str) -> None:
     """A finished or resumed arm must have run with the config it would get now."""
-    now, then = flat_config(config), flat_config(load_config(run_dir / "config.toml"))
+    now, then = flat_config(config), flat_config(load_config(RunFolder(run_dir).config))
     changed = [key for key in now if now[key] != then[key] and key != "run.progress"]
     if changed:
         key = changed[0]
         raise ConfigError(key, f"arm {name} ran with {then[key]!r}, the comparison now says {now[key]!r}: "
-                          f"delete {run_dir} to rerun it", source=str(run_dir / "config.toml"))
+                          f"delete {run_dir} to rerun it", source=str(RunFolder(run_dir).config))
 
 
 def _note(compare: CompareConfig, what: str, seconds: float) -> None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import matplotlib
 import numpy as np
 
+from selfopd.run_folder import RunFolder
 from selfopd.config import load_config
 from selfopd.diagnostics.measures import correct_preference
 from selfopd.diagnostics.records import read_run_rollouts
@@ -105,10 +106,10 @@ class ArmResult:
 
 def measure_seed_run(run_dir: Path, seed: int) -> SeedRun | None:
     """What a run folder shows; None when it has no eval after step 0 yet."""
-    if not (run_dir / "metrics.jsonl").is_file():
+    if not RunFolder(run_dir).metrics.is_file():
         return None
-    config = load_config(run_dir / "config.toml")
-    metrics = read_metrics(run_dir / "metrics.jsonl")
+    config = load_config(RunFolder(run_dir).config)
+    metrics = read_metrics(RunFolder(run_dir).metrics)
     steps = [m for m in metrics if "time/step" in m]
     curve, tokens, seconds = [], 0, 0.0
     for m in metrics:  # in log order: a step's row comes before that step's eval
@@ -132,7 +133,7 @@ def measure_arm(compare: CompareConfig, name: str, description: str = "") -> Arm
     runs = [run for run in (measure_seed_run(compare.arm_dir(name, seed), seed) for seed in compare.seeds) if run]
     if not runs:
         return None
-    config = load_config(compare.arm_dir(name, runs[0].seed) / "config.toml")
+    config = load_config(RunFolder(compare.arm_dir(name, runs[0].seed)).config)
     teacher = config.teacher.kind + (f" {config.teacher.model}" if config.teacher.model else "") + f", {config.teacher.template}"
     if config.loss.lambda_opd == 0:
         teacher = f"none (KL column: {teacher})"
@@ -165,7 +166,7 @@ def _teacher_preference(run_dirs: list[Path]) -> MeanEstimate | None:
 
 def eval_outcomes(run_dir: Path, step: int) -> dict[str, list[bool]]:
     """Prompt key -> outcomes, for one eval of a run."""
-    return read_eval_outcomes(run_dir / "eval" / f"step_{step:05d}")
+    return read_eval_outcomes(RunFolder(run_dir).eval_dir(step))
 
 
 def measure_comparison(compare: CompareConfig) -> list[ArmResult]:

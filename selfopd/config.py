@@ -42,6 +42,8 @@ Schedule = Literal["constant", "cosine", "linear"]
 EngineKind = Literal["local", "vllm"]
 WeightSyncKind = Literal["auto", "file", "nccl"]
 Switch = Literal["auto", "on", "off"]
+Tracker = Literal["tensorboard", "wandb"]
+WandbMode = Literal["offline", "online"]
 Divergence = Literal["sampled", "topk_reverse_kl", "reverse_kl", "forward_kl", "jsd"]
 FULL_VOCABULARY = ("reverse_kl", "forward_kl", "jsd")  # divergences that need the teacher in process
 # The demo's task (experiments/demo.toml, tested): the default data of every command, so that
@@ -63,6 +65,10 @@ class RunConfig(Section):
         32, "Rollouts kept per step under OUT_DIR/NAME/rollouts/ for `selfopd diagnose` and notebooks (0: none)."
     )
     progress: bool = setting(True, "Show a progress bar.")
+    trackers: tuple[Tracker, ...] = setting(
+        (), "Where metrics go besides RUN/metrics.jsonl: 'tensorboard' (RUN/tensorboard/), 'wandb' (RUN/wandb/).")
+    wandb_project: str = setting("selfopd", "wandb: the W&B project of the run.")
+    wandb_mode: WandbMode = setting("offline", "wandb: 'offline' (no network; `wandb sync` later) or 'online'.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -75,6 +81,8 @@ class RunConfig(Section):
         self._at_least("eval_every", 0)
         self._at_least("checkpoint_every", 0)
         self._at_least("rollouts_to_save", 0)
+        if len(set(self.trackers)) != len(self.trackers):
+            fail(self._key("trackers"), f"names a tracker twice: {list(self.trackers)}")
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Literal, Sequence
 
+from selfopd.run_folder import RunFolder
 from selfopd.data import DataError, check_unique_ids
 from selfopd.example import Example, prompt_key
 
-SPLIT_FILE = "split.json"
 
 
 def distinct_prompts(examples: Iterable[Example]) -> int:
@@ -87,7 +87,7 @@ class SplitRecord:
                    sorted({prompt_key(e.prompt) for e in train}))
 
     def write(self, run_dir: Path) -> Path:
-        path = Path(run_dir) / SPLIT_FILE
+        path = RunFolder(run_dir).split
         staging = path.with_suffix(".partial")
         staging.write_text(json.dumps(asdict(self)) + "\n")
         staging.replace(path)
@@ -95,7 +95,7 @@ class SplitRecord:
 
     @classmethod
     def read(cls, run_dir: Path) -> SplitRecord:
-        path = Path(run_dir) / SPLIT_FILE
+        path = RunFolder(run_dir).split
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no split record (runs record their held-out prompts when they start)")
         return cls(**json.loads(path.read_text()))

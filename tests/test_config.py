@@ -24,7 +24,8 @@ from selfopd.config import (
 
 # The defaults as the design states them; a changed default must change this table too.
 EXPECTED_DEFAULTS = {
-    "run": dict(name="run", out_dir="runs", seed=0, steps=20, eval_every=10, checkpoint_every=0, rollouts_to_save=32, progress=True),
+    "run": dict(name="run", out_dir="runs", seed=0, steps=20, eval_every=10, checkpoint_every=0, rollouts_to_save=32, progress=True,
+                trackers=(), wandb_project="selfopd", wandb_mode="offline"),
     "model": dict(student="smollm2-135m-instruct", dtype="float32", threads=0),
     "teacher": dict(kind="self", model="", template="teacher/reference_answer"),
     "data": dict(
@@ -96,7 +97,8 @@ def test_round_trip_of_defaults(tmp_path):
 
 def test_round_trip_of_every_field_changed(tmp_path):
     config = TrainConfig(
-        run=RunConfig(name='odd "name" é\x7f\tend', out_dir="C:\\out\ndir", seed=7, steps=5, eval_every=0, checkpoint_every=2, rollouts_to_save=0, progress=False),
+        run=RunConfig(name='odd "name" é\x7f\tend', out_dir="C:\\out\ndir", seed=7, steps=5, eval_every=0, checkpoint_every=2, rollouts_to_save=0, progress=False,
+                      trackers=("wandb", "tensorboard"), wandb_project="p", wandb_mode="online"),
         model=dataclasses.replace(TrainConfig().model, student="/models/x", dtype="bfloat16", threads=3),
         teacher=dataclasses.replace(TrainConfig().teacher, kind="external", model="org/teacher", template="teacher/hints"),
         data=dataclasses.replace(TrainConfig().data, spec="champ?concepts=true", student_template="student/boxed", eval_size=10, split_seed=3),
@@ -256,8 +258,17 @@ def literal_fields():
 def test_the_expected_fields_are_literals():
     assert {(s, k) for s, k, _ in literal_fields()} == {
         ("model", "dtype"), ("teacher", "kind"), ("loss", "normalisation"), ("loss", "divergence"), ("optim", "schedule"),
-        ("engine", "kind"), ("engine", "weight_sync"), ("engine", "compile"),
+        ("engine", "kind"), ("engine", "weight_sync"), ("engine", "compile"), ("run", "wandb_mode"),
     }
+
+
+def test_list_fields_parse_from_toml_and_set():
+    assert load_config(None, ["run.trackers=tensorboard,wandb"]).run.trackers == ("tensorboard", "wandb")
+    assert load_config(None, ["run.trackers="]).run.trackers == ()
+    with pytest.raises(ConfigError, match=r"^--set run.trackers=mlflow: run.trackers: must be one of 'tensorboard'"):
+        load_config(None, ["run.trackers=mlflow"])
+    with pytest.raises(ConfigError, match=r"run.trackers: names a tracker twice"):
+        load_config(None, ["run.trackers=wandb,wandb"])
 
 
 @pytest.mark.parametrize("section, key, allowed", list(literal_fields()), ids=lambda v: str(v))

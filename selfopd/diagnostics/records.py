@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from selfopd.run_folder import RunFolder
+
 
 class DiagnosticsError(ValueError):
     """Saved rollouts that cannot be read or matched to the run's data; names the file or item."""
@@ -85,7 +87,7 @@ def read_records(path: Path) -> list[RolloutRecord]:
 
 def read_run_rollouts(run_dir: Path, steps: Sequence[int] | None = None) -> dict[int, list[RolloutRecord]]:
     """{step: records} of every saved step of a run (or only `steps`), in step order."""
-    folder = Path(run_dir) / "rollouts"
+    folder = RunFolder(run_dir).rollouts
     files = sorted(folder.glob("step_*.jsonl"))
     if not files:
         raise FileNotFoundError(f"{folder}: no saved rollouts (the run needs run.rollouts_to_save > 0)")

@@ -36,6 +36,7 @@ from selfopd.diagnostics.measures import (
 from selfopd.diagnostics.records import RolloutRecord, read_run_rollouts
 from selfopd.engines.base import Engine
 from selfopd.example import Example
+from selfopd.run_folder import RunFolder
 from selfopd.stats import MeanEstimate
 
 CLASS_NOTES = {
@@ -121,9 +122,9 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
     from selfopd.run_summary import summarize_run
     from selfopd.templates import load_template
 
-    if not (run_dir / "config.toml").is_file():
+    if not RunFolder(run_dir).is_run():
         raise FileNotFoundError(f"{run_dir}: not a run folder (no config.toml)")
-    config = load_config(run_dir / "config.toml")
+    config = load_config(RunFolder(run_dir).config)
     by_step = read_run_rollouts(run_dir)
     examples = load_examples(config.data.spec)
     _, eval_examples = split_examples(examples, eval_size=config.data.eval_size, seed=config.data.split_seed)
@@ -175,7 +176,7 @@ def write_report(diagnosis: RunDiagnosis, out: Path, heatmaps: int = 4) -> Path:
 def _read_metrics(run_dir: Path) -> list[dict]:
     from selfopd.plots import read_metrics
 
-    path = run_dir / "metrics.jsonl"
+    path = RunFolder(run_dir).metrics
     return read_metrics(path) if path.is_file() else []
 
 

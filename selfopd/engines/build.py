@@ -64,18 +64,19 @@ def checked_external_teacher(config: TrainConfig, tokenizer: Any) -> tuple[Path,
     return teacher_dir, teacher_tokenizer
 
 
-def open_training_engines(config: TrainConfig, model: Any, tokenizer: Any, run_dir: Path,
+def open_training_engines(config: TrainConfig, model: Any, tokenizer: Any, log_dir: Path,
                           resources: contextlib.ExitStack) -> tuple[Engine, Engine]:
     """(student engine, teacher engine) for a training run whose trainable student is `model`.
 
     In process, the student engine wraps `model` itself (a `self` teacher is the same engine
-    with another prompt). With vLLM, launched servers are stopped when `resources` closes."""
+    with another prompt). With vLLM, launched servers log to `log_dir` and are stopped when
+    `resources` closes."""
     if config.engine.kind == "vllm":
         from selfopd.serving import open_vllm_engines
 
         if config.teacher.kind == "external":  # checked before any server starts
             checked_external_teacher(config, tokenizer)
-        return open_vllm_engines(config, run_dir / "logs", resources, progress=config.run.progress)
+        return open_vllm_engines(config, log_dir, resources, progress=config.run.progress)
     batch_size = config.engine.batch_size
     student = LocalEngine(model, tokenizer, batch_size=batch_size)
     if config.teacher.kind == "self":

@@ -1,0 +1,107 @@
+"""Where everything of a training run lives: the one definition of the run-folder layout.
+
+    RUN/config.toml                  the full config (loads to the run's TrainConfig)
+    RUN/split.json                   held-out prompt ids and keys, every training prompt's key
+    RUN/metrics.jsonl                one JSON line per step and per eval
+    RUN/eval/step_NNNNN/             eval.jsonl (per prompt) and summary.json
+    RUN/rollouts/step_NNNNN.jsonl    saved rollouts with per-token logprobs
+    RUN/checkpoints/step_NNNNN/      HF weights + tokenizer + trainer_state.pt
+    RUN/plots/  RUN/diagnostics/  RUN/logs/ (launched servers)  RUN/tensorboard/ RUN/wandb/
+    RUN/finished.json                written by `selfopd compare` when the run is done
+
+Every module asks here for a path instead of spelling it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    @classmethod
+    def of(cls, out_dir: str | Path, name: str) -> RunFolder:
+        return cls(Path(out_dir) / name)
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.toml"
+
+    @property
+    def split(self) -> Path:
+        return self.root / "split.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def evals(self) -> Path:
+        return self.root / "eval"
+
+    def eval_dir(self, step: int) -> Path:
+        return self.evals / f"step_{step:05d}"
+
+    def eval_steps(self) -> list[int]:
+        """Steps with a finished eval (its eval.jsonl written), in order."""
+        return sorted(int(path.parent.name.removeprefix("step_")) for path in self.evals.glob("step_*/eval.jsonl"))
+
+    @property
+    def rollouts(self) -> Path:
+        return self.root / "rollouts"
+
+    def rollouts_file(self, step: int) -> Path:
+        return self.rollouts / f"step_{step:05d}.jsonl"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints / f"step_{step:05d}"
+
+    def checkpoint_staging(self, step: int) -> Path:
+        """Where a checkpoint is written before it is renamed into place (never read)."""
+        return self.checkpoints / f".step_{step:05d}.partial"
+
+    def latest_checkpoint(self) -> Path | None:
+        """The newest complete checkpoint (staging folders never match)."""
+        found = sorted(self.checkpoints.glob("step_*"))
+        return found[-1] if found else None
+
+    @staticmethod
+    def trainer_state(checkpoint: Path) -> Path:
+        return Path(checkpoint) / "trainer_state.pt"
+
+    @property
+    def plots(self) -> Path:
+        return self.root / "plots"
+
+    @property
+    def diagnostics(self) -> Path:
+        return self.root / "diagnostics"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    @property
+    def wandb(self) -> Path:
+        return self.root / "wandb"
+
+    @property
+    def finished(self) -> Path:
+        return self.root / "finished.json"
+
+    def is_run(self) -> bool:
+        return self.config.is_file()

@@ -1,0 +1,100 @@
+"""What a training run writes besides its metrics: held-out evals, checkpoints, saved
+rollouts and the training-curve plots, at the paths `selfopd.run_folder` defines."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from selfopd.diagnostics.records import RolloutRecord, write_records
+from selfopd.evaluate import evaluate
+from selfopd.run_folder import RunFolder
+from selfopd.run_state import Run, Scored
+
+
+def run_eval(run: Run) -> dict[str, float]:
+    """Greedy held-out accuracy of the current student, with its 95% interval."""
+    cfg = run.config
+    out_dir = run.folder.eval_dir(run.step)
+    evaluate(run.student_engine, run.tokenizer, run.eval_examples, run.student_template,
+             cfg.eval.max_tokens, cfg.eval.batch_size, out_dir=out_dir, progress=cfg.run.progress)
+    return eval_metrics(run.step, out_dir)
+
+
+def eval_metrics(step: int, eval_dir: Path) -> dict[str, float]:
+    """The metrics.jsonl row of one eval folder, read from its summary.json, so that a
+    fresh eval and a reused one log exactly the same fields."""
+    summary = json.loads((eval_dir / "summary.json").read_text())
+    return {
+        "step": step,
+        "eval/accuracy": summary["accuracy"],
+        "eval/ci_low": summary["ci95"][0],
+        "eval/ci_high": summary["ci95"][1],
+        "eval/n": summary["n"],
+        "eval/length_mean": summary["mean_completion_tokens"],
+    }
+
+
+def reuse_eval(run: Run, source: Path) -> dict[str, float]:
+    """Copy an existing eval of the current weights in as this step's eval; its metrics.
+
+    Refused unless it covers exactly this run's held-out ids: a stale or foreign eval
+    would silently shift every paired comparison against it."""
+    ids = {json.loads(line)["id"] for line in (source / "eval.jsonl").read_text().splitlines()}
+    expected = {example.id for example in run.eval_examples}
+    if ids != expected:
+        raise ValueError(f"{source}: its eval items are not this run's held-out split "
+                         f"({len(ids ^ expected)} ids differ); evaluate again")
+    target = run.folder.eval_dir(run.step)
+    shutil.copytree(source, target, dirs_exist_ok=True)
+    return eval_metrics(run.step, target)
+
+
+def save_checkpoint(run: Run) -> Path:
+    """HF-format weights (loadable by transformers and vLLM) plus the trainer state; only
+    the latest checkpoint is kept."""
+    target, staging = run.folder.checkpoint(run.step), run.folder.checkpoint_staging(run.step)
+    shutil.rmtree(staging, ignore_errors=True)
+    run.model.save_pretrained(staging)
+    run.tokenizer.save_pretrained(staging)
+    torch.save({"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(), "step": run.step},
+               RunFolder.trainer_state(staging))
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    for old in run.folder.checkpoints.glob("step_*"):
+        if old != target:
+            shutil.rmtree(old)
+    return target
+
+
+def save_rollouts(run: Run, scored: Sequence[Scored], student_lp_N: torch.Tensor, advantage_N: torch.Tensor,
+                  limit: int) -> None:
+    """A bounded sample of this step's rollouts (the first `limit`, whole prompt groups
+    first), for diagnostics and notebooks after the run. `student_lp_N` and `advantage_N`
+    are the step's completion tokens, rollout after rollout, as the loss saw them."""
+    if limit <= 0:
+        return
+    lengths = [len(s.rollout.completion_ids) for s in scored]
+    per_rollout = zip(student_lp_N.split(lengths), advantage_N.split(lengths))
+    records = [
+        RolloutRecord(
+            step=run.step, id=s.example.id, group=s.group, prompt_ids=s.rollout.prompt_ids,
+            completion_ids=s.rollout.completion_ids, text=s.rollout.text,
+            sampler_logprobs=list(s.rollout.sampler_logprobs), student_logprobs=student.tolist(),
+            teacher_logprobs=s.teacher_logprobs.tolist(), advantage=advantage.tolist(), reward=s.reward,
+            correct=s.correct, answer=s.example.answer,
+        )
+        for s, (student, advantage) in zip(scored[:limit], per_rollout)
+    ]
+    write_records(run.folder.rollouts_file(run.step), records)
+
+
+def plot_run(folder: RunFolder) -> None:
+    """The training curves of a run (RUN/plots/), from its metrics.jsonl."""
+    from selfopd.plots import plot_training_curves, read_metrics
+
+    plot_training_curves(read_metrics(folder.metrics), folder.plots, title=folder.root.name)

@@ -1,0 +1,105 @@
+"""From a config to a ready `Run`: data, split, templates, the student and its optimizer
+(restored from a checkpoint when resuming), the engines, and the checks that must pass
+before the first step. Data and templates load first, so a mistake in them fails before
+any model loads or server starts."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from selfopd.config import ConfigError, TrainConfig
+from selfopd.data import load_examples
+from selfopd.engines.build import load_model, open_training_engines
+from selfopd.example import Example, prompt_key
+from selfopd.models import resolve_model
+from selfopd.run_folder import RunFolder
+from selfopd.run_state import Run
+from selfopd.split import split_examples
+from selfopd.templates import load_template, prompt_token_ids, render_student
+from selfopd.weight_checks import check_frozen_teacher, check_probe, probe_logprobs, sync_weights
+
+PROBE_COMPLETION = "Let me think step by step. The answer is 42."
+
+
+def build_run(config: TrainConfig, resume_from: Path | None = None) -> Run:
+    """Load data, templates and models, then start the engines; restore a checkpoint when resuming.
+
+    Data and templates load first, so a mistake in them fails before any server starts."""
+    if config.model.threads:
+        torch.set_num_threads(config.model.threads)
+    torch.manual_seed(config.run.seed)
+
+    folder = RunFolder.of(config.run.out_dir, config.run.name)
+    examples = load_examples(config.data.spec)
+    train_examples, eval_examples = split_examples(examples, eval_size=config.data.eval_size, seed=config.data.split_seed)
+    student_template = load_template(config.data.student_template)
+    teacher_template = load_template(config.teacher.template)
+    if config.teacher.kind == "external":
+        check_external_teacher_split(config.teacher.model, eval_examples)
+
+    model, tokenizer = load_model(config.model.student, config.model.dtype, weights=resume_from)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.optim.lr, betas=(config.optim.beta1, config.optim.beta2),
+        weight_decay=config.optim.weight_decay,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
+    step = 0
+    if resume_from is not None:
+        state = torch.load(RunFolder.trainer_state(resume_from), weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step = state["step"]
+    probe_prompt = prompt_token_ids(tokenizer, render_student(student_template, eval_examples[0]))
+    probe = (probe_prompt, tokenizer.encode(PROBE_COMPLETION, add_special_tokens=False))
+
+    resources = contextlib.ExitStack()
+    try:
+        student_engine, teacher_engine = open_training_engines(config, model, tokenizer, folder.logs, resources)
+        run = Run(config, folder, model, tokenizer, optimizer, scheduler, student_engine, teacher_engine,
+                  student_template, teacher_template, train_examples, eval_examples, probe, step, resources)
+        if config.engine.kind == "vllm":
+            # Servers start from the model folder (or were running already): give them the
+            # trainer's weights (a resumed checkpoint's, say) before the first rollout.
+            sync_weights(run)
+            check_probe(run)
+        if config.teacher.kind == "frozen":
+            initial = model if resume_from is None else load_model(config.model.student, config.model.dtype)[0]
+            check_frozen_teacher(run, probe_logprobs(initial, probe, run.pad_id))
+    except BaseException:
+        resources.close()
+        raise
+    return run
+
+
+def check_external_teacher_split(teacher: str, eval_examples: Sequence[Example]) -> None:
+    """An external teacher made by `selfopd sft` must not have trained on this run's held-out
+    prompts (it records what it trained on); other teachers cannot be checked."""
+    from selfopd.sft import teacher_trained_prompts
+
+    trained = teacher_trained_prompts(resolve_model(teacher))
+    shared = [e for e in eval_examples if trained and prompt_key(e.prompt) in trained]
+    if shared:
+        raise ConfigError("teacher.model", f"{teacher} was fine-tuned (selfopd sft) on {len(shared)} of this run's "
+                          f"{len(eval_examples)} held-out prompts (e.g. {shared[0].prompt!r}): train the teacher with "
+                          "this run's data, data.eval_size and data.split_seed")
+
+
+def _lr_lambda(config: TrainConfig):
+    warmup, steps, schedule = config.optim.warmup_steps, config.run.steps, config.optim.schedule
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        if schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        if schedule == "linear":
+            return max(0.0, 1 - progress)
+        return 1.0
+
+    return factor

@@ -1,0 +1,71 @@
+"""Proof that every engine serves the weights it should: the weight sync after each step
+and the probe that checks it on every replica, and the one-time check of a frozen teacher."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from selfopd.engines.base import Engine
+from selfopd.engines.local import eval_mode
+from selfopd.run_state import Run
+from selfopd.scoring import completion_logprobs
+
+
+class WeightSyncError(RuntimeError):
+    """An engine's logprobs disagree with the trainer's after a weight update."""
+
+
+def engines_serving_student_weights(run: Run) -> list[tuple[str, Engine]]:
+    """The student engine, and a `self` teacher's engine when it is a separate one."""
+    engines: list[tuple[str, Engine]] = [("student", run.student_engine)]
+    if run.config.teacher.kind == "self" and run.teacher_engine is not run.student_engine:
+        engines.append(("teacher", run.teacher_engine))
+    return engines
+
+
+def sync_weights(run: Run) -> None:
+    """Push the trainer's weights to every engine that serves the student's weights."""
+    named = {name: param.detach() for name, param in run.model.named_parameters()}
+    for _, engine in engines_serving_student_weights(run):
+        engine.update_weights(named, version=run.step)
+
+
+@torch.no_grad()
+def probe_logprobs(model: Any, probe: tuple[list[int], list[int]], pad_id: int) -> torch.Tensor:
+    """The trainer-side logprobs of the probe sequence (eval mode, no dropout)."""
+    with eval_mode(model):
+        return completion_logprobs(model, [probe], pad_id)[0][0]
+
+
+@torch.no_grad()
+def check_probe(run: Run) -> float:
+    """Max |engine - trainer| logprob on a fixed sequence, over every replica of every engine
+    that serves the student's weights (each student server, a `self` teacher's server);
+    raises past the tolerance, naming the replica."""
+    trainer_lp = probe_logprobs(run.model, run.probe, run.pad_id)
+    worst = 0.0
+    for name, engine in engines_serving_student_weights(run):
+        for replica, score in engine.score_replicas(run.probe):
+            diff = (score.logprobs - trainer_lp).abs().max().item()
+            if not diff <= run.config.probe.tolerance:
+                raise WeightSyncError(
+                    f"after step {run.step} the {name} engine's logprobs ({replica}) differ from the trainer's by "
+                    f"{diff:.3g} (tolerance probe.tolerance = {run.config.probe.tolerance}): the weight update did "
+                    "not arrive")
+            worst = max(worst, diff)
+    return worst
+
+
+@torch.no_grad()
+def check_frozen_teacher(run: Run, initial_lp: torch.Tensor) -> None:
+    """A `frozen` teacher must serve the initial student weights; a server given by URL may
+    hold anything, so every replica is probed once at start (and on resume)."""
+    for replica, score in run.teacher_engine.score_replicas(run.probe):
+        diff = (score.logprobs - initial_lp).abs().max().item()
+        if not diff <= run.config.probe.tolerance:
+            raise WeightSyncError(
+                f"the frozen teacher ({replica}) does not serve the initial student weights "
+                f"({run.config.model.student}): its probe logprobs differ by {diff:.3g} (tolerance "
+                f"probe.tolerance = {run.config.probe.tolerance}); give it a server of the student's initial model")
