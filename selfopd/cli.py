@@ -143,7 +143,7 @@ def _prompts_render(args: argparse.Namespace) -> None:
     from selfopd.data import load_examples
     from selfopd.models import resolve_model
     from selfopd.templates import load_template, prompt_token_ids, render_student, render_teacher
-    from verifiers import verify_example
+    from selfopd.verifiers import verify_example
 
     examples = load_examples(args.data)
     if not 0 <= args.index < len(examples):

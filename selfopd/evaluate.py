@@ -14,7 +14,7 @@ from selfopd.example import Example, prompt_key
 from selfopd.engines.base import Engine, SamplingParams
 from selfopd.stats import MeanEstimate, Proportion, prompt_accuracy
 from selfopd.templates import PromptTemplate, prompt_token_ids, render_student
-from verifiers import verify_example
+from selfopd.verifiers import verify_example
 
 
 @dataclass(frozen=True)

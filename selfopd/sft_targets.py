@@ -53,7 +53,7 @@ def solution_targets(tokenizer: Any, examples: Sequence[Example], student_templa
                      max_target_tokens: int) -> tuple[list[Target], TargetStats]:
     """Worked solutions as completions, each verified to end in the reference answer."""
     from selfopd.templates import prompt_token_ids, render_student
-    from verifiers import verify_example
+    from selfopd.verifiers import verify_example
 
     stats = TargetStats("solution", items=len(examples), drawn=len(examples))
     targets = []
@@ -106,7 +106,7 @@ def sampled_targets(engine: Any, tokenizer: Any, examples: Sequence[Example], st
 def select_rollouts(example: Example, rollouts: Sequence[Any]) -> tuple[list[Any], dict[str, int]]:
     """The rollouts worth learning: correct by the verifier, finished (not cut at max_tokens),
     and not a repeat of one already kept; with counts of each reason to drop."""
-    from verifiers import verify_example
+    from selfopd.verifiers import verify_example
 
     counts = {"drawn": len(rollouts), "wrong": 0, "unfinished": 0, "duplicate": 0}
     kept, seen = [], set()

@@ -116,6 +116,6 @@ def missing_fields(template: PromptTemplate, examples: Sequence[Example]) -> lis
 
 
 def _feedback_for(example: Example) -> tuple[str, str]:
-    from verifiers import verify_example
+    from selfopd.verifiers import verify_example
 
     return ATTEMPT_PLACEHOLDER, verify_example(ATTEMPT_PLACEHOLDER, example).feedback

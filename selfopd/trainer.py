@@ -37,7 +37,7 @@ from selfopd.split import SplitRecord
 from selfopd.templates import prompt_token_ids, render_student, render_teacher
 from selfopd.tracking import MetricsLog
 from selfopd.weight_checks import WeightSyncError, check_probe, sync_weights  # noqa: F401  (WeightSyncError: public here)
-from verifiers import verify_example
+from selfopd.verifiers import verify_example
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

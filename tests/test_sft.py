@@ -208,7 +208,7 @@ def test_real_model_sampled_sft_end_to_end(tmp_path, smollm2_dir, smollm2_tokeni
     assert stats.drawn == 12 and stats.kept == len(targets) > 0
     assert stats.kept + stats.wrong + stats.unfinished + stats.duplicate == stats.drawn
     by_id = {e.id: e for e in train}
-    from verifiers import verify_example
+    from selfopd.verifiers import verify_example
 
     for target in targets:
         example = by_id[target.example_id]

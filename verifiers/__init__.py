@@ -11,13 +11,13 @@ so it is safe in the main thread, in thread pools and in worker processes.
     answers_equivalent(predicted, reference)  -> bool
 """
 
-from verifiers.check import reference_answer, verify, verify_example
-from verifiers.equivalence import Verdict, answers_equivalent, compare_answers
-from verifiers.extract import METHODS, Extraction, extract_answer
-from verifiers.normalize import normalize_answer
-from verifiers.reasoning_gym_adapter import verify_reasoning_gym
-from verifiers.result import VerifyResult
-from verifiers.timeout import DEFAULT_TIMEOUT_S, CheckTimeout, WorkerError, run_in_worker, shutdown_workers
+from .check import reference_answer, verify, verify_example
+from .equivalence import Verdict, answers_equivalent, compare_answers
+from .extract import METHODS, Extraction, extract_answer
+from .normalize import normalize_answer
+from .reasoning_gym_adapter import verify_reasoning_gym
+from .result import VerifyResult
+from .timeout import DEFAULT_TIMEOUT_S, CheckTimeout, WorkerError, run_in_worker, shutdown_workers
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

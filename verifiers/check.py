@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from verifiers.equivalence import Verdict, compare_answers
-from verifiers.extract import extract_answer, extract_boxed, extract_gsm8k
-from verifiers.reasoning_gym_adapter import verify_reasoning_gym
-from verifiers.result import VerifyResult, graded, no_answer, unchecked
-from verifiers.timeout import DEFAULT_TIMEOUT_S
+from .equivalence import Verdict, compare_answers
+from .extract import extract_answer, extract_boxed, extract_gsm8k
+from .reasoning_gym_adapter import verify_reasoning_gym
+from .result import VerifyResult, graded, no_answer, unchecked
+from .timeout import DEFAULT_TIMEOUT_S
 
 
 def reference_answer(reference: str) -> str:

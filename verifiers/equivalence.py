@@ -20,11 +20,11 @@ import enum
 import logging
 import re
 
-from verifiers.latex import top_level_commas
-from verifiers.normalize import normalize_answer
-from verifiers.numeric import parse_plain_number
-from verifiers.prescreen import too_costly
-from verifiers.timeout import DEFAULT_TIMEOUT_S, CheckTimeout, WorkerError, run_in_worker
+from .latex import top_level_commas
+from .normalize import normalize_answer
+from .numeric import parse_plain_number
+from .prescreen import too_costly
+from .timeout import DEFAULT_TIMEOUT_S, CheckTimeout, WorkerError, run_in_worker
 
 logger = logging.getLogger(__name__)
 

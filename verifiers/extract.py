@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from verifiers.latex import command_arguments
+from .latex import command_arguments
 
 METHODS = ("boxed", "answer_tag", "answer_line", "gsm8k", "last_number")
 

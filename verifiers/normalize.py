@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from verifiers.latex import command_arguments, unwrap_commands
+from .latex import command_arguments, unwrap_commands
 
 _UNICODE = {
     "\u2212": "-",  # minus sign

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 
-from verifiers.latex import matching_brace
+from .latex import matching_brace
 
 MAX_ANSWER_CHARS = 1000  # a longer "final answer" is not an answer we can grade
 MAX_DIGITS = 100_000  # 10^{100000} is fine (a quarter second); 10^{1000000} is not

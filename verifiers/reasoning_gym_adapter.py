@@ -14,12 +14,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from verifiers.extract import extract_answer
-from verifiers.latex import command_arguments
-from verifiers.normalize import strip_math_delimiters
-from verifiers.prescreen import too_costly
-from verifiers.result import VerifyResult, no_answer, scored, unchecked
-from verifiers.timeout import DEFAULT_TIMEOUT_S, CheckTimeout, WorkerError, run_in_worker
+from .extract import extract_answer
+from .latex import command_arguments
+from .normalize import strip_math_delimiters
+from .prescreen import too_costly
+from .result import VerifyResult, no_answer, scored, unchecked
+from .timeout import DEFAULT_TIMEOUT_S, CheckTimeout, WorkerError, run_in_worker
 
 logger = logging.getLogger(__name__)
 

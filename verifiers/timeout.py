@@ -8,7 +8,7 @@ Why not math-verify's own timeout: it is `signal.alarm`, which
   - runs its handler only between bytecodes, so one long C-level call finishes first, and
     it does nothing about memory (the worker has an address-space limit).
 A separate process can always be killed. Each calling process keeps a small pool of
-long-lived workers (`python -m verifiers.worker`, started with subprocess, so this also
+long-lived workers (`python -m selfopd.verifiers.worker`, started with subprocess, so this also
 works inside daemonic multiprocessing workers that may not fork children of their own).
 A check that misses its deadline gets its worker SIGKILLed and a fresh one started at once
 in the background. The deadline covers the check only, not a worker's start-up (about a
@@ -50,7 +50,7 @@ class _Worker:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "verifiers.worker"],
+            [sys.executable, "-m", "selfopd.verifiers.worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,

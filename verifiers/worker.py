@@ -1,4 +1,4 @@
-"""The child process that runs checks which may hang: `python -m verifiers.worker`.
+"""The child process that runs checks which may hang: `python -m selfopd.verifiers.worker`.
 
 The parent (`timeout.py`) sends (task, args, backstop_s) frames on stdin and kills this
 process when a reply is late, so nothing here has to be interruptible. The backstop alarm
@@ -62,8 +62,8 @@ def _echo(value: Any) -> Any:
 
 def _tasks() -> dict[str, Callable[..., Any]]:
     """What the parent may ask for, by name (nothing arbitrary is ever executed)."""
-    from verifiers.equivalence import math_verify_equivalent
-    from verifiers.reasoning_gym_adapter import import_reasoning_gym, score_in_worker
+    from .equivalence import math_verify_equivalent
+    from .reasoning_gym_adapter import import_reasoning_gym, score_in_worker
 
     return {
         "math_verify": math_verify_equivalent,

@@ -22,7 +22,7 @@ from selfopd.engines.base import Engine, SamplingParams
 from selfopd.example import Example
 from selfopd.stats import PairedDifference, Proportion, paired_difference, wilson_interval
 from selfopd.templates import PromptTemplate, prompt_token_ids, render_student, render_teacher
-from verifiers import reference_answer, verify_example
+from selfopd.verifiers import reference_answer, verify_example
 
 _NUMBER = re.compile(r"^-?\d+$")
 

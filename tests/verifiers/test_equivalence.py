@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-import verifiers.equivalence as equivalence
-from verifiers import Verdict, answers_equivalent, compare_answers
+import selfopd.verifiers.equivalence as equivalence
+from selfopd.verifiers import Verdict, answers_equivalent, compare_answers
 
 EQUIVALENT = [
     # integers, decimals, signs, separators

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from verifiers import METHODS, Extraction, extract_answer
-from verifiers.extract import extract_boxed, extract_last_number
-from verifiers.latex import matching_brace, top_level_commas, unwrap_commands
+from selfopd.verifiers import METHODS, Extraction, extract_answer
+from selfopd.verifiers.extract import extract_boxed, extract_last_number
+from selfopd.verifiers.latex import matching_brace, top_level_commas, unwrap_commands
 
 
 @pytest.mark.parametrize(

@@ -6,9 +6,9 @@ from fractions import Fraction
 
 import pytest
 
-from verifiers.normalize import normalize_answer
-from verifiers.numeric import parse_plain_number
-from verifiers.prescreen import MAX_ANSWER_CHARS, log10_of_tower, too_costly
+from selfopd.verifiers.normalize import normalize_answer
+from selfopd.verifiers.numeric import parse_plain_number
+from selfopd.verifiers.prescreen import MAX_ANSWER_CHARS, log10_of_tower, too_costly
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from selfopd.example import Example
-from verifiers import verify_example, verify_reasoning_gym
-from verifiers.reasoning_gym_adapter import answer_for_scorer
+from selfopd.verifiers import verify_example, verify_reasoning_gym
+from selfopd.verifiers.reasoning_gym_adapter import answer_for_scorer
 
 reasoning_gym = pytest.importorskip("reasoning_gym")
 

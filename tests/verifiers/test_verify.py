@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from selfopd.example import Example
-from verifiers import VerifyResult, reference_answer, verify, verify_example
+from selfopd.verifiers import VerifyResult, reference_answer, verify, verify_example
 
 CASES = [
     # (completion, reference, correct, extracted, method)

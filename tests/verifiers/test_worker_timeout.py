@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-import verifiers.timeout
-from verifiers import (
+import selfopd.verifiers.timeout
+from selfopd.verifiers import (
     CheckTimeout,
     Verdict,
     WorkerError,
@@ -32,7 +32,7 @@ SLACK_S = 1.5  # kill + bookkeeping on a busy 2-core machine (measured: about 0.
 def warm_workers(monkeypatch):
     """Two started workers, so the time bounds below measure checks, not start-up (a
     replacement for a killed worker imports sympy for a second or more before it serves)."""
-    monkeypatch.setattr(verifiers.timeout, "MAX_WORKERS", 2)
+    monkeypatch.setattr(selfopd.verifiers.timeout, "MAX_WORKERS", 2)
     with ThreadPoolExecutor(max_workers=2) as pool:
         assert list(pool.map(lambda s: run_in_worker("sleep", s, timeout_s=60), [0.3, 0.3])) == [None, None]
 
