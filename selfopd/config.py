@@ -34,7 +34,7 @@ from selfopd.settings import (  # noqa: F401  (ConfigError and setting are this 
     setting,
 )
 
-# Same values as selfopd.losses.Normalisation; restated so loading a config needs no torch.
+# Same values as selfopd.objectives.Normalisation; restated so loading a config needs no torch.
 Normalisation = Literal["token", "sequence"]
 TeacherKind = Literal["self", "frozen", "external"]
 DType = Literal["float32", "bfloat16"]

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from selfopd.losses import token_logprobs_from_hidden
+from selfopd.kernels import token_logprobs_from_hidden
 
 Sequences = Sequence[tuple[Sequence[int], Sequence[int]]]
 

@@ -19,15 +19,9 @@ from tqdm.auto import tqdm
 from selfopd.config import TrainConfig, config_to_toml
 from selfopd.engines.base import SamplingParams
 from selfopd.example import Example
-from selfopd.losses import (
-    combined_advantage,
-    full_vocab_divergence,
-    masked_mean,
-    opd_metrics,
-    policy_gradient_loss,
-    topk_reverse_kl,
-    truncated_is_ratio,
-)
+from selfopd.kernels import full_vocab_divergence, topk_reverse_kl
+from selfopd.loss_metrics import opd_metrics
+from selfopd.objectives import combined_advantage, masked_mean, policy_gradient_loss, truncated_is_ratio
 from selfopd.run_folder import RunFolder
 from selfopd.run_outputs import plot_run, reuse_eval, run_eval, save_checkpoint, save_rollouts
 from selfopd.run_setup import build_run

@@ -1,4 +1,4 @@
-"""selfopd.losses: the sign, the expected gradient, masking and normalisation of the OPD loss,
+"""selfopd.objectives: the sign, the expected gradient, masking and normalisation of the OPD loss,
 each pinned against a float64 reference written straight from the definition."""
 
 from __future__ import annotations
@@ -9,16 +9,20 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from selfopd.losses import (
+from selfopd.kernels import token_logprobs_from_hidden
+from selfopd.loss_metrics import opd_metrics
+from selfopd.objectives import (
     combined_advantage,
     grpo_advantage,
     opd_advantage,
-    opd_metrics,
     policy_gradient_loss,
-    token_logprobs,
-    token_logprobs_from_hidden,
     truncated_is_ratio,
 )
+
+
+def token_logprobs(logits_BTV: torch.Tensor, tokens_BT: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[token], plainly: the student of the loss tests below."""
+    return torch.log_softmax(logits_BTV, dim=-1).gather(-1, tokens_BT[..., None]).squeeze(-1)
 
 torch.set_num_threads(1)  # the test machine's cores are shared; these tensors are tiny anyway
 
@@ -44,7 +48,7 @@ def tiny_llama() -> LlamaForCausalLM:
 def _completion_logprobs(model: LlamaForCausalLM, ids_BT: torch.Tensor) -> torch.Tensor:
     """Logprob of each token given its prefix, aligned with ids (position 0 gets 0)."""
     logits_BTV = model(input_ids=ids_BT).logits
-    lp_BT = token_logprobs(logits_BTV[:, :-1], ids_BT[:, 1:], chunk_size=3)
+    lp_BT = token_logprobs(logits_BTV[:, :-1], ids_BT[:, 1:])
     return torch.cat([torch.zeros_like(lp_BT[:, :1]), lp_BT], dim=1)
 
 
@@ -299,34 +303,40 @@ def test_combined_advantage_is_the_weighted_sum():
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 4, 7, 100])
 def test_chunked_token_logprobs_match_float64_reference(chunk_size):
-    """T = 7: chunk sizes 3 and 4 do not divide it, 100 exceeds it. Values and gradients."""
+    """T = 7: chunk sizes 3 and 4 do not divide it, 100 exceeds it. Values and gradients in
+    hidden states and weight, against log_softmax of the float64 logits."""
     torch.manual_seed(5)
-    B, T, V = 2, 7, 11
-    logits_BTV = (4 * torch.randn(B, T, V)).requires_grad_(True)
+    B, T, H, V = 2, 7, 5, 11
+    hidden_BTH = (2 * torch.randn(B, T, H)).requires_grad_(True)
+    weight_VH = torch.randn(V, H).requires_grad_(True)
     tokens_BT = torch.randint(0, V, (B, T))
     weights_BT = torch.randn(B, T)
 
-    actual_BT = token_logprobs(logits_BTV, tokens_BT, chunk_size=chunk_size)
-    (actual_grad,) = torch.autograd.grad((weights_BT * actual_BT).sum(), logits_BTV)
-    reference_BT = _reference_logprobs(logits_BTV, tokens_BT)
-    (reference_grad,) = torch.autograd.grad((weights_BT.double() * reference_BT).sum(), logits_BTV)
+    actual_BT = token_logprobs_from_hidden(hidden_BTH, weight_VH, tokens_BT, chunk_size=chunk_size)
+    actual_grads = torch.autograd.grad((weights_BT * actual_BT).sum(), (hidden_BTH, weight_VH))
+    reference_BT = _reference_logprobs(hidden_BTH.double() @ weight_VH.double().T, tokens_BT)
+    reference_grads = torch.autograd.grad((weights_BT.double() * reference_BT).sum(), (hidden_BTH, weight_VH))
 
     assert actual_BT.dtype == torch.float32
     assert torch.allclose(actual_BT.double(), reference_BT, rtol=0, atol=1e-5)
-    assert torch.allclose(actual_grad, reference_grad, rtol=0, atol=1e-5)
+    for actual, reference in zip(actual_grads, reference_grads):
+        assert torch.allclose(actual.double(), reference.double(), rtol=0, atol=1e-4)
 
 
 def test_token_logprobs_float64_and_bfloat16():
-    """fp64 logits stay fp64 (gradcheck); bf16 logits are scored in fp32."""
+    """fp64 inputs stay fp64 (gradcheck); bf16 inputs give bf16 logits (as the model's own
+    head would), whose log-softmax is taken in fp32."""
     torch.manual_seed(6)
-    logits_BTV = torch.randn(2, 5, 4, dtype=torch.float64, requires_grad=True)
+    hidden_BTH = torch.randn(2, 5, 3, dtype=torch.float64, requires_grad=True)
+    weight_VH = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
     tokens_BT = torch.randint(0, 4, (2, 5))
-    assert torch.allclose(token_logprobs(logits_BTV, tokens_BT, 2), _reference_logprobs(logits_BTV, tokens_BT), rtol=0, atol=1e-13)
-    assert torch.autograd.gradcheck(lambda x: token_logprobs(x, tokens_BT, 2), (logits_BTV,))
-    low_BTV = logits_BTV.detach().bfloat16()
-    actual_BT = token_logprobs(low_BTV, tokens_BT, 3)
+    reference_BT = _reference_logprobs(hidden_BTH @ weight_VH.T, tokens_BT)
+    assert torch.allclose(token_logprobs_from_hidden(hidden_BTH, weight_VH, tokens_BT, 2), reference_BT, rtol=0, atol=1e-13)
+    assert torch.autograd.gradcheck(lambda h, w: token_logprobs_from_hidden(h, w, tokens_BT, 2), (hidden_BTH, weight_VH))
+    low_BTH, low_VH = hidden_BTH.detach().bfloat16(), weight_VH.detach().bfloat16()
+    actual_BT = token_logprobs_from_hidden(low_BTH, low_VH, tokens_BT, 3)
     assert actual_BT.dtype == torch.float32
-    assert torch.allclose(actual_BT.double(), _reference_logprobs(low_BTV, tokens_BT), rtol=0, atol=1e-5)
+    assert torch.allclose(actual_BT.double(), _reference_logprobs(low_BTH @ low_VH.T, tokens_BT), rtol=0, atol=1e-5)
 
 
 def test_token_logprobs_from_hidden_match_model_logits(tiny_llama):
@@ -337,7 +347,7 @@ def test_token_logprobs_from_hidden_match_model_logits(tiny_llama):
     weights_BT = torch.randn(2, 6, generator=torch.Generator().manual_seed(7))
 
     tiny_llama.zero_grad()
-    via_logits_BT = token_logprobs(tiny_llama(input_ids=ids_BT).logits[:, :-1], tokens_BT, chunk_size=4)
+    via_logits_BT = token_logprobs(tiny_llama(input_ids=ids_BT).logits[:, :-1], tokens_BT)
     (weights_BT * via_logits_BT).sum().backward()
     grads_logits = {n: p.grad.clone() for n, p in tiny_llama.named_parameters()}
 
