@@ -3,25 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 import textwrap
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
+from selfopd.cli_common import DEFAULT_DATA, DEFAULT_MODEL, UserError, add_overrides, command
+from selfopd.cli_prompts import add_prompts_command
 from selfopd.run_folder import RunFolder
-from selfopd.config import DataConfig, ModelConfig
-
-# The defaults of every command are the training config's, so `selfopd eval` and
-# `selfopd prompts` look at what `selfopd train` would use.
-DEFAULT_MODEL = ModelConfig().student
-DEFAULT_DATA = DataConfig().spec
-DEFAULT_STUDENT = DataConfig().student_template
-
-
-class UserError(Exception):
-    """A mistake in what the user asked for; printed as one line, no traceback."""
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
@@ -49,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
     _add_models(commands)
     _add_data(commands)
-    _add_prompts(commands)
+    add_prompts_command(commands)
     _add_eval(commands)
     _add_train(commands)
     _add_sft(commands)
@@ -65,9 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_models(commands: argparse._SubParsersAction) -> None:
     models = commands.add_parser("models", help="resolve, convert and cache models")
     sub = models.add_subparsers(title="models commands", metavar="COMMAND")
-    prepare = _command(sub, "prepare", _models_resolve, "convert a packaged model once into the cache (offline)")
+    prepare = command(sub, "prepare", _models_resolve, "convert a packaged model once into the cache (offline)")
     prepare.add_argument("spec", nargs="?", default=DEFAULT_MODEL, help=f"model spec (default: {DEFAULT_MODEL})")
-    path = _command(sub, "path", _models_resolve, "print the local folder for a model spec")
+    path = command(sub, "path", _models_resolve, "print the local folder for a model spec")
     path.add_argument("spec", help="packaged model name, local folder or hub id")
     models.set_defaults(run=lambda _args: models.print_help() or 2)
 
@@ -85,7 +74,7 @@ def _models_resolve(args: argparse.Namespace) -> None:
 def _add_data(commands: argparse._SubParsersAction) -> None:
     data = commands.add_parser("data", help="inspect datasets")
     sub = data.add_subparsers(title="data commands", metavar="COMMAND")
-    show = _command(sub, "show", _data_show, "print the first examples of a data spec")
+    show = command(sub, "show", _data_show, "print the first examples of a data spec")
     show.add_argument("spec", nargs="?", default=DEFAULT_DATA, help="data spec (see README; default: the demo task)")
     show.add_argument("--limit", type=int, default=3, help="how many examples to print (default: 3)")
     data.set_defaults(run=lambda _args: data.print_help() or 2)
@@ -107,117 +96,16 @@ def _data_show(args: argparse.Namespace) -> None:
             print(f"hint:     {textwrap.shorten(hint, 200)}")
 
 
-# --- prompts ------------------------------------------------------------------------
-
-
-def _add_prompts(commands: argparse._SubParsersAction) -> None:
-    prompts = commands.add_parser("prompts", help="author, render and lint prompt templates")
-    sub = prompts.add_subparsers(title="prompts commands", metavar="COMMAND")
-    _command(sub, "list", _prompts_list, "list the templates shipped in prompts/")
-
-    render = _command(sub, "render", _prompts_render, "show the student and a teacher prompt side by side")
-    render.add_argument("template", help="teacher template name (e.g. teacher/reference_answer) or file")
-    render.add_argument("--data", default=DEFAULT_DATA, help="data spec (default: the demo task)")
-    render.add_argument("--index", type=int, default=0, help="row of the dataset to render (default: 0)")
-    render.add_argument("--student", default=DEFAULT_STUDENT, help=f"student template (default: {DEFAULT_STUDENT})")
-    render.add_argument("--model", default=DEFAULT_MODEL, help="model whose chat template and tokenizer count tokens")
-    render.add_argument("--attempt", help="a student attempt, for templates that use `attempt`/`feedback`")
-
-    lint = _command(sub, "lint", _prompts_lint, "check templates render on a data sample and do not leak the answer")
-    lint.add_argument("templates", nargs="*", help="template names or files (default: every shipped template)")
-    lint.add_argument("--data", default=DEFAULT_DATA, help="data spec to render on (default: the demo task)")
-    lint.add_argument("--sample", type=int, default=8, help="rows to render each template on (default: 8)")
-    lint.add_argument("--student", default=DEFAULT_STUDENT, help=f"student template (default: {DEFAULT_STUDENT})")
-    prompts.set_defaults(run=lambda _args: prompts.print_help() or 2)
-
-
-def _prompts_list(_args: argparse.Namespace) -> None:
-    from selfopd.templates import list_templates
-
-    print("\n".join(list_templates()))
-
-
-def _prompts_render(args: argparse.Namespace) -> None:
-    from transformers import AutoTokenizer
-
-    from selfopd.data import load_examples
-    from selfopd.models import resolve_model
-    from selfopd.templates import load_template, prompt_token_ids, render_student, render_teacher
-    from selfopd.verifiers import verify_example
-
-    examples = load_examples(args.data)
-    if not 0 <= args.index < len(examples):
-        raise UserError(f"--index {args.index} is outside the data spec's {len(examples)} rows")
-    example = examples[args.index]
-    student_template, teacher_template = load_template(args.student), load_template(args.template)
-    student = render_student(student_template, example)
-    feedback = verify_example(args.attempt, example).feedback if args.attempt is not None else None
-    teacher = render_teacher(teacher_template, example, student, args.attempt, feedback)
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
-    columns = [
-        (f"STUDENT {student_template.name}", student, len(prompt_token_ids(tokenizer, student))),
-        (f"TEACHER {teacher_template.name}", teacher, len(prompt_token_ids(tokenizer, teacher))),
-    ]
-    print(f"example {example.id} (answer: {example.answer})")
-    print(_side_by_side([(f"{title} [{count} tokens]", _format_messages(messages)) for title, messages, count in columns]))
-
-
-def _prompts_lint(args: argparse.Namespace) -> int:
-    from selfopd.data import load_examples
-    from selfopd.template_lint import lint_template, missing_fields
-    from selfopd.templates import list_templates, load_template
-
-    sample = load_examples(args.data)[: args.sample]
-    student = load_template(args.student)
-    names = args.templates or list_templates()
-    errors = warnings = 0
-    for name in names:
-        template = load_template(name)
-        missing = missing_fields(template, sample)
-        if missing and not args.templates:  # a shipped template meant for richer data
-            print(f"skip: {name}: not applicable to {args.data}: {missing[0]}")
-            continue
-        findings = lint_template(template, student, sample)
-        for finding in findings:
-            print(finding)
-        errors += sum(f.level == "error" for f in findings)
-        warnings += sum(f.level == "warning" for f in findings)
-        if not findings:
-            print(f"ok: {name}")
-    print(f"{len(names)} templates, {errors} errors, {warnings} warnings")
-    return 1 if errors else 0
-
-
-def _format_messages(messages: list[dict[str, str]]) -> str:
-    return "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in messages)
-
-
-def _side_by_side(columns: list[tuple[str, str]]) -> str:
-    width = max(30, (shutil.get_terminal_size((160, 40)).columns - 3) // len(columns))
-    wrapped = []
-    for title, text in columns:
-        lines = [title, "=" * min(width, len(title))]
-        for paragraph in text.splitlines():
-            lines.extend(textwrap.wrap(paragraph, width) or [""])
-        wrapped.append(lines)
-    height = max(len(lines) for lines in wrapped)
-    rows = []
-    for i in range(height):
-        cells = [(lines[i] if i < len(lines) else "").ljust(width) for lines in wrapped]
-        rows.append(" | ".join(cells).rstrip())
-    return "\n".join(rows)
-
-
 # --- eval ---------------------------------------------------------------------------
 
 
 def _add_eval(commands: argparse._SubParsersAction) -> None:
-    evaluate = _command(commands, "eval", _eval,
+    evaluate = command(commands, "eval", _eval,
                         "greedy or avg@k accuracy of a model on distinct held-out prompts, with a 95%% interval")
     evaluate.add_argument("config", nargs="?", type=Path,
                           help="training config whose model, data, split, template and eval settings are the defaults "
                                "(default: all defaults; with --run: the run's own)")
-    _add_overrides(evaluate, "eval.max_tokens=96")
+    add_overrides(evaluate, "eval.max_tokens=96")
     evaluate.add_argument("--run", dest="run_dir", type=Path, metavar="RUN_DIR",
                           help="evaluate that run's recorded held-out prompts (its split.json), by default with its "
                                "latest checkpoint; with --data, refuse prompts the run trained on")
@@ -284,9 +172,9 @@ def _eval(args: argparse.Namespace) -> None:
 
 
 def _add_train(commands: argparse._SubParsersAction) -> None:
-    train = _command(commands, "train", _train, "run on-policy (self-)distillation from a TOML config")
+    train = command(commands, "train", _train, "run on-policy (self-)distillation from a TOML config")
     train.add_argument("config", nargs="?", type=Path, help="TOML config (see experiments/demo.toml); omit with --resume")
-    _add_overrides(train, "optim.lr=3e-6")
+    add_overrides(train, "optim.lr=3e-6")
     train.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a run from its latest checkpoint")
     train.add_argument("--show-config", action="store_true",
                        help="print the resolved config (every field, with its help) as TOML and exit")
@@ -319,14 +207,14 @@ def _train(args: argparse.Namespace) -> None:
 
 
 def _add_sft(commands: argparse._SubParsersAction) -> None:
-    sft = _command(commands, "sft", _sft,
+    sft = command(commands, "sft", _sft,
                    "fine-tune the student on worked solutions or its own verified privileged answers: "
                    "a stronger teacher with the same tokenizer (the off-policy warm-up before OPD)")
     sft.add_argument("config", nargs="?", type=Path,
                      help="TOML file: the training sections it reads ([run], [model], [data], [optim], [eval]) and an "
                           "[sft] section (see experiments/sft_teacher.toml; a training config such as "
                           "experiments/demo.toml works too; default: all defaults)")
-    _add_overrides(sft, "sft.lr=3e-5")
+    add_overrides(sft, "sft.lr=3e-5")
     sft.add_argument("--student-run", type=Path, metavar="RUN_DIR",
                      help="a training run whose held-out prompts the teacher must not train on (refused if it would)")
     sft.add_argument("--show-config", action="store_true",
@@ -348,10 +236,10 @@ def _sft(args: argparse.Namespace) -> None:
 
 
 def _add_serve(commands: argparse._SubParsersAction) -> None:
-    serve = _command(commands, "serve", _serve,
+    serve = command(commands, "serve", _serve,
                      "launch the vLLM student and teacher servers a config needs, until Ctrl-C")
     serve.add_argument("config", nargs="?", type=Path, help="TOML config; its [engine] section says how (default: all defaults)")
-    _add_overrides(serve, "engine.port=8200")
+    add_overrides(serve, "engine.port=8200")
     serve.add_argument("--log-dir", type=Path, default=Path("runs/servers"), help="where server logs go (default: runs/servers)")
 
 
@@ -387,7 +275,7 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def _add_diagnose(commands: argparse._SubParsersAction) -> None:
-    diagnose = _command(commands, "diagnose", _diagnose,
+    diagnose = command(commands, "diagnose", _diagnose,
                         "privileged-illusion report of a run: advantage by token class, illusion score, "
                         "wrong-context contrast, leakage, gap before training")
     diagnose.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder (runs/NAME) with saved rollouts")
@@ -418,10 +306,10 @@ def _diagnose(args: argparse.Namespace) -> None:
 
 
 def _add_compare(commands: argparse._SubParsersAction) -> None:
-    compare = _command(commands, "compare", _compare,
+    compare = command(commands, "compare", _compare,
                        "train several arms (teachers, losses) under one budget, one after another, and report")
     compare.add_argument("config", type=Path, help="comparison TOML (see experiments/self_vs_external.toml)")
-    _add_overrides(compare, "run.steps=4")
+    add_overrides(compare, "run.steps=4")
     compare.add_argument("--arms", default="", help="comma-separated arm names to run (default: all)")
     compare.add_argument("--seeds", default="", help="comma-separated training seeds to run, of compare.seeds (default: all)")
     compare.add_argument("--report-only", action="store_true", help="rewrite report.md from the arms' folders, train nothing")
@@ -444,21 +332,7 @@ def _compare(args: argparse.Namespace) -> None:
     print(f"report: {report}")
 
 
-# --- helpers ------------------------------------------------------------------------
-
-
-def _command(
-    sub: argparse._SubParsersAction, name: str, run: Callable[[argparse.Namespace], int | None], help_text: str
-) -> argparse.ArgumentParser:
-    parser = sub.add_parser(name, help=help_text, description=help_text)
-    parser.set_defaults(run=run)
-    return parser
-
-
-def _add_overrides(parser: argparse.ArgumentParser, example: str) -> None:
-    """`--set SECTION.KEY=VALUE`, repeatable, as every config-reading command takes it."""
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help=f"override a config value, e.g. --set {example} (repeatable)")
+# --- errors -------------------------------------------------------------------------
 
 
 def _is_user_error(error: Exception) -> bool:

@@ -30,7 +30,7 @@ from selfopd.diagnostics.report import diagnose_template
 from selfopd.engines.base import SamplingParams
 from selfopd.engines.local import LocalEngine
 from selfopd.models import resolve_model
-from selfopd.plots import plot_token_heatmaps_side_by_side
+from selfopd.heatmaps import plot_token_heatmaps_side_by_side
 from selfopd.split import split_examples
 from selfopd.templates import load_template
 

@@ -187,7 +187,7 @@ def _illusion_json(score: IllusionScore) -> dict[str, Any]:
 def _write_figures(diagnosis: RunDiagnosis, out: Path, heatmaps: int) -> dict[str, str]:
     """Figures under out/figures and heatmaps.html; returns {key: path relative to out}."""
     from selfopd.diagnostics.figures import plot_behaviour, plot_class_shares
-    from selfopd.plots import (
+    from selfopd.heatmaps import (
         plot_token_heatmap,
         plot_token_heatmaps_side_by_side,
         save_token_heatmap_html,

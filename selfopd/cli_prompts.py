@@ -1,0 +1,107 @@
+"""`selfopd prompts list | render | lint`: author, render and lint prompt templates."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import textwrap
+
+from selfopd.cli_common import DEFAULT_DATA, DEFAULT_MODEL, DEFAULT_STUDENT, UserError, command
+
+
+def add_prompts_command(commands: argparse._SubParsersAction) -> None:
+    prompts = commands.add_parser("prompts", help="author, render and lint prompt templates")
+    sub = prompts.add_subparsers(title="prompts commands", metavar="COMMAND")
+    command(sub, "list", _prompts_list, "list the templates shipped in prompts/")
+
+    render = command(sub, "render", _prompts_render, "show the student and a teacher prompt side by side")
+    render.add_argument("template", help="teacher template name (e.g. teacher/reference_answer) or file")
+    render.add_argument("--data", default=DEFAULT_DATA, help="data spec (default: the demo task)")
+    render.add_argument("--index", type=int, default=0, help="row of the dataset to render (default: 0)")
+    render.add_argument("--student", default=DEFAULT_STUDENT, help=f"student template (default: {DEFAULT_STUDENT})")
+    render.add_argument("--model", default=DEFAULT_MODEL, help="model whose chat template and tokenizer count tokens")
+    render.add_argument("--attempt", help="a student attempt, for templates that use `attempt`/`feedback`")
+
+    lint = command(sub, "lint", _prompts_lint, "check templates render on a data sample and do not leak the answer")
+    lint.add_argument("templates", nargs="*", help="template names or files (default: every shipped template)")
+    lint.add_argument("--data", default=DEFAULT_DATA, help="data spec to render on (default: the demo task)")
+    lint.add_argument("--sample", type=int, default=8, help="rows to render each template on (default: 8)")
+    lint.add_argument("--student", default=DEFAULT_STUDENT, help=f"student template (default: {DEFAULT_STUDENT})")
+    prompts.set_defaults(run=lambda _args: prompts.print_help() or 2)
+
+
+def _prompts_list(_args: argparse.Namespace) -> None:
+    from selfopd.templates import list_templates
+
+    print("\n".join(list_templates()))
+
+
+def _prompts_render(args: argparse.Namespace) -> None:
+    from transformers import AutoTokenizer
+
+    from selfopd.data import load_examples
+    from selfopd.models import resolve_model
+    from selfopd.templates import load_template, prompt_token_ids, render_student, render_teacher
+    from selfopd.verifiers import verify_example
+
+    examples = load_examples(args.data)
+    if not 0 <= args.index < len(examples):
+        raise UserError(f"--index {args.index} is outside the data spec's {len(examples)} rows")
+    example = examples[args.index]
+    student_template, teacher_template = load_template(args.student), load_template(args.template)
+    student = render_student(student_template, example)
+    feedback = verify_example(args.attempt, example).feedback if args.attempt is not None else None
+    teacher = render_teacher(teacher_template, example, student, args.attempt, feedback)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
+    columns = [
+        (f"STUDENT {student_template.name}", student, len(prompt_token_ids(tokenizer, student))),
+        (f"TEACHER {teacher_template.name}", teacher, len(prompt_token_ids(tokenizer, teacher))),
+    ]
+    print(f"example {example.id} (answer: {example.answer})")
+    print(_side_by_side([(f"{title} [{count} tokens]", _format_messages(messages)) for title, messages, count in columns]))
+
+
+def _prompts_lint(args: argparse.Namespace) -> int:
+    from selfopd.data import load_examples
+    from selfopd.template_lint import lint_template, missing_fields
+    from selfopd.templates import list_templates, load_template
+
+    sample = load_examples(args.data)[: args.sample]
+    student = load_template(args.student)
+    names = args.templates or list_templates()
+    errors = warnings = 0
+    for name in names:
+        template = load_template(name)
+        missing = missing_fields(template, sample)
+        if missing and not args.templates:  # a shipped template meant for richer data
+            print(f"skip: {name}: not applicable to {args.data}: {missing[0]}")
+            continue
+        findings = lint_template(template, student, sample)
+        for finding in findings:
+            print(finding)
+        errors += sum(f.level == "error" for f in findings)
+        warnings += sum(f.level == "warning" for f in findings)
+        if not findings:
+            print(f"ok: {name}")
+    print(f"{len(names)} templates, {errors} errors, {warnings} warnings")
+    return 1 if errors else 0
+
+
+def _format_messages(messages: list[dict[str, str]]) -> str:
+    return "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in messages)
+
+
+def _side_by_side(columns: list[tuple[str, str]]) -> str:
+    width = max(30, (shutil.get_terminal_size((160, 40)).columns - 3) // len(columns))
+    wrapped = []
+    for title, text in columns:
+        lines = [title, "=" * min(width, len(title))]
+        for paragraph in text.splitlines():
+            lines.extend(textwrap.wrap(paragraph, width) or [""])
+        wrapped.append(lines)
+    height = max(len(lines) for lines in wrapped)
+    rows = []
+    for i in range(height):
+        cells = [(lines[i] if i < len(lines) else "").ljust(width) for lines in wrapped]
+        rows.append(" | ".join(cells).rstrip())
+    return "\n".join(rows)
