@@ -47,226 +47,18 @@ is `selfopd.split`'s job.
 
 from __future__ import annotations
 
-import dataclasses
-import re
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Collection, Literal
+from typing import Collection
 
+from selfopd import data_sources
+from selfopd.data_spec import (  # noqa: F401  (the public names of selfopd.data)
+    FILE_BUILDERS,
+    PRESETS,
+    DataError,
+    DataSpec,
+    Preset,
+    parse_data_spec,
+)
 from selfopd.example import Example, prompt_key
-
-
-class DataError(ValueError):
-    """A data source, spec or row that cannot become Examples; the message names where."""
-
-
-# --------------------------------------------------------------------------- presets
-
-
-def _strip_dapo_instructions(text: str) -> str:
-    """DAPO prompts wrap the problem in answer-format instructions; selfopd's templates add
-    their own, so keep only the problem."""
-    head = "Solve the following math problem step by step."
-    if text.startswith(head) and "\n\n" in text:
-        text = text.split("\n\n", 1)[1]
-    return text.split('\n\nRemember to put your answer on its own line after "Answer:"', 1)[0].strip()
-
-
-@dataclass(frozen=True)
-class Preset:
-    """Column mapping and loading defaults for a known dataset layout."""
-
-    prompt: str
-    answer: str
-    id: str | None = None
-    solution: str | None = None
-    hints: str | None = None
-    config: str | None = None  # Hub config name
-    split: str = "train"  # Hub split used when the spec names none
-    answer_sep: str | None = None
-    clean_prompt: Callable[[str], str] | None = None
-
-
-PRESETS: dict[str, Preset] = {
-    # answer column is "<worked solution>\n#### <final answer>"
-    "openai/gsm8k": Preset(prompt="question", answer="answer", config="main", answer_sep="####"),
-    # only a test split; unique_id looks like "test/precalculus/807.json"
-    "HuggingFaceH4/MATH-500": Preset(
-        prompt="problem", answer="answer", solution="solution", id="unique_id", split="test"
-    ),
-    # prompt is a one-message chat list with DAPO's format instructions; label is the answer
-    "zhuzilin/dapo-math-17k": Preset(
-        prompt="prompt", answer="label", clean_prompt=_strip_dapo_instructions
-    ),
-}
-
-# --------------------------------------------------------------------------- the spec
-
-SOURCES = ("rg", "champ", "hf", "file")
-FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-_COLUMN_KEYS = {"id": "id_col", "prompt": "prompt_col", "answer": "answer_col",
-                "solution": "solution_col", "hints": "hints_col"}  # spec key -> field
-_TABLE = {"id_col", "prompt_col", "answer_col", "solution_col", "hints_col",
-          "answer_sep", "preset", "limit"}
-_APPLIES = {  # which DataSpec fields each source reads
-    "hf": _TABLE | {"config", "split", "distinct"},
-    "file": _TABLE | {"distinct"},
-    "rg": {"seed", "size", "task_config", "distinct"},
-    "champ": {"concepts", "limit", "distinct"},
-}
-PROCEDURAL = ("rg",)  # sources that generate items, and repeat prompts unless told not to
-
-
-@dataclass(frozen=True)
-class DataSpec:
-    """Where examples come from. `parse_data_spec` builds one from a spec string; fields
-    that do not apply to `source` must keep their defaults (checked here)."""
-
-    source: Literal["rg", "champ", "hf", "file"]
-    name: str = ""  # rg task, Hub dataset name, or file path; empty for champ
-    # table sources (hf, file): which column feeds which Example field (None: preset/default)
-    id_col: str | None = None
-    prompt_col: str | None = None
-    answer_col: str | None = None
-    solution_col: str | None = None
-    hints_col: str | None = None  # a list-of-strings column or a single-string column
-    answer_sep: str | None = None  # answer = text after the last separator, solution = before
-    preset: str | None = None  # key of PRESETS; hf picks one by dataset name when unset
-    config: str | None = None  # hf: config name (None: the preset's, else the default one)
-    split: str | None = None  # hf: split (None: the preset's, else "train")
-    # reasoning-gym
-    seed: int = 0  # generator seed: the same seed gives the same items in any process
-    size: int = 500  # number of items to generate
-    task_config: dict[str, Any] = field(default_factory=dict)  # generator config kwargs
-    # champ
-    concepts: bool = False  # prepend the problem's concepts to its hints
-    # all but rg (use size there)
-    limit: int | None = None  # keep the first `limit` examples
-    # all: keep each prompt once (None: yes for procedural sources, no otherwise)
-    distinct: bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.source not in SOURCES:
-            raise DataError(f"unknown source {self.source!r}; allowed: {', '.join(SOURCES)}")
-        if self.source == "champ" and self.name:
-            raise DataError(f"source 'champ' takes no name, got {self.name!r}")
-        if self.source != "champ" and not self.name:
-            raise DataError(f"source {self.source!r} needs a name")
-        for f in dataclasses.fields(self):
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            if f.name not in ("source", "name") and f.name not in _APPLIES[self.source] \
-                    and getattr(self, f.name) != default:
-                raise DataError(f"{self.label}: option {_spec_key(f.name)!r} does not apply to "
-                                f"source {self.source!r}; allowed: {', '.join(_allowed_keys(self.source))}")
-        if {"seed", "size"} & set(self.task_config):
-            raise DataError(f"{self.label}: give seed and size as DataSpec fields, not in task_config")
-        if self.size <= 0:
-            raise DataError(f"{self.label}: size must be positive, got {self.size}")
-        if self.limit is not None and self.limit < 0:
-            raise DataError(f"{self.label}: limit must be >= 0, got {self.limit}")
-        if self.preset is not None and self.preset not in PRESETS:
-            raise DataError(f"{self.label}: unknown preset {self.preset!r}; "
-                            f"allowed: {', '.join(PRESETS)}")
-        if self.source == "file" and Path(self.name).suffix.lower() not in FILE_BUILDERS:
-            raise DataError(f"{self.name}: unknown file type; allowed: {', '.join(FILE_BUILDERS)}")
-
-    @property
-    def dedup(self) -> bool:
-        """Whether each prompt is kept once: `distinct`, by default for procedural sources."""
-        return self.source in PROCEDURAL if self.distinct is None else self.distinct
-
-    @property
-    def label(self) -> str:
-        """How errors and meta name this source."""
-        if self.source in ("file", "champ"):
-            return self.name or "champ"
-        return f"{self.source}:{self.name}"
-
-    def __str__(self) -> str:
-        """The spec string; `parse_data_spec(str(spec)) == spec` when no value holds & or =."""
-        options = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name in ("source", "name", "task_config") or value == f.default:
-                continue
-            options[_spec_key(f.name)] = value
-        options.update(self.task_config)
-        text = "&".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}"
-                        for k, v in options.items())
-        return self.label + (f"?{text}" if text else "")
-
-
-def _spec_key(field_name: str) -> str:
-    return next((k for k, v in _COLUMN_KEYS.items() if v == field_name), field_name)
-
-
-def _allowed_keys(source: str) -> list[str]:
-    keys = [_spec_key(n) for n in sorted(_APPLIES[source]) if n != "task_config"]
-    return keys + (["<generator option>"] if source == "rg" else [])
-
-
-_FIELD_TYPES = {"seed": int, "size": int, "limit": int, "concepts": bool, "distinct": bool}  # others are str
-
-
-def _parse_value(text: str, kind: type | None) -> Any:
-    """Read one option value: as `kind` when known, else the first of bool/int/float/str."""
-    if kind is str:
-        return text
-    if kind in (bool, None) and text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    if kind in (int, None):
-        try:
-            return int(text)
-        except ValueError:
-            pass
-    if kind is None:
-        try:
-            return float(text)
-        except ValueError:
-            return text
-    raise DataError(f"expected {kind.__name__}, got {text!r}")
-
-
-def parse_data_spec(text: str) -> DataSpec:
-    """Parse a spec string (grammar in the module docstring) into a DataSpec."""
-    head, _, query = text.strip().partition("?")
-    prefix = re.match(r"^([A-Za-z][A-Za-z0-9_+.-]*):", head)  # a URL-like scheme
-    if head == "champ":
-        source, name = "champ", ""
-    elif prefix and prefix.group(1) in ("rg", "hf", "file"):
-        source, name = prefix.group(1), head[prefix.end():]
-    elif prefix:
-        raise DataError(f"unknown data source {prefix.group(1) + ':'!r} in {text!r}; allowed: "
-                        f"rg:TASK, champ, hf:NAME, or a path to a {'/'.join(FILE_BUILDERS)} file")
-    elif Path(head).suffix.lower() in FILE_BUILDERS:
-        source, name = "file", head
-    else:
-        raise DataError(f"unknown data source {head!r}; allowed: rg:TASK, champ, hf:NAME, "
-                        f"or a path to a {'/'.join(FILE_BUILDERS)} file")
-    if source != "champ" and not name:
-        raise DataError(f"{text!r}: source {source + ':'!r} needs a name")
-
-    kwargs: dict[str, Any] = {}
-    task_config: dict[str, Any] = {}
-    allowed = _APPLIES[source]
-    for item in filter(None, query.split("&")):
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise DataError(f"{text!r}: option {item!r} is not KEY=VALUE")
-        field_name = _COLUMN_KEYS.get(key, key)
-        if field_name in allowed and field_name != "task_config":
-            try:
-                kwargs[field_name] = _parse_value(value, _FIELD_TYPES.get(field_name, str))
-            except DataError as e:
-                raise DataError(f"{text!r}: option {key!r}: {e}") from None
-        elif source == "rg":
-            task_config[key] = _parse_value(value, None)  # checked against the generator on load
-        else:
-            raise DataError(f"{text!r}: unknown option {key!r} for source {source!r}; "
-                            f"allowed: {', '.join(_allowed_keys(source))}")
-    if task_config:
-        kwargs["task_config"] = task_config
-    return DataSpec(source=source, name=name, **kwargs)
 
 
 # --------------------------------------------------------------------------- loading
@@ -277,8 +69,6 @@ def load_examples(spec: DataSpec | str, exclude: Collection[str] = ()) -> list[E
     `exclude` holds prompt keys (`selfopd.example.prompt_key`) that must not appear: fresh
     items for a procedural task are drawn past them, other sources just drop those rows.
     With `distinct` (the default for procedural sources) each prompt is kept once."""
-    from selfopd import data_sources
-
     spec = parse_data_spec(spec) if isinstance(spec, str) else spec
     excluded = frozenset(exclude)
     if spec.source == "rg":

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from selfopd.data import FILE_BUILDERS, PRESETS, DataError, DataSpec, Preset
+from selfopd.data_spec import FILE_BUILDERS, PRESETS, DataError, DataSpec, Preset
 from selfopd.example import Example, prompt_key
 
 # Distinct procedural prompts: draw at most this many items per prompt asked for, and stop

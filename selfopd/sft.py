@@ -277,8 +277,9 @@ def run_sft(config: SftConfig, progress: bool = True, student_run: Path | None =
 
     tuned, tuned_records = evaluated("tuned")
     seconds["total"] = time.perf_counter() - started
-    summary = sft_summary(config, kind, stats, targets, losses, nll_before, nll_after, base, base_records, tuned,
-                          tuned_records, seconds)
+    summary = sft_summary(config.train.model.student, config.train.data.spec, sft.batch_size, config.model_dir, kind,
+                          stats, targets, losses, nll_before, nll_after, base, base_records, tuned, tuned_records,
+                          seconds)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (run_dir / "README.md").write_text(sft_report(summary))
     _save_model(model, tokenizer, config, summary, sorted({prompt_key(e.prompt) for e in chosen}))

@@ -4,27 +4,26 @@ headline it prints (held-out accuracy before and after, paired over distinct pro
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Sequence
+from pathlib import Path
+from typing import Any, Sequence
 
 from selfopd.sft_targets import Target, TargetStats
-
-if TYPE_CHECKING:
-    from selfopd.sft import SftConfig
 
 NLL_PROBE_SIZE = 64  # training targets whose NLL is reported before and after training
 
 
-def sft_summary(config: SftConfig, kind: str, stats: TargetStats, targets: Sequence[Target], losses: list[float],
-             nll_before: float, nll_after: float, base: Any, base_records: Sequence[Any], tuned: Any,
-             tuned_records: Sequence[Any], seconds: dict[str, float]) -> dict[str, Any]:
+def sft_summary(student: str, data: str, batch_size: int, model_dir: Path, kind: str, stats: TargetStats,
+                targets: Sequence[Target], losses: list[float], nll_before: float, nll_after: float, base: Any,
+                base_records: Sequence[Any], tuned: Any, tuned_records: Sequence[Any],
+                seconds: dict[str, float]) -> dict[str, Any]:
     from selfopd.evaluate import outcomes_by_prompt
     from selfopd.stats import paired_change
 
     difference = paired_change(outcomes_by_prompt(base_records), outcomes_by_prompt(tuned_records))
-    steps_per_epoch = -(-len(targets) // config.sft.batch_size)
+    steps_per_epoch = -(-len(targets) // batch_size)
     return {
-        "student": config.train.model.student,
-        "data": config.train.data.spec,
+        "student": student,
+        "data": data,
         "targets": kind,
         "target_counts": dataclasses.asdict(stats),
         "train_pairs": len(targets),
@@ -40,7 +39,7 @@ def sft_summary(config: SftConfig, kind: str, stats: TargetStats, targets: Seque
         "tuned": {"accuracy": tuned.value, "ci95": [tuned.low, tuned.high]},
         "paired_difference": {"mean": difference.mean, "ci95": [difference.low, difference.high]},
         "seconds": seconds,
-        "model": str(config.model_dir),
+        "model": str(model_dir),
     }
 
 

@@ -1,0 +1,81 @@
+"""The shape of the code base: small modules, imports that flow one way, engines that know
+nothing of losses."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_LINES = 400
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted((ROOT / "selfopd").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for path in sorted((ROOT / "verifiers").glob("*.py")):
+        name = "selfopd.verifiers" + ("" if path.stem == "__init__" else f".{path.stem}")
+        found[name] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """selfopd modules this one imports anywhere in its file (module level, inside functions,
+    under TYPE_CHECKING): every edge counts, so a cycle cannot hide in a lazy import."""
+    package = name if path.stem == "__init__" else name.rpartition(".")[0]
+    edges = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        edges |= {target for target in targets if target in modules and target != name}
+    return edges
+
+
+def test_no_module_is_over_400_lines():
+    long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long
+
+
+def test_imports_form_no_cycle():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    # A package's __init__ re-exporting its own modules is not a cycle of design.
+    graph = {name: {t for t in targets if not (t.startswith(name + ".") and modules[name].stem == "__init__")}
+             for name, targets in graph.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                return stack[stack.index(target):] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for name in sorted(graph):
+        if name not in state:
+            cycle = visit(name)
+            assert cycle is None, " -> ".join(cycle)
+
+
+def test_engines_do_not_import_the_objectives():
+    modules = _modules()
+    for name, path in modules.items():
+        if name.startswith("selfopd.engines"):
+            imported = _imports(name, path, modules)
+            assert not imported & {"selfopd.objectives", "selfopd.loss_metrics"}, name
