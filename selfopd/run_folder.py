@@ -105,3 +105,13 @@ class RunFolder:
 
     def is_run(self) -> bool:
         return self.config.is_file()
+
+
+def portable_path(path: str | Path) -> str:
+    """A path as result files store it: relative to the current directory when it lies inside
+    it (results then read the same on every machine and checkout), else unchanged."""
+    path = Path(path)
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)

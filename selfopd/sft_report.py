@@ -7,6 +7,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Sequence
 
+from selfopd.run_folder import portable_path
 from selfopd.sft_targets import Target, TargetStats
 
 NLL_PROBE_SIZE = 64  # training targets whose NLL is reported before and after training
@@ -39,7 +40,7 @@ def sft_summary(student: str, data: str, batch_size: int, model_dir: Path, kind:
         "tuned": {"accuracy": tuned.value, "ci95": [tuned.low, tuned.high]},
         "paired_difference": {"mean": difference.mean, "ci95": [difference.low, difference.high]},
         "seconds": seconds,
-        "model": str(model_dir),
+        "model": portable_path(model_dir),
     }
 
 

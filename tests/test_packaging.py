@@ -34,3 +34,31 @@ def test_another_verifiers_package_does_not_shadow_ours(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_shipped_results_store_no_machine_paths():
+    """Result files read the same on every checkout: no absolute path of the machine that wrote them."""
+    import json
+
+    def strings(value):
+        if isinstance(value, str):
+            yield value
+        elif isinstance(value, dict):
+            for item in value.values():
+                yield from strings(item)
+        elif isinstance(value, list):
+            for item in value:
+                yield from strings(item)
+
+    for path in sorted((ROOT / "experiments").rglob("*.json")):
+        absolute = [s for s in strings(json.loads(path.read_text())) if s.startswith("/") and s.count("/") > 1]
+        assert not absolute, f"{path.relative_to(ROOT)}: {absolute[:3]}"
+
+
+def test_portable_path(tmp_path, monkeypatch):
+    from selfopd.run_folder import portable_path
+
+    monkeypatch.chdir(tmp_path)
+    assert portable_path(tmp_path / "runs" / "a" / "model") == "runs/a/model"
+    assert portable_path("runs/a") == "runs/a"
+    assert portable_path("/elsewhere/x") == "/elsewhere/x"

@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from selfopd.config import load_config
+from selfopd.run_folder import portable_path
 from selfopd.trainer import build_run, train_step
 
 PHASES = ("sample", "verify", "teacher", "train", "optim", "sync", "probe", "overhead")
@@ -52,7 +53,7 @@ def main() -> None:
     overhead = rows[-1]["share"]
     print(f"overhead {overhead:.2%} of the step: {'within' if overhead < 0.05 else 'ABOVE'} the 5% target")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"config": str(args.config), "overrides": args.overrides, "steps": args.steps,
+    args.out.write_text(json.dumps({"config": portable_path(args.config), "overrides": args.overrides, "steps": args.steps,
                                     "step_seconds": step_seconds, "phases": rows,
                                     "tokens_per_step": statistics.mean(m["tokens/completion"] for m in steps)}, indent=2))
     print(f"wrote {args.out}")

@@ -29,8 +29,9 @@ from selfopd.diagnostics.measures import as_jsonable
 from selfopd.diagnostics.report import diagnose_template
 from selfopd.engines.base import SamplingParams
 from selfopd.engines.local import LocalEngine
-from selfopd.models import resolve_model
 from selfopd.heatmaps import plot_token_heatmaps_side_by_side
+from selfopd.models import resolve_model
+from selfopd.run_folder import portable_path
 from selfopd.split import split_examples
 from selfopd.templates import load_template
 
@@ -90,7 +91,7 @@ def main() -> None:
         print(f"{name:<28}{str(d.illusion.share):>24}{copy.value:>12.3f}{row['mean_abs_gain_per_token']:>12.3f}"
               f"{d.contrast.follows_context:>13.2f}{d.gap.with_context.value:>12.3f}{str(d.gap.gap).split(' (')[0]:>26}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"config": str(args.config), "prompts": args.prompts, "samples": args.samples,
+    payload = {"config": portable_path(args.config), "prompts": args.prompts, "samples": args.samples,
                "gap_items": args.gap_items, "rollouts": len(records), "student_accuracy_on_rollouts":
                sum(r.correct for r in records) / len(records), "results": results}
     args.out.write_text(json.dumps(payload, indent=2) + "\n")
