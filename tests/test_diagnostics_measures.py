@@ -57,8 +57,18 @@ def test_illusion_score_is_the_answer_tokens_share_of_absolute_advantage():
     assert score.share.value == pytest.approx(5.0 / 7.0)
     assert score.token_share == pytest.approx(2 / 7)
     assert score.lift == pytest.approx((5 / 7) / (2 / 7))
-    assert score.warning
-    assert not illusion_score(ROLLOUTS, threshold=0.8).warning
+    assert score.threshold == pytest.approx(1.5 * 2 / 7)
+    assert score.warning == (score.share.low > 2 / 7)  # lift 2.5 >= 1.5: the interval decides
+    assert not illusion_score(ROLLOUTS, lift_threshold=3.0).warning
+    # Six prompts whose answer token holds most of the signal: a clear warning.
+    copying = [rollout(["answer_copy", "other", "other", "other"], [2.0 + i / 10, 0.1, -0.1, 0.1], prompt=i)
+               for i in range(6)]
+    clear = illusion_score(copying)
+    assert clear.lift > 3 and clear.share.low > clear.token_share and clear.warning
+    # The same shares with the answer on most tokens: no lift, no warning.
+    everywhere = [rollout(["answer_copy", "answer_copy", "answer_copy", "other"], [2.0, 0.1, 0.1, 0.1], prompt=i)
+                  for i in range(6)]
+    assert illusion_score(everywhere).lift < 1.5 and not illusion_score(everywhere).warning
     spread = [rollout(["answer_copy", "other", "other", "other"], [0.1, 1.0, -1.0, 1.0])]
     assert illusion_score(spread).share.value == pytest.approx(0.1 / 3.1) and not illusion_score(spread).warning
 

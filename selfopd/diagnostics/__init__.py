@@ -15,7 +15,7 @@ over training, and measure the accuracy gap a context opens before training.
 
 from selfopd.diagnostics.context import Prompting, annotate_records, context_gap, fresh_records, privileged_gains, wrong_example
 from selfopd.diagnostics.measures import (
-    ILLUSION_WARNING,
+    ILLUSION_LIFT,
     Annotated,
     context_contrast,
     decompose,
@@ -27,7 +27,7 @@ from selfopd.diagnostics.tokens import CLASSES, classify_tokens, leaked_phrases,
 
 __all__ = [
     "CLASSES",
-    "ILLUSION_WARNING",
+    "ILLUSION_LIFT",
     "Annotated",
     "Prompting",
     "RolloutRecord",

@@ -68,9 +68,10 @@ def plot_behaviour(behaviour: Sequence[StepBehaviour], illusion: dict[int, Illus
         axes[0].fill_between(illusion_steps, [illusion[s].share.low for s in illusion_steps],
                              [illusion[s].share.high for s in illusion_steps], color="tab:red", alpha=0.2)
         axes[0].plot(illusion_steps, values, color="tab:red", marker="o", markersize=3.5)
-        if illusion_steps:
-            axes[0].axhline(illusion[illusion_steps[0]].threshold, color="0.3", linestyle="--", linewidth=1,
-                            label="warning threshold")
+        if illusion_steps:  # the threshold follows the answer tokens' share of each step's tokens
+            axes[0].plot(illusion_steps, [illusion[s].threshold for s in illusion_steps], color="0.3",
+                         linestyle="--", linewidth=1, label=f"warning: {illusion[illusion_steps[0]].lift_threshold}x "
+                         "the answer tokens' share")
             axes[0].legend(loc="best")
         axes[0].set_ylim(0, 1)
         decorate(axes[0], "Illusion score", "answer tokens' share of |adv|")

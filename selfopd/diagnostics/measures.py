@@ -23,12 +23,16 @@ from selfopd.diagnostics.tokens import (
 )
 from selfopd.stats import MeanEstimate, mean_interval
 
-# The illusion score warns above this: more than a quarter of the teacher's whole
-# |advantage| sits on the few tokens that state the answer. Calibrated on the demo task
-# (experiments/illusion/templates.py, 128 rollouts, answer tokens 8% of tokens): templates
-# that state the answer after the question score 0.43-0.44 (95% CIs from 0.37), clean
-# ones 0.08-0.09 (CIs up to 0.11).
-ILLUSION_WARNING = 0.25
+# The illusion score warns when the answer tokens hold clearly more of the teacher's |advantage|
+# than of the tokens: at least ILLUSION_LIFT times their share of tokens, with the score's
+# interval above that share. A lift, not a fixed share: the answer tokens' share of tokens
+# depends on the task and on how long the answers are (5.5% of tokens on the demo task, 8% on
+# chain_sum), and a fixed share calibrated on one task (0.25 on chain_sum) never fired on the
+# other. Calibrated with experiments/illusion/templates.py (128 base-model rollouts, the
+# teachers' privileged gain): templates that state the answer after the question lift
+# 1.8x on the demo task (intervals from 1.1x) and 5.3-5.5x on chain_sum; clean ones 0.6-0.8x
+# and 1.0-1.1x. README, "Leaky vs clean templates, measured".
+ILLUSION_LIFT = 1.5
 BOOTSTRAP_SAMPLES = 2000
 
 
@@ -76,15 +80,21 @@ class IllusionScore:
 
     share: Share
     token_share: float
-    threshold: float = ILLUSION_WARNING
+    lift_threshold: float = ILLUSION_LIFT
 
     @property
     def lift(self) -> float:
         return self.share.value / self.token_share if self.token_share else math.nan
 
     @property
+    def threshold(self) -> float:
+        """The score above which this batch warns: `lift_threshold` x the answer tokens' share."""
+        return self.lift_threshold * self.token_share
+
+    @property
     def warning(self) -> bool:
-        return self.share.value > self.threshold
+        """Lift at least `lift_threshold`, and the interval above the answer tokens' share."""
+        return bool(self.lift >= self.lift_threshold and self.share.low > self.token_share)
 
 
 def annotate(
@@ -152,13 +162,14 @@ def decompose(rollouts: Sequence[Annotated]) -> list[ClassRow]:
     return rows
 
 
-def illusion_score(rollouts: Sequence[Annotated], threshold: float = ILLUSION_WARNING) -> IllusionScore:
+def illusion_score(rollouts: Sequence[Annotated], lift_threshold: float = ILLUSION_LIFT) -> IllusionScore:
     """The illusion score: the share of the teacher's total |advantage| that sits on tokens
     stating the answer (copying the reference, or the student's own wrong final answer).
 
     A teacher that read the answer off its context and teaches only that concentrates its
     signal there: the student is pushed to state an answer it was never shown, not to get
-    better at reaching it. Above `threshold` (`ILLUSION_WARNING`) the report warns. On arithmetic a
+    better at reaching it. When it is `lift_threshold` (`ILLUSION_LIFT`) times the answer
+    tokens' share of tokens or more, clearly so, the report warns. On arithmetic a
     student can still learn to compute what the teacher copies, so a high score is a
     warning to check the wrong-context contrast and held-out accuracy, not a verdict.
     """
@@ -170,7 +181,7 @@ def illusion_score(rollouts: Sequence[Annotated], threshold: float = ILLUSION_WA
         answer_tokens += int(mask.sum())
         tokens += len(mask)
     return IllusionScore(ratio_share(answer_abs, total_abs, _prompts(rollouts)),
-                         answer_tokens / tokens if tokens else math.nan, threshold)
+                         answer_tokens / tokens if tokens else math.nan, lift_threshold)
 
 
 @dataclass(frozen=True)

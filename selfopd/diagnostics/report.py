@@ -260,11 +260,11 @@ def render_report(diagnosis: RunDiagnosis, figures: dict[str, str]) -> str:
     ]
     for step in sorted({first, last}):
         score = d.illusion[step]
-        flag = "**WARNING: above the threshold**" if score.warning else "below the threshold"
-        lines.append(f"- Illusion score at step {step}: **{score.share}** over {score.share.n} distinct prompts "
-                     f"(threshold {score.threshold}; {flag}); "
+        flag = "**WARNING**" if score.warning else "no warning"
+        lines.append(f"- Illusion score at step {step}: **{score.share}** over {score.share.n} distinct prompts; "
                      f"answer tokens are {score.token_share:.1%} of tokens, so their share of |advantage| is "
-                     f"{score.lift:.1f}x their share of tokens.")
+                     f"**{score.lift:.1f}x** their share of tokens ({flag}: it warns at {score.lift_threshold}x "
+                     "with the interval above their share).")
     per_step = min(len(v) for v in d.annotated.values())
     if per_step < 32:
         lines.append(f"- Only {per_step} rollouts saved per step: intervals are wide. Raise `run.rollouts_to_save` "
