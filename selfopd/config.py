@@ -117,6 +117,15 @@ class TeacherConfig(Section):
             fail(self._key("model"), f"only used when teacher.kind = 'external' (kind is {self.kind!r}); leave it empty")
         self._non_empty("template")
 
+    @property
+    def follows_student(self) -> bool:
+        """The teacher serves the student's current weights (`self`): synced after every step."""
+        return self.kind == "self"
+
+    def weights(self, student: str) -> str:
+        """The model whose weights the teacher runs: `teacher.model`, or the (initial) student."""
+        return self.model if self.kind == "external" else student
+
 
 @dataclass(frozen=True)
 class DataConfig(Section):

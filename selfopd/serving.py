@@ -32,7 +32,7 @@ def weight_sync_kind(config: TrainConfig) -> str:
 def model_folders(config: TrainConfig) -> tuple[str, str]:
     """(student folder, teacher folder) that launched servers load."""
     student = str(resolve_model(config.model.student))
-    teacher = str(resolve_model(config.teacher.model)) if config.teacher.kind == "external" else student
+    teacher = str(resolve_model(config.teacher.weights(config.model.student)))
     return student, teacher
 
 
@@ -70,7 +70,7 @@ def open_vllm_engines(config: TrainConfig, log_dir: Path, stack: contextlib.Exit
     student = VLLMEngine(student_urls, weight_sync=_weight_sync(kind, student_urls, NCCL_FIRST_PORT, config), **options)
     stack.callback(student.close)
     teacher_sync = (_weight_sync(kind, teacher_urls, NCCL_FIRST_PORT + len(student_urls), config)
-                    if config.teacher.kind == "self" else None)
+                    if config.teacher.follows_student else None)
     teacher = VLLMEngine(teacher_urls, weight_sync=teacher_sync, **options)
     stack.callback(teacher.close)
     return student, teacher

@@ -20,7 +20,7 @@ class WeightSyncError(RuntimeError):
 def engines_serving_student_weights(run: Run) -> list[tuple[str, Engine]]:
     """The student engine, and a `self` teacher's engine when it is a separate one."""
     engines: list[tuple[str, Engine]] = [("student", run.student_engine)]
-    if run.config.teacher.kind == "self" and run.teacher_engine is not run.student_engine:
+    if run.config.teacher.follows_student and run.teacher_engine is not run.student_engine:
         engines.append(("teacher", run.teacher_engine))
     return engines
 

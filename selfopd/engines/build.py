@@ -49,7 +49,8 @@ def engines_at_start(config: TrainConfig) -> tuple[Engine, Engine]:
     """In-process (student, teacher) engines with a run's starting weights; one engine twice
     when the teacher is the student's weights (`self`, `frozen`)."""
     student = frozen_engine(config.model.student, config)
-    return student, frozen_engine(config.teacher.model, config) if config.teacher.kind == "external" else student
+    teacher = config.teacher.weights(config.model.student)
+    return student, student if teacher == config.model.student else frozen_engine(teacher, config)
 
 
 def checked_external_teacher(config: TrainConfig, tokenizer: Any) -> tuple[Path, Any]:
