@@ -43,7 +43,8 @@ USED_SECTIONS = ("run", "model", "data", "optim", "eval")  # the training sectio
 # Settings that do not change the result: a finished folder is reused whatever they say.
 NOT_COMPARED = ("model.threads", "run.progress", "run.name", "run.out_dir", "run.steps", "run.eval_every",
                 "run.checkpoint_every", "run.rollouts_to_save", "optim.lr", "optim.beta1", "optim.beta2",
-                "optim.warmup_steps", "optim.schedule", "optim.micro_batch_prompts", "sft.name")
+                "optim.warmup_steps", "optim.schedule", "optim.micro_batch_prompts", "sft.name",
+                "run.trackers", "run.wandb_project", "run.wandb_mode")
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,8 @@ def sft_config_to_toml(config: SftConfig) -> str:
 
 
 def _compared(flat: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in flat.items() if k not in NOT_COMPARED}
+    """The settings that decide the model, as the marker stores them (JSON: tuples are lists)."""
+    return {k: v for k, v in json.loads(json.dumps(flat)).items() if k not in NOT_COMPARED}
 
 
 # --------------------------------------------------------------------------- training
@@ -209,7 +211,7 @@ def run_sft(config: SftConfig, progress: bool = True, student_run: Path | None =
     finished = _finished_config(config.model_dir)
     if finished is not None:
         if _compared(finished) != _compared(config.flat()):
-            differ = sorted(k for k, v in _compared(config.flat()).items() if finished.get(k) != v)
+            differ = sorted(k for k, v in _compared(config.flat()).items() if _compared(finished).get(k) != v)
             raise FileExistsError(
                 f"{config.model_dir} holds an SFT model made with another config (differs in: "
                 f"{', '.join(differ)}); choose another sft.name or delete that folder")

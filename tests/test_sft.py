@@ -187,6 +187,10 @@ def test_solution_targets_append_the_answer_and_train(tmp_path, tiny_model_dir):
     # A finished folder with another config is refused, not silently reused.
     with pytest.raises(FileExistsError, match="sft.lr"):
         run_sft(dataclasses.replace(config, sft=dataclasses.replace(config.sft, lr=2e-3)), progress=False)
+    # The same config is reused as it comes back from the marker (JSON), whatever trackers watch it.
+    assert run_sft(config, progress=False) == config.model_dir
+    watched = dataclasses.replace(config.train, run=dataclasses.replace(config.train.run, trackers=("tensorboard",)))
+    assert run_sft(dataclasses.replace(config, train=watched), progress=False) == config.model_dir
 
 
 # --------------------------------------------------------------------------- the real model
