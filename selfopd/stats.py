@@ -172,8 +172,8 @@ def pooled_change(per_seed: Sequence[tuple[Outcomes, Outcomes]]) -> PairedDiffer
     changes_SP = np.array([[after_means[k] - before_means[k] for k in keys]
                            for before_means, after_means in ((per_prompt_means(b), per_prompt_means(a))
                                                              for b, a in per_seed)])
-    low, high = crossed_interval(changes_SP)
-    return PairedDifference(float(changes_SP.mean()), low, high, len(keys), seeds=len(per_seed))
+    low, high = crossed_interval(changes_SP)  # a change of accuracies lies in [-1, 1]
+    return PairedDifference(float(changes_SP.mean()), max(low, -1.0), min(high, 1.0), len(keys), seeds=len(per_seed))
 
 
 def pooled_accuracy(per_seed: Sequence[Outcomes]) -> Proportion | MeanEstimate:
@@ -185,8 +185,9 @@ def pooled_accuracy(per_seed: Sequence[Outcomes]) -> Proportion | MeanEstimate:
     if not keys:
         raise ValueError("the seeds' evaluations share no prompt")
     values_SP = np.array([[means[k] for k in keys] for means in map(per_prompt_means, per_seed)])
-    low, high = crossed_interval(values_SP)
-    return MeanEstimate(float(values_SP.mean()), low, high, len(keys), f"prompts x {len(per_seed)} seeds")
+    low, high = crossed_interval(values_SP)  # with few seeds that disagree, t reaches past [0, 1]
+    return MeanEstimate(float(values_SP.mean()), max(low, 0.0), min(high, 1.0), len(keys),
+                        f"prompts x {len(per_seed)} seeds")
 
 
 def crossed_interval(values_SP: np.ndarray, level: float = 0.95) -> tuple[float, float]:

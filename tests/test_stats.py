@@ -133,3 +133,17 @@ def test_pooled_change_over_seeds():
                                                                for k in ("mean", "low", "high")))
     accuracy = pooled_accuracy(runs)
     assert accuracy.value == pytest.approx(np.mean([[v[0] for v in run.values()] for run in runs]))
+
+
+def test_pooled_intervals_stay_inside_the_range_of_accuracies_when_two_seeds_disagree():
+    """Two seeds far apart leave one degree of freedom (t = 12.7): the raw interval runs past
+    [0, 1]; an accuracy's interval stops at 0 and 1, a change's at -1 and 1."""
+    keys = [f"p{i}" for i in range(50)]
+    base = {k: [False] for k in keys}
+    runs = [{k: [i < 5] for i, k in enumerate(keys)}, {k: [i < 45] for i, k in enumerate(keys)}]
+    raw_low, raw_high = crossed_interval(np.array([[float(v[0]) for v in run.values()] for run in runs]))
+    assert raw_low < 0.0 and raw_high > 1.0
+    accuracy = pooled_accuracy(runs)
+    assert (accuracy.low, accuracy.high) == (0.0, 1.0) and accuracy.value == pytest.approx(0.5)
+    change = pooled_change([(base, run) for run in runs])
+    assert change.low >= -1.0 and change.high == 1.0 and change.mean == pytest.approx(0.5)
