@@ -210,8 +210,9 @@ def run_sft(config: SftConfig, progress: bool = True, student_run: Path | None =
     """
     finished = _finished_config(config.model_dir)
     if finished is not None:
-        if _compared(finished) != _compared(config.flat()):
-            differ = sorted(k for k, v in _compared(config.flat()).items() if _compared(finished).get(k) != v)
+        then, now = _compared(finished), _compared(config.flat())
+        if then != now:
+            differ = sorted(k for k, v in now.items() if then.get(k) != v)
             raise FileExistsError(
                 f"{config.model_dir} holds an SFT model made with another config (differs in: "
                 f"{', '.join(differ)}); choose another sft.name or delete that folder")
