@@ -17,6 +17,7 @@ naming the key as `section.key`, prefixed by the file or the `--set` it came fro
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +40,9 @@ Normalisation = Literal["token", "sequence"]
 TeacherKind = Literal["self", "frozen", "external"]
 DType = Literal["float32", "bfloat16"]
 Schedule = Literal["constant", "cosine", "linear"]
-EngineKind = Literal["local", "vllm"]
+EngineKind = Literal["local", "vllm", "vllm_colocate"]
+VLLM_KINDS = ("vllm", "vllm_colocate")
+AttnImplementation = Literal["auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3"]
 WeightSyncKind = Literal["auto", "file", "nccl"]
 Switch = Literal["auto", "on", "off"]
 Tracker = Literal["tensorboard", "wandb"]
@@ -89,13 +92,44 @@ class RunConfig(Section):
 class ModelConfig(Section):
     SECTION: ClassVar[str] = "model"
     student: str = setting("smollm2-135m-instruct", "The student: a packaged model name, a local folder or a hub id.")
-    dtype: DType = setting("float32", "Dtype of the student's (and a frozen teacher's) weights.")
+    dtype: DType = setting(
+        "float32", "Compute dtype. 'bfloat16' trains with fp32 master weights and fp32 AdamW state, forward and "
+        "backward in bf16 (autocast): a bf16 weight cannot take an update below 2^-8 of itself (lr 1e-6 steps "
+        "vanish). Frozen teachers and vLLM servers then hold bf16 weights.")
+    device: str = setting(
+        "auto", "Where the trainer and in-process engines run: 'auto' (cuda when there is a GPU, under torchrun the "
+        "rank's local GPU; else cpu), 'cpu', 'cuda' or 'cuda:N'.")
+    attn_implementation: AttnImplementation = setting(
+        "auto", "Attention kernel: 'auto' is flash_attention_2 on a GPU when the flash-attn package is installed, "
+        "else 'sdpa'.")
+    gradient_checkpointing: bool = setting(
+        False, "Recompute each decoder layer's activations in backward: less memory, about a third more compute.")
+    lora_rank: int = setting(0, "LoRA rank (peft); 0 trains every weight. With LoRA a 'frozen' teacher is the "
+                             "base model with the adapters disabled: no second copy in memory.")
+    lora_alpha: float = setting(32.0, "LoRA alpha: the adapter's update is scaled by lora_alpha / lora_rank.")
+    lora_dropout: float = setting(0.0, "Dropout on the LoRA input.")
+    lora_targets: tuple[str, ...] = setting(
+        ("all-linear",), "Modules that get adapters: names as peft's target_modules ('all-linear': every linear "
+        "layer but the output head).")
     threads: int = setting(0, "Torch CPU threads (0: torch's default).")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._non_empty("student")
         self._at_least("threads", 0)
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            fail(self._key("device"), f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        self._at_least("lora_rank", 0)
+        if not self.lora_alpha > 0:
+            fail(self._key("lora_alpha"), f"must be > 0, got {self.lora_alpha!r}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            fail(self._key("lora_dropout"), f"must be in [0, 1), got {self.lora_dropout!r}")
+        if self.lora_rank and not self.lora_targets:
+            fail(self._key("lora_targets"), "must name at least one module when lora_rank > 0")
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_rank > 0
 
 
 @dataclass(frozen=True)
@@ -253,7 +287,8 @@ class ProbeConfig(Section):
 class EngineConfig(Section):
     SECTION: ClassVar[str] = "engine"
     kind: EngineKind = setting(
-        "local", "Who samples and scores: 'local' is in-process transformers; 'vllm' uses vLLM servers.")
+        "local", "Who samples and scores: 'local' is in-process transformers; 'vllm' uses vLLM servers; "
+        "'vllm_colocate' runs vLLM in the trainer's process on the trainer's GPU (one GPU).")
     batch_size: int = setting(
         64, "local: sequences per sampling or scoring forward of the training engines (memory vs speed).")
     student_urls: str = setting(
@@ -265,6 +300,15 @@ class EngineConfig(Section):
     max_model_len: int = setting(2048, "vllm: launched servers' context length; must hold prompt + completion + 1.")
     weight_sync: WeightSyncKind = setting(
         "auto", "vllm: 'file' (CPU, same host, via shared memory), 'nccl' (GPU), 'auto': nccl when CUDA is there.")
+    student_servers: int = setting(1, "vllm: student servers to launch (each on its own GPUs when student_gpus is set).")
+    student_gpus: str = setting(
+        "", "vllm on GPU: comma-separated GPU indices for the launched student servers, tensor_parallel_size per "
+        "server in order (e.g. '1,2' for two servers of TP 1). Empty: vLLM's default placement.")
+    teacher_gpus: str = setting("", "vllm on GPU: comma-separated GPU indices for the launched teacher server.")
+    tensor_parallel_size: int = setting(1, "vllm: GPUs per launched server (tensor parallelism).")
+    sleep_mode: bool = setting(
+        True, "vllm_colocate: put vLLM to sleep (weights and KV cache off the GPU) while the trainer runs its "
+        "backward and optimizer step.")
     trainer_address: str = setting(
         "127.0.0.1", "vllm with nccl: the address at which the servers reach this trainer's NCCL endpoint.")
     compile: Switch = setting(
@@ -296,6 +340,23 @@ class EngineConfig(Section):
         self._at_least("retries", 0)
         self._at_least("max_concurrency", 1)
         self._at_least("batch_size", 1)
+        self._at_least("student_servers", 1)
+        self._at_least("tensor_parallel_size", 1)
+        for name in ("student_gpus", "teacher_gpus"):
+            for gpu in getattr(self, name).split(","):
+                if gpu.strip() and not gpu.strip().isdigit():
+                    fail(self._key(name), f"expected comma-separated GPU indices such as '1,2', got {gpu.strip()!r}")
+        if self.student_gpus.strip() and len(self.gpus("student_gpus")) != self.student_servers * self.tensor_parallel_size:
+            fail(self._key("student_gpus"), f"names {len(self.gpus('student_gpus'))} GPUs; engine.student_servers "
+                 f"({self.student_servers}) x engine.tensor_parallel_size ({self.tensor_parallel_size}) = "
+                 f"{self.student_servers * self.tensor_parallel_size} are needed")
+        if self.teacher_gpus.strip() and len(self.gpus("teacher_gpus")) != self.tensor_parallel_size:
+            fail(self._key("teacher_gpus"), f"names {len(self.gpus('teacher_gpus'))} GPUs; one server of "
+                 f"engine.tensor_parallel_size = {self.tensor_parallel_size} needs that many")
+
+    def gpus(self, name: str) -> list[int]:
+        """The GPU indices in `student_gpus` or `teacher_gpus`."""
+        return [int(gpu) for gpu in getattr(self, name).split(",") if gpu.strip()]
 
     def urls(self, name: str) -> list[str]:
         """The URLs in `student_urls` or `teacher_url`, without trailing slashes."""
@@ -332,8 +393,8 @@ class TrainConfig:
         if self.loss.divergence in FULL_VOCABULARY and self.engine.kind != "local":
             fail("loss.divergence", f"{self.loss.divergence!r} needs the teacher's full distribution in process "
                   "(engine.kind = 'local'); with vLLM use 'sampled' or 'topk_reverse_kl'")
-        if self.engine.kind == "vllm" and self.rollout.temperature != 1.0:
-            fail("rollout.temperature", f"must be 1 with engine.kind = 'vllm', got {self.rollout.temperature}: vLLM "
+        if self.engine.kind in VLLM_KINDS and self.rollout.temperature != 1.0:
+            fail("rollout.temperature", f"must be 1 with engine.kind = {self.engine.kind!r}, got {self.rollout.temperature}: vLLM "
                  "scores (prompt logprobs) from the raw logits only, so a vLLM teacher cannot score the tempered "
                  "distribution the student samples from; use engine.kind = 'local' for other temperatures")
         if self.loss.lambda_rl > 0 and self.rollout.samples_per_prompt < 2:

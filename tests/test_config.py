@@ -26,7 +26,9 @@ from selfopd.config import (
 EXPECTED_DEFAULTS = {
     "run": dict(name="run", out_dir="runs", seed=0, steps=20, eval_every=10, checkpoint_every=0, rollouts_to_save=32, progress=True,
                 trackers=(), wandb_project="selfopd", wandb_mode="offline"),
-    "model": dict(student="smollm2-135m-instruct", dtype="float32", threads=0),
+    "model": dict(student="smollm2-135m-instruct", dtype="float32", device="auto", attn_implementation="auto",
+                  gradient_checkpointing=False, lora_rank=0, lora_alpha=32.0, lora_dropout=0.0,
+                  lora_targets=("all-linear",), threads=0),
     "teacher": dict(kind="self", model="", template="teacher/reference_answer"),
     "data": dict(
         spec=DEMO_DATA,
@@ -45,7 +47,8 @@ EXPECTED_DEFAULTS = {
     "engine": dict(kind="local", batch_size=64, student_urls="", teacher_url="", host="127.0.0.1", port=8100, max_model_len=2048,
                    weight_sync="auto", trainer_address="127.0.0.1", compile="auto", gpu_memory_utilization=0.4,
                    cpu_kv_cache_gb=1, extra_server_args="", startup_timeout_s=900.0, request_timeout_s=600.0,
-                   retries=3, max_concurrency=64),
+                   retries=3, max_concurrency=64, student_servers=1, student_gpus="", teacher_gpus="",
+                   tensor_parallel_size=1, sleep_mode=True),
 }
 
 
@@ -99,7 +102,9 @@ def test_round_trip_of_every_field_changed(tmp_path):
     config = TrainConfig(
         run=RunConfig(name='odd "name" é\x7f\tend', out_dir="C:\\out\ndir", seed=7, steps=5, eval_every=0, checkpoint_every=2, rollouts_to_save=0, progress=False,
                       trackers=("wandb", "tensorboard"), wandb_project="p", wandb_mode="online"),
-        model=dataclasses.replace(TrainConfig().model, student="/models/x", dtype="bfloat16", threads=3),
+        model=dataclasses.replace(TrainConfig().model, student="/models/x", dtype="bfloat16", threads=3,
+                                  device="cuda:1", attn_implementation="eager", gradient_checkpointing=True,
+                                  lora_rank=8, lora_alpha=16, lora_dropout=0.1, lora_targets=("q_proj", "v_proj")),
         teacher=dataclasses.replace(TrainConfig().teacher, kind="external", model="org/teacher", template="teacher/hints"),
         data=dataclasses.replace(TrainConfig().data, spec="champ?concepts=true", student_template="student/boxed", eval_size=10, split_seed=3),
         rollout=dataclasses.replace(TrainConfig().rollout, prompts_per_step=6, samples_per_prompt=2, max_tokens=9, temperature=1.0, top_p=0.95),
@@ -111,7 +116,9 @@ def test_round_trip_of_every_field_changed(tmp_path):
         engine=EngineConfig(kind="vllm", batch_size=8, student_urls="http://a:1,http://b:2", teacher_url="https://c:3", host="0.0.0.0",
                             port=9000, max_model_len=4096, weight_sync="nccl", trainer_address="10.0.0.2", compile="on",
                             gpu_memory_utilization=0.8, cpu_kv_cache_gb=4, extra_server_args="--seed 1 --x 'a b'",
-                            startup_timeout_s=60.0, request_timeout_s=30.0, retries=0, max_concurrency=8),
+                            startup_timeout_s=60.0, request_timeout_s=30.0, retries=0, max_concurrency=8,
+                            student_servers=2, student_gpus="1,2,3,4", teacher_gpus="5,6", tensor_parallel_size=2,
+                            sleep_mode=False),
     )
     changed = config_to_dict(config)
     for section, defaults in EXPECTED_DEFAULTS.items():
@@ -257,9 +264,22 @@ def literal_fields():
 
 def test_the_expected_fields_are_literals():
     assert {(s, k) for s, k, _ in literal_fields()} == {
-        ("model", "dtype"), ("teacher", "kind"), ("loss", "normalisation"), ("loss", "divergence"), ("optim", "schedule"),
+        ("model", "dtype"), ("model", "attn_implementation"), ("teacher", "kind"), ("loss", "normalisation"), ("loss", "divergence"), ("optim", "schedule"),
         ("engine", "kind"), ("engine", "weight_sync"), ("engine", "compile"), ("run", "wandb_mode"),
     }
+
+
+def test_gpu_fields_are_checked():
+    assert load_config(None, ["engine.student_gpus=1, 2", "engine.student_servers=2"]).engine.gpus("student_gpus") == [1, 2]
+    with pytest.raises(ConfigError, match=r"engine.student_gpus: names 1 GPUs; engine.student_servers \(2\) x "
+                       r"engine.tensor_parallel_size \(1\) = 2 are needed"):
+        load_config(None, ["engine.student_gpus=1", "engine.student_servers=2"])
+    with pytest.raises(ConfigError, match=r"engine.teacher_gpus: expected comma-separated GPU indices such as '1,2', got 'cuda:1'"):
+        load_config(None, ["engine.teacher_gpus=cuda:1"])
+    with pytest.raises(ConfigError, match=r"model.device: must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'gpu'"):
+        load_config(None, ["model.device=gpu"])
+    with pytest.raises(ConfigError, match=r"rollout.temperature: must be 1 with engine.kind = 'vllm_colocate'"):
+        load_config(None, ["engine.kind=vllm_colocate", "rollout.temperature=0.7"])
 
 
 def test_list_fields_parse_from_toml_and_set():

