@@ -182,6 +182,7 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
 
 def _train(args: argparse.Namespace) -> None:
     from selfopd.config import load_config
+    from selfopd.distributed import current_world
     from selfopd.run_summary import summarize_run
     from selfopd.trainer import train
 
@@ -199,8 +200,9 @@ def _train(args: argparse.Namespace) -> None:
         print(config_to_toml(config), end="")
         return
     run_dir = train(config, resume=args.resume is not None)
-    print(summarize_run(run_dir))
-    print(f"run folder: {run_dir} (metrics.jsonl, plots/, eval/, checkpoints/, rollouts/)")
+    if current_world().is_main:  # under torchrun: once, from rank 0
+        print(summarize_run(run_dir))
+        print(f"run folder: {run_dir} (metrics.jsonl, plots/, eval/, checkpoints/, rollouts/)")
 
 
 # --- sft ----------------------------------------------------------------------------

@@ -11,18 +11,24 @@ from typing import Sequence
 import torch
 
 from selfopd.diagnostics.records import RolloutRecord, write_records
+from selfopd.distributed import ShardedSampling, full_optimizer_state, full_state_dict, is_sharded
 from selfopd.evaluate import evaluate
 from selfopd.run_folder import RunFolder
 from selfopd.run_state import Run, Scored
 
 
-def run_eval(run: Run) -> dict[str, float]:
-    """Greedy held-out accuracy of the current student, with its 95% interval."""
+def run_eval(run: Run) -> dict[str, float] | None:
+    """Greedy held-out accuracy of the current student, with its 95% interval. Under torchrun
+    every rank generates its share of each batch; rank 0 writes and gets the metrics (None
+    elsewhere)."""
     cfg = run.config
     out_dir = run.folder.eval_dir(run.step)
-    evaluate(run.student_engine, run.tokenizer, run.eval_examples, run.student_template,
-             cfg.eval.max_tokens, cfg.eval.batch_size, out_dir=out_dir, progress=cfg.run.progress)
-    return eval_metrics(run.step, out_dir)
+    main = run.world.is_main
+    with run.autocast():
+        evaluate(ShardedSampling(run.student_engine, run.world), run.tokenizer, run.eval_examples,
+                 run.student_template, cfg.eval.max_tokens, cfg.eval.batch_size, out_dir=out_dir if main else None,
+                 progress=cfg.run.progress and main)
+    return eval_metrics(run.step, out_dir) if main else None
 
 
 def eval_metrics(step: int, eval_dir: Path) -> dict[str, float]:
@@ -56,12 +62,18 @@ def reuse_eval(run: Run, source: Path) -> dict[str, float]:
 
 def save_checkpoint(run: Run) -> Path:
     """HF-format weights (loadable by transformers and vLLM) plus the trainer state; only
-    the latest checkpoint is kept."""
+    the latest checkpoint is kept. Under torchrun the full weights and optimizer state are
+    gathered to rank 0 (every rank takes part), which writes them in the one-process layout."""
     target, staging = run.folder.checkpoint(run.step), run.folder.checkpoint_staging(run.step)
+    sharded = is_sharded(run.model)
+    weights = full_state_dict(run.model, run.world) if sharded else None
+    optimizer = full_optimizer_state(run.model, run.optimizer, run.world)
+    if not run.world.is_main:
+        return target
     shutil.rmtree(staging, ignore_errors=True)
-    run.model.save_pretrained(staging)
+    run.model.save_pretrained(staging, **({"state_dict": weights} if sharded else {}))
     run.tokenizer.save_pretrained(staging)
-    torch.save({"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(), "step": run.step},
+    torch.save({"optimizer": optimizer, "scheduler": run.scheduler.state_dict(), "step": run.step},
                RunFolder.trainer_state(staging))
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)

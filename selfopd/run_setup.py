@@ -14,7 +14,8 @@ import torch
 
 from selfopd.config import ConfigError, TrainConfig
 from selfopd.data import load_examples
-from selfopd.engines.build import load_model, open_training_engines
+from selfopd.distributed import World, current_world, init_process_group, load_optimizer_state, shard_model
+from selfopd.engines.build import load_model, model_options, open_training_engines
 from selfopd.example import Example, prompt_key
 from selfopd.models import resolve_model
 from selfopd.run_folder import RunFolder
@@ -33,6 +34,10 @@ def build_run(config: TrainConfig, resume_from: Path | None = None) -> Run:
     if config.model.threads:
         torch.set_num_threads(config.model.threads)
     torch.manual_seed(config.run.seed)
+    world = current_world()
+    check_world(config, world)
+    options = model_options(config.model, world)
+    init_process_group(world, options["device"])
 
     folder = RunFolder.of(config.run.out_dir, config.run.name)
     examples = load_examples(config.data.spec)
@@ -42,7 +47,9 @@ def build_run(config: TrainConfig, resume_from: Path | None = None) -> Run:
     if config.teacher.kind == "external":
         check_external_teacher_split(config.teacher.model, eval_examples)
 
-    model, tokenizer = load_model(config.model.student, config.model.dtype, weights=resume_from)
+    model, tokenizer = load_model(config.model.student, config.model.dtype, weights=resume_from,
+                                  gradient_checkpointing=config.model.gradient_checkpointing, **options)
+    shard_model(model, world)  # before the optimizer: it must hold the sharded parameters
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.optim.lr, betas=(config.optim.beta1, config.optim.beta2),
         weight_decay=config.optim.weight_decay,
@@ -50,8 +57,8 @@ def build_run(config: TrainConfig, resume_from: Path | None = None) -> Run:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
     step = 0
     if resume_from is not None:
-        state = torch.load(RunFolder.trainer_state(resume_from), weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
+        state = torch.load(RunFolder.trainer_state(resume_from), weights_only=False, map_location="cpu")
+        load_optimizer_state(model, optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step = state["step"]
     probe_prompt = prompt_token_ids(tokenizer, render_student(student_template, eval_examples[0]))
@@ -59,21 +66,41 @@ def build_run(config: TrainConfig, resume_from: Path | None = None) -> Run:
 
     resources = contextlib.ExitStack()
     try:
-        student_engine, teacher_engine = open_training_engines(config, model, tokenizer, folder.logs, resources)
+        student_engine, teacher_engine = open_training_engines(config, model, tokenizer, folder.logs, resources, world)
         run = Run(config, folder, model, tokenizer, optimizer, scheduler, student_engine, teacher_engine,
-                  student_template, teacher_template, train_examples, eval_examples, probe, step, resources)
-        if config.engine.kind == "vllm":
-            # Servers start from the model folder (or were running already): give them the
-            # trainer's weights (a resumed checkpoint's, say) before the first rollout.
-            sync_weights(run)
-            check_probe(run)
-        if config.teacher.kind == "frozen":
-            initial = model if resume_from is None else load_model(config.model.student, config.model.dtype)[0]
-            check_frozen_teacher(run, probe_logprobs(initial, probe, run.pad_id))
+                  student_template, teacher_template, train_examples, eval_examples, probe, step, resources,
+                  device=options["device"], world=world)
+        with run.autocast():
+            if config.engine.kind == "vllm":
+                # Servers start from the model folder (or were running already): give them the
+                # trainer's weights (a resumed checkpoint's, say) before the first rollout.
+                sync_weights(run)
+                check_probe(run)
+            if config.teacher.kind == "frozen":
+                if resume_from is None:
+                    initial = model
+                else:
+                    initial = load_model(config.model.student, config.model.dtype, **options)[0]
+                    shard_model(initial, world)
+                check_frozen_teacher(run, probe_logprobs(initial, probe, run.pad_id))
     except BaseException:
         resources.close()
         raise
     return run
+
+
+def check_world(config: TrainConfig, world: World) -> None:
+    """Under torchrun each rank takes an equal share of a step's prompts, whole micro-batches."""
+    if not world.distributed:
+        return
+    if config.engine.kind != "local":
+        raise ConfigError("engine.kind", f"{config.engine.kind!r} under torchrun ({world.size} processes) is not "
+                          "supported yet: the distributed trainer samples and scores in process (engine.kind = 'local')")
+    per_rank = config.optim.micro_batch_prompts * world.size
+    if config.rollout.prompts_per_step % per_rank:
+        raise ConfigError("rollout.prompts_per_step", f"must be a multiple of optim.micro_batch_prompts "
+                          f"({config.optim.micro_batch_prompts}) x {world.size} processes = {per_rank}, got "
+                          f"{config.rollout.prompts_per_step}: each rank takes an equal share of whole micro-batches")
 
 
 def check_external_teacher_split(teacher: str, eval_examples: Sequence[Example]) -> None:

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 
 from selfopd.config import TrainConfig
+from selfopd.devices import autocast
+from selfopd.distributed import World
 from selfopd.engines.base import Engine, Rollout
 from selfopd.engines.local import pad_token_id
 from selfopd.example import Example
@@ -37,6 +39,8 @@ class Run:
     probe: tuple[list[int], list[int]]
     step: int = 0
     resources: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # servers, clients
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # the trainer's
+    world: World = field(default_factory=World)  # this process among torchrun's (one: rank 0 of 1)
 
     def close(self) -> None:
         """Close engine clients and stop the servers this run launched."""
@@ -49,6 +53,10 @@ class Run:
     @property
     def pad_id(self) -> int:
         return pad_token_id(self.tokenizer, self.model)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The compute precision of every forward of the student (`model.dtype`)."""
+        return autocast(self.device, self.config.model.dtype)
 
     @property
     def temperature(self) -> float:

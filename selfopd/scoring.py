@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from selfopd.devices import model_device
 from selfopd.kernels import token_logprobs_from_hidden
 
 Sequences = Sequence[tuple[Sequence[int], Sequence[int]]]
@@ -71,50 +72,90 @@ def topk_from_hidden(model: Any, hidden_BCH: Tensor, k: int, chunk_size: int = 2
 
 def completion_hidden(model: Any, sequences: Sequences, pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
     """Final hidden states that predict each completion token, the tokens, and their mask:
-    (hidden_BCH, ids_BC, mask_BC). With the unembedding (`model.get_output_embeddings()`)
-    they give every next-token distribution, for the full-vocabulary losses.
+    (hidden_BCH, ids_BC, mask_BC), on the model's device. With the unembedding
+    (`model.get_output_embeddings()`) they give every next-token distribution, for the
+    full-vocabulary losses.
 
-    Two decoder calls: the distinct prompts, left-padded so they all end at the same
-    position; then every completion, right-padded, attending to its prompt's cached
-    keys/values (selected per row, a differentiable gather).
+    Two passes: the distinct prompts, left-padded so they all end at the same position;
+    then every completion, right-padded, attending to its prompt's cached keys/values
+    (selected per row, a differentiable gather). Under gradient checkpointing, which drops
+    the cache, one pass over prompt + completion instead (same result, no sharing).
     """
     _check_plain_head(model)
     if not sequences:
         raise ValueError("no sequences to score")
-    prompt_index: dict[tuple[int, ...], int] = {}
-    rows = []
     for row, (prompt, completion) in enumerate(sequences):
         if not prompt or not completion:
             raise ValueError(f"sequence {row} has an empty {'prompt' if not prompt else 'completion'}")
-        rows.append(prompt_index.setdefault(tuple(prompt), len(prompt_index)))
-    prompts = list(prompt_index)
-    decoder = model.get_decoder()
+    device = model_device(model)
+    ids_BC, mask_BC = right_pad([completion for _, completion in sequences], pad_id)
+    ids_BC, mask_BC = ids_BC.to(device), mask_BC.to(device)
+    if _recomputes_layers(model):
+        return _hidden_in_one_pass(model, sequences, ids_BC, mask_BC, pad_id), ids_BC, mask_BC
 
+    prompt_index: dict[tuple[int, ...], int] = {}
+    rows = [prompt_index.setdefault(tuple(prompt), len(prompt_index)) for prompt, _ in sequences]
     # Prompts: (G, P), left-padded; positions count real tokens only.
-    prompt_ids_GP, prompt_mask_GP = left_pad(prompts, pad_id)
+    prompt_ids_GP, prompt_mask_GP = (t.to(device) for t in left_pad(list(prompt_index), pad_id))
     prompt_positions_GP = (prompt_mask_GP.cumsum(-1) - 1).clamp(min=0)
-    prompt_out = decoder(input_ids=prompt_ids_GP, attention_mask=prompt_mask_GP, position_ids=prompt_positions_GP, use_cache=True)
+    cache_name = _cache_argument(model.get_decoder())
+    prompt_out = _decoder_output(model, input_ids=prompt_ids_GP, attention_mask=prompt_mask_GP,
+                                 position_ids=prompt_positions_GP, use_cache=True)
 
     # Completions: (B, C), right-padded, continuing their prompt's positions.
-    row_to_prompt_B = torch.tensor(rows)
-    length = max(len(c) for _, c in sequences)
-    ids_BC = torch.full((len(sequences), length), pad_id, dtype=torch.long)
-    mask_BC = torch.zeros_like(ids_BC)
-    for b, (_, completion) in enumerate(sequences):
-        ids_BC[b, : len(completion)] = torch.tensor(completion)
-        mask_BC[b, : len(completion)] = 1
+    row_to_prompt_B = torch.tensor(rows, device=device)
     prompt_lengths_B = prompt_mask_GP.sum(-1)[row_to_prompt_B]
-    positions_BC = prompt_lengths_B[:, None] + torch.arange(length)[None, :]
+    positions_BC = prompt_lengths_B[:, None] + torch.arange(ids_BC.shape[1], device=device)[None, :]
     cache = getattr(prompt_out, "cache", None) or prompt_out.past_key_values
     cache.batch_select_indices(row_to_prompt_B)
     attention_BT = torch.cat([prompt_mask_GP[row_to_prompt_B], mask_BC], dim=1)
-    completion_out = decoder(input_ids=ids_BC, attention_mask=attention_BT, position_ids=positions_BC,
-                             **{_cache_argument(decoder): cache}, use_cache=True)
+    completion_out = _decoder_output(model, input_ids=ids_BC, attention_mask=attention_BT, position_ids=positions_BC,
+                                     **{cache_name: cache}, use_cache=True)
 
     # The prompt's last hidden state predicts completion token 0; completion token c-1's predicts c.
     first_B1H = prompt_out.last_hidden_state[row_to_prompt_B, -1:]
     hidden_BCH = torch.cat([first_B1H, completion_out.last_hidden_state[:, :-1]], dim=1)
     return hidden_BCH, ids_BC, mask_BC
+
+
+def _hidden_in_one_pass(model: Any, sequences: Sequences, ids_BC: Tensor, mask_BC: Tensor, pad_id: int) -> Tensor:
+    """`completion_hidden`'s states from one pass over [left-padded prompt | completion]."""
+    prompt_ids_BP, prompt_mask_BP = (t.to(ids_BC.device) for t in left_pad([p for p, _ in sequences], pad_id))
+    mask_BT = torch.cat([prompt_mask_BP, mask_BC], dim=1)
+    out = _decoder_output(model, input_ids=torch.cat([prompt_ids_BP, ids_BC], dim=1), attention_mask=mask_BT,
+                          position_ids=(mask_BT.cumsum(-1) - 1).clamp(min=0), use_cache=False)
+    width = prompt_ids_BP.shape[1]
+    return out.last_hidden_state[:, width - 1 : width - 1 + ids_BC.shape[1]]
+
+
+def _decoder_output(model: Any, **inputs: Any) -> Any:
+    """The decoder's output (final hidden states after the last norm, and the cache) of a
+    call of the whole model: the call goes through the top module, so hooks on it run (FSDP
+    gathers the embeddings and the output head there); the head itself is applied to one
+    position only (`logits_to_keep=1`), since the callers apply it themselves, chunked."""
+    captured: list[Any] = []
+    handle = model.get_decoder().register_forward_hook(lambda module, args, output: captured.append(output))
+    try:
+        model(**inputs, logits_to_keep=1)
+    finally:
+        handle.remove()
+    return captured[-1]
+
+
+def _recomputes_layers(model: Any) -> bool:
+    """Gradient checkpointing is on and will run: transformers then drops the KV cache."""
+    return bool(getattr(model, "is_gradient_checkpointing", False)) and model.training and torch.is_grad_enabled()
+
+
+def right_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """(ids, mask), both (rows, longest), each row from column 0."""
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for index, row in enumerate(rows):
+        ids[index, : len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[index, : len(row)] = 1
+    return ids, mask
 
 
 def _cache_argument(decoder: Any) -> str:
@@ -146,10 +187,11 @@ def _check_plain_head(model: Any) -> None:
         raise NotImplementedError(f"{type(model).__name__} scales its logits; selfopd scores plain linear heads only")
 
 
-def pad_completions(values: Sequence[Tensor | Sequence[float]], length: int) -> Tensor:
-    """Per-completion 1-D values right-padded with zeros into (B, length), float32."""
+def pad_completions(values: Sequence[Tensor | Sequence[float]], length: int,
+                    device: torch.device | None = None) -> Tensor:
+    """Per-completion 1-D values right-padded with zeros into (B, length), float32, on `device`."""
     out_BC = torch.zeros(len(values), length, dtype=torch.float32)
     for row, value in enumerate(values):
         tensor = torch.as_tensor(value, dtype=torch.float32)
         out_BC[row, : len(tensor)] = tensor
-    return out_BC
+    return out_BC if device is None else out_BC.to(device)

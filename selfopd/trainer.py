@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from selfopd.config import TrainConfig, config_to_toml
+from selfopd.distributed import all_gather, all_sum, barrier, current_world, is_sharded, share
 from selfopd.engines.base import SamplingParams
 from selfopd.example import Example
 from selfopd.kernels import full_vocab_divergence, topk_reverse_kl
@@ -40,13 +42,21 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def train_step(run: Run) -> dict[str, float]:
-    """One OPD step; returns its metrics."""
+    """One OPD step; returns its metrics (the same on every rank)."""
+    with run.autocast():
+        return _train_step(run)
+
+
+def _train_step(run: Run) -> dict[str, float]:
     cfg = run.config
     timer = _PhaseTimer()
     temperature = run.temperature  # student and teacher logprobs are both at the sampling temperature
+    world, device = run.world, run.device
 
-    # 1. Data and student rollouts (exact ids, sampler logprobs).
-    examples = batch_for_step(run.train_examples, run.step, cfg.rollout.prompts_per_step, cfg.run.seed)
+    # 1. Data and student rollouts (exact ids, sampler logprobs); under torchrun this rank's
+    #    share of the step's prompts, from here to the loss.
+    examples = share(batch_for_step(run.train_examples, run.step, cfg.rollout.prompts_per_step, cfg.run.seed), world)
+    first_group = world.rank * len(examples)
     student_messages = [render_student(run.student_template, e) for e in examples]
     prompts = [prompt_token_ids(run.tokenizer, m) for m in student_messages]
     params = SamplingParams(
@@ -55,6 +65,7 @@ def train_step(run: Run) -> dict[str, float]:
         top_p=cfg.rollout.top_p,
         n=cfg.rollout.samples_per_prompt,
         seed=cfg.run.seed * 1_000_003 + run.step,
+        first_row=first_group * cfg.rollout.samples_per_prompt,
     )
     with timer("sample"):
         groups = run.student_engine.sample(prompts, params)
@@ -63,7 +74,7 @@ def train_step(run: Run) -> dict[str, float]:
     #    after its own (privileged) prompt.
     with timer("verify"):
         pending = []
-        for group, (example, messages, rollouts) in enumerate(zip(examples, student_messages, groups)):
+        for group, (example, messages, rollouts) in enumerate(zip(examples, student_messages, groups), first_group):
             for rollout in rollouts:
                 verdict = verify_example(rollout.text, example, partial_credit=cfg.loss.partial_credit)
                 teacher_messages = render_teacher(run.teacher_template, example, messages, rollout.text, verdict.feedback)
@@ -86,7 +97,10 @@ def train_step(run: Run) -> dict[str, float]:
 
     # 3. Student forward/backward in micro-batches of whole prompt groups; gradients accumulate.
     run.model.train()
-    total_tokens = sum(len(s.rollout.completion_ids) for s in scored)
+    # The loss is the mean over the whole step (all ranks): each rank weighs its micro-batches
+    # by the step's totals, and FSDP's mean over ranks is undone by `world.size`.
+    total_tokens = all_sum(sum(len(s.rollout.completion_ids) for s in scored), world)
+    total_rollouts = len(scored) * world.size
     collected: dict[str, list[torch.Tensor]] = {"teacher": [], "student": [], "sampler": [], "advantage": [], "divergence": []}
     sampled = cfg.loss.divergence == "sampled"
     loss_total = 0.0
@@ -99,10 +113,10 @@ def train_step(run: Run) -> dict[str, float]:
             student_lp_BC = logprobs_from_hidden(run.model, hidden_BCH, tokens_BC, mask_BC)
             mask_BC = mask_BC.bool()
             length = mask_BC.shape[1]
-            teacher_lp_BC = pad_completions([s.teacher_logprobs for s in micro], length)
-            sampler_lp_BC = pad_completions([s.rollout.sampler_logprobs for s in micro], length)
-            rewards_B = torch.tensor([s.reward for s in micro])
-            group_ids_B = torch.tensor([s.group for s in micro])
+            teacher_lp_BC = pad_completions([s.teacher_logprobs for s in micro], length, device)
+            sampler_lp_BC = pad_completions([s.rollout.sampler_logprobs for s in micro], length, device)
+            rewards_B = torch.tensor([s.reward for s in micro], device=device)
+            group_ids_B = torch.tensor([s.group for s in micro], device=device)
             # The sampled-token advantage (OPD + GRPO) is always computed: it is saved and
             # measured even when the teacher term of the loss is an exact divergence.
             advantage_BC = combined_advantage(teacher_lp_BC, student_lp_BC, mask_BC, rewards_B, group_ids_B,
@@ -116,13 +130,13 @@ def train_step(run: Run) -> dict[str, float]:
                 divergence_BC = distribution_divergence(run, micro, hidden_BCH, mask_BC)
                 loss = (policy_gradient_loss(student_lp_BC, grpo_BC, mask_BC, ratio_BC, cfg.loss.normalisation)
                         + cfg.loss.lambda_opd * masked_mean(divergence_BC, mask_BC, cfg.loss.normalisation))
-                collected["divergence"].append(divergence_BC.detach()[mask_BC])
+                collected["divergence"].append(divergence_BC.detach()[mask_BC].float().cpu())
             # Scale so the accumulated gradient equals one big batch's mean.
-            weight = int(mask_BC.sum()) / total_tokens if cfg.loss.normalisation == "token" else len(micro) / len(scored)
-            (loss * weight).backward()
+            weight = int(mask_BC.sum()) / total_tokens if cfg.loss.normalisation == "token" else len(micro) / total_rollouts
+            (loss * (weight * world.size)).backward()
             loss_total += loss.item() * weight
             for key, tensor in (("teacher", teacher_lp_BC), ("student", student_lp_BC), ("sampler", sampler_lp_BC), ("advantage", advantage_BC)):
-                collected[key].append(tensor.detach()[mask_BC])
+                collected[key].append(tensor.detach()[mask_BC].float().cpu())
 
     # 4. Optimizer step (AdamW state persists across steps).
     with timer("optim"):
@@ -138,10 +152,13 @@ def train_step(run: Run) -> dict[str, float]:
     with timer("probe"):
         probe_diff = check_probe(run)
 
-    flat = {key: torch.cat(values)[None] for key, values in collected.items() if values}
+    # Metrics of the whole step: every rank's rollouts and tokens, in rank order.
+    scored = [s for part in all_gather(scored, world) for s in part]
+    flat = {key: torch.cat([t for part in all_gather(values, world) for t in part])[None]
+            for key, values in collected.items() if values}
     metrics = {
         "step": run.step,
-        "loss/pg": loss_total,
+        "loss/pg": all_sum(loss_total, world),
         "optim/lr": run.scheduler.get_last_lr()[0],
         "optim/grad_norm": grad_norm,
         "probe/max_abs_diff": probe_diff,
@@ -156,7 +173,8 @@ def train_step(run: Run) -> dict[str, float]:
         "rollout/truncated_share": sum(s.rollout.finish_reason == "length" for s in scored) / len(scored),
         **timer.as_metrics(),
     }
-    save_rollouts(run, scored, flat["student"][0], flat["advantage"][0], cfg.run.rollouts_to_save)
+    if world.is_main:
+        save_rollouts(run, scored, flat["student"][0], flat["advantage"][0], cfg.run.rollouts_to_save)
     return metrics
 
 
@@ -174,7 +192,7 @@ def distribution_divergence(run: Run, micro: Sequence[Scored], hidden_BCH: torch
         for row, s in enumerate(micro):
             ids, logprobs = s.teacher_topk
             ids_BCK[row, : len(ids)], logprobs_BCK[row, : len(ids)] = ids, logprobs
-        return topk_reverse_kl(hidden_BCH, head_VH, ids_BCK, logprobs_BCK, mask_BC)
+        return topk_reverse_kl(hidden_BCH, head_VH, ids_BCK.to(run.device), logprobs_BCK.to(run.device), mask_BC)
     # In process only: the config refuses full-vocabulary losses with vLLM.
     pairs = [(s.teacher_prompt, s.rollout.completion_ids) for s in micro]
     teacher_hidden_BCH, teacher_head_VH = run.teacher_engine.completion_states(pairs, run.temperature)
@@ -199,7 +217,9 @@ def train(config: TrainConfig, resume: bool = False, initial_eval: Path | None =
 
     `initial_eval`: an eval folder (eval.jsonl + summary.json) of these very starting weights
     on this eval split, used as the step-0 eval instead of evaluating again. `selfopd
-    compare` evaluates the shared base model once for all its arms."""
+    compare` evaluates the shared base model once for all its arms. Under torchrun every
+    rank runs this; rank 0 alone writes the run folder."""
+    main = current_world().is_main
     folder = RunFolder.of(config.run.out_dir, config.run.name)
     checkpoint = folder.latest_checkpoint() if resume else None
     if resume and checkpoint is None:
@@ -207,48 +227,61 @@ def train(config: TrainConfig, resume: bool = False, initial_eval: Path | None =
     if not resume:
         if folder.metrics.exists():
             raise FileExistsError(f"{folder.root} already holds a run: choose another run.name or resume it")
-        folder.root.mkdir(parents=True, exist_ok=True)
-        folder.config.write_text(config_to_toml(config))
+        if main:
+            folder.root.mkdir(parents=True, exist_ok=True)
+            folder.config.write_text(config_to_toml(config))
     run = build_run(config, checkpoint)
     with contextlib.closing(run):  # stops launched servers on any exit, Ctrl-C included
         split = SplitRecord.of(config.data.spec, config.data.split_seed, run.train_examples, run.eval_examples)
         if resume:
             SplitRecord.read(folder.root).check_same(split, str(folder.root))
-        else:
+        elif main:
             split.write(folder.root)
-        log = MetricsLog(folder, config)
-        with contextlib.closing(log):
+        log = MetricsLog(folder, config) if main else None
+        with contextlib.closing(log) if log else contextlib.nullcontext():
             _train_loop(run, log, resume, initial_eval)
-    plot_run(folder)
+        barrier(run.world)  # the last checkpoint is written before any rank returns
+    if main:
+        plot_run(folder)
     return folder.root
 
 
-def _train_loop(run: Run, log: MetricsLog, resume: bool, initial_eval: Path | None) -> None:
+def _train_loop(run: Run, log: MetricsLog | None, resume: bool, initial_eval: Path | None) -> None:
+    """Every rank runs every step, eval and checkpoint (collectives); `log` is rank 0's."""
     config = run.config
+
+    def record(metrics: dict[str, float] | None) -> None:
+        if log is not None and metrics is not None:
+            log.log(metrics)
+
     if resume:
-        log.truncate_after(run.step)
+        if log is not None:
+            log.truncate_after(run.step)
     elif initial_eval is not None:
-        log.log(reuse_eval(run, initial_eval))
+        record(reuse_eval(run, initial_eval) if run.world.is_main else None)
     else:
-        log.log(run_eval(run))
-    bar = tqdm(total=config.run.steps, initial=run.step, desc=config.run.name, unit="step", disable=not config.run.progress)
+        record(run_eval(run))
+    bar = tqdm(total=config.run.steps, initial=run.step, desc=config.run.name, unit="step",
+               disable=not (config.run.progress and run.world.is_main))
     while run.step < config.run.steps:
         metrics = train_step(run)
-        log.log(metrics)
+        record(metrics)
         bar.set_postfix(kl=f"{metrics['opd/reverse_kl']:.3f}", acc=f"{metrics['reward/accuracy']:.2f}")
         bar.update(1)
         last = run.step == config.run.steps
         if (config.run.eval_every and run.step % config.run.eval_every == 0) or last:
-            log.log(run_eval(run))
+            record(run_eval(run))
         if (config.run.checkpoint_every and run.step % config.run.checkpoint_every == 0) or last:
             save_checkpoint(run)
     bar.close()
 
 
 def _clip_gradients(model: Any, max_norm: float) -> float:
+    """The global gradient norm (over every rank's shards), clipped to `max_norm` when > 0."""
     params = [p for p in model.parameters() if p.grad is not None]
-    if max_norm > 0:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+    if max_norm > 0 or is_sharded(model):
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
+        return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
     return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])).item()
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from selfopd.distributed import full_state_dict
 from selfopd.engines.base import Engine
 from selfopd.engines.local import eval_mode
 from selfopd.run_state import Run
@@ -25,11 +26,24 @@ def engines_serving_student_weights(run: Run) -> list[tuple[str, Engine]]:
     return engines
 
 
+def serves_live_model(engine: Engine, run: Run) -> bool:
+    """An in-process engine over the trainer's own module: it sees every step at once."""
+    return getattr(engine, "model", None) is run.model
+
+
 def sync_weights(run: Run) -> None:
-    """Push the trainer's weights to every engine that serves the student's weights."""
-    named = {name: param.detach() for name, param in run.model.named_parameters()}
+    """Push the trainer's weights to every engine that serves the student's weights (rank 0
+    sends; under torchrun every rank helps gather the full weights first)."""
+    targets = [engine for _, engine in engines_serving_student_weights(run) if not serves_live_model(engine, run)]
     for _, engine in engines_serving_student_weights(run):
-        engine.update_weights(named, version=run.step)
+        if serves_live_model(engine, run):
+            engine.update_weights({}, version=run.step)
+    if not targets:
+        return
+    named = full_state_dict(run.model, run.world)
+    if run.world.is_main:
+        for engine in targets:
+            engine.update_weights(named, version=run.step)
 
 
 @torch.no_grad()

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from selfopd.config import load_config
 from selfopd.engines.local import LocalEngine
+from selfopd.scoring import completion_hidden
 from selfopd.tokenizer_check import TokenizerMismatch
 from selfopd.trainer import WeightSyncError, build_run, train, train_step
 
@@ -156,14 +157,28 @@ def test_tokenizer_without_pad_token_trains(tmp_path, tiny_model_dir):
     assert math.isfinite(metrics["loss/pg"]) and run.pad_id == run.model.generation_config.eos_token_id
 
 
-def test_bfloat16_run_trains_and_probes(tmp_path, tiny_model_dir):
-    run = build_run(_config(tmp_path, tiny_model_dir, "model.dtype=bfloat16", "run.name=bf16"))
+def test_bfloat16_run_trains_fp32_master_weights_in_bf16_compute(tmp_path, tiny_model_dir):
+    """model.dtype = bfloat16: weights, gradients and AdamW state stay fp32, the forward runs
+    in bf16, and a step at lr 1e-6 still moves the weights (a bf16 weight could not take it)."""
+    run = build_run(_config(tmp_path, tiny_model_dir, "model.dtype=bfloat16", "optim.lr=1e-6", "run.name=bf16"))
     run.run_dir.mkdir(parents=True)
     before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
     metrics = train_step(run)
-    assert next(run.model.parameters()).dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in run.model.parameters())
+    assert all(s["exp_avg_sq"].dtype == torch.float32 for s in run.optimizer.state.values())
     assert metrics["probe/max_abs_diff"] == 0.0
-    assert any(not torch.equal(p, before[n]) for n, p in run.model.named_parameters())
+    moved = [(p != before[n]).float().mean().item() for n, p in run.model.named_parameters()]
+    assert min(moved) > 0.9, moved  # every tensor: nearly every weight moved
+    dtypes = []
+    linear = run.model.get_decoder().layers[0].mlp.down_proj
+    handle = linear.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+    with run.autocast():
+        completion_hidden(run.model, [([1, 2, 3], [4, 5])], run.pad_id)
+    handle.remove()
+    assert dtypes == [torch.bfloat16, torch.bfloat16]  # prompt and completion passes: bf16 matmuls
+    bf16 = {n: p.detach().to(torch.bfloat16) for n, p in before.items()}
+    stepped = {n: (p.float() - 1e-6 * torch.sign(p.float())).to(torch.bfloat16) for n, p in bf16.items()}
+    assert max((stepped[n] != bf16[n]).float().mean().item() for n in bf16) < 0.05  # why: bf16 drops the step
 
 
 def test_frozen_teacher_keeps_the_initial_weights(tmp_path, tiny_model_dir):

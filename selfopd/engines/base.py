@@ -21,6 +21,10 @@ class SamplingParams:
     top_p: float = 1.0
     n: int = 1  # samples per prompt
     seed: int | None = None
+    # The row (prompt x sample) of the whole request that this call's first row is: a rank
+    # that samples its share of a step's prompts passes its offset, so row r draws the same
+    # randomness whichever process samples it.
+    first_row: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -31,6 +35,15 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.first_row < 0:
+            raise ValueError(f"first_row must be >= 0, got {self.first_row}")
+
+    def row_seed(self, row: int) -> int | None:
+        """The seed of the randomness that starts at row `row` of the whole request: the
+        request's seed for row 0 (one call, one batch: as always), a mix of both otherwise."""
+        if self.seed is None:
+            return None
+        return self.seed if row == 0 else (self.seed * 6364136223846793005 + row * 1442695040888963407) % 2**63
 
 
 @dataclass(frozen=True)

@@ -16,32 +16,46 @@ from typing import Any
 
 import torch
 
-from selfopd.config import TrainConfig
+from selfopd.config import ModelConfig, TrainConfig
+from selfopd.devices import DTYPES, attn_implementation, resolve_device
+from selfopd.distributed import World, current_world, shard_model
 from selfopd.engines.base import Engine
 from selfopd.engines.local import LocalEngine
 from selfopd.models import resolve_model
 from selfopd.tokenizer_check import check_tokenizers_compatible
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def load_model(spec: str | Path, dtype: str = "float32", *, weights: Path | None = None,
-               frozen: bool = False) -> tuple[Any, Any]:
-    """(model, tokenizer) of a packaged name, folder or hub id; `weights`: load the weights from
-    that folder instead (a checkpoint of this model). `frozen`: eval mode, no gradients."""
+def load_model(spec: str | Path, dtype: str = "float32", *, weights: Path | None = None, frozen: bool = False,
+               device: torch.device | None = None, attn: str = "sdpa",
+               gradient_checkpointing: bool = False) -> tuple[Any, Any]:
+    """(model, tokenizer) of a packaged name, folder or hub id, on `device` (default CPU);
+    `weights`: load the weights from that folder instead (a checkpoint of this model).
+    `frozen`: eval mode, no gradients, weights in `dtype`. A trained model keeps fp32 master
+    weights whatever `dtype` (which is then its autocast compute dtype, `selfopd.devices`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    device = device or torch.device("cpu")
     folder = resolve_model(spec)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(weights or folder, dtype=DTYPES[dtype])
+    model = AutoModelForCausalLM.from_pretrained(
+        weights or folder, dtype=DTYPES[dtype] if frozen else torch.float32, attn_implementation=attn,
+        **({"device_map": device} if device.type == "cuda" else {}))
     if frozen:
         model.eval().requires_grad_(False)
+    elif gradient_checkpointing:
+        # Non-reentrant: correct when the layer inputs need no grad (frozen embeddings, LoRA).
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model, tokenizer
+
+
+def model_options(model: ModelConfig, world: World | None = None) -> dict[str, Any]:
+    """`load_model`'s placement keywords from the config: device, attention kernel."""
+    device = resolve_device(model.device, (world or current_world()).local_rank)
+    return {"device": device, "attn": attn_implementation(model.attn_implementation, device)}
 
 
 def frozen_engine(spec: str | Path, config: TrainConfig) -> LocalEngine:
     """An in-process engine over a frozen model (evaluation, diagnostics, SFT sampling)."""
-    model, tokenizer = load_model(spec, config.model.dtype, frozen=True)
+    model, tokenizer = load_model(spec, config.model.dtype, frozen=True, **model_options(config.model))
     return LocalEngine(model, tokenizer, batch_size=config.eval.batch_size)
 
 
@@ -66,12 +80,13 @@ def checked_external_teacher(config: TrainConfig, tokenizer: Any) -> tuple[Path,
 
 
 def open_training_engines(config: TrainConfig, model: Any, tokenizer: Any, log_dir: Path,
-                          resources: contextlib.ExitStack) -> tuple[Engine, Engine]:
+                          resources: contextlib.ExitStack, world: World = World()) -> tuple[Engine, Engine]:
     """(student engine, teacher engine) for a training run whose trainable student is `model`.
 
     In process, the student engine wraps `model` itself (a `self` teacher is the same engine
-    with another prompt). With vLLM, launched servers log to `log_dir` and are stopped when
-    `resources` closes."""
+    with another prompt); a frozen or external teacher is loaded on the student's device
+    and, under torchrun, sharded like it. With vLLM, launched servers log to `log_dir` and
+    are stopped when `resources` closes."""
     if config.engine.kind == "vllm":
         from selfopd.serving import open_vllm_engines
 
@@ -82,9 +97,12 @@ def open_training_engines(config: TrainConfig, model: Any, tokenizer: Any, log_d
     student = LocalEngine(model, tokenizer, batch_size=batch_size)
     if config.teacher.kind == "self":
         return student, student
+    options = model_options(config.model, world)
     if config.teacher.kind == "frozen":
-        frozen, _ = load_model(config.model.student, config.model.dtype, frozen=True)
+        frozen, _ = load_model(config.model.student, config.model.dtype, frozen=True, **options)
+        shard_model(frozen, world)
         return student, LocalEngine(frozen, tokenizer, batch_size=batch_size)
     teacher_dir, teacher_tokenizer = checked_external_teacher(config, tokenizer)
-    teacher, _ = load_model(teacher_dir, config.model.dtype, frozen=True)
+    teacher, _ = load_model(teacher_dir, config.model.dtype, frozen=True, **options)
+    shard_model(teacher, world)
     return student, LocalEngine(teacher, teacher_tokenizer, batch_size=batch_size)

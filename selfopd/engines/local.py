@@ -12,6 +12,8 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
+from selfopd.devices import model_device
+from selfopd.distributed import gathered_for_generation, is_sharded
 from selfopd.engines.base import Rollout, SamplingParams, TokenScores
 from selfopd.scoring import completion_hidden, left_pad, logprobs_from_hidden, tempered, topk_from_hidden
 
@@ -30,11 +32,14 @@ class LocalEngine:
         self.pad_id = pad_token_id(tokenizer, model)
 
     def sample(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[list[Rollout]]:
-        if params.seed is not None:
-            torch.manual_seed(params.seed)
+        """Each generation batch is seeded by the request's seed and the row it starts at, so
+        a rank sampling a share of the rows (batches aligned) draws what one process does."""
         flat = [list(p) for p in prompts for _ in range(params.n)]
         rollouts: list[Rollout] = []
         for start in range(0, len(flat), self.batch_size):
+            seed = params.row_seed(params.first_row + start)
+            if seed is not None:
+                torch.manual_seed(seed)
             rollouts.extend(self._sample_batch(flat[start : start + self.batch_size], params))
         return [rollouts[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
 
@@ -53,6 +58,8 @@ class LocalEngine:
             hidden_BCH = tempered(hidden_BCH, temperature)
             logprobs_BC = logprobs_from_hidden(self.model, hidden_BCH, targets_BC, mask_BC, self.chunk_size)
             topk = topk_from_hidden(self.model, hidden_BCH, top_k, self.chunk_size) if top_k else None
+            logprobs_BC = logprobs_BC.float().cpu()  # scores are data: on the CPU, whatever the device
+            topk = (topk[0].cpu(), topk[1].float().cpu()) if topk else None
             for row, (_, completion) in enumerate(chunk):
                 span = slice(0, len(completion))
                 scores.append(
@@ -96,11 +103,13 @@ class LocalEngine:
         self.model = None
 
     def _sample_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
-        ids_BT, mask_BT = left_pad(prompts, self.pad_id)
+        device = model_device(self.model)
+        ids_BT, mask_BT = (t.to(device) for t in left_pad(prompts, self.pad_id))
         width = ids_BT.shape[1]
         greedy = params.temperature == 0
         sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
-        with torch.no_grad(), eval_mode(self.model):
+        sharded = is_sharded(self.model)
+        with torch.no_grad(), eval_mode(self.model), gathered_for_generation(self.model):
             output = self.model.generate(
                 input_ids=ids_BT,
                 attention_mask=mask_BT,
@@ -108,13 +117,14 @@ class LocalEngine:
                 pad_token_id=self.pad_id,
                 output_scores=True,
                 return_dict_in_generate=True,
+                synced_gpus=sharded,  # sharded ranks step together until every rank is done
                 **sampling,
             )
-        new_BS = output.sequences[:, width:]
+        new_BS = output.sequences[:, width:].cpu()
         # Logprobs of the distribution each token was drawn from: generate's scores are the
         # logits after temperature and top-p (as vLLM's processed_logprobs), raw when greedy.
         drawn_BSV = torch.stack(output.scores, dim=1).float().log_softmax(-1)
-        logprobs_BS = drawn_BSV.gather(-1, new_BS.unsqueeze(-1)).squeeze(-1)
+        logprobs_BS = drawn_BSV.gather(-1, new_BS.to(drawn_BSV.device).unsqueeze(-1)).squeeze(-1).cpu()
         rollouts = []
         for row, prompt in enumerate(prompts):
             tokens = new_BS[row].tolist()

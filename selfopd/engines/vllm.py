@@ -77,8 +77,9 @@ class VLLMEngine:
 
     async def _sample_one(self, index: int, prompt: list[int], params: SamplingParams) -> list[Rollout]:
         server = index % len(self.urls)
-        # vLLM seeds the n samples of one request seed, seed + 1, ...: space prompts n apart.
-        seed = None if params.seed is None else params.seed + index * params.n
+        # vLLM seeds the n samples of one request seed, seed + 1, ...: space prompts n apart
+        # (and start at the call's first row: a rank's share draws what one process does).
+        seed = None if params.seed is None else params.seed + params.first_row + index * params.n
         response = await self._call(server, prompt=prompt, n=params.n, max_tokens=params.max_tokens,
                                     temperature=params.temperature, top_p=params.top_p, seed=seed, logprobs=0,
                                     extra_body={"return_token_ids": True, "top_k": 0, "min_p": 0.0,

@@ -1,0 +1,72 @@
+"""Where the trainer computes and in which precision: `model.device`, `model.dtype`,
+`model.attn_implementation`, resolved once into plain torch values.
+
+Precision scheme for `model.dtype = "bfloat16"`: the trainable student keeps fp32 weights
+(the master copy) and so fp32 gradients and fp32 AdamW state; forward and backward run
+under bf16 autocast. Why not bf16 weights: bf16 keeps 8 significant bits, so an update
+smaller than ~2^-9 of a weight rounds away: at lr 1e-6 an AdamW step (about lr in size)
+changes almost no bf16 weight (measured: experiments/results/precision_memory.json). The
+cost is 16 bytes per trained parameter (4 weight + 4 grad + 8 AdamW) instead of 12 with
+bf16 weights and fp32 state; FSDP2 shards all of it over the ranks. Frozen teachers (no
+optimizer, no updates) hold bf16 weights directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from typing import Any
+
+import torch
+
+from selfopd.settings import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
+    """The torch device `model.device` names here. 'auto' is the rank's local GPU when CUDA
+    is there (`torchrun` gives each rank LOCAL_RANK), else the CPU."""
+    if spec == "cpu":
+        return torch.device("cpu")
+    available = torch.cuda.is_available()
+    if spec == "auto":
+        return torch.device("cuda", local_rank) if available else torch.device("cpu")
+    if not available:
+        raise ConfigError("model.device", f"{spec!r}: no CUDA device is visible here (torch "
+                          f"{torch.__version__}, CUDA_VISIBLE_DEVICES as set); use 'cpu' or 'auto'")
+    index = int(spec.split(":")[1]) if ":" in spec else local_rank
+    if index >= torch.cuda.device_count():
+        raise ConfigError("model.device", f"{spec!r}: GPU {index} does not exist; {torch.cuda.device_count()} "
+                          "visible (CUDA_VISIBLE_DEVICES renumbers them from 0)")
+    return torch.device("cuda", index)
+
+
+def attn_implementation(spec: str, device: torch.device) -> str:
+    """The transformers attention kernel: 'auto' is flash attention 2 on a GPU with the
+    flash-attn package installed, else PyTorch's sdpa (what transformers picks by default)."""
+    flash_installed = importlib.util.find_spec("flash_attn") is not None
+    if spec == "auto":
+        return "flash_attention_2" if device.type == "cuda" and flash_installed else "sdpa"
+    if spec.startswith("flash_attention"):
+        if device.type != "cuda":
+            raise ConfigError("model.attn_implementation", f"{spec!r} runs on CUDA only; model.device is {device}")
+        package = "flash_attn_interface" if spec == "flash_attention_3" else "flash_attn"
+        if importlib.util.find_spec(package) is None:
+            raise ConfigError("model.attn_implementation", f"{spec!r} needs the {package} package, which is not "
+                              "installed (pip install flash-attn --no-build-isolation); or use 'sdpa'")
+    return spec
+
+
+def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
+    """bf16 autocast around the trainer's forward passes (sampling, scoring, training) for
+    `model.dtype = 'bfloat16'`; nothing for fp32."""
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=DTYPES[dtype])
+
+
+def model_device(model: Any) -> torch.device:
+    """The device a model's (possibly sharded) parameters live on: where its inputs go."""
+    return next(model.parameters()).device
+
