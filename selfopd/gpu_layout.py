@@ -147,10 +147,22 @@ def check_layout(config: TrainConfig, trainer_gpus: Sequence[int] | None, gpu_co
     sync = resolved_sync(config, gpu_count)
     slots = server_slots(config)
     trainer = None if trainer_gpus is None else tuple(trainer_gpus)
+    _check_visible(config, slots, trainer or (), gpu_count)
     warnings = _url_warnings(config)
-    visible = f"this machine shows {gpu_count} GPU(s)" + (f" (0-{gpu_count - 1})" if gpu_count else "")
+    if trainer is not None and gpu_count:
+        warnings += _check_trainer_gpus(slots, trainer, sync, engine.gpu_memory_utilization)
+    if gpu_count:
+        _check_memory(slots, engine.gpu_memory_utilization)
+    return GPULayout(gpu_count=gpu_count, trainer_gpus=trainer, servers=tuple(slots), sync=sync,
+                     url_servers=tuple([("student", url) for url in engine.urls("student_urls")]
+                                       + [("teacher", url) for url in engine.urls("teacher_url")]),
+                     warnings=tuple(warnings))
 
-    for rank, gpu in enumerate(trainer or ()):
+
+def _check_visible(config: TrainConfig, slots: Sequence[ServerSlot], trainer: Sequence[int], gpu_count: int) -> None:
+    """Every GPU named exists here, and no server names one twice."""
+    visible = f"this machine shows {gpu_count} GPU(s)" + (f" (0-{gpu_count - 1})" if gpu_count else "")
+    for rank, gpu in enumerate(trainer):
         if gpu >= gpu_count:
             fail("model.device", f"trainer local rank {rank} is on GPU {gpu}, but {visible}")
     for slot in slots:
@@ -159,44 +171,41 @@ def check_layout(config: TrainConfig, trainer_gpus: Sequence[int] | None, gpu_co
                 fail(slot.gpu_key, f"GPU {gpu} of the {slot.name} server is not visible: {visible}")
         if len(set(slot.gpus)) != len(slot.gpus):
             fail(slot.gpu_key, f"the {slot.name} server's tensor-parallel GPUs {list(slot.gpus)} "
-                              "name one GPU twice; each shard needs its own GPU")
+                               "name one GPU twice; each shard needs its own GPU")
         if not slot.gpus and gpu_count and slot.tensor_parallel_size > gpu_count:
-            size_key = ("engine.teacher_tensor_parallel_size" if slot.name == "teacher" and engine.teacher_tensor_parallel_size
+            size_key = ("engine.teacher_tensor_parallel_size"
+                        if slot.name == "teacher" and config.engine.teacher_tensor_parallel_size
                         else "engine.tensor_parallel_size")
             fail(size_key, f"the {slot.name} server needs {slot.tensor_parallel_size} GPUs, but {visible}")
 
-    if trainer is not None and gpu_count:
-        # A CPU trainer's NCCL endpoint lives on CUDA's current device (the sync copies tensors to "cuda").
-        nccl_gpus = set(trainer) if trainer else {0}
-        what = f"trainer GPUs {sorted(trainer)}" if trainer else "GPU 0 (a CPU trainer's NCCL endpoint is CUDA's current device)"
-        for slot in slots:
-            if sync == "nccl" and slot.synced and not slot.gpus:
-                fail(
-                    slot.gpu_key, f"not set: with engine.weight_sync = 'nccl' on a GPU machine the {slot.name} server "
-                    f"would start on vLLM's default GPUs {list(range(slot.tensor_parallel_size))}, whatever the trainer "
-                    f"uses ({what}), and NCCL refuses a trainer rank and a server worker on one GPU; set "
-                    f"engine.student_gpus / engine.teacher_gpus to GPUs the trainer does not use, or use "
-                    f"engine.kind = 'vllm_colocate' on one GPU")
-            placed = slot.gpus or tuple(range(slot.tensor_parallel_size))
-            shared = sorted(set(placed) & (nccl_gpus if sync == "nccl" and slot.synced else set(trainer)))
-            if not shared:
-                continue
-            if sync == "nccl" and slot.synced:
-                fail(
-                    slot.gpu_key, f"GPU {', '.join(map(str, shared))} of the {slot.name} server is also used by the "
-                    f"trainer ({what}); with engine.weight_sync = 'nccl' the trainer's rank 0 and the server's workers "
-                    f"join one NCCL group, which refuses two ranks on one GPU ('Duplicate GPU detected'): give the "
-                    f"servers GPUs of their own, or use engine.kind = 'vllm_colocate' on one GPU")
-            warnings.append(f"the {slot.name} server shares GPU {', '.join(map(str, shared))} with the trainer "
-                            f"(not in an NCCL group; its engine.gpu_memory_utilization = {engine.gpu_memory_utilization} "
-                            "of the GPU must be free when it starts)")
 
-    if gpu_count:
-        _check_memory(slots, engine.gpu_memory_utilization)
-    return GPULayout(gpu_count=gpu_count, trainer_gpus=trainer, servers=tuple(slots), sync=sync,
-                     url_servers=tuple([("student", url) for url in engine.urls("student_urls")]
-                                       + [("teacher", url) for url in engine.urls("teacher_url")]),
-                     warnings=tuple(warnings))
+def _check_trainer_gpus(slots: Sequence[ServerSlot], trainer: tuple[int, ...], sync: str,
+                        utilization: float) -> list[str]:
+    """Refuse a server of the NCCL weight sync on a trainer GPU (or left to vLLM's placement);
+    the warnings for servers that share a trainer GPU without an NCCL group."""
+    # A CPU trainer's NCCL endpoint lives on CUDA's current device (the sync copies tensors to "cuda").
+    nccl_gpus = set(trainer) if trainer else {0}
+    what = f"trainer GPUs {sorted(trainer)}" if trainer else "GPU 0 (a CPU trainer's NCCL endpoint is CUDA's current device)"
+    warnings = []
+    for slot in slots:
+        in_nccl = sync == "nccl" and slot.synced
+        if in_nccl and not slot.gpus:
+            fail(slot.gpu_key, f"not set: with engine.weight_sync = 'nccl' on a GPU machine the {slot.name} server "
+                 f"would start on vLLM's default GPUs {list(range(slot.tensor_parallel_size))}, whatever the trainer "
+                 f"uses ({what}), and NCCL refuses a trainer rank and a server worker on one GPU; set "
+                 f"engine.student_gpus / engine.teacher_gpus to GPUs the trainer does not use, or use "
+                 f"engine.kind = 'vllm_colocate' on one GPU")
+        placed = slot.gpus or tuple(range(slot.tensor_parallel_size))
+        shared = ", ".join(map(str, sorted(set(placed) & (nccl_gpus if in_nccl else set(trainer)))))
+        if shared and in_nccl:
+            fail(slot.gpu_key, f"GPU {shared} of the {slot.name} server is also used by the trainer ({what}); with "
+                 f"engine.weight_sync = 'nccl' the trainer's rank 0 and the server's workers join one NCCL group, "
+                 f"which refuses two ranks on one GPU ('Duplicate GPU detected'): give the servers GPUs of their "
+                 f"own, or use engine.kind = 'vllm_colocate' on one GPU")
+        if shared:
+            warnings.append(f"the {slot.name} server shares GPU {shared} with the trainer (not in an NCCL group; "
+                            f"its engine.gpu_memory_utilization = {utilization} of the GPU must be free when it starts)")
+    return warnings
 
 
 def _check_memory(slots: Sequence[ServerSlot], utilization: float) -> None:
