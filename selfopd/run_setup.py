@@ -42,6 +42,10 @@ def build_run(config: TrainConfig, resume_from: Path | None = None) -> Run:
     if config.teacher.kind == "external":
         check_external_teacher_split(config.teacher.model, eval_examples)
 
+    if config.engine.kind == "vllm":  # a refused GPU layout stops the run before the model loads
+        from selfopd.serving import run_layout
+
+        run_layout(config)
     model, tokenizer = load_model(config.model.student, config.model.dtype, weights=resume_from)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.optim.lr, betas=(config.optim.beta1, config.optim.beta2),

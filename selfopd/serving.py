@@ -109,6 +109,17 @@ def open_weight_syncs(config: TrainConfig, student_urls: Sequence[str],
     return syncs["student"], syncs.get("teacher")
 
 
+def run_layout(config: TrainConfig, trainer_gpus: Sequence[int] | None = None) -> GPULayout:
+    """The checked GPU layout of a training run on this machine (ConfigError if refused).
+
+    `trainer_gpus`: the GPUs of this node's trainer ranks (the distributed trainer passes
+    them); default: model.device's GPU for one process, [] on CPU."""
+    count = gpu_count()
+    if trainer_gpus is None:
+        trainer_gpus = single_process_trainer_gpus(config.model.device, count)
+    return check_layout(config, trainer_gpus, count)
+
+
 def log_layout(layout: GPULayout, log_dir: Path, progress: bool) -> None:
     """The layout table into the run's logs (gpu_layout.txt) and, with progress on, to stderr."""
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -122,15 +133,10 @@ def open_vllm_engines(config: TrainConfig, log_dir: Path, stack: contextlib.Exit
                       weight_sync: bool = True) -> tuple[VLLMEngine, VLLMEngine]:
     """(student engine, teacher engine), launching missing servers; `stack` closes them all.
 
-    The GPU layout is checked first, before any server starts. `trainer_gpus`: the GPUs of
-    this node's trainer ranks (the distributed trainer passes them; default: model.device's
-    GPU, or [] on CPU). `weight_sync=False` opens the engines without a sync (torchrun
-    ranks other than 0; see `open_weight_syncs`)."""
-    count = gpu_count()
-    if trainer_gpus is None:
-        trainer_gpus = single_process_trainer_gpus(config.model.device, count)
-    layout = check_layout(config, trainer_gpus, count)
-    log_layout(layout, log_dir, progress)
+    The GPU layout is checked first, before any server starts (`run_layout`; build_run
+    checks it before the model loads, too). `weight_sync=False` opens the engines without a
+    sync (torchrun ranks other than 0; see `open_weight_syncs`)."""
+    log_layout(run_layout(config, trainer_gpus), log_dir, progress)
     specs = planned_servers(config)
     launched: list[ServerSpec] = []
     if specs:

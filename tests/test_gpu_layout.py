@@ -188,6 +188,16 @@ def test_open_vllm_engines_refuses_before_any_server_starts(tmp_path):
     assert not (tmp_path / "logs").exists()  # no server log, no layout file: nothing started
 
 
+def test_build_run_refuses_the_layout_before_the_model_loads(tmp_path):
+    from selfopd.run_setup import build_run
+
+    # The student folder does not exist: loading it first would raise ModelError instead.
+    bad = load_config(None, ["engine.kind=vllm", "engine.student_gpus=2", f"model.student={tmp_path / 'absent'}",
+                             f"run.out_dir={tmp_path}", "data.spec=rg:chain_sum?size=20&seed=1", "data.eval_size=4"])
+    with pytest.raises(ConfigError, match=r"^engine.student_gpus: GPU 2 of the student server is not visible"):
+        build_run(bad)
+
+
 def test_selfopd_serve_refuses_an_invisible_gpu(tmp_path, capsys):
     code = main(["serve", "--set", "engine.student_gpus=1", "--log-dir", str(tmp_path)])
     assert code == 1
