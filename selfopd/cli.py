@@ -250,19 +250,20 @@ def _serve(args: argparse.Namespace) -> None:
 
     from selfopd.config import load_config
     from selfopd.engines.vllm_server import launch_servers
-    from selfopd.serving import planned_servers
+    from selfopd.gpu_layout import check_layout
+    from selfopd.serving import gpu_count, log_layout, planned_servers
 
     config = load_config(args.config, args.overrides)
-    specs = planned_servers(config)
-    if not specs:
+    layout = check_layout(config, trainer_gpus=None, gpu_count=gpu_count())  # the trainer runs elsewhere
+    if not layout.servers:
         raise UserError("engine.student_urls and engine.teacher_url are both set: there is nothing to launch")
+    log_layout(layout, args.log_dir, progress=True)
+    specs = planned_servers(config)
     with launch_servers(specs, args.log_dir, config.engine.startup_timeout_s) as servers:
-        urls = {server.spec.name: server.spec.url for server in servers}
-        sets = []
-        if "student" in urls:
-            sets.append(f"--set engine.student_urls={urls['student']}")
-        if "teacher" in urls:
-            sets.append(f"--set engine.teacher_url={urls['teacher']}")
+        students = ",".join(server.spec.url for server in servers if server.spec.name != "teacher")
+        teachers = [server.spec.url for server in servers if server.spec.name == "teacher"]
+        sets = ([f"--set engine.student_urls={students}"] if students else []) + \
+               [f"--set engine.teacher_url={url}" for url in teachers]
         for server in servers:
             print(f"{server.spec.name}: {server.spec.url} serving {server.spec.model} (log: {server.log_path})")
         print(f"train against them with: selfopd train CONFIG --set engine.kind=vllm {' '.join(sets)}")

@@ -296,7 +296,9 @@ class EngineConfig(Section):
     teacher_url: str = setting(
         "", "vllm: URL of a running teacher server; empty: selfopd launches one (self, frozen or external teacher).")
     host: str = setting("127.0.0.1", "vllm: address launched servers bind to (127.0.0.1: this machine only).")
-    port: int = setting(8100, "vllm: the launched student server's port; the teacher's is port + 1.")
+    port: int = setting(
+        8100, "vllm: the first launched student server's port; student server i takes port + i, the teacher "
+        "port + student_servers.")
     max_model_len: int = setting(2048, "vllm: launched servers' context length; must hold prompt + completion + 1.")
     weight_sync: WeightSyncKind = setting(
         "auto", "vllm: 'file' (CPU, same host, via shared memory), 'nccl' (GPU), 'auto': nccl when CUDA is there.")
@@ -305,7 +307,9 @@ class EngineConfig(Section):
         "", "vllm on GPU: comma-separated GPU indices for the launched student servers, tensor_parallel_size per "
         "server in order (e.g. '1,2' for two servers of TP 1). Empty: vLLM's default placement.")
     teacher_gpus: str = setting("", "vllm on GPU: comma-separated GPU indices for the launched teacher server.")
-    tensor_parallel_size: int = setting(1, "vllm: GPUs per launched server (tensor parallelism).")
+    tensor_parallel_size: int = setting(1, "vllm: GPUs per launched student server (tensor parallelism).")
+    teacher_tensor_parallel_size: int = setting(
+        0, "vllm: GPUs of the launched teacher server (tensor parallelism); 0: engine.tensor_parallel_size.")
     sleep_mode: bool = setting(
         True, "vllm_colocate: put vLLM to sleep (weights and KV cache off the GPU) while the trainer runs its "
         "backward and optimizer step.")
@@ -342,6 +346,7 @@ class EngineConfig(Section):
         self._at_least("batch_size", 1)
         self._at_least("student_servers", 1)
         self._at_least("tensor_parallel_size", 1)
+        self._at_least("teacher_tensor_parallel_size", 0)
         for name in ("student_gpus", "teacher_gpus"):
             for gpu in getattr(self, name).split(","):
                 if gpu.strip() and not gpu.strip().isdigit():
@@ -350,9 +355,14 @@ class EngineConfig(Section):
             fail(self._key("student_gpus"), f"names {len(self.gpus('student_gpus'))} GPUs; engine.student_servers "
                  f"({self.student_servers}) x engine.tensor_parallel_size ({self.tensor_parallel_size}) = "
                  f"{self.student_servers * self.tensor_parallel_size} are needed")
-        if self.teacher_gpus.strip() and len(self.gpus("teacher_gpus")) != self.tensor_parallel_size:
+        if self.teacher_gpus.strip() and len(self.gpus("teacher_gpus")) != self.teacher_parallel_size():
+            size_key = "teacher_tensor_parallel_size" if self.teacher_tensor_parallel_size else "tensor_parallel_size"
             fail(self._key("teacher_gpus"), f"names {len(self.gpus('teacher_gpus'))} GPUs; one server of "
-                 f"engine.tensor_parallel_size = {self.tensor_parallel_size} needs that many")
+                 f"engine.{size_key} = {self.teacher_parallel_size()} needs that many")
+
+    def teacher_parallel_size(self) -> int:
+        """The launched teacher server's tensor-parallel size (it may differ from the students')."""
+        return self.teacher_tensor_parallel_size or self.tensor_parallel_size
 
     def gpus(self, name: str) -> list[int]:
         """The GPU indices in `student_gpus` or `teacher_gpus`."""

@@ -47,6 +47,10 @@ def build_run(config: TrainConfig, resume_from: Path | None = None) -> Run:
     if config.teacher.kind == "external":
         check_external_teacher_split(config.teacher.model, eval_examples)
 
+    if config.engine.kind == "vllm":  # a refused GPU layout stops the run before the model loads
+        from selfopd.serving import run_layout
+
+        run_layout(config)
     model, tokenizer = load_model(config.model.student, config.model.dtype, weights=resume_from,
                                   gradient_checkpointing=config.model.gradient_checkpointing, **options)
     shard_model(model, world)  # before the optimizer: it must hold the sharded parameters

