@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from selfopd.config import ConfigError, TrainConfig
+from selfopd.config import VLLM_KINDS, ConfigError, TrainConfig
 from selfopd.data import load_examples
 from selfopd.distributed import World, current_world, init_process_group, load_optimizer_state, shard_model
 from selfopd.engines.build import load_model, model_options, open_training_engines
@@ -75,8 +75,8 @@ def build_run(config: TrainConfig, resume_from: Path | None = None) -> Run:
                   student_template, teacher_template, train_examples, eval_examples, probe, step, resources,
                   device=options["device"], world=world)
         with run.autocast():
-            if config.engine.kind == "vllm":
-                # Servers start from the model folder (or were running already): give them the
+            if config.engine.kind in VLLM_KINDS:
+                # vLLM starts from the model folder (or was running already): give it the
                 # trainer's weights (a resumed checkpoint's, say) before the first rollout.
                 sync_weights(run)
                 check_probe(run)

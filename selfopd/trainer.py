@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from selfopd.config import TrainConfig, config_to_toml
 from selfopd.distributed import all_gather, all_sum, barrier, current_world, is_sharded, share
-from selfopd.engines.base import SamplingParams
+from selfopd.engines.base import SamplingParams, rest_engines
 from selfopd.example import Example
 from selfopd.kernels import full_vocab_divergence, topk_reverse_kl
 from selfopd.loss_metrics import opd_metrics
@@ -94,6 +94,8 @@ def _train_step(run: Run) -> dict[str, float]:
                (score.topk_ids, score.topk_logprobs) if top_k else None)
         for (example, group, rollout, verdict, teacher_prompt), score in zip(pending, scores)
     ]
+
+    rest_engines(run.student_engine, run.teacher_engine)  # a colocated vLLM frees the GPU until its next call
 
     # 3. Student forward/backward in micro-batches of whole prompt groups; gradients accumulate.
     run.model.train()

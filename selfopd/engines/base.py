@@ -7,7 +7,7 @@ given, so a teacher grades the student's own tokens with no retokenisation.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Mapping, Protocol, Sequence
+from typing import Any, Literal, Mapping, Protocol, Sequence
 
 import torch
 
@@ -113,3 +113,13 @@ class Engine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def rest_engines(*engines: Any) -> None:
+    """Let engines that hold accelerator memory between calls free it while the trainer
+    computes: an engine with a `sleep` method (the colocated vLLM) sleeps until its next
+    call; the others are left alone. Each engine once, however often it is passed."""
+    for engine in {id(engine): engine for engine in engines}.values():
+        sleep = getattr(engine, "sleep", None)
+        if callable(sleep):
+            sleep()

@@ -86,13 +86,20 @@ def open_training_engines(config: TrainConfig, model: Any, tokenizer: Any, log_d
     In process, the student engine wraps `model` itself (a `self` teacher is the same engine
     with another prompt); a frozen or external teacher is loaded on the student's device
     and, under torchrun, sharded like it. With vLLM, launched servers log to `log_dir` and
-    are stopped when `resources` closes."""
+    are stopped when `resources` closes. Colocated, vLLM runs in this process
+    (`selfopd.engines.vllm_colocate`)."""
     if config.engine.kind == "vllm":
         from selfopd.serving import open_vllm_engines
 
         if config.teacher.kind == "external":  # checked before any server starts
             checked_external_teacher(config, tokenizer)
         return open_vllm_engines(config, log_dir, resources, progress=config.run.progress)
+    if config.engine.kind == "vllm_colocate":
+        from selfopd.engines.vllm_colocate import open_colocated_engines
+
+        if config.teacher.kind == "external":  # checked before vLLM loads
+            checked_external_teacher(config, tokenizer)
+        return open_colocated_engines(config, resources)
     batch_size = config.engine.batch_size
     student = LocalEngine(model, tokenizer, batch_size=batch_size)
     if config.teacher.kind == "self":

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
-from typing import Any, Awaitable, Coroutine, Mapping, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Coroutine, Mapping, Sequence, TypeVar
 
 import httpx
 import openai
@@ -68,20 +68,20 @@ class VLLMEngine:
                                   "distributions; use loss.divergence = 'sampled' or 'topk_reverse_kl'")
 
     def sample(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[list[Rollout]]:
-        for index, prompt in enumerate(prompts):
-            if len(prompt) + params.max_tokens > self.max_model_len:
-                raise ServerError(
-                    f"{self.urls[index % len(self.urls)]}: prompt {index} has {len(prompt)} tokens; with "
-                    f"max_tokens={params.max_tokens} it exceeds the server's max_model_len {self.max_model_len}")
+        check_sample_lengths(prompts, params.max_tokens, self.max_model_len, self._url_of)
         return self._loop.run(self._gather([self._sample_one(i, list(p), params) for i, p in enumerate(prompts)]))
 
     async def _sample_one(self, index: int, prompt: list[int], params: SamplingParams) -> list[Rollout]:
         server = index % len(self.urls)
+<<<<<<< HEAD
         # vLLM seeds the n samples of one request seed, seed + 1, ...: space prompts n apart
         # (and start at the call's first row: a rank's share draws what one process does).
         seed = None if params.seed is None else params.seed + params.first_row + index * params.n
+=======
+>>>>>>> colocate
         response = await self._call(server, prompt=prompt, n=params.n, max_tokens=params.max_tokens,
-                                    temperature=params.temperature, top_p=params.top_p, seed=seed, logprobs=0,
+                                    temperature=params.temperature, top_p=params.top_p,
+                                    seed=prompt_seed(params, index), logprobs=0,
                                     extra_body={"return_token_ids": True, "top_k": 0, "min_p": 0.0,
                                                 "repetition_penalty": 1.0, "skip_special_tokens": True})
         choices = sorted(response.choices, key=lambda choice: choice.index)
@@ -106,12 +106,11 @@ class VLLMEngine:
         return list(zip(self.urls, scores))
 
     def _check_lengths(self, sequences: Sequence[tuple[list[int], list[int]]]) -> None:
-        for index, (prompt, completion) in enumerate(sequences):
-            if len(prompt) + len(completion) + 1 > self.max_model_len:
-                raise ServerError(
-                    f"{self.urls[index % len(self.urls)]}: sequence {index} has {len(prompt)} prompt + "
-                    f"{len(completion)} completion tokens; scoring needs max_model_len >= prompt + completion + 1, "
-                    f"the server has {self.max_model_len}")
+        check_score_lengths(sequences, self.max_model_len, self._url_of)
+
+    def _url_of(self, index: int) -> str:
+        """The server that request `index` goes to (round-robin)."""
+        return self.urls[index % len(self.urls)]
 
     async def _score_one(self, index: int, prompt: list[int], completion: list[int], top_k: int) -> TokenScores:
         server = index % len(self.urls)
@@ -157,6 +156,32 @@ class VLLMEngine:
             raise ServerError(f"{url}: HTTP {error.status_code}: {_error_message(error)}") from None
 
 
+def prompt_seed(params: SamplingParams, index: int) -> int | None:
+    """The seed of prompt `index`'s request: vLLM seeds the n samples of one request seed,
+    seed + 1, ..., so prompts are spaced n apart and no two samples share a seed."""
+    return None if params.seed is None else params.seed + index * params.n
+
+
+def check_sample_lengths(prompts: Sequence[list[int]], max_tokens: int, max_model_len: int,
+                         where: Callable[[int], str]) -> None:
+    """Refuse, before sending, a prompt that cannot take `max_tokens` more tokens;
+    `where(index)` names the server (or instance) it would go to."""
+    for index, prompt in enumerate(prompts):
+        if len(prompt) + max_tokens > max_model_len:
+            raise ServerError(f"{where(index)}: prompt {index} has {len(prompt)} tokens; with max_tokens={max_tokens} "
+                              f"it exceeds the server's max_model_len {max_model_len}")
+
+
+def check_score_lengths(sequences: Sequence[tuple[list[int], list[int]]], max_model_len: int,
+                        where: Callable[[int], str]) -> None:
+    """Refuse, before sending, a sequence too long to score (scoring generates one token more)."""
+    for index, (prompt, completion) in enumerate(sequences):
+        if len(prompt) + len(completion) + 1 > max_model_len:
+            raise ServerError(
+                f"{where(index)}: sequence {index} has {len(prompt)} prompt + {len(completion)} completion tokens; "
+                f"scoring needs max_model_len >= prompt + completion + 1, the server has {max_model_len}")
+
+
 def parse_prompt_logprobs(entries: Sequence[Mapping[str, Any] | None], ids: Sequence[int], start: int, top_k: int,
                           url: str = "") -> TokenScores:
     """vLLM's prompt_logprobs (one dict per prompt position, keyed by token-id strings,
@@ -196,12 +221,20 @@ def _rollout(prompt: list[int], choice: Any, url: str) -> Rollout:
         raise ServerError(f"{url}: the completion carries no token_ids: the server does not support "
                           "return_token_ids (vLLM >= 0.10.2 does)")
     logprobs = choice.logprobs.token_logprobs if choice.logprobs is not None else None
+    return make_rollout(prompt, ids, logprobs, choice.finish_reason, choice.text, url)
+
+
+def make_rollout(prompt: list[int], ids: Sequence[int], logprobs: Sequence[float] | None, finish_reason: str | None,
+                 text: str, where: str) -> Rollout:
+    """A `Rollout` from one vLLM completion (a server's JSON or an in-process `CompletionOutput`):
+    one sampled logprob per token is required; any finish but "stop" (an end-of-sequence or stop
+    token, which vLLM keeps in the ids) counts as "length"."""
     if logprobs is None or len(logprobs) != len(ids):
-        raise ServerError(f"{url}: expected one logprob per completion token ({len(ids)}), got "
+        raise ServerError(f"{where}: expected one logprob per completion token ({len(ids)}), got "
                           f"{None if logprobs is None else len(logprobs)}")
-    finish = "stop" if choice.finish_reason == "stop" else "length"
+    finish = "stop" if finish_reason == "stop" else "length"
     return Rollout(prompt_ids=prompt, completion_ids=list(ids), sampler_logprobs=[float(v) for v in logprobs],
-                   finish_reason=finish, text=choice.text)
+                   finish_reason=finish, text=text)
 
 
 def _served_model(url: str) -> tuple[str, int]:

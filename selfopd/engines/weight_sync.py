@@ -103,11 +103,7 @@ class FileWeightSync:
             for control in self.controls:
                 with _updating(control, version):
                     for result in control.rpc("selfopd_load_weights", path=str(path)):  # one per worker
-                        if result["loaded"] != result["parameters"]:
-                            raise ServerError(
-                                f"{control.url}: the server's loader wrote {result['loaded']} of its "
-                                f"{result['parameters']} parameters from the {len(tensors)} tensors sent; not loaded: "
-                                f"{', '.join(result['not_loaded'])}")
+                        refuse_partial_load(result, control.url)
         finally:
             path.unlink(missing_ok=True)
         return {"write_s": written - started, "load_s": time.perf_counter() - written, "gigabytes": _gigabytes(tensors)}
@@ -167,6 +163,15 @@ def _updating(control: ServerControl, version: int) -> Iterator[None]:
         control.set_version(version)
     finally:
         control.resume()
+
+
+def refuse_partial_load(result: Mapping[str, Any], where: str) -> None:
+    """Raise unless a worker's loader wrote every parameter of its model (the answer of
+    `selfopd.engines.vllm_worker.load_in_place`), naming what it did not write."""
+    if result["loaded"] != result["parameters"]:
+        raise ServerError(f"{where}: the server's loader wrote {result['loaded']} of its {result['parameters']} "
+                          f"parameters from the {result['sent']} tensors sent; not loaded: "
+                          f"{', '.join(result['not_loaded'])}")
 
 
 def _gigabytes(tensors: Mapping[str, torch.Tensor]) -> float:
