@@ -55,8 +55,9 @@ def reuse_eval(run: Run, source: Path) -> dict[str, float]:
 
 
 def save_checkpoint(run: Run) -> Path:
-    """HF-format weights (loadable by transformers and vLLM) plus the trainer state; only
-    the latest checkpoint is kept."""
+    """HF-format weights (loadable by transformers and vLLM), or with LoRA the adapters alone
+    (peft's adapter_config.json + adapter_model.safetensors: `selfopd merge-lora` makes them a
+    full model), plus the tokenizer and the trainer state; only the latest checkpoint is kept."""
     target, staging = run.folder.checkpoint(run.step), run.folder.checkpoint_staging(run.step)
     shutil.rmtree(staging, ignore_errors=True)
     run.model.save_pretrained(staging)

@@ -16,6 +16,7 @@ from selfopd.config import ConfigError, TrainConfig
 from selfopd.data import load_examples
 from selfopd.engines.build import load_model, open_training_engines
 from selfopd.example import Example, prompt_key
+from selfopd.lora import adapters_off, prepare_student, trainable_parameters
 from selfopd.models import resolve_model
 from selfopd.run_folder import RunFolder
 from selfopd.run_state import Run
@@ -43,8 +44,9 @@ def build_run(config: TrainConfig, resume_from: Path | None = None) -> Run:
         check_external_teacher_split(config.teacher.model, eval_examples)
 
     model, tokenizer = load_model(config.model.student, config.model.dtype, weights=resume_from)
+    model = prepare_student(model, config.model, resume_from)  # LoRA adapters, when model.lora_rank > 0
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.optim.lr, betas=(config.optim.beta1, config.optim.beta2),
+        trainable_parameters(model), lr=config.optim.lr, betas=(config.optim.beta1, config.optim.beta2),
         weight_decay=config.optim.weight_decay,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
@@ -68,8 +70,13 @@ def build_run(config: TrainConfig, resume_from: Path | None = None) -> Run:
             sync_weights(run)
             check_probe(run)
         if config.teacher.kind == "frozen":
-            initial = model if resume_from is None else load_model(config.model.student, config.model.dtype)[0]
-            check_frozen_teacher(run, probe_logprobs(initial, probe, run.pad_id))
+            if config.model.lora:  # the initial weights are the base ones: the adapters off, no second load
+                with adapters_off(model):
+                    initial_lp = probe_logprobs(model, probe, run.pad_id)
+            else:
+                initial = model if resume_from is None else load_model(config.model.student, config.model.dtype)[0]
+                initial_lp = probe_logprobs(initial, probe, run.pad_id)
+            check_frozen_teacher(run, initial_lp)
     except BaseException:
         resources.close()
         raise

@@ -9,6 +9,7 @@ import torch
 
 from selfopd.engines.base import Engine
 from selfopd.engines.local import eval_mode
+from selfopd.lora import served_weights
 from selfopd.run_state import Run
 from selfopd.scoring import completion_logprobs
 
@@ -26,10 +27,15 @@ def engines_serving_student_weights(run: Run) -> list[tuple[str, Engine]]:
 
 
 def sync_weights(run: Run) -> None:
-    """Push the trainer's weights to every engine that serves the student's weights."""
-    named = {name: param.detach() for name, param in run.model.named_parameters()}
-    for _, engine in engines_serving_student_weights(run):
-        engine.update_weights(named, version=run.step)
+    """Push the trainer's weights to every engine that serves the student's weights: full
+    weights under the base checkpoint's names (LoRA adapters merged in, `served_weights`).
+    An in-process engine over the trainer's own module already has them: it gets no tensors,
+    only the version (with LoRA its parameter names are not the checkpoint's)."""
+    engines = [engine for _, engine in engines_serving_student_weights(run)]
+    copies = [engine for engine in engines if getattr(engine, "model", None) is not run.model]
+    named = served_weights(run.model) if copies else {}
+    for engine in engines:
+        engine.update_weights(named if engine in copies else {}, version=run.step)
 
 
 @torch.no_grad()
