@@ -194,3 +194,14 @@ def test_real_model_adapters_off_is_the_base_after_a_training_step(tmp_path, smo
     engine = LocalEngine(fresh, run.tokenizer)
     engine.update_weights(served_weights(run.model), version=1)
     assert (engine.score([run.probe])[0].logprobs - adapted).abs().max() < 1e-4
+
+
+def test_bfloat16_lora_student_trains_float32_adapters(tmp_path, tiny_model_dir):
+    """peft keeps the adapters in float32 over a bfloat16 base; the merged weights a server
+    gets are bfloat16 like the checkpoint."""
+    run = _started(_config(tmp_path, tiny_model_dir, "model.dtype=bfloat16", "run.name=bf16"))
+    metrics = train_step(run)
+    assert metrics["probe/max_abs_diff"] == 0.0
+    dtypes = {_is_adapter(name): param.dtype for name, param in run.model.named_parameters()}
+    assert dtypes == {True: torch.float32, False: torch.bfloat16}
+    assert {tensor.dtype for tensor in served_weights(run.model).values()} == {torch.bfloat16}
