@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_prompts_command(commands)
     _add_eval(commands)
     _add_train(commands)
+    _add_merge_lora(commands)
     _add_sft(commands)
     _add_serve(commands)
     _add_diagnose(commands)
@@ -203,6 +204,26 @@ def _train(args: argparse.Namespace) -> None:
     if current_world().is_main:  # under torchrun: once, from rank 0
         print(summarize_run(run_dir))
         print(f"run folder: {run_dir} (metrics.jsonl, plots/, eval/, checkpoints/, rollouts/)")
+
+
+# --- merge-lora ---------------------------------------------------------------------
+
+
+def _add_merge_lora(commands: argparse._SubParsersAction) -> None:
+    merge = command(commands, "merge-lora", _merge_lora,
+                    "merge a LoRA run's checkpoint (its adapters) into its base: a full HF model folder")
+    merge.add_argument("checkpoint", type=Path, help="a LoRA checkpoint folder, e.g. runs/NAME/checkpoints/step_00024")
+    merge.add_argument("out", type=Path, help="the model folder to write (transformers and vLLM load it)")
+    merge.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                       help="dtype of the merged weights (default: float32)")
+
+
+def _merge_lora(args: argparse.Namespace) -> None:
+    from selfopd.lora import merge_checkpoint
+
+    if args.out.exists() and any(args.out.iterdir()):
+        raise UserError(f"{args.out} exists and is not empty: choose a new folder")
+    print(f"wrote {merge_checkpoint(args.checkpoint, args.out, args.dtype)}")
 
 
 # --- sft ----------------------------------------------------------------------------

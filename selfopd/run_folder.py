@@ -5,7 +5,7 @@
     RUN/metrics.jsonl                one JSON line per step and per eval
     RUN/eval/step_NNNNN/             eval.jsonl (per prompt) and summary.json
     RUN/rollouts/step_NNNNN.jsonl    saved rollouts with per-token logprobs
-    RUN/checkpoints/step_NNNNN/      HF weights + tokenizer + trainer_state.pt
+    RUN/checkpoints/step_NNNNN/      HF weights (LoRA: adapters) + tokenizer + trainer_state.pt
     RUN/plots/  RUN/diagnostics/  RUN/logs/ (launched servers)  RUN/tensorboard/ RUN/wandb/
     RUN/finished.json                written by `selfopd compare` when the run is done
 

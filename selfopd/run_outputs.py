@@ -61,9 +61,11 @@ def reuse_eval(run: Run, source: Path) -> dict[str, float]:
 
 
 def save_checkpoint(run: Run) -> Path:
-    """HF-format weights (loadable by transformers and vLLM) plus the trainer state; only
-    the latest checkpoint is kept. Under torchrun the full weights and optimizer state are
-    gathered to rank 0 (every rank takes part), which writes them in the one-process layout."""
+    """HF-format weights (loadable by transformers and vLLM), or with LoRA the adapters alone
+    (peft's adapter_config.json + adapter_model.safetensors: `selfopd merge-lora` makes them a
+    full model), plus the tokenizer and the trainer state; only the latest checkpoint is kept.
+    Under torchrun the full weights and optimizer state are gathered to rank 0 (every rank
+    takes part), which writes them in the one-process layout."""
     target, staging = run.folder.checkpoint(run.step), run.folder.checkpoint_staging(run.step)
     sharded = is_sharded(run.model)
     weights = full_state_dict(run.model, run.world) if sharded else None

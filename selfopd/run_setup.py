@@ -17,6 +17,7 @@ from selfopd.data import load_examples
 from selfopd.distributed import World, current_world, init_process_group, load_optimizer_state, shard_model
 from selfopd.engines.build import load_model, model_options, open_training_engines
 from selfopd.example import Example, prompt_key
+from selfopd.lora import adapters_off, prepare_student, trainable_parameters
 from selfopd.models import resolve_model
 from selfopd.run_folder import RunFolder
 from selfopd.run_state import Run
@@ -53,9 +54,10 @@ def build_run(config: TrainConfig, resume_from: Path | None = None) -> Run:
         run_layout(config)
     model, tokenizer = load_model(config.model.student, config.model.dtype, weights=resume_from,
                                   gradient_checkpointing=config.model.gradient_checkpointing, **options)
+    model = prepare_student(model, config.model, resume_from)  # LoRA adapters, when model.lora_rank > 0
     shard_model(model, world)  # before the optimizer: it must hold the sharded parameters
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.optim.lr, betas=(config.optim.beta1, config.optim.beta2),
+        trainable_parameters(model), lr=config.optim.lr, betas=(config.optim.beta1, config.optim.beta2),
         weight_decay=config.optim.weight_decay,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
@@ -81,16 +83,25 @@ def build_run(config: TrainConfig, resume_from: Path | None = None) -> Run:
                 sync_weights(run)
                 check_probe(run)
             if config.teacher.kind == "frozen":
-                if resume_from is None:
-                    initial = model
-                else:
-                    initial = load_model(config.model.student, config.model.dtype, **options)[0]
-                    shard_model(initial, world)
-                check_frozen_teacher(run, probe_logprobs(initial, probe, run.pad_id))
+                check_frozen_teacher(run, initial_probe_logprobs(run, resume_from, options))
     except BaseException:
         resources.close()
         raise
     return run
+
+
+def initial_probe_logprobs(run: Run, resume_from: Path | None, options: dict) -> torch.Tensor:
+    """The probe's logprobs under the run's initial weights, which a frozen teacher must serve:
+    the student itself at the start, the base model (adapters off) with LoRA, else a fresh load."""
+    config, model = run.config, run.model
+    if config.model.lora:  # the initial weights are the base ones: the adapters off, no second load
+        with adapters_off(model):
+            return probe_logprobs(model, run.probe, run.pad_id)
+    if resume_from is None:
+        return probe_logprobs(model, run.probe, run.pad_id)
+    initial = load_model(config.model.student, config.model.dtype, **options)[0]
+    shard_model(initial, run.world)
+    return probe_logprobs(initial, run.probe, run.pad_id)
 
 
 def check_world(config: TrainConfig, world: World) -> None:

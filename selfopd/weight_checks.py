@@ -7,9 +7,10 @@ from typing import Any
 
 import torch
 
-from selfopd.distributed import full_state_dict
+from selfopd.distributed import full_state_dict, is_sharded
 from selfopd.engines.base import Engine
 from selfopd.engines.local import eval_mode
+from selfopd.lora import served_weights
 from selfopd.run_state import Run
 from selfopd.scoring import completion_logprobs
 
@@ -32,17 +33,21 @@ def serves_live_model(engine: Engine, run: Run) -> bool:
 
 
 def sync_weights(run: Run) -> None:
-    """Push the trainer's weights to every engine that serves the student's weights (rank 0
-    sends; under torchrun every rank helps gather the full weights first)."""
-    targets = [engine for _, engine in engines_serving_student_weights(run) if not serves_live_model(engine, run)]
-    for _, engine in engines_serving_student_weights(run):
-        if serves_live_model(engine, run):
+    """Push the trainer's weights to every engine that serves the student's weights: full
+    weights under the base checkpoint's names (LoRA adapters merged in, `served_weights`).
+    An in-process engine over the trainer's own module already has them: it gets no tensors,
+    only the version (with LoRA its parameter names are not the checkpoint's). Under torchrun
+    every rank helps gather the full weights; rank 0 sends them."""
+    engines = [engine for _, engine in engines_serving_student_weights(run)]
+    copies = [engine for engine in engines if not serves_live_model(engine, run)]
+    for engine in engines:
+        if engine not in copies:
             engine.update_weights({}, version=run.step)
-    if not targets:
+    if not copies:
         return
-    named = full_state_dict(run.model, run.world)
+    named = full_state_dict(run.model, run.world) if is_sharded(run.model) else served_weights(run.model)
     if run.world.is_main:
-        for engine in targets:
+        for engine in copies:
             engine.update_weights(named, version=run.step)
 
 

@@ -281,6 +281,30 @@ def test_training_step_syncs_student_and_teacher_servers(servers, engines, base_
         run.close()
 
 
+def test_lora_step_sends_merged_weights_under_the_checkpoint_names(servers, engines, base_weights_after, tmp_path):
+    """A LoRA student: the servers (student, self teacher) get W + scale * B @ A under the base
+    model's names, and score like the adapted trainer module."""
+    from selfopd.trainer import build_run, train_step
+
+    run = build_run(train_config(servers, tmp_path, "model.lora_rank=8", "optim.lr=1e-3", "optim.warmup_steps=0",
+                                 "run.name=lora"))
+    try:
+        prompt, completion = run.probe
+        before = engines["student"].score([(prompt, completion)])[0].logprobs
+        metrics = train_step(run)
+        assert metrics["probe/max_abs_diff"] <= TOLERANCE
+        sequence = (prompt[:-3] + completion, completion[::-1])
+        with torch.no_grad():
+            run.model.eval()
+            trainer = hf_logprobs(run.model, *sequence)
+        assert (engines["student"].score([(prompt, completion)])[0].logprobs - before).abs().max() > 100 * TOLERANCE
+        for name, engine in engines.items():
+            served = engine.score([sequence])[0].logprobs.double()
+            assert (served - trainer).abs().max().item() <= TOLERANCE, name
+    finally:
+        run.close()
+
+
 def test_selfopd_train_with_the_vllm_engine_runs_two_steps(servers, base_weights_after, tmp_path):
     command = [sys.executable, "-m", "selfopd.cli", "train", str(ROOT / "experiments/demo.toml"),
                "--set=engine.kind=vllm", f"--set=engine.student_urls={servers['student']}",

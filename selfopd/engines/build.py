@@ -21,6 +21,7 @@ from selfopd.devices import DTYPES, attn_implementation, resolve_device
 from selfopd.distributed import World, current_world, shard_model
 from selfopd.engines.base import Engine
 from selfopd.engines.local import LocalEngine
+from selfopd.lora import adapter_base, adapters_off, is_adapter_folder, load_adapted
 from selfopd.models import resolve_model
 from selfopd.tokenizer_check import check_tokenizers_compatible
 
@@ -30,15 +31,26 @@ def load_model(spec: str | Path, dtype: str = "float32", *, weights: Path | None
     """(model, tokenizer) of a packaged name, folder or hub id, on `device` (default CPU);
     `weights`: load the weights from that folder instead (a checkpoint of this model).
     `frozen`: eval mode, no gradients, weights in `dtype`. A trained model keeps fp32 master
-    weights whatever `dtype` (which is then its autocast compute dtype, `selfopd.devices`)."""
+    weights whatever `dtype` (which is then its autocast compute dtype, `selfopd.devices`).
+
+    A LoRA adapter folder (a LoRA run's checkpoint), as `spec` or `weights`, loads onto its
+    base: trainable adapters, or merged into a plain model when `frozen`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = device or torch.device("cpu")
-    folder = resolve_model(spec)
+    adapters = None
+    if is_adapter_folder(weights):  # a LoRA run's checkpoint of `spec`
+        folder, adapters, weights = resolve_model(spec), Path(weights), None
+    elif is_adapter_folder(spec):  # a LoRA checkpoint by itself (selfopd eval --model RUN/checkpoints/step_N)
+        folder, adapters = adapter_base(Path(spec)), Path(spec)
+    else:
+        folder = resolve_model(spec)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(
         weights or folder, dtype=DTYPES[dtype] if frozen else torch.float32, attn_implementation=attn,
         **({"device_map": device} if device.type == "cuda" else {}))
+    if adapters is not None:
+        model = load_adapted(model, adapters, trainable=not frozen)
     if frozen:
         model.eval().requires_grad_(False)
     elif gradient_checkpointing:
@@ -106,6 +118,8 @@ def open_training_engines(config: TrainConfig, model: Any, tokenizer: Any, log_d
         return student, student
     options = model_options(config.model, world)
     if config.teacher.kind == "frozen":
+        if config.model.lora:  # the initial weights are the live student's with its adapters off: no second copy
+            return student, LocalEngine(model, tokenizer, batch_size=batch_size, forward_context=lambda: adapters_off(model))
         frozen, _ = load_model(config.model.student, config.model.dtype, frozen=True, **options)
         shard_model(frozen, world)
         return student, LocalEngine(frozen, tokenizer, batch_size=batch_size)

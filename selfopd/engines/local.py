@@ -8,7 +8,7 @@ exists; `update_weights` then only records the version.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
 
 import torch
 
@@ -21,8 +21,12 @@ from selfopd.scoring import completion_hidden, left_pad, logprobs_from_hidden, t
 class LocalEngine:
     """Samples with `model.generate` (KV cache) and scores with `selfopd.scoring`."""
 
-    def __init__(self, model: Any, tokenizer: Any, batch_size: int = 16, chunk_size: int = 256) -> None:
+    def __init__(self, model: Any, tokenizer: Any, batch_size: int = 16, chunk_size: int = 256,
+                 forward_context: Callable[[], ContextManager[Any]] | None = None) -> None:
         self.model = model
+        # Entered around every forward pass: a `frozen` teacher that is the live LoRA student
+        # with its adapters off (selfopd.lora.adapters_off) reads the base weights this way.
+        self.forward_context = forward_context or contextlib.nullcontext
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.chunk_size = chunk_size
@@ -46,7 +50,7 @@ class LocalEngine:
     @torch.no_grad()
     def score(self, sequences: Sequence[tuple[list[int], list[int]]], top_k: int = 0,
               temperature: float = 1.0) -> list[TokenScores]:
-        with eval_mode(self.model):
+        with eval_mode(self.model), self.forward_context():
             return self._score(sequences, top_k, temperature)
 
     def _score(self, sequences: Sequence[tuple[list[int], list[int]]], top_k: int,
@@ -78,7 +82,7 @@ class LocalEngine:
         logits: the tempered final hidden states (B, C, H) and the output head (V, H), padded
         like `selfopd.scoring.completion_hidden`. What the full-vocabulary losses need from a
         teacher; only an in-process engine has it (`supports_full_vocabulary`)."""
-        with eval_mode(self.model):
+        with eval_mode(self.model), self.forward_context():
             hidden_BCH, _, _ = completion_hidden(self.model, sequences, self.pad_id)
         return tempered(hidden_BCH, temperature), self.model.get_output_embeddings().weight
 
@@ -109,7 +113,7 @@ class LocalEngine:
         greedy = params.temperature == 0
         sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
         sharded = is_sharded(self.model)
-        with torch.no_grad(), eval_mode(self.model), gathered_for_generation(self.model):
+        with torch.no_grad(), eval_mode(self.model), self.forward_context(), gathered_for_generation(self.model):
             output = self.model.generate(
                 input_ids=ids_BT,
                 attention_mask=mask_BT,

@@ -73,12 +73,6 @@ class VLLMEngine:
 
     async def _sample_one(self, index: int, prompt: list[int], params: SamplingParams) -> list[Rollout]:
         server = index % len(self.urls)
-<<<<<<< HEAD
-        # vLLM seeds the n samples of one request seed, seed + 1, ...: space prompts n apart
-        # (and start at the call's first row: a rank's share draws what one process does).
-        seed = None if params.seed is None else params.seed + params.first_row + index * params.n
-=======
->>>>>>> colocate
         response = await self._call(server, prompt=prompt, n=params.n, max_tokens=params.max_tokens,
                                     temperature=params.temperature, top_p=params.top_p,
                                     seed=prompt_seed(params, index), logprobs=0,
@@ -158,8 +152,9 @@ class VLLMEngine:
 
 def prompt_seed(params: SamplingParams, index: int) -> int | None:
     """The seed of prompt `index`'s request: vLLM seeds the n samples of one request seed,
-    seed + 1, ..., so prompts are spaced n apart and no two samples share a seed."""
-    return None if params.seed is None else params.seed + index * params.n
+    seed + 1, ..., so prompts are spaced n apart and no two samples share a seed; the call's
+    first row offsets them (a rank's share of a step draws what one process does)."""
+    return None if params.seed is None else params.seed + params.first_row + index * params.n
 
 
 def check_sample_lengths(prompts: Sequence[list[int]], max_tokens: int, max_model_len: int,
