@@ -430,12 +430,15 @@ def run_check(out: Path, device: str, tiny: bool, tokenizer_dir: Path, steps: in
 
     init_device = device if device.startswith("cuda") else "cpu"
     model_dir, tiny_dir = work_dir / "model", work_dir / "tiny-model"
-    try:
-        tick = time.monotonic()
-        report["model"] = write_random_model(model_dir, tokenizer_dir, big, init_device, torch.bfloat16)
-        report["model"]["write_s"] = round(time.monotonic() - tick, 1)
-    except Exception as error:
-        report["model"] = {"error": _error(error), "traceback": traceback.format_exc(limit=-6)}
+    for where in dict.fromkeys((init_device, "cpu")):  # drawing on the CPU is slower, but a second chance
+        try:
+            tick = time.monotonic()
+            report["model"] = write_random_model(model_dir, tokenizer_dir, big, where, torch.bfloat16)
+            report["model"].update(write_s=round(time.monotonic() - tick, 1), drawn_on=where)
+            break
+        except Exception as error:
+            report["model"] = {"error": _error(error), "traceback": traceback.format_exc(limit=-6)}
+            _release(device)
     save()
     for case in cases:
         if "error" in report["model"]:
