@@ -10,7 +10,7 @@ On the lent GPU machine (torch + transformers, no vLLM, no network), with the de
 `--budget-s` (420 s):
 
     run(command="PYTHONUNBUFFERED=1 python3 experiments/benchmarks/gpu_check.py --out $OUT/gpu_check.json",
-        carry=["experiments/benchmarks/gpu_check_tokenizer"], timeout_s=540)
+        carry=[".cache/gpu_check_tokenizer"], timeout_s=540)
 
 Commit the returned JSON as experiments/results/gpu_check.json and replace
 experiments/results/gpu_check_status.md. Until then that status file says it has not run.
@@ -65,7 +65,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-TOKENIZER_DIR = HERE / "gpu_check_tokenizer"
+TOKENIZER_DIR = ROOT / ".cache" / "gpu_check_tokenizer"  # gitignored (.cache/), outside experiments/: result JSON lives there
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 MODEL_CONFIG = HERE / "configs" / "qwen3_1p7b.json"
 # The tiny model of --tiny and of the CPU-vs-device step: Qwen3's layout at toy size.
@@ -412,7 +412,7 @@ def run_check(out: Path, device: str, tiny: bool, tokenizer_dir: Path, steps: in
     print("missing packages:", ", ".join(f"{k} ({v})" for k, v in missing.items()) or "none", flush=True)
     if not (tokenizer_dir / "tokenizer.json").is_file():
         raise SystemExit(f"{tokenizer_dir}: no tokenizer.json; run `python experiments/benchmarks/gpu_check.py "
-                         "--prepare` here and carry experiments/benchmarks/gpu_check_tokenizer")
+                         "--prepare` here and carry .cache/gpu_check_tokenizer")
     big = dict(TINY) if tiny else json.loads(MODEL_CONFIG.read_text())
     shape = ({"prompts": 2, "samples": 2, "max_tokens": 8, "micro_batch_prompts": 1} if tiny else
              {"prompts": 8, "samples": 4, "max_tokens": 128, "micro_batch_prompts": 4})
@@ -485,7 +485,7 @@ def print_table(report: dict[str, Any]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prepare", action="store_true", help="copy the SmolLM2 tokenizer to gpu_check_tokenizer/ and stop")
+    parser.add_argument("--prepare", action="store_true", help="copy the SmolLM2 tokenizer to .cache/gpu_check_tokenizer/ and stop")
     parser.add_argument("--out", type=Path, help="the JSON (default: $OUT/ or experiments/results/, gpu_check.json "
                         "for the real check, gpu_check_plumbing.json for --tiny or a CPU run)")
     parser.add_argument("--device", default="cuda", help="cuda (the check) or cpu (plumbing only)")
