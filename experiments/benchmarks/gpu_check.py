@@ -1,0 +1,513 @@
+"""Prepared GPU check of the in-process trainer: bf16 step time, tokens/s and peak memory of a
+Qwen3-1.7B-shaped model built at random, and one tiny fp32 step on the GPU against the CPU.
+
+Once, here (copies the packaged SmolLM2 tokenizer, 3.5 MB, into a gitignored folder):
+
+    python experiments/benchmarks/gpu_check.py --prepare
+
+On the lent GPU machine (torch + transformers, no vLLM, no network), with the device tool's
+`run`, carrying that folder; about 3-4 minutes, the script stops starting work after
+`--budget-s` (420 s):
+
+    run(command="PYTHONUNBUFFERED=1 python3 experiments/benchmarks/gpu_check.py --out $OUT/gpu_check.json",
+        carry=[".cache/gpu_check_tokenizer"], timeout_s=540)
+
+Commit the returned JSON as experiments/results/gpu_check.json and replace
+experiments/results/gpu_check_status.md. Until then that status file says it has not run.
+
+What it does, in order:
+1. says which of selfopd's dependencies are missing there and what each one costs; the
+   data comes from a generator in this file (no `datasets`, `reasoning_gym`), a missing
+   `math_verify` only leaves some rewards unchecked, a missing `peft` fails the LoRA cases;
+2. writes a random model folder from `configs/qwen3_1p7b.json` (Qwen3-1.7B's architecture,
+   its 151936-token head; the tokenizer is SmolLM2's 49152 tokens, ids past it decode to
+   nothing) and runs the real trainer (`selfopd.run_setup.build_run` + `selfopd.trainer.
+   train_step`) with model.device = cuda, model.dtype = bfloat16 in four cases: full
+   fine-tuning, + gradient checkpointing, LoRA, LoRA + gradient checkpointing. Per case:
+   median step time of the steps after the first, completion tokens trained per second,
+   peak GPU memory, the trainer's phase times, and what the trainer actually did (device,
+   weight dtype, the dtype the decoder's linears computed in, checkpointing, trainable
+   parameters). A setting the trainer ignores or refuses makes its case 'not available';
+   one case failing never loses the others;
+3. one greedy step of a tiny random Qwen3 in fp32 on the GPU and on the CPU: same rollouts,
+   metric differences and max |weight difference| after the step, each against a tolerance.
+
+Writes the JSON after every case (a killed run still leaves what it measured) and prints a
+table. `--device cpu --tiny` runs the same plumbing on the CPU in seconds
+(tests/test_gpu_check.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))  # selfopd is not installed on the GPU machine: import it from this tree
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+TOKENIZER_DIR = ROOT / ".cache" / "gpu_check_tokenizer"  # gitignored (.cache/), outside experiments/: result JSON lives there
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+MODEL_CONFIG = HERE / "configs" / "qwen3_1p7b.json"
+# The tiny model of --tiny and of the CPU-vs-device step: Qwen3's layout at toy size.
+TINY = {"model_type": "qwen3", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": True,
+        "max_position_embeddings": 2048}
+
+# Which optional packages the trainer's code paths reach, and what is lost without each.
+DEPENDENCIES = {
+    "jinja2": "required: prompt templates (selfopd.templates)",
+    "tqdm": "required: imported by selfopd.trainer",
+    "peft": "the LoRA cases (model.lora_rank) fail",
+    "math_verify": "answers that are not plain numbers count as unchecked (reward 0)",
+    "datasets": "not needed: this check generates its prompts",
+    "reasoning_gym": "not needed: this check generates its prompts",
+    "flash_attn": "attn_implementation 'auto' uses sdpa",
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One trainer configuration to time: a name and its `--set` overrides."""
+
+    name: str
+    overrides: tuple[str, ...]
+
+
+CASES = (
+    Case("full", ()),
+    Case("full+checkpointing", ("model.gradient_checkpointing=true",)),
+    Case("lora", ("model.lora_rank=16",)),
+    Case("lora+checkpointing", ("model.lora_rank=16", "model.gradient_checkpointing=true")),
+)
+
+
+class NotAvailable(RuntimeError):
+    """The trainer ignored a setting the case asks for: its numbers would be mislabelled."""
+
+
+# --------------------------------------------------------------------------- set-up
+
+
+def missing_dependencies() -> dict[str, str]:
+    """{package: what is lost} for the packages of DEPENDENCIES that are not importable."""
+    return {name: cost for name, cost in DEPENDENCIES.items() if importlib.util.find_spec(name) is None}
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    import transformers
+
+    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                            "transformers": transformers.__version__, "cuda": torch.version.cuda,
+                            "device": device, "selfopd_commit": _git_commit()}
+    if device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(torch.device(device))
+        info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                    float32_matmul_precision=torch.get_float32_matmul_precision())
+    return info
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None  # the device machine's copy of the tree may have no .git
+
+
+def prepare_tokenizer(target: Path = TOKENIZER_DIR) -> Path:
+    """Copy the packaged SmolLM2's tokenizer files into `target`, the folder the GPU run carries."""
+    from selfopd.models import resolve_model
+
+    source = resolve_model("smollm2-135m-instruct")
+    target.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, target / name)
+    return target
+
+
+def write_random_model(folder: Path, tokenizer_dir: Path, config: dict[str, Any], init_device: str,
+                       save_dtype: torch.dtype) -> dict[str, Any]:
+    """A model folder (config, random weights, tokenizer) from an architecture dict; returns its facts.
+
+    The weights are drawn on `init_device` (seconds on a GPU for 1.7B parameters, minutes on a
+    CPU) and the end-of-sequence and padding ids are the tokenizer's."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    fields = dict(config)
+    fields.setdefault("vocab_size", len(tokenizer))
+    if fields["vocab_size"] < len(tokenizer):
+        raise ValueError(f"vocab_size {fields['vocab_size']} is below the tokenizer's {len(tokenizer)} tokens")
+    eos = tokenizer.eos_token_id
+    fields.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos,
+                  pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
+    model_config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(0)
+    with torch.device(init_device):
+        model = AutoModelForCausalLM.from_config(model_config, dtype=save_dtype)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    facts = {"architecture": type(model).__name__, "params": sum(p.numel() for p in model.parameters()),
+             "vocab_size": model_config.vocab_size, "tokenizer_size": len(tokenizer)}
+    del model
+    return facts
+
+
+def generated_examples(count: int) -> list[Any]:
+    """Addition prompts with their answers: the data needs no dataset package."""
+    from selfopd.example import Example
+
+    return [Example(id=f"gpu_check/{i}", prompt=f"What is {i * 37 % 89 + 10} + {i * 53 % 97 + 3}? "
+                    "Explain your steps, then give the final answer.", answer=str(i * 37 % 89 + 10 + i * 53 % 97 + 3))
+            for i in range(count)]
+
+
+@contextlib.contextmanager
+def generated_data(count: int) -> Iterator[None]:
+    """build_run loads `data.spec` through `load_examples`; here it gets the generated prompts."""
+    from selfopd import run_setup
+
+    original = run_setup.load_examples
+    run_setup.load_examples = lambda spec, *args, **kwargs: generated_examples(count)
+    try:
+        yield
+    finally:
+        run_setup.load_examples = original
+
+
+def train_config(model_dir: Path, out_dir: Path, shape: dict[str, int], overrides: tuple[str, ...]):
+    """The TrainConfig of one case: the trainer's own config, with `--set` overrides."""
+    from selfopd.config import load_config
+
+    return load_config(None, [
+        f"model.student={model_dir}", f"run.out_dir={out_dir}", "run.progress=false", "run.rollouts_to_save=0",
+        "data.spec=generated-by-gpu_check", "data.eval_size=2",
+        f"rollout.prompts_per_step={shape['prompts']}", f"rollout.samples_per_prompt={shape['samples']}",
+        f"rollout.max_tokens={shape['max_tokens']}", f"optim.micro_batch_prompts={shape['micro_batch_prompts']}",
+        *overrides])
+
+
+# --------------------------------------------------------------------------- what the trainer did
+
+
+def trainer_state(model: Any) -> dict[str, Any]:
+    """Where the student is, its weight dtype, checkpointing, trainable parameters."""
+    params = list(model.parameters())
+    return {
+        "device": str(params[0].device),
+        "weight_dtype": str(params[0].dtype).removeprefix("torch."),
+        "gradient_checkpointing": any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()),
+        "trainable_params": sum(p.numel() for p in params if p.requires_grad),
+        "total_params": sum(p.numel() for p in params),
+    }
+
+
+def check_honoured(config: Any, state: dict[str, Any]) -> None:
+    """Raise NotAvailable, naming every setting the trainer silently ignored."""
+    ignored = []
+    wanted = config.model.device
+    if wanted != "auto" and torch.device(state["device"]).type != torch.device(wanted).type:
+        ignored.append(f"model.device = {wanted!r} (the student's weights are on {state['device']})")
+    if config.model.gradient_checkpointing and not state["gradient_checkpointing"]:
+        ignored.append("model.gradient_checkpointing = true (no module checkpoints)")
+    if config.model.lora_rank and state["trainable_params"] == state["total_params"]:
+        ignored.append(f"model.lora_rank = {config.model.lora_rank} (every weight is trainable)")
+    if ignored:
+        raise NotAvailable(f"the trainer ignored {'; '.join(ignored)}")
+
+
+class ComputeDtypes:
+    """The output dtypes of the first decoder linear layer, in training forwards (grad on)
+    and in sampling/scoring (grad off): shows whether bf16 autocast is on."""
+
+    def __init__(self, model: Any) -> None:
+        self.seen: dict[str, set[str]] = {"train": set(), "no_grad": set()}
+        linear = next(m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers.0." in name)
+        self.handle = linear.register_forward_hook(self._record)
+
+    def _record(self, module: Any, inputs: Any, output: torch.Tensor) -> None:
+        self.seen["train" if torch.is_grad_enabled() else "no_grad"].add(str(output.dtype).removeprefix("torch."))
+
+    def close(self) -> dict[str, list[str]]:
+        self.handle.remove()
+        return {key: sorted(values) for key, values in self.seen.items()}
+
+
+def _synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _release(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _gib(nbytes: int) -> float:
+    return round(nbytes / 2**30, 3)
+
+
+def _error(error: BaseException) -> str:
+    if isinstance(error, NotAvailable):
+        return f"not available: {error}"
+    return f"{type(error).__name__}: {error}"
+
+
+# --------------------------------------------------------------------------- the measurements
+
+
+def time_case(case: Case, model_dir: Path, work_dir: Path, device: str, dtype: str, shape: dict[str, int],
+              steps: int, deadline: float) -> dict[str, Any]:
+    """Build the run as `selfopd train` would and time `steps` train_step calls (the first is
+    the warm-up); results, or the exception that stopped the case."""
+    from selfopd.trainer import build_run, train_step
+
+    result: dict[str, Any] = {"overrides": list(case.overrides)}
+    run = probe = None
+    _release(device)
+    try:
+        config = train_config(model_dir, work_dir / case.name, shape,
+                              (f"model.device={device}", f"model.dtype={dtype}", *case.overrides))
+        with generated_data(shape["prompts"] * 8):
+            run = build_run(config)
+        result["trainer"] = trainer_state(run.model)
+        check_honoured(config, result["trainer"])
+        if device.startswith("cuda"):
+            result["memory_after_build_gib"] = _gib(torch.cuda.memory_allocated())
+        probe = ComputeDtypes(run.model)
+        metrics = []
+        for index in range(steps):
+            if index >= 2 and time.monotonic() > deadline:
+                result["stopped_early"] = f"time budget: {index} of {steps} steps"
+                break
+            tick = time.perf_counter()
+            step = train_step(run)
+            _synchronize(device)
+            metrics.append({**step, "wall_s": time.perf_counter() - tick})
+        result["compute_dtypes"] = probe.close()
+        probe = None
+        if dtype == "bfloat16" and "bfloat16" not in result["compute_dtypes"]["train"]:
+            result["warning"] = "model.dtype = bfloat16, but the decoder's linears computed in " \
+                                f"{result['compute_dtypes']['train']} while training"
+        result.update(summarise_steps(metrics))
+        if device.startswith("cuda"):
+            result["peak_memory_gib"] = _gib(torch.cuda.max_memory_allocated())
+            result["peak_reserved_gib"] = _gib(torch.cuda.max_memory_reserved())
+    except Exception as error:  # one case failing must not lose the others
+        result["error"] = _error(error)
+        if not isinstance(error, NotAvailable):
+            result["traceback"] = traceback.format_exc(limit=-6)
+    finally:
+        if probe is not None:
+            probe.close()
+        if run is not None:
+            run.close()
+        del run
+        _release(device)
+    return result
+
+
+def summarise_steps(metrics: list[dict[str, float]]) -> dict[str, Any]:
+    """Medians over the steps after the first (all steps when there is only one)."""
+    timed = metrics[1:] or metrics
+    median = lambda key: statistics.median(m[key] for m in timed)  # noqa: E731
+    tokens = median("tokens/completion")
+    step_s, train_s = median("wall_s"), median("time/train")
+    return {
+        "steps": len(metrics), "timed_steps": len(timed), "warm_up_excluded": len(metrics) > 1,
+        "first_step_s": metrics[0]["wall_s"], "step_s_median": step_s,
+        "completion_tokens_per_step": tokens, "tokens_per_s": tokens / step_s,
+        "train_tokens_per_s": tokens / train_s,
+        "phase_s_median": {key: median(key) for key in sorted(timed[0]) if key.startswith("time/")},
+        "loss_pg": [m["loss/pg"] for m in metrics],
+        "reverse_kl": [m["opd/reverse_kl"] for m in metrics],
+    }
+
+
+def device_vs_cpu_step(model_dir: Path, work_dir: Path, device: str, shape: dict[str, int],
+                       weight_tolerance: float, metric_tolerance: float) -> dict[str, Any]:
+    """One greedy fp32 step on `device` and on the CPU from the same weights: the rollouts must
+    be the same ids, then every metric and weight must agree within the tolerances.
+
+    Greedy sampling, because the two devices' random streams differ; a near-tie could still
+    flip one argmax, which is reported as 'inconclusive', not as a failure."""
+    from selfopd.trainer import build_run, train_step
+
+    outcomes = {}
+    for where in ("cpu", device):
+        config = train_config(model_dir, work_dir / f"step-{where.replace(':', '')}", shape, (
+            f"model.device={where}", "model.dtype=float32", "rollout.temperature=0", "optim.lr=1e-3",
+            f"run.rollouts_to_save={shape['prompts'] * shape['samples']}"))
+        with generated_data(shape["prompts"] * 8):
+            run = build_run(config)
+        try:
+            check_honoured(config, trainer_state(run.model))
+            before = {name: p.detach().to("cpu", copy=True) for name, p in run.model.named_parameters()}
+            run.run_dir.mkdir(parents=True, exist_ok=True)
+            metrics = train_step(run)
+            after = {name: p.detach().to("cpu", copy=True) for name, p in run.model.named_parameters()}
+            rollouts = [json.loads(line) for line in run.folder.rollouts_file(run.step).read_text().splitlines()]
+        finally:
+            run.close()
+        outcomes[where] = (before, after, metrics, [r["completion_ids"] for r in rollouts])
+        del run
+        _release(device)
+
+    (before_c, after_c, metrics_c, ids_c), (before_d, after_d, metrics_d, ids_d) = outcomes["cpu"], outcomes[device]
+    start_diff = max((before_c[n] - before_d[n]).abs().max().item() for n in before_c)
+    weight_diff = max((after_c[n] - after_d[n]).abs().max().item() for n in after_c)
+    update_c = torch.cat([(after_c[n] - before_c[n]).flatten() for n in after_c]).double()
+    update_d = torch.cat([(after_d[n] - before_d[n]).flatten() for n in after_d]).double()
+    compared = sorted(k for k in metrics_c if not k.startswith("time/") and isinstance(metrics_c[k], float)
+                      and metrics_c[k] == metrics_c[k])  # skips nan
+    metric_diffs = {k: abs(metrics_c[k] - metrics_d[k]) for k in compared}
+    worst_metric = max(metric_diffs, key=metric_diffs.get)
+    same_rollouts = ids_c == ids_d
+    passed = (start_diff == 0 and weight_diff <= weight_tolerance and metric_diffs[worst_metric] <= metric_tolerance)
+    return {
+        "devices": ["cpu", device], "same_rollouts": same_rollouts,
+        "verdict": ("pass" if passed else "fail") if same_rollouts else "inconclusive: greedy rollouts differ",
+        "start_weight_max_abs_diff": start_diff,
+        "weight_max_abs_diff": weight_diff, "weight_tolerance": weight_tolerance,
+        "update_max_abs": update_c.abs().max().item(),
+        "update_cosine": torch.nn.functional.cosine_similarity(update_c, update_d, dim=0).item(),
+        "metric_max_abs_diff": metric_diffs[worst_metric], "metric_worst": worst_metric,
+        "metric_tolerance": metric_tolerance,
+        "metrics": {k: {"cpu": metrics_c[k], device: metrics_d[k]} for k in compared},
+    }
+
+
+# --------------------------------------------------------------------------- the whole check
+
+
+def run_check(out: Path, device: str, tiny: bool, tokenizer_dir: Path, steps: int, budget_s: float,
+              work_dir: Path, cases: tuple[Case, ...] = CASES) -> dict[str, Any]:
+    """Every measurement, written to `out` after each one; returns the report."""
+    started = time.monotonic()
+    deadline = started + budget_s
+    missing = missing_dependencies()
+    print("missing packages:", ", ".join(f"{k} ({v})" for k, v in missing.items()) or "none", flush=True)
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        raise SystemExit(f"{tokenizer_dir}: no tokenizer.json; run `python experiments/benchmarks/gpu_check.py "
+                         "--prepare` here and carry .cache/gpu_check_tokenizer")
+    big = dict(TINY) if tiny else json.loads(MODEL_CONFIG.read_text())
+    shape = ({"prompts": 2, "samples": 2, "max_tokens": 8, "micro_batch_prompts": 1} if tiny else
+             {"prompts": 8, "samples": 4, "max_tokens": 128, "micro_batch_prompts": 4})
+    report: dict[str, Any] = {
+        "status": "ran", "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_info(device),
+        "missing_packages": missing, "tiny": tiny, "model_dtype": "bfloat16", "shape": shape, "steps_per_case": steps,
+        "model_config": "tiny Qwen3 (TINY in gpu_check.py)" if tiny else str(MODEL_CONFIG.relative_to(ROOT)),
+        "cases": {}, "device_vs_cpu": None,
+    }
+
+    def save() -> None:
+        report["wall_s"] = round(time.monotonic() - started, 1)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+
+    init_device = device if device.startswith("cuda") else "cpu"
+    model_dir, tiny_dir = work_dir / "model", work_dir / "tiny-model"
+    for where in dict.fromkeys((init_device, "cpu")):  # drawing on the CPU is slower, but a second chance
+        try:
+            tick = time.monotonic()
+            report["model"] = write_random_model(model_dir, tokenizer_dir, big, where, torch.bfloat16)
+            report["model"].update(write_s=round(time.monotonic() - tick, 1), drawn_on=where)
+            break
+        except Exception as error:
+            report["model"] = {"error": _error(error), "traceback": traceback.format_exc(limit=-6)}
+            _release(device)
+    save()
+    for case in cases:
+        if "error" in report["model"]:
+            report["cases"][case.name] = {"error": "not run: the random model could not be built"}
+        elif time.monotonic() > deadline:
+            report["cases"][case.name] = {"error": f"not run: the time budget ({budget_s:.0f} s) was spent"}
+        else:
+            print(f"case {case.name} ...", flush=True)
+            report["cases"][case.name] = time_case(case, model_dir, work_dir, device, "bfloat16", shape, steps, deadline)
+        save()
+    shutil.rmtree(model_dir, ignore_errors=True)  # gigabytes on the device's disk
+
+    print("one fp32 step, device vs cpu ...", flush=True)
+    try:
+        write_random_model(tiny_dir, tokenizer_dir, dict(TINY), "cpu", torch.float32)
+        report["device_vs_cpu"] = device_vs_cpu_step(
+            tiny_dir, work_dir, device, {"prompts": 2, "samples": 2, "max_tokens": 16, "micro_batch_prompts": 1},
+            weight_tolerance=5e-5, metric_tolerance=1e-4)
+    except Exception as error:
+        report["device_vs_cpu"] = {"verdict": "error", "error": _error(error), "traceback": traceback.format_exc(limit=-6)}
+    save()
+    return report
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(f"\n{report['machine'].get('gpu', report['machine']['device'])}, torch {report['machine']['torch']}, "
+          f"{report.get('model', {}).get('params', '?')} parameters")
+    print(f"{'case':<20}{'step s':>8}{'tok/s':>9}{'train tok/s':>13}{'peak GiB':>10}  compute / note")
+    for name, case in report["cases"].items():
+        if "error" in case:
+            print(f"{name:<20}  {case['error'][:110]}")
+            continue
+        print(f"{name:<20}{case['step_s_median']:>8.2f}{case['tokens_per_s']:>9.0f}{case['train_tokens_per_s']:>13.0f}"
+              f"{case.get('peak_memory_gib', float('nan')):>10.2f}  {','.join(case['compute_dtypes']['train'])}"
+              f" {case.get('warning', '')}")
+    check = report["device_vs_cpu"] or {}
+    if "weight_max_abs_diff" in check:
+        print(f"fp32 step device vs cpu: {check['verdict']} (weights {check['weight_max_abs_diff']:.2e} <= "
+              f"{check['weight_tolerance']:.0e}; {check['metric_worst']} {check['metric_max_abs_diff']:.2e} <= "
+              f"{check['metric_tolerance']:.0e}; same rollouts {check['same_rollouts']})")
+    else:
+        print(f"fp32 step device vs cpu: {check.get('error', 'not run')}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prepare", action="store_true", help="copy the SmolLM2 tokenizer to .cache/gpu_check_tokenizer/ and stop")
+    parser.add_argument("--out", type=Path, help="the JSON (default: $OUT/ or experiments/results/, gpu_check.json "
+                        "for the real check, gpu_check_plumbing.json for --tiny or a CPU run)")
+    parser.add_argument("--device", default="cuda", help="cuda (the check) or cpu (plumbing only)")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model and 8-token rollouts instead of Qwen3-1.7B")
+    parser.add_argument("--steps", type=int, default=4, help="train steps per case, the first one a warm-up")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="start no case after this many seconds")
+    parser.add_argument("--tokenizer", type=Path, default=TOKENIZER_DIR)
+    args = parser.parse_args()
+    if args.prepare:
+        print(f"tokenizer files in {prepare_tokenizer()}")
+        return 0
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; --device cpu --tiny runs the plumbing", file=sys.stderr)
+        return 2
+    name = "gpu_check.json" if args.device.startswith("cuda") and not args.tiny else "gpu_check_plumbing.json"
+    out = args.out or Path(os.environ.get("OUT") or ROOT / "experiments" / "results") / name
+    with tempfile.TemporaryDirectory(prefix="gpu_check-") as scratch:
+        report = run_check(out, args.device, args.tiny, args.tokenizer, args.steps, args.budget_s, Path(scratch))
+    print_table(report)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
