@@ -53,7 +53,8 @@ def build_run(config: TrainConfig, resume_from: Path | None = None) -> Run:
 
         run_layout(config)
     model, tokenizer = load_model(config.model.student, config.model.dtype, weights=resume_from,
-                                  gradient_checkpointing=config.model.gradient_checkpointing, **options)
+                                  gradient_checkpointing=config.model.gradient_checkpointing,
+                                  master_weights=not config.model.lora, **options)
     model = prepare_student(model, config.model, resume_from)  # LoRA adapters, when model.lora_rank > 0
     shard_model(model, world)  # before the optimizer: it must hold the sharded parameters
     optimizer = torch.optim.AdamW(

@@ -197,8 +197,8 @@ def test_real_model_adapters_off_is_the_base_after_a_training_step(tmp_path, smo
 
 
 def test_bfloat16_lora_student_trains_float32_adapters(tmp_path, tiny_model_dir):
-    """peft keeps the adapters in float32 over a bfloat16 base; the merged weights a server
-    gets are bfloat16 like the checkpoint."""
+    """peft keeps the adapters in float32 over a bfloat16 base (frozen: no fp32 master copy,
+    unlike full training); the merged weights a server gets are bfloat16 like the checkpoint."""
     run = _started(_config(tmp_path, tiny_model_dir, "model.dtype=bfloat16", "run.name=bf16"))
     metrics = train_step(run)
     assert metrics["probe/max_abs_diff"] == 0.0

@@ -26,12 +26,13 @@ from selfopd.models import resolve_model
 from selfopd.tokenizer_check import check_tokenizers_compatible
 
 def load_model(spec: str | Path, dtype: str = "float32", *, weights: Path | None = None, frozen: bool = False,
-               device: torch.device | None = None, attn: str = "sdpa",
-               gradient_checkpointing: bool = False) -> tuple[Any, Any]:
+               device: torch.device | None = None, attn: str = "sdpa", gradient_checkpointing: bool = False,
+               master_weights: bool = True) -> tuple[Any, Any]:
     """(model, tokenizer) of a packaged name, folder or hub id, on `device` (default CPU);
     `weights`: load the weights from that folder instead (a checkpoint of this model).
     `frozen`: eval mode, no gradients, weights in `dtype`. A trained model keeps fp32 master
-    weights whatever `dtype` (which is then its autocast compute dtype, `selfopd.devices`).
+    weights whatever `dtype` (which is then its autocast compute dtype, `selfopd.devices`),
+    unless `master_weights` is False: a LoRA base, which never updates, is held in `dtype`.
 
     A LoRA adapter folder (a LoRA run's checkpoint), as `spec` or `weights`, loads onto its
     base: trainable adapters, or merged into a plain model when `frozen`."""
@@ -47,7 +48,7 @@ def load_model(spec: str | Path, dtype: str = "float32", *, weights: Path | None
         folder = resolve_model(spec)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(
-        weights or folder, dtype=DTYPES[dtype] if frozen else torch.float32, attn_implementation=attn,
+        weights or folder, dtype=torch.float32 if master_weights and not frozen else DTYPES[dtype], attn_implementation=attn,
         **({"device_map": device} if device.type == "cuda" else {}))
     if adapters is not None:
         model = load_adapted(model, adapters, trainable=not frozen)
