@@ -192,6 +192,18 @@ def test_frozen_teacher_keeps_the_initial_weights(tmp_path, tiny_model_dir):
     assert not torch.equal(run.model.get_parameter("model.norm.weight"), frozen["model.norm.weight"])
 
 
+def test_bfloat16_frozen_teacher_computes_like_the_student(tmp_path, tiny_model_dir):
+    """A frozen copy in bf16 weights would differ from the student's fp32-master autocast
+    forward; held in the student's precision it passes the start check at fp32 tolerance."""
+    run = build_run(_config(tmp_path, tiny_model_dir, "teacher.kind=frozen", "model.dtype=bfloat16",
+                            "probe.tolerance=1e-6", "run.name=frozen_bf16"))
+    assert next(run.teacher_engine.model.parameters()).dtype == torch.float32
+    with run.autocast():
+        teacher = run.teacher_engine.score([run.probe])[0].logprobs
+        student = run.student_engine.score([run.probe])[0].logprobs
+    assert torch.equal(teacher, student)
+
+
 DIVERGENCES = ("topk_reverse_kl", "reverse_kl", "forward_kl", "jsd")
 
 
