@@ -49,9 +49,9 @@ def build_run(config: TrainConfig, resume_from: Path | None = None) -> Run:
         check_external_teacher_split(config.teacher.model, eval_examples)
 
     if config.engine.kind == "vllm":  # a refused GPU layout stops the run before the model loads
-        from selfopd.serving import run_layout
+        from selfopd.serving import node_trainer_gpus, run_layout
 
-        run_layout(config)
+        run_layout(config, node_trainer_gpus(world))
     model, tokenizer = load_model(config.model.student, config.model.dtype, weights=resume_from,
                                   gradient_checkpointing=config.model.gradient_checkpointing,
                                   master_weights=not config.model.lora, **options)
@@ -109,9 +109,15 @@ def check_world(config: TrainConfig, world: World) -> None:
     """Under torchrun each rank takes an equal share of a step's prompts, whole micro-batches."""
     if not world.distributed:
         return
-    if config.engine.kind != "local":
-        raise ConfigError("engine.kind", f"{config.engine.kind!r} under torchrun ({world.size} processes) is not "
-                          "supported yet: the distributed trainer samples and scores in process (engine.kind = 'local')")
+    if config.engine.kind == "vllm_colocate":
+        raise ConfigError("engine.kind", f"'vllm_colocate' is the one-GPU mode; under torchrun ({world.size} "
+                          "processes) use engine.kind = 'vllm' (servers on their own GPUs) or 'local'")
+    if config.model.device.startswith("cuda:"):
+        raise ConfigError("model.device", f"{config.model.device!r} would put every rank on one GPU; under torchrun "
+                          "use 'auto' or 'cuda': each rank takes the GPU of its LOCAL_RANK")
+    if config.engine.kind == "vllm" and config.model.lora:
+        raise ConfigError("model.lora_rank", "LoRA with vLLM servers under torchrun is not supported: the merged "
+                          "weights are built on one process; train LoRA on one process or with engine.kind = 'local'")
     per_rank = config.optim.micro_batch_prompts * world.size
     if config.rollout.prompts_per_step % per_rank:
         raise ConfigError("rollout.prompts_per_step", f"must be a multiple of optim.micro_batch_prompts "

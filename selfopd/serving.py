@@ -11,6 +11,7 @@ here and stopped when the run's `ExitStack` closes.
 from __future__ import annotations
 
 import contextlib
+import os
 import shlex
 import sys
 from dataclasses import dataclass
@@ -18,8 +19,9 @@ from pathlib import Path
 from typing import Sequence
 
 from selfopd.config import TrainConfig
+from selfopd.distributed import World, all_gather
 from selfopd.engines.vllm import VLLMEngine
-from selfopd.engines.vllm_server import ServerSpec, cuda_available, launch_servers, visible_devices
+from selfopd.engines.vllm_server import ServerError, ServerSpec, cuda_available, launch_servers, visible_devices
 from selfopd.engines.weight_sync import FileWeightSync, NCCLWeightSync, ServerControl, WeightSync
 from selfopd.gpu_layout import GPULayout, check_layout, resolved_sync, server_slots, single_process_trainer_gpus
 from selfopd.models import resolve_model
@@ -145,6 +147,13 @@ def open_vllm_engines(config: TrainConfig, log_dir: Path, stack: contextlib.Exit
     student_urls = config.engine.urls("student_urls") or [s.url for s in launched if s.name != "teacher"]
     teacher_urls = config.engine.urls("teacher_url") or [s.url for s in launched if s.name == "teacher"]
     student_sync, teacher_sync = open_weight_syncs(config, student_urls, teacher_urls) if weight_sync else (None, None)
+    return client_engines(config, student_urls, teacher_urls, stack, student_sync, teacher_sync)
+
+
+def client_engines(config: TrainConfig, student_urls: Sequence[str], teacher_urls: Sequence[str],
+                   stack: contextlib.ExitStack, student_sync: WeightSync | None = None,
+                   teacher_sync: WeightSync | None = None) -> tuple[VLLMEngine, VLLMEngine]:
+    """(student engine, teacher engine) over running servers; `stack` closes the clients."""
     options = dict(max_concurrency=config.engine.max_concurrency, timeout_s=config.engine.request_timeout_s,
                    retries=config.engine.retries)
     student = VLLMEngine(student_urls, weight_sync=student_sync, **options)
@@ -152,3 +161,32 @@ def open_vllm_engines(config: TrainConfig, log_dir: Path, stack: contextlib.Exit
     teacher = VLLMEngine(teacher_urls, weight_sync=teacher_sync, **options)
     stack.callback(teacher.close)
     return student, teacher
+
+
+def node_trainer_gpus(world: World) -> list[int] | None:
+    """The GPUs of this node's trainer ranks under torchrun (rank i on GPU LOCAL_RANK i);
+    None for one process (`run_layout` then reads model.device)."""
+    if not world.distributed:
+        return None
+    return list(range(int(os.environ.get("LOCAL_WORLD_SIZE", world.size)))) if gpu_count() else []
+
+
+def open_vllm_engines_on_ranks(config: TrainConfig, log_dir: Path, stack: contextlib.ExitStack,
+                               world: World) -> tuple[VLLMEngine, VLLMEngine]:
+    """Under torchrun: rank 0 checks the layout (this node's trainer GPUs: one per local
+    rank), launches the missing servers and holds the weight syncs; every other rank opens
+    clients of the same servers, whose URLs rank 0 sends. Servers launched here listen on
+    rank 0's node (engine.host); trainers on several nodes use servers given by URL."""
+    trainer_gpus = node_trainer_gpus(world)
+    opened, error = None, None
+    if world.is_main:
+        try:
+            opened = open_vllm_engines(config, log_dir, stack, config.run.progress, trainer_gpus=trainer_gpus)
+        except BaseException as exc:  # the other ranks must hear of it, not wait forever
+            error = exc
+    urls = all_gather(None if opened is None else (opened[0].urls, opened[1].urls), world)[0]
+    if error is not None:
+        raise error
+    if urls is None:
+        raise ServerError("rank 0 could not start or reach the vLLM servers (its own error says why)")
+    return opened if opened is not None else client_engines(config, urls[0], urls[1], stack)

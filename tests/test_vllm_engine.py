@@ -322,6 +322,28 @@ def test_selfopd_train_with_the_vllm_engine_runs_two_steps(servers, base_weights
     assert (tmp_path / "two/checkpoints/step_00002/model.safetensors").exists()
 
 
+def test_torchrun_trainer_with_vllm_servers_runs_two_steps(servers, base_weights_after, tmp_path):
+    """Two trainer processes (FSDP2, gloo) share the servers: each samples and scores its
+    prompt there, rank 0 gathers the weights and syncs both servers, every rank probes."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "selfopd", "train", str(ROOT / "experiments/demo.toml"),
+               "--set=engine.kind=vllm", f"--set=engine.student_urls={servers['student']}",
+               f"--set=engine.teacher_url={servers['teacher']}", f"--set=run.out_dir={tmp_path}", "--set=run.name=ranks",
+               "--set=run.steps=2", "--set=run.progress=false", "--set=data.eval_size=5", "--set=model.threads=1",
+               "--set=rollout.prompts_per_step=2", "--set=optim.micro_batch_prompts=1", "--set=rollout.max_tokens=16",
+               "--set=rollout.temperature=1.0"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-5000:]
+    metrics = [json.loads(line) for line in (tmp_path / "ranks/metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "loss/pg" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    assert all(m["probe/max_abs_diff"] <= TOLERANCE for m in steps)
+    rollouts = [json.loads(line) for line in (tmp_path / "ranks/rollouts/step_00002.jsonl").read_text().splitlines()]
+    assert sorted({r["group"] for r in rollouts}) == [0, 1]  # both ranks' prompts, gathered on rank 0
+    assert json.loads((tmp_path / "ranks/eval/step_00002/summary.json").read_text())["n"] == 5
+    assert (tmp_path / "ranks/checkpoints/step_00002/model.safetensors").exists()
+
+
 def test_serve_launches_a_server_and_leaves_no_process_behind(servers, tmp_path):
     port = free_port()
     command = [sys.executable, "-m", "selfopd.cli", "serve", f"--set=engine.student_urls={servers['student']}",

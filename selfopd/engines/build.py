@@ -106,6 +106,10 @@ def open_training_engines(config: TrainConfig, model: Any, tokenizer: Any, log_d
 
         if config.teacher.kind == "external":  # checked before any server starts
             checked_external_teacher(config, tokenizer)
+        if world.distributed:
+            from selfopd.serving import open_vllm_engines_on_ranks
+
+            return open_vllm_engines_on_ranks(config, log_dir, resources, world)
         return open_vllm_engines(config, log_dir, resources, progress=config.run.progress)
     if config.engine.kind == "vllm_colocate":
         from selfopd.engines.vllm_colocate import open_colocated_engines
