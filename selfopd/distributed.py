@@ -96,11 +96,14 @@ def shard_model(model: Any, world: World) -> None:
     which is what lets the trainer apply the output head to the final hidden states itself."""
     if not world.distributed:
         return
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     for layer in model.get_decoder().layers:
         fully_shard(layer)
     fully_shard(model)
+    # `generate` does not go through the top module's forward when peft wraps it (LoRA):
+    # registered, it runs FSDP's root hooks like a forward.
+    register_fsdp_forward_method(model, "generate")
 
 
 def is_sharded(model: Any) -> bool:

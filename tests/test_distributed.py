@@ -122,6 +122,19 @@ def test_a_two_process_checkpoint_resumes_on_two_or_one_processes(tmp_path, tiny
     _assert_same_run(whole, resumed_alone, 2)
 
 
+def test_lora_student_shards_and_takes_the_step_of_one(tmp_path, tiny_model_dir):
+    """peft under FSDP2: the adapters after 2 steps on 2 processes are those of one process."""
+    config_file = _config_file(tmp_path, tiny_model_dir)
+    lora = ["model.lora_rank=4", "model.lora_targets=q_proj,v_proj"]
+    one = train(load_config(config_file, ["run.name=one", *lora]))
+    _torchrun(str(config_file), *[arg for item in ["run.name=two", *lora] for arg in ("--set", item)])
+    files = [run / "checkpoints" / "step_00002" / "adapter_model.safetensors" for run in (one, tmp_path / "runs" / "two")]
+    a, b = load_file(files[0]), load_file(files[1])
+    assert sorted(a) == sorted(b) and len(a) == 8
+    assert max((a[name] - b[name]).abs().max().item() for name in a) <= TOLERANCE
+    assert max(a[name].abs().max().item() for name in a if "lora_B" in name) > 10 * TOLERANCE  # B starts at 0
+
+
 def test_micro_batches_accumulate_over_ranks(tmp_path, tiny_model_dir):
     """Two micro-batches per rank: the loss, KL, rewards and gradient norm of each step are
     those of one process (the weights: see TOLERANCE)."""
