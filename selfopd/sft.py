@@ -22,6 +22,7 @@ finished, and `run_sft` returns it again without retraining.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import random
 import shutil
@@ -227,9 +228,9 @@ def run_sft(config: SftConfig, progress: bool = True, student_run: Path | None =
     kind = resolve_targets(config.sft.targets, chosen)
 
     import torch
-
+    from selfopd.devices import autocast
     from selfopd.engines.base import SamplingParams
-    from selfopd.engines.build import load_model
+    from selfopd.engines.build import load_model, model_options
     from selfopd.engines.local import LocalEngine
     from selfopd.evaluate import evaluate
 
@@ -237,8 +238,11 @@ def run_sft(config: SftConfig, progress: bool = True, student_run: Path | None =
     if config.train.model.threads:
         torch.set_num_threads(config.train.model.threads)
     torch.manual_seed(seed)
-    model, tokenizer = load_model(config.train.model.student, config.train.model.dtype)
+    options = model_options(config.train.model)  # model.device, attention kernel; bf16: fp32 master + autocast
+    model, tokenizer = load_model(config.train.model.student, config.train.model.dtype,
+                                  gradient_checkpointing=config.train.model.gradient_checkpointing, **options)
     model.eval()
+    compute = functools.partial(autocast, options["device"], config.train.model.dtype)
     engine = LocalEngine(model, tokenizer, batch_size=eval_config.batch_size)
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -247,8 +251,9 @@ def run_sft(config: SftConfig, progress: bool = True, student_run: Path | None =
 
     def evaluated(label: str) -> tuple[Any, list[Any]]:
         began = time.perf_counter()
-        result = evaluate(engine, tokenizer, held_out, student_template, eval_config.max_tokens,
-                          eval_config.batch_size, out_dir=run_dir / "eval" / label, progress=progress)
+        with compute():
+            result = evaluate(engine, tokenizer, held_out, student_template, eval_config.max_tokens,
+                              eval_config.batch_size, out_dir=run_dir / "eval" / label, progress=progress)
         seconds[f"eval_{label}"] = time.perf_counter() - began
         return result
 
@@ -262,8 +267,9 @@ def run_sft(config: SftConfig, progress: bool = True, student_run: Path | None =
     else:
         params = SamplingParams(max_tokens=sft.max_tokens, temperature=sft.temperature, n=sft.samples_per_prompt,
                                 seed=seed)
-        targets, stats = sampled_targets(engine, tokenizer, chosen, student_template, sample_template, params,
-                                         eval_config.batch_size, progress)
+        with compute():
+            targets, stats = sampled_targets(engine, tokenizer, chosen, student_template, sample_template, params,
+                                             eval_config.batch_size, progress)
     seconds["targets"] = time.perf_counter() - began
     _write_targets(run_dir / "targets.jsonl", targets)
     print(f"targets ({kind}): {dropped_targets(dataclasses.asdict(stats))}")
@@ -272,9 +278,10 @@ def run_sft(config: SftConfig, progress: bool = True, student_run: Path | None =
 
     began = time.perf_counter()
     probe = _nll_probe(targets, seed)
-    nll_before = completion_nll(model, probe, engine.pad_id, eval_config.batch_size)
-    losses = train_sft(model, targets, engine.pad_id, config, progress)
-    nll_after = completion_nll(model, probe, engine.pad_id, eval_config.batch_size)
+    with compute():
+        nll_before = completion_nll(model, probe, engine.pad_id, eval_config.batch_size)
+        losses = train_sft(model, targets, engine.pad_id, config, progress)
+        nll_after = completion_nll(model, probe, engine.pad_id, eval_config.batch_size)
     seconds["train"] = time.perf_counter() - began
     print(f"NLL per token of {len(probe)} training targets: {nll_before:.3f} -> {nll_after:.3f}")
 
