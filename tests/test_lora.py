@@ -20,21 +20,10 @@ from selfopd.lora import add_adapters, served_weights
 from selfopd.models import ModelError
 from selfopd.trainer import build_run, train, train_step
 from selfopd.weight_checks import probe_logprobs
+from tests.test_trainer import SMALL as TRAINER_SMALL
 
-SMALL = [
-    "data.spec=rg:chain_sum?min_terms=2&max_terms=2&size=60&seed=2",
-    "data.eval_size=4",
-    "rollout.prompts_per_step=2",
-    "rollout.samples_per_prompt=2",
-    "rollout.max_tokens=6",
-    "optim.micro_batch_prompts=1",
-    "optim.lr=1e-2",
-    "eval.max_tokens=6",
-    "eval.batch_size=4",
-    "run.progress=false",
-    "run.eval_every=0",
-    "model.lora_rank=8",
-]
+# The trainer tests' short runs, at a LoRA learning rate.
+SMALL = [*TRAINER_SMALL, "optim.lr=1e-2", "model.lora_rank=8"]
 
 
 def _config(tmp_path: Path, model: Path | str, *extra: str):

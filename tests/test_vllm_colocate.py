@@ -8,13 +8,20 @@ its weights put the packaged ones back. The 2-step training run starts its own, 
 from __future__ import annotations
 
 import copy
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from tests.engine_contract import (
+    QUESTIONS,
+    TOLERANCE,
+    chat_prompts,
+    check_rollouts,
+    check_scoring,
+    check_tempered_logprobs,
+    hf_logprobs,
+    train_two_demo_steps,
+)
 
 from selfopd.config import ConfigError, load_config
 from selfopd.engines.base import SamplingParams, rest_engines
@@ -23,8 +30,6 @@ from selfopd.engines.vllm_colocate import REPLICA, ColocatedVLLMEngine, check_co
 from selfopd.engines.vllm_server import ServerError
 
 ROOT = Path(__file__).resolve().parents[1]
-TOLERANCE = 1e-4  # fp32 on both sides, as against vLLM servers (tests/test_vllm_engine.py)
-QUESTIONS = ["What is 3 + 4?", "Name a prime number larger than 10.", "Say hello in French."]
 
 
 @pytest.fixture(scope="module")
@@ -44,41 +49,14 @@ def base_weights_after(colocated, smollm2_model):
     colocated.update_weights(dict(smollm2_model.named_parameters()), version=0)
 
 
-def chat_prompts(tokenizer, questions):
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
-               for q in questions]
-    return [p if isinstance(p, list) else p["input_ids"] for p in prompts]
 
 
-def hf_logprobs(model, prompt, completion):
-    """Plain full-sequence forward: the reference for any engine."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + completion])).logits[0].double()
-    logprobs = logits.log_softmax(-1)[len(prompt) - 1 : -1]
-    return logprobs.gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_rollouts_carry_exact_ids_and_the_sampled_distributions_logprobs(colocated, smollm2_model, smollm2_tokenizer):
-    prompts = chat_prompts(smollm2_tokenizer, QUESTIONS)
-    params = SamplingParams(max_tokens=24, temperature=1.0, n=2, seed=7)
-    groups = colocated.sample(prompts, params)
-    assert [len(g) for g in groups] == [2, 2, 2]
-    eos = smollm2_tokenizer.eos_token_id
-    for prompt, group in zip(prompts, groups):
-        assert group[0].completion_ids != group[1].completion_ids  # n samples differ
-        for rollout in group:
-            assert rollout.prompt_ids == prompt
-            assert rollout.text == smollm2_tokenizer.decode(rollout.completion_ids, skip_special_tokens=True)
-            if rollout.finish_reason == "stop":
-                assert rollout.completion_ids[-1] == eos and eos not in rollout.completion_ids[:-1]
-            else:
-                assert len(rollout.completion_ids) == params.max_tokens and eos not in rollout.completion_ids
-            reference = hf_logprobs(smollm2_model, prompt, rollout.completion_ids)
-            assert torch.allclose(torch.tensor(rollout.sampler_logprobs, dtype=torch.float64), reference, atol=TOLERANCE)
-    again = colocated.sample(prompts, params)
-    assert [[r.completion_ids for r in g] for g in again] == [[r.completion_ids for r in g] for g in groups]
+    prompts, params, groups = check_rollouts(colocated, smollm2_model, smollm2_tokenizer)
     # Seeds follow the prompt's index, spaced n apart, as on a server: prompt 0 alone samples the same.
     alone = colocated.sample(prompts[:1], params)[0]
     assert [r.completion_ids for r in alone] == [r.completion_ids for r in groups[0]]
@@ -88,17 +66,7 @@ def test_rollouts_carry_exact_ids_and_the_sampled_distributions_logprobs(colocat
 @pytest.mark.vllm
 def test_sampler_logprobs_follow_temperature_and_top_p_as_the_local_engine(colocated, smollm2_model,
                                                                            smollm2_tokenizer):
-    prompts = chat_prompts(smollm2_tokenizer, QUESTIONS)
-    local = LocalEngine(smollm2_model, smollm2_tokenizer)
-    rollouts = [r for g in colocated.sample(prompts, SamplingParams(max_tokens=12, temperature=0.6, n=2, seed=9))
-                for r in g]
-    pairs = [(r.prompt_ids, r.completion_ids) for r in rollouts]
-    worst_raw = 0.0
-    for rollout, tempered, raw in zip(rollouts, local.score(pairs, temperature=0.6), local.score(pairs)):
-        sampler = torch.tensor(rollout.sampler_logprobs)
-        assert (sampler - tempered.logprobs).abs().max().item() <= TOLERANCE
-        worst_raw = max(worst_raw, (sampler - raw.logprobs).abs().max().item())
-    assert worst_raw > 0.01  # raw logprobs would have failed the check above
+    check_tempered_logprobs(colocated, smollm2_model, smollm2_tokenizer)
 
 
 @pytest.mark.slow
@@ -113,22 +81,7 @@ def test_greedy_rollouts_equal_the_in_process_engine(colocated, smollm2_model, s
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_scoring_equals_in_process_scoring(colocated, smollm2_model, smollm2_tokenizer):
-    prompts = chat_prompts(smollm2_tokenizer, QUESTIONS)
-    rollouts = [r for g in colocated.sample(prompts, SamplingParams(max_tokens=20, n=2, seed=3)) for r in g]
-    sequences = [(r.prompt_ids, r.completion_ids) for r in rollouts]
-    local = LocalEngine(smollm2_model, smollm2_tokenizer).score(sequences, top_k=5)
-    for top_k in (0, 5):
-        served = colocated.score(sequences, top_k=top_k)
-        for mine, theirs, (_, completion) in zip(local, served, sequences):
-            assert theirs.logprobs.shape == (len(completion),)
-            assert (theirs.logprobs - mine.logprobs).abs().max().item() <= TOLERANCE
-            if top_k:
-                assert (theirs.topk_logprobs - mine.topk_logprobs).abs().max().item() <= TOLERANCE
-                distinct = (mine.topk_logprobs[:, :-1] - mine.topk_logprobs[:, 1:]).abs() > 1e-3
-                assert torch.equal(theirs.topk_ids[:, 0], mine.topk_ids[:, 0])
-                assert torch.equal(theirs.topk_ids[:, :-1][distinct], mine.topk_ids[:, :-1][distinct])
-            else:
-                assert theirs.topk_ids is None
+    sequences = check_scoring(colocated, colocated, smollm2_model, smollm2_tokenizer)
     [(name, probe)] = colocated.score_replicas(sequences[0])
     assert name == REPLICA and torch.equal(probe.logprobs, colocated.score(sequences[:1])[0].logprobs)
 
@@ -239,17 +192,8 @@ def test_the_default_colocated_setup_is_accepted():
 def test_selfopd_train_with_the_colocated_engine_runs_two_steps(tmp_path):
     """A self teacher on the same instance; a large learning rate, so a missed update would
     fail the probe (the run stops with WeightSyncError otherwise)."""
-    command = [sys.executable, "-m", "selfopd.cli", "train", str(ROOT / "experiments/demo.toml"),
-               "--set=engine.kind=vllm_colocate", "--set=engine.max_model_len=1024", f"--set=run.out_dir={tmp_path}",
-               "--set=run.name=two", "--set=run.steps=2", "--set=run.progress=false", "--set=data.eval_size=8",
-               "--set=rollout.prompts_per_step=2", "--set=optim.micro_batch_prompts=2", "--set=rollout.max_tokens=16",
-               "--set=rollout.temperature=1.0", "--set=optim.lr=1e-4", "--set=optim.warmup_steps=0"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    metrics = [json.loads(line) for line in (tmp_path / "two/metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in metrics if "loss/pg" in m]
-    assert [m["step"] for m in steps] == [1, 2]
-    assert all(m["probe/max_abs_diff"] <= TOLERANCE for m in steps)
-    assert all(m["time/sample"] > 0 and m["tokens/completion"] > 0 for m in steps)
+    steps = train_two_demo_steps(tmp_path, "two", ["engine.kind=vllm_colocate", "engine.max_model_len=1024",
+                                                   "optim.lr=1e-4", "optim.warmup_steps=0"])
+    assert all(m["tokens/completion"] > 0 for m in steps)
     assert all(abs(m["opd/reverse_kl"]) > 0 for m in steps)  # the privileged note makes the teacher differ
     assert (tmp_path / "two/checkpoints/step_00002/model.safetensors").exists()

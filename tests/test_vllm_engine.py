@@ -18,6 +18,16 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from tests.engine_contract import (
+    QUESTIONS,
+    TOLERANCE,
+    chat_prompts,
+    check_rollouts,
+    check_scoring,
+    check_tempered_logprobs,
+    hf_logprobs,
+    train_two_demo_steps,
+)
 
 from selfopd.config import load_config
 from selfopd.engines.base import SamplingParams
@@ -28,7 +38,6 @@ from selfopd.engines.weight_sync import FileWeightSync, ServerControl
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 ROOT = Path(__file__).resolve().parents[1]
-TOLERANCE = 1e-4  # fp32 on both sides
 
 
 @pytest.fixture(scope="module")
@@ -58,61 +67,21 @@ def base_weights_after(engines, smollm2_model):
         engine.update_weights(dict(smollm2_model.named_parameters()), version=0)
 
 
-def chat_prompts(tokenizer, questions):
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
-               for q in questions]
-    return [p if isinstance(p, list) else p["input_ids"] for p in prompts]
 
 
-QUESTIONS = ["What is 3 + 4?", "Name a prime number larger than 10.", "Say hello in French."]
 
 
-def hf_logprobs(model, prompt, completion):
-    """Plain full-sequence forward: the reference for any engine."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + completion])).logits[0].double()
-    logprobs = logits.log_softmax(-1)[len(prompt) - 1 : -1]
-    return logprobs.gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 
 def test_rollouts_carry_exact_ids_and_the_sampled_distributions_logprobs(engines, smollm2_model, smollm2_tokenizer):
-    engine = engines["student"]
-    prompts = chat_prompts(smollm2_tokenizer, QUESTIONS)
-    params = SamplingParams(max_tokens=24, temperature=1.0, n=2, seed=7)
-    groups = engine.sample(prompts, params)
-    assert [len(g) for g in groups] == [2, 2, 2]
-    eos = smollm2_tokenizer.eos_token_id
-    for prompt, group in zip(prompts, groups):
-        assert group[0].completion_ids != group[1].completion_ids  # n samples differ
-        for rollout in group:
-            assert rollout.prompt_ids == prompt
-            assert rollout.text == smollm2_tokenizer.decode(rollout.completion_ids, skip_special_tokens=True)
-            if rollout.finish_reason == "stop":
-                assert rollout.completion_ids[-1] == eos and eos not in rollout.completion_ids[:-1]
-            else:
-                assert len(rollout.completion_ids) == params.max_tokens and eos not in rollout.completion_ids
-            # At temperature 1 without top-p the sampled distribution is the raw model's.
-            reference = hf_logprobs(smollm2_model, prompt, rollout.completion_ids)
-            assert torch.allclose(torch.tensor(rollout.sampler_logprobs, dtype=torch.float64), reference, atol=TOLERANCE)
-    again = engine.sample(prompts, params)
-    assert [[r.completion_ids for r in g] for g in again] == [[r.completion_ids for r in g] for g in groups]
+    check_rollouts(engines["student"], smollm2_model, smollm2_tokenizer)
 
 
 def test_sampler_logprobs_follow_temperature_and_top_p_as_the_local_engine(engines, smollm2_model, smollm2_tokenizer):
     """Launched servers report processed logprobs (--logprobs-mode processed_logprobs): the
     tempered distribution the token was drawn from, as the local engine reports it. The
     trainer's importance ratio relies on it. Raw logprobs would differ by far more."""
-    prompts = chat_prompts(smollm2_tokenizer, QUESTIONS)
-    local = LocalEngine(smollm2_model, smollm2_tokenizer)
-    rollouts = [r for g in engines["student"].sample(prompts, SamplingParams(max_tokens=12, temperature=0.6, n=2, seed=9))
-                for r in g]
-    pairs = [(r.prompt_ids, r.completion_ids) for r in rollouts]
-    worst_raw = 0.0
-    for rollout, tempered, raw in zip(rollouts, local.score(pairs, temperature=0.6), local.score(pairs)):
-        sampler = torch.tensor(rollout.sampler_logprobs)
-        assert (sampler - tempered.logprobs).abs().max().item() <= TOLERANCE
-        worst_raw = max(worst_raw, (sampler - raw.logprobs).abs().max().item())
-    assert worst_raw > 0.01
+    check_tempered_logprobs(engines["student"], smollm2_model, smollm2_tokenizer)
 
 
 def test_many_seeded_prompts_at_once_keep_the_server_alive(engines, smollm2_tokenizer):
@@ -151,23 +120,7 @@ def test_greedy_rollouts_equal_the_in_process_engine(engines, smollm2_model, smo
 
 @pytest.mark.parametrize("server", ["student", "teacher"])
 def test_server_scoring_equals_in_process_scoring(engines, server, smollm2_model, smollm2_tokenizer):
-    prompts = chat_prompts(smollm2_tokenizer, QUESTIONS)
-    rollouts = [r for g in engines["student"].sample(prompts, SamplingParams(max_tokens=20, n=2, seed=3)) for r in g]
-    sequences = [(r.prompt_ids, r.completion_ids) for r in rollouts]
-    local = LocalEngine(smollm2_model, smollm2_tokenizer).score(sequences, top_k=5)
-    for top_k in (0, 5):
-        served = engines[server].score(sequences, top_k=top_k)
-        for mine, theirs, (_, completion) in zip(local, served, sequences):
-            assert theirs.logprobs.shape == (len(completion),)
-            assert (theirs.logprobs - mine.logprobs).abs().max().item() <= TOLERANCE
-            if top_k:
-                assert (theirs.topk_logprobs - mine.topk_logprobs).abs().max().item() <= TOLERANCE
-                # Ids agree wherever neighbours are not within rounding of each other.
-                distinct = (mine.topk_logprobs[:, :-1] - mine.topk_logprobs[:, 1:]).abs() > 1e-3
-                assert torch.equal(theirs.topk_ids[:, 0], mine.topk_ids[:, 0])
-                assert torch.equal(theirs.topk_ids[:, :-1][distinct], mine.topk_ids[:, :-1][distinct])
-            else:
-                assert theirs.topk_ids is None
+    check_scoring(engines["student"], engines[server], smollm2_model, smollm2_tokenizer)
 
 
 def test_parse_prompt_logprobs_reads_topk_and_refuses_a_clamped_actual_token():
@@ -306,42 +259,22 @@ def test_lora_step_sends_merged_weights_under_the_checkpoint_names(servers, engi
 
 
 def test_selfopd_train_with_the_vllm_engine_runs_two_steps(servers, base_weights_after, tmp_path):
-    command = [sys.executable, "-m", "selfopd.cli", "train", str(ROOT / "experiments/demo.toml"),
-               "--set=engine.kind=vllm", f"--set=engine.student_urls={servers['student']}",
-               f"--set=engine.teacher_url={servers['teacher']}", f"--set=run.out_dir={tmp_path}", "--set=run.name=two",
-               "--set=run.steps=2", "--set=run.progress=false", "--set=data.eval_size=8",
-               "--set=rollout.prompts_per_step=2", "--set=optim.micro_batch_prompts=2", "--set=rollout.max_tokens=16",
-               "--set=rollout.temperature=1.0"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    metrics = [json.loads(line) for line in (tmp_path / "two/metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in metrics if "loss/pg" in m]
-    assert [m["step"] for m in steps] == [1, 2]
-    assert all(m["probe/max_abs_diff"] <= TOLERANCE for m in steps)
-    assert all(m["time/sample"] > 0 and m["tokens/completion"] > 0 for m in steps)
+    urls = [f"engine.student_urls={servers['student']}", f"engine.teacher_url={servers['teacher']}"]
+    steps = train_two_demo_steps(tmp_path, "two", ["engine.kind=vllm", *urls])
+    assert all(m["tokens/completion"] > 0 for m in steps)
     assert (tmp_path / "two/checkpoints/step_00002/model.safetensors").exists()
 
 
 def test_torchrun_trainer_with_vllm_servers_runs_two_steps(servers, base_weights_after, tmp_path):
     """Two trainer processes (FSDP2, gloo) share the servers: each samples and scores its
     prompt there, rank 0 gathers the weights and syncs both servers, every rank probes."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "selfopd", "train", str(ROOT / "experiments/demo.toml"),
-               "--set=engine.kind=vllm", f"--set=engine.student_urls={servers['student']}",
-               f"--set=engine.teacher_url={servers['teacher']}", f"--set=run.out_dir={tmp_path}", "--set=run.name=ranks",
-               "--set=run.steps=2", "--set=run.progress=false", "--set=data.eval_size=5", "--set=model.threads=1",
-               "--set=rollout.prompts_per_step=2", "--set=optim.micro_batch_prompts=1", "--set=rollout.max_tokens=16",
-               "--set=rollout.temperature=1.0"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-5000:]
-    metrics = [json.loads(line) for line in (tmp_path / "ranks/metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in metrics if "loss/pg" in m]
-    assert [m["step"] for m in steps] == [1, 2]
-    assert all(m["probe/max_abs_diff"] <= TOLERANCE for m in steps)
+    urls = [f"engine.student_urls={servers['student']}", f"engine.teacher_url={servers['teacher']}"]
+    train_two_demo_steps(tmp_path, "ranks", ["engine.kind=vllm", *urls, "data.eval_size=5", "model.threads=1",
+                                             "optim.micro_batch_prompts=1"],
+                         launcher=("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "selfopd"))
     rollouts = [json.loads(line) for line in (tmp_path / "ranks/rollouts/step_00002.jsonl").read_text().splitlines()]
     assert sorted({r["group"] for r in rollouts}) == [0, 1]  # both ranks' prompts, gathered on rank 0
     assert json.loads((tmp_path / "ranks/eval/step_00002/summary.json").read_text())["n"] == 5
-    assert (tmp_path / "ranks/checkpoints/step_00002/model.safetensors").exists()
 
 
 def test_serve_launches_a_server_and_leaves_no_process_behind(servers, tmp_path):
