@@ -152,7 +152,7 @@ def _train_step(run: Run) -> dict[str, float]:
     with timer("sync"):
         sync_weights(run)
     with timer("probe"):
-        probe_diff = check_probe(run)
+        probe_gaps = check_probe(run)
 
     # Metrics of the whole step: every rank's rollouts and tokens, in rank order.
     scored = [s for part in all_gather(scored, world) for s in part]
@@ -163,7 +163,7 @@ def _train_step(run: Run) -> dict[str, float]:
         "loss/pg": all_sum(loss_total, world),
         "optim/lr": run.scheduler.get_last_lr()[0],
         "optim/grad_norm": grad_norm,
-        "probe/max_abs_diff": probe_diff,
+        **probe_gaps,
         **opd_metrics(
             flat["teacher"], flat["student"], torch.ones_like(flat["teacher"], dtype=torch.bool),
             sampler_lp_BT=flat["sampler"], cap=cfg.loss.is_cap or None, advantage_BT=flat["advantage"],

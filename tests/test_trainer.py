@@ -12,7 +12,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from selfopd.config import load_config
 from selfopd.engines.local import LocalEngine
+from selfopd.engines.build import load_model
 from selfopd.scoring import completion_hidden
+from selfopd.weight_checks import check_probe
 from selfopd.tokenizer_check import TokenizerMismatch
 from selfopd.trainer import WeightSyncError, build_run, train, train_step
 
@@ -103,6 +105,22 @@ def test_probe_stops_a_run_whose_engine_missed_the_update(tmp_path, tiny_model_d
     run.student_engine = DroppingEngine(stale_copy, run.tokenizer)
     with pytest.raises(WeightSyncError, match=r"after step 1 the student engine's logprobs \(in-process model\) differ"):
         train_step(run)
+
+
+def test_bfloat16_probe_tells_bf16_noise_from_wrong_weights(tmp_path, tiny_model_dir):
+    """In bf16 the probe compares the mean gap over its tokens (probe.bf16_tolerance): a bf16
+    copy of the trainer's weights passes, another model's weights do not."""
+    run = build_run(_config(tmp_path, tiny_model_dir, "model.dtype=bfloat16", "run.name=bf16_probe"))
+    copy, _ = load_model(tiny_model_dir, "bfloat16", frozen=True)
+    run.student_engine = LocalEngine(copy, run.tokenizer)  # a copy: gaps are bf16's, not 0 as in process
+    with run.autocast():
+        gaps = check_probe(run)
+    assert 0 < gaps["probe/mean_abs_diff"] <= run.config.probe.bf16_tolerance
+    with torch.no_grad():  # wrong weights: a final norm 30x too large sharpens every distribution
+        copy.model.norm.weight.mul_(30)
+    with run.autocast(), pytest.raises(WeightSyncError, match=r"the student engine's logprobs \(in-process model\) "
+                                       r"differ from the trainer's: mean \|difference\| \(probe.bf16_tolerance = 0.25\)"):
+        check_probe(run)
 
 
 def test_external_teacher_with_other_vocabulary_is_refused(tmp_path, tiny_model_dir, smollm2_tokenizer):
