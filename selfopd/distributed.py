@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from datetime import timedelta
 from dataclasses import dataclass, replace
 from typing import Any, Iterator, Sequence, TypeVar
 
@@ -52,13 +53,15 @@ def current_world() -> World:
     return World(rank=int(os.environ["RANK"]), size=size, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def init_process_group(world: World, device: torch.device) -> None:
-    """Join the trainer's process group: NCCL between GPUs, gloo on CPU."""
+def init_process_group(world: World, device: torch.device, timeout_s: float = 1800) -> None:
+    """Join the trainer's process group: NCCL between GPUs, gloo on CPU. `timeout_s` bounds
+    every collective, the wait for rank 0 to start vLLM servers included."""
     if not world.distributed or dist.is_initialized():
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s),
+                            device_id=device if device.type == "cuda" else None)
 
 
 def share(items: Sequence[T], world: World) -> list[T]:

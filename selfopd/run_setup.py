@@ -38,7 +38,8 @@ def build_run(config: TrainConfig, resume_from: Path | None = None) -> Run:
     world = current_world()
     check_world(config, world)
     options = model_options(config.model, world)
-    init_process_group(world, options["device"])
+    # Collectives wait at most as long as rank 0 may take to start vLLM servers, plus 30 minutes.
+    init_process_group(world, options["device"], timeout_s=config.engine.startup_timeout_s + 1800)
 
     folder = RunFolder.of(config.run.out_dir, config.run.name)
     examples = load_examples(config.data.spec)
