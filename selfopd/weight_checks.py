@@ -55,7 +55,7 @@ def sync_weights(run: Run) -> None:
 def probe_logprobs(model: Any, probe: tuple[list[int], list[int]], pad_id: int) -> torch.Tensor:
     """The trainer-side logprobs of the probe sequence (eval mode, no dropout)."""
     with eval_mode(model):
-        return completion_logprobs(model, [probe], pad_id)[0][0]
+        return completion_logprobs(model, [probe], pad_id)[0][0].float().cpu()  # where engines' scores are
 
 
 def probe_gap(engine_lp: torch.Tensor, reference_lp: torch.Tensor, run: Run) -> tuple[float, float, str]:
