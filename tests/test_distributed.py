@@ -94,10 +94,12 @@ def _assert_same_run(one: Path, two: Path, step: int, weights: bool = True) -> N
             assert other[key] == pytest.approx(value, rel=1e-4, abs=TOLERANCE), (number, key)
 
 
-def test_two_processes_take_the_step_of_one(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("teacher", ["self", "frozen"])
+def test_two_processes_take_the_step_of_one(tmp_path, tiny_model_dir, teacher):
+    """A `self` teacher is the sharded student itself; a `frozen` one a second model, sharded alike."""
     config_file = _config_file(tmp_path, tiny_model_dir)
-    one = train(load_config(config_file, ["run.name=one"]))
-    _torchrun(str(config_file), "--set", "run.name=two")
+    one = train(load_config(config_file, ["run.name=one", f"teacher.kind={teacher}"]))
+    _torchrun(str(config_file), "--set", "run.name=two", "--set", f"teacher.kind={teacher}")
     two = tmp_path / "runs" / "two"
     _assert_same_run(one, two, 2)
     initial = load_file(Path(tiny_model_dir) / "model.safetensors")

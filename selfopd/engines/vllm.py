@@ -72,7 +72,9 @@ class VLLMEngine:
         return self._loop.run(self._gather([self._sample_one(i, list(p), params) for i, p in enumerate(prompts)]))
 
     async def _sample_one(self, index: int, prompt: list[int], params: SamplingParams) -> list[Rollout]:
-        server = index % len(self.urls)
+        # Round-robin by the prompt's place in the whole request: ranks that each sample a
+        # share of a step start on different servers.
+        server = (params.first_row // params.n + index) % len(self.urls)
         response = await self._call(server, prompt=prompt, n=params.n, max_tokens=params.max_tokens,
                                     temperature=params.temperature, top_p=params.top_p,
                                     seed=prompt_seed(params, index), logprobs=0,
