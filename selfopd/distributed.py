@@ -137,7 +137,7 @@ def gathered_for_generation(model: Any) -> Iterator[None]:
             unit.reshard()
 
 
-def full_state_dict(model: Any, world: World) -> dict[str, torch.Tensor]:
+def full_state_dict(model: Any) -> dict[str, torch.Tensor]:
     """The model's parameters by HF name (a tied head once), whole: on the CPU of rank 0
     ({} on other ranks) for a sharded model, where every rank must call it."""
     if not is_sharded(model):

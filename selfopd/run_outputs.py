@@ -68,7 +68,7 @@ def save_checkpoint(run: Run) -> Path:
     takes part), which writes them in the one-process layout."""
     target, staging = run.folder.checkpoint(run.step), run.folder.checkpoint_staging(run.step)
     sharded = is_sharded(run.model)
-    weights = full_state_dict(run.model, run.world) if sharded else None
+    weights = full_state_dict(run.model) if sharded else None
     optimizer = full_optimizer_state(run.model, run.optimizer, run.world)
     if not run.world.is_main:
         return target

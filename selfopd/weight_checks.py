@@ -38,14 +38,15 @@ def sync_weights(run: Run) -> None:
     An in-process engine over the trainer's own module already has them: it gets no tensors,
     only the version (with LoRA its parameter names are not the checkpoint's). Under torchrun
     every rank helps gather the full weights; rank 0 sends them."""
-    engines = [engine for _, engine in engines_serving_student_weights(run)]
-    copies = [engine for engine in engines if not serves_live_model(engine, run)]
-    for engine in engines:
-        if engine not in copies:
+    copies = []
+    for _, engine in engines_serving_student_weights(run):
+        if serves_live_model(engine, run):
             engine.update_weights({}, version=run.step)
+        else:
+            copies.append(engine)
     if not copies:
         return
-    named = full_state_dict(run.model, run.world) if is_sharded(run.model) else served_weights(run.model)
+    named = full_state_dict(run.model) if is_sharded(run.model) else served_weights(run.model)
     if run.world.is_main:
         for engine in copies:
             engine.update_weights(named, version=run.step)
@@ -58,33 +59,37 @@ def probe_logprobs(model: Any, probe: tuple[list[int], list[int]], pad_id: int) 
         return completion_logprobs(model, [probe], pad_id)[0][0].float().cpu()  # where engines' scores are
 
 
-def probe_gap(engine_lp: torch.Tensor, reference_lp: torch.Tensor, run: Run) -> tuple[float, float, str]:
-    """(gap, tolerance, what they are) of an engine's probe logprobs against the reference.
-    fp32: the max |difference| (kernels agree to ~1e-4). bf16: the mean over the probe's
-    tokens, since bf16 kernels alone differ by up to ~0.5 nats on a token."""
+def probe_gaps(engine_lp: torch.Tensor, reference_lp: torch.Tensor) -> dict[str, float]:
+    """Max and mean |engine - reference| logprob over the probe's tokens (the logged metrics)."""
     diff = (engine_lp.float() - reference_lp.float()).abs()
+    return {"probe/max_abs_diff": diff.max().item(), "probe/mean_abs_diff": diff.mean().item()}
+
+
+def probe_rule(run: Run) -> tuple[str, float, str]:
+    """(which gap, its tolerance, what they are) the checks hold engines to. fp32: the max
+    |difference| (kernels agree to ~1e-4). bf16: the mean over the probe's tokens, since bf16
+    kernels alone differ by up to ~0.5 nats on a token."""
     if run.config.model.dtype == "bfloat16":
-        return diff.mean().item(), run.config.probe.bf16_tolerance, "mean |difference| (probe.bf16_tolerance"
-    return diff.max().item(), run.config.probe.tolerance, "max |difference| (probe.tolerance"
+        return "probe/mean_abs_diff", run.config.probe.bf16_tolerance, "mean |difference| (probe.bf16_tolerance"
+    return "probe/max_abs_diff", run.config.probe.tolerance, "max |difference| (probe.tolerance"
 
 
 @torch.no_grad()
 def check_probe(run: Run) -> dict[str, float]:
     """The largest max and mean |engine - trainer| logprob on a fixed sequence, over every
     replica of every engine that serves the student's weights (each student server, a
-    `self` teacher's server); raises past the tolerance (`probe_gap`), naming the replica."""
+    `self` teacher's server); raises past the tolerance (`probe_rule`), naming the replica."""
     trainer_lp = probe_logprobs(run.model, run.probe, run.pad_id)
+    key, tolerance, what = probe_rule(run)
     worst = {"probe/max_abs_diff": 0.0, "probe/mean_abs_diff": 0.0}
     for name, engine in engines_serving_student_weights(run):
         for replica, score in engine.score_replicas(run.probe):
-            gap, tolerance, what = probe_gap(score.logprobs, trainer_lp, run)
-            if not gap <= tolerance:
+            gaps = probe_gaps(score.logprobs, trainer_lp)
+            if not gaps[key] <= tolerance:
                 raise WeightSyncError(
                     f"after step {run.step} the {name} engine's logprobs ({replica}) differ from the trainer's: "
-                    f"{what} = {tolerance}) is {gap:.3g}: the weight update did not arrive")
-            diff = (score.logprobs.float() - trainer_lp.float()).abs()
-            worst = {"probe/max_abs_diff": max(worst["probe/max_abs_diff"], diff.max().item()),
-                     "probe/mean_abs_diff": max(worst["probe/mean_abs_diff"], diff.mean().item())}
+                    f"{what} = {tolerance}) is {gaps[key]:.3g}: the weight update did not arrive")
+            worst = {metric: max(worst[metric], gaps[metric]) for metric in worst}
     return worst
 
 
@@ -92,8 +97,9 @@ def check_probe(run: Run) -> dict[str, float]:
 def check_frozen_teacher(run: Run, initial_lp: torch.Tensor) -> None:
     """A `frozen` teacher must serve the initial student weights; a server given by URL may
     hold anything, so every replica is probed once at start (and on resume)."""
+    key, tolerance, what = probe_rule(run)
     for replica, score in run.teacher_engine.score_replicas(run.probe):
-        gap, tolerance, what = probe_gap(score.logprobs, initial_lp, run)
+        gap = probe_gaps(score.logprobs, initial_lp)[key]
         if not gap <= tolerance:
             raise WeightSyncError(
                 f"the frozen teacher ({replica}) does not serve the initial student weights "
