@@ -163,8 +163,10 @@ def _looks_like_hub_id(text: str) -> bool:
 def _download_from_hub(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 
+    # *.py: a model's own code, downloaded but run only with model.trust_remote_code (`from_pretrained`).
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"]
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as error:  # the hub client raises many types; all mean "not available"
         raise ModelError(
             f"could not download model {repo_id!r} from the Hugging Face hub ({type(error).__name__}: {error}). "
