@@ -10,6 +10,7 @@ completion route, misbehaves as the last `POST /__fault__ {"mode": ..., ...}` sa
 - "garbled": answer 200 with a truncated JSON body;
 - "short" / "extra": drop the last / repeat the last entry of every choice's
   prompt_logprobs (scoring) or token logprobs (sampling);
+- "fewer_choices": drop the last of an answer's n completions;
 - "kill": SIGKILL itself on the `after`-th completion request once it has passed on a
   weight update to version `after_version` (from now, without one): a server that dies
   at a chosen point of a training step, its connections cut.
@@ -61,7 +62,7 @@ class FaultProxy(BaseHTTPRequestHandler):
         headers = {k: v for k, v in self.headers.items() if k.lower() in ("authorization", "content-type")}
         response = self.client.request(self.command, self.target + self.path, content=body, headers=headers)
         content = response.content
-        if mode in ("short", "extra") and response.status_code == 200:
+        if mode in ("short", "extra", "fewer_choices") and response.status_code == 200:
             content = json.dumps(_resized(response.json(), mode)).encode()
         if mode == "slow":
             time.sleep(self.fault.get("delay_s", 30))
@@ -82,7 +83,11 @@ class FaultProxy(BaseHTTPRequestHandler):
 
 
 def _resized(answer: dict, mode: str) -> dict:
-    """Every choice's logprob list one entry shorter ("short") or longer ("extra")."""
+    """Every choice's logprob list one entry shorter ("short") or longer ("extra"), or one
+    choice fewer ("fewer_choices")."""
+    if mode == "fewer_choices":
+        answer["choices"].pop()
+        return answer
     for choice in answer["choices"]:
         if choice.get("prompt_logprobs"):
             entries = choice["prompt_logprobs"]

@@ -154,6 +154,17 @@ def test_fewer_or_more_logprobs_than_tokens_are_refused_never_a_shorter_tensor(p
         engine.close()
 
 
+def test_fewer_completions_than_samples_asked_for_are_refused(proxy, smollm2_tokenizer):
+    proxy.fault("fewer_choices")
+    engine = engine_for(proxy.url)
+    try:
+        with pytest.raises(ServerError, match=rf"^{proxy.url}: expected 3 completions \(choice index 0\.\.2\), "
+                                              r"got indices \[\d, \d\]$"):
+            engine.sample(chat_prompts(smollm2_tokenizer, QUESTIONS[:1]), SamplingParams(max_tokens=4, n=3, seed=4))
+    finally:
+        engine.close()
+
+
 # --- a server killed mid-step -----------------------------------------------------------------
 def train_command(model: Path, out_dir: Path, name: str, student_url: str, teacher_url: str) -> list[str]:
     """`selfopd train experiments/demo.toml` of `model`, two short steps, a checkpoint after each."""
