@@ -26,6 +26,7 @@ from selfopd.verifiers import (
     run_in_worker,
     verify,
     verify_example,
+    verify_reasoning_gym,
 )
 from selfopd.verifiers.numeric import parse_plain_number
 from selfopd.verifiers.prescreen import too_costly
@@ -84,10 +85,11 @@ completions = st.one_of(
 )
 
 
-def _timed(fn, *args, **kwargs):
+def _timed(fn, *args, setup: str | None = None, **kwargs):
     """(result, seconds) of one call, after a warm-up that waits for a worker to be ready:
-    a replacement for a killed worker imports sympy first, which the limit does not cover."""
-    run_in_worker("echo", None, timeout_s=60)
+    a replacement for a killed worker imports sympy (and `setup`'s module) first, which the
+    limit does not cover."""
+    run_in_worker("echo", None, timeout_s=60, setup=setup)
     start = time.monotonic()
     result = fn(*args, **kwargs)
     return result, time.monotonic() - start
@@ -165,3 +167,20 @@ def test_hostile_latex_returns_within_the_time_limit(answer):
         result, seconds = _timed(call)
         _check_result(result)
         assert seconds < LIMIT_S + SLACK_S, f"{answer[:40]!r} took {seconds:.2f} s"
+
+
+@pytest.fixture(scope="module")
+def arithmetic_entry():
+    reasoning_gym = pytest.importorskip("reasoning_gym")
+    return reasoning_gym.create_dataset("basic_arithmetic", size=1, seed=7)[0]
+
+
+@settings(max_examples=25)
+@given(completions)
+@example("<answer>9**9**9**9</answer>")
+@example("<answer>" + "9" * 5000 + "</answer>")
+def test_reasoning_gym_scoring_never_raises_and_returns_within_its_limit(arithmetic_entry, completion):
+    result, seconds = _timed(verify_reasoning_gym, completion, "basic_arithmetic", arithmetic_entry,
+                             timeout_s=LIMIT_S, partial_credit=True, setup="import_reasoning_gym")
+    _check_result(result)
+    assert seconds < LIMIT_S + SLACK_S
