@@ -13,12 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, example, given
 from hypothesis import strategies as st
 
 import selfopd.templates
 from selfopd.example import Example
 from selfopd.templates import TemplateError, list_templates, load_template, render_student, render_teacher
+from tests.fuzz_settings import examples
 
 CANARY_TEXT = "CANARY-7f3a-not-for-templates"
 _opened: list[str] = []
@@ -86,7 +87,7 @@ SHIPPED = {name: load_template(name) for name in list_templates()}
 field = st.one_of(st.text(), jinja_in_data, st.lists(st.one_of(st.text(max_size=10), jinja_in_data)).map("".join))
 
 
-@settings(max_examples=60)
+@examples(60)
 @given(prompt=field, answer=field, solution=field.filter(bool),  # an empty solution is an absent one
        hints=st.lists(field, min_size=1, max_size=3), attempt=field, feedback=field)
 @example(prompt="{{ 7*7 }}", answer="{% include '/etc/passwd' %}", solution="{{ ''.__class__ }}",
@@ -194,7 +195,7 @@ PIECES = ["{{", "}}", "{%", "%}", "(", ")", "[", "]", "|", ".", ",", "'", "=", "
           "open", "os", "popen", "read", "mro", "items", "x"]
 
 
-@settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@examples(300, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.sampled_from(PIECES), min_size=1, max_size=25).map("".join))
 @example("{{ 10 ** 100000 }}")  # a ValueError (int too long to print) escaped as itself
 @example("{% include '../canary.txt' %}")  # jinja2.TemplateNotFound escaped as itself

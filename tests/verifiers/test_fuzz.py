@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from selfopd.example import Example
@@ -30,6 +30,7 @@ from selfopd.verifiers import (
 )
 from selfopd.verifiers.numeric import parse_plain_number
 from selfopd.verifiers.prescreen import too_costly
+from tests.fuzz_settings import examples
 
 LIMIT_S = 1.0  # the verifier's time limit in these tests
 SLACK_S = 1.5  # kill, replacement start and bookkeeping on a busy 2-core machine
@@ -105,7 +106,7 @@ def _check_result(result: VerifyResult) -> None:
 
 
 # --- the in-process steps: total and fast --------------------------------------------------
-@settings(max_examples=400)
+@examples(400)
 @given(completions)
 @example("\\boxed{" + "1" * 5000 + "}")  # more digits than int() reads: was a ValueError
 @example("the answer is " * 4000)  # one runaway line: was quadratic (6 s), now linear (0.5 s)
@@ -124,7 +125,7 @@ def test_in_process_steps_never_raise_and_stay_fast(text):
 
 
 # --- end to end: never raises, returns within the limit ------------------------------------
-@settings(max_examples=40)
+@examples(40)
 @given(completions, st.one_of(latex_ish, numbers))
 @example("\\boxed{" + "1" * 5000 + "}", "2")  # int() of 5000 digits raised ValueError
 @example("\\boxed{1/" + "7" * 5000 + "}", "\\frac{1}{2}")
@@ -135,7 +136,7 @@ def test_verify_never_raises_and_returns_within_its_limit(completion, reference)
     assert seconds < LIMIT_S + SLACK_S
 
 
-@settings(max_examples=60)
+@examples(60)
 @given(latex_ish)
 @example("0=0")  # a reference "\\boxed{3+4=7}" was not read as 7, the same completion as 7: wrong
 def test_an_answer_is_equivalent_to_itself(answer):
@@ -175,7 +176,7 @@ def arithmetic_entry():
     return reasoning_gym.create_dataset("basic_arithmetic", size=1, seed=7)[0]
 
 
-@settings(max_examples=25)
+@examples(25)
 @given(completions)
 @example("<answer>9**9**9**9</answer>")
 @example("<answer>" + "9" * 5000 + "</answer>")
