@@ -7,7 +7,10 @@ the empty-context control (`teacher/empty`) teacher and student prompts are iden
 
 Templates run in Jinja's immutable sandbox with StrictUndefined: a template shared by a
 colleague cannot call into Python, and a misspelt or unavailable variable is an error
-that names the file, the line and the variable instead of rendering an empty string.
+that names the file, the line and the variable instead of rendering an empty string. Any
+other error of a template's own code (an include outside the search path, `1/0`, a
+`range(10**9)` or `'x' * 10**9` the sandbox refuses) is a TemplateError naming file and
+line too. Rendering has no time limit: nested loops can still keep a core busy.
 
 Variables:
 - student templates: `prompt`, `id`, `meta` (never the answer: the student cannot have it);
@@ -18,6 +21,7 @@ Variables:
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +42,14 @@ TEACHER_VARIABLES = STUDENT_VARIABLES + ("answer", "student_prompt", "solution",
 
 class TemplateError(ValueError):
     """A template that cannot be found, parsed or rendered; the message names the file."""
+
+
+# What expressions in a template can raise while rendering: the template's fault, reported
+# as a TemplateError with its file and line rather than a traceback from inside Jinja.
+RENDER_ERRORS = (jinja2.TemplateError, ArithmeticError, LookupError, TypeError, ValueError, RecursionError,
+                 MemoryError)
+MAX_REPEAT_LENGTH = 1_000_000  # `'x' * n` in a template: longer is a mistake or an attack
+MAX_POWER_DIGITS = 100_000  # `a ** b` of integers: 9 ** (9 ** 9) would run for hours
 
 
 @dataclass(frozen=True)
@@ -68,6 +80,13 @@ class PromptTemplate:
             ) from None
         except SecurityError as error:
             raise TemplateError(f"{_template_location(error, self.path)}: unsafe operation refused: {error}") from None
+        except jinja2.TemplateNotFound as error:
+            raise TemplateError(
+                f"{_template_location(error, self.path)}: no template {error.name!r} to include or extend "
+                f"(searched {self.path.parent} and {PROMPTS_DIR}; a path with '..' is refused)"
+            ) from None
+        except RENDER_ERRORS as error:  # the template's own code failed (1/0, range(10**9), ...)
+            raise TemplateError(f"{_template_location(error, self.path)}: {type(error).__name__}: {error}") from None
 
 
 def load_template(name_or_path: str | os.PathLike[str]) -> PromptTemplate:
@@ -157,11 +176,36 @@ def _find_template(name: str) -> Path:
     )
 
 
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """Jinja's immutable sandbox, which only bounds range(), plus bounds on the two operators
+    that can exhaust memory or a core in one expression: `*` repeating a string or list, and
+    `**` of integers."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if _too_costly(operator, left, right):
+            raise SecurityError(f"{operator!r} on {type(left).__name__} and {type(right).__name__} would be too "
+                                "large to compute in a template")
+        return super().call_binop(context, operator, left, right)
+
+
+def _too_costly(operator: str, left: Any, right: Any) -> bool:
+    if operator == "*":
+        for sequence, count in ((left, right), (right, left)):
+            if isinstance(sequence, (str, list, tuple)) and isinstance(count, int):
+                return len(sequence) * count > MAX_REPEAT_LENGTH
+        return False
+    if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
+        return right * math.log10(abs(left)) > MAX_POWER_DIGITS
+    return False
+
+
 def _environment(template_dir: Path) -> ImmutableSandboxedEnvironment:
     # Both the template's folder and prompts/ are searchable, so shipped templates can be
     # extended or included from templates kept elsewhere.
     loader = jinja2.FileSystemLoader([str(template_dir), str(PROMPTS_DIR)])
-    return ImmutableSandboxedEnvironment(
+    environment = _Sandbox(
         loader=loader,
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
@@ -169,6 +213,8 @@ def _environment(template_dir: Path) -> ImmutableSandboxedEnvironment:
         keep_trailing_newline=False,
         autoescape=False,
     )
+    del environment.globals["lipsum"]  # lorem ipsum of any length: no use in a prompt, lipsum(10**9) hangs
+    return environment
 
 
 def _display_name(path: Path) -> str:

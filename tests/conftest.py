@@ -5,6 +5,20 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import settings
+
+from tests.fuzz_settings import CI_EXAMPLES
+
+# Property tests are reproducible and bounded: the same examples every run (no random seed,
+# no example database), a fixed number of them, and no per-example deadline (a loaded
+# 2-core CI machine is slow; the tests that care about time measure it themselves). A
+# failure prints the blob that replays it (@reproduce_failure). HYPOTHESIS_PROFILE=explore
+# searches 50 times harder with fresh randomness, for a developer hunting bugs (tests scale
+# their own budgets with `tests.fuzz_settings.examples`).
+settings.register_profile("ci", derandomize=True, database=None, max_examples=CI_EXAMPLES, deadline=None,
+                          print_blob=True)
+settings.register_profile("explore", max_examples=5000, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Tests never reach a model hub; hub-loading code paths are tested for their offline errors.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -5,15 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 from .equivalence import Verdict, compare_answers
-from .extract import extract_answer, extract_boxed, extract_gsm8k
+from .extract import equation_result, extract_answer, extract_boxed, extract_gsm8k
 from .reasoning_gym_adapter import verify_reasoning_gym
 from .result import VerifyResult, graded, no_answer, unchecked
 from .timeout import DEFAULT_TIMEOUT_S
 
 
 def reference_answer(reference: str) -> str:
-    """The final answer inside a reference that is a whole solution (`\\boxed{}` or `####`)."""
-    return extract_boxed(reference) or extract_gsm8k(reference) or reference
+    """The final answer inside a reference that is a whole solution (`\\boxed{}` or `####`),
+    read as a completion's is: a worked equation ("3 + 4 = 7") is its right-hand side, so a
+    student who writes exactly the reference's answer is graded correct."""
+    return equation_result(extract_boxed(reference) or extract_gsm8k(reference) or reference)
 
 
 def verify(completion: str, reference: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> VerifyResult:

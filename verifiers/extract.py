@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 
 from .latex import command_arguments
+from .prescreen import MAX_ANSWER_CHARS
 
 METHODS = ("boxed", "answer_tag", "answer_line", "gsm8k", "last_number")
 
@@ -82,11 +83,17 @@ def _looks_like_an_answer(ans: str) -> bool:
     return bool(re.search(r"[\d$\\]", ans)) or len(ans.split()) == 1
 
 
+# How much of the line after a marker is read: more than the pre-screen lets through
+# (MAX_ANSWER_CHARS), and a bound, so a runaway "the answer is the answer is ..." line
+# costs linear time, not quadratic.
+_MAX_LINE_CHARS = 2 * MAX_ANSWER_CHARS
+
+
 def extract_answer_line(text: str) -> str | None:
     """The answer after the last "answer:" / "answer is" marker that has one."""
     for m in reversed(list(_ANSWER_MARKER.finditer(text))):
-        end = text.find("\n", m.end())
-        ans = _clean_line_answer(text[m.end() : end if end >= 0 else len(text)])
+        end = text.find("\n", m.end(), m.end() + _MAX_LINE_CHARS)
+        ans = _clean_line_answer(text[m.end() : end if end >= 0 else m.end() + _MAX_LINE_CHARS])
         explicit = ":" in m.group(0)
         if ans and (explicit or _looks_like_an_answer(ans)):
             return ans

@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
+from .prescreen import MAX_ANSWER_CHARS
+
 _ASSIGNMENT = re.compile(r"[A-Za-z](?:_\{?\w+\}?)?\s*=\s*")  # "x = 3" -> "3"
 _DECIMAL = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d{1,4})?")
 _SLASH = re.compile(r"([+-]?)(\d+)\s*/\s*(\d+)")
@@ -28,6 +30,8 @@ class PlainNumber:
 
 def _parse_value(s: str) -> tuple[Fraction, bool] | None:
     """(value, written as a fraction) for `3`, `-2.5`, `1e3`, `3/4`, `\\frac{3}{4}`, `\\frac34`."""
+    if len(s) > MAX_ANSWER_CHARS:  # int() refuses 4300+ digits; the pre-screen refuses these
+        return None
     if _DECIMAL.fullmatch(s):
         exponent = re.search(r"[eE]([+-]?\d+)$", s)
         if exponent and abs(int(exponent.group(1))) > _MAX_EXPONENT:

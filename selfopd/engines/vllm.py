@@ -120,9 +120,6 @@ class VLLMEngine:
 
         def parse(response: Any) -> TokenScores:
             entries = response.choices[0].model_extra.get("prompt_logprobs")
-            if entries is None or len(entries) != len(ids):
-                raise ServerError(f"{url}: expected prompt_logprobs for {len(ids)} tokens, got "
-                                  f"{None if entries is None else len(entries)}")
             return parse_prompt_logprobs(entries, ids, len(prompt), top_k, url)
 
         return await self._call(server, parse, prompt=ids, max_tokens=1, temperature=0.0,
@@ -204,15 +201,21 @@ def check_score_lengths(sequences: Sequence[tuple[list[int], list[int]]], max_mo
                 f"scoring needs max_model_len >= prompt + completion + 1, the server has {max_model_len}")
 
 
-def parse_prompt_logprobs(entries: Sequence[Mapping[str, Any] | None], ids: Sequence[int], start: int, top_k: int,
-                          url: str = "") -> TokenScores:
+def parse_prompt_logprobs(entries: Sequence[Mapping[str, Any] | None] | None, ids: Sequence[int], start: int,
+                          top_k: int, url: str = "") -> TokenScores:
     """vLLM's prompt_logprobs (one dict per prompt position, keyed by token-id strings,
     holding the top k and the actual token) -> logprobs of ids[start:], and the top k.
 
     vLLM writes -inf as -9999. A top-k alternative at -9999 becomes -inf; the actual token
     at -9999 means the server gives it probability 0 (an id outside its vocabulary, say),
-    and raises rather than enter the loss as a huge finite number.
+    and raises rather than enter the loss as a huge finite number. Anything else broken (a
+    position too many or too few, a missing actual token, NaN, fewer than k ranked
+    alternatives, a key or value that is not a number) raises a ServerError naming the URL
+    and the position: never a shorter or silently padded tensor.
     """
+    if entries is None or len(entries) != len(ids):
+        raise ServerError(f"{url}: expected prompt_logprobs for {len(ids)} tokens, got "
+                          f"{None if entries is None else len(entries)}")
     length = len(ids) - start
     logprobs = torch.empty(length, dtype=torch.float32)
     topk_ids = torch.zeros(length, top_k, dtype=torch.long) if top_k else None
@@ -220,20 +223,40 @@ def parse_prompt_logprobs(entries: Sequence[Mapping[str, Any] | None], ids: Sequ
     for row, position in enumerate(range(start, len(ids))):
         entry = entries[position]
         token = ids[position]
-        if entry is None or str(token) not in entry:
+        if not isinstance(entry, Mapping) or str(token) not in entry:
             raise ServerError(f"{url}: prompt_logprobs at position {position} lack the actual token {token}")
-        value = float(entry[str(token)]["logprob"])
-        if value <= CLAMPED_LOGPROB:
+        try:
+            value = _logprob(entry[str(token)])
+            ranked = _top_k(entry, top_k)
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise ServerError(f"{url}: malformed prompt_logprobs at position {position}: {error!r}") from None
+        if value == -math.inf:
             raise ServerError(f"{url}: the server gives token {token} at position {position} probability 0 "
                               "(logprob -inf, sent as -9999): is it outside the served model's vocabulary?")
         logprobs[row] = value
-        if top_k:
-            ranked = sorted(((item["rank"], int(key), float(item["logprob"])) for key, item in entry.items()
-                             if item.get("rank") is not None and item["rank"] <= top_k))[:top_k]
-            for column, (_, token_id, token_logprob) in enumerate(ranked):
-                topk_ids[row, column] = token_id
-                topk_logprobs[row, column] = -math.inf if token_logprob <= CLAMPED_LOGPROB else token_logprob
+        for column, (token_id, token_logprob) in enumerate(ranked):
+            topk_ids[row, column] = token_id
+            topk_logprobs[row, column] = token_logprob
     return TokenScores(logprobs=logprobs, topk_ids=topk_ids, topk_logprobs=topk_logprobs)
+
+
+def _logprob(item: Mapping[str, Any]) -> float:
+    """The value of one {"logprob": x, "rank": r} item; -9999 and below mean -inf."""
+    value = float(item["logprob"])
+    if math.isnan(value) or value == math.inf:
+        raise ValueError(f"logprob {value}")
+    return -math.inf if value <= CLAMPED_LOGPROB else value
+
+
+def _top_k(entry: Mapping[str, Any], top_k: int) -> list[tuple[int, float]]:
+    """(id, logprob) of the alternatives ranked 1..k at one position, best first."""
+    if not top_k:
+        return []
+    ranked = sorted((item["rank"], int(key), _logprob(item)) for key, item in entry.items()
+                    if item.get("rank") is not None and item["rank"] <= top_k)
+    if len(ranked) < top_k:
+        raise ValueError(f"{len(ranked)} alternatives ranked within the top {top_k}")
+    return [(token_id, token_logprob) for _, token_id, token_logprob in ranked[:top_k]]
 
 
 def _rollouts(prompt: list[int], response: Any, n: int, url: str) -> list[Rollout]:
@@ -265,8 +288,25 @@ def make_rollout(prompt: list[int], ids: Sequence[int], logprobs: Sequence[float
         raise ServerError(f"{where}: expected one logprob per completion token ({len(ids)}), got "
                           f"{None if logprobs is None else len(logprobs)}")
     finish = "stop" if finish_reason == "stop" else "length"
-    return Rollout(prompt_ids=prompt, completion_ids=list(ids), sampler_logprobs=[float(v) for v in logprobs],
+    return Rollout(prompt_ids=prompt, completion_ids=list(ids), sampler_logprobs=_sampled_logprobs(logprobs, where),
                    finish_reason=finish, text=text)
+
+
+def _sampled_logprobs(logprobs: Sequence[Any], where: str) -> list[float]:
+    """The sampled tokens' logprobs as floats. A sampled token had probability > 0, so a
+    missing, NaN or infinite value (-9999 is vLLM's -inf) is a broken reply, refused here
+    rather than turned into an infinite importance ratio in the loss."""
+    values = []
+    for position, value in enumerate(logprobs):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = math.nan
+        if not math.isfinite(number) or number <= CLAMPED_LOGPROB:
+            raise ServerError(f"{where}: completion token {position} has logprob {value!r}; a sampled token "
+                              "needs a finite one")
+        values.append(number)
+    return values
 
 
 def _served_model(url: str, api_key: str | None = None) -> tuple[str, int]:
