@@ -184,6 +184,7 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
 def _train(args: argparse.Namespace) -> None:
     from selfopd.config import load_config
     from selfopd.distributed import current_world
+    from selfopd.engines.vllm_server import ServerError
     from selfopd.run_summary import summarize_run
     from selfopd.trainer import train
 
@@ -200,10 +201,25 @@ def _train(args: argparse.Namespace) -> None:
 
         print(config_to_toml(config), end="")
         return
-    run_dir = train(config, resume=args.resume is not None)
+    try:
+        run_dir = train(config, resume=args.resume is not None)
+    except ServerError as error:  # a server died or garbled an answer: say what is safe and how to go on
+        first, *rest = str(error).split("\n")
+        note = resume_note(RunFolder.of(config.run.out_dir, config.run.name))
+        raise ServerError("\n".join([f"{first}. {note}", *rest])) from None
     if current_world().is_main:  # under torchrun: once, from rank 0
         print(summarize_run(run_dir))
         print(f"run folder: {run_dir} (metrics.jsonl, plots/, eval/, checkpoints/, rollouts/)")
+
+
+def resume_note(folder: RunFolder) -> str:
+    """What a run stopped by a server error left: its last checkpoint (written whole before
+    the step that failed began) and the command that continues from it."""
+    checkpoint = folder.latest_checkpoint()
+    if checkpoint is None:
+        return "The run stopped before its first checkpoint; start it again once the server answers"
+    return (f"The run stopped; its last checkpoint {checkpoint} is intact: once the server answers again, "
+            f"continue with `selfopd train --resume {folder.root}`")
 
 
 # --- merge-lora ---------------------------------------------------------------------

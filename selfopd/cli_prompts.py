@@ -40,7 +40,7 @@ def _prompts_render(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
     from selfopd.data import load_examples
-    from selfopd.models import resolve_model
+    from selfopd.models import from_pretrained, resolve_model
     from selfopd.templates import load_template, prompt_token_ids, render_student, render_teacher
     from selfopd.verifiers import verify_example
 
@@ -52,7 +52,7 @@ def _prompts_render(args: argparse.Namespace) -> None:
     student = render_student(student_template, example)
     feedback = verify_example(args.attempt, example).feedback if args.attempt is not None else None
     teacher = render_teacher(teacher_template, example, student, args.attempt, feedback)
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
+    tokenizer = from_pretrained(AutoTokenizer, resolve_model(args.model))
     columns = [
         (f"STUDENT {student_template.name}", student, len(prompt_token_ids(tokenizer, student))),
         (f"TEACHER {teacher_template.name}", teacher, len(prompt_token_ids(tokenizer, teacher))),

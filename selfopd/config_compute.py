@@ -5,6 +5,7 @@ colocated in the trainer). Part of `selfopd.config`, which re-exports every name
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import ClassVar, Literal
@@ -43,6 +44,9 @@ class ModelConfig(Section):
         ("all-linear",), "Modules that get adapters: names as peft's target_modules ('all-linear': every linear "
         "layer but the output head).")
     threads: int = setting(0, "Torch CPU threads (0: torch's default).")
+    trust_remote_code: bool = setting(
+        False, "Run Python code shipped with a model folder or hub repo (its own architecture): passed to every "
+        "transformers load and to vLLM (--trust-remote-code). Only for models whose code you trust.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -104,6 +108,9 @@ class EngineConfig(Section):
     request_timeout_s: float = setting(600.0, "vllm: seconds before one request times out (it is then retried).")
     retries: int = setting(3, "vllm: retries, with backoff, of a request that fails to connect, times out or gets a 5xx.")
     max_concurrency: int = setting(64, "vllm: most requests in flight per engine.")
+    api_key_env: str = setting(
+        "", "vllm: name of an environment variable holding the servers' API key (the key itself never goes in a "
+        "config): launched servers require it (vLLM's VLLM_API_KEY), every request sends it. Empty: no key.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -123,6 +130,10 @@ class EngineConfig(Section):
         self._at_least("request_timeout_s", 1)
         self._at_least("retries", 0)
         self._at_least("max_concurrency", 1)
+        if self.api_key_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.api_key_env):
+            # The value is not echoed: it may be the key itself, pasted by mistake.
+            fail(self._key("api_key_env"), "must be the NAME of an environment variable holding the key (letters, "
+                 "digits and _), not the key itself")
         self._at_least("batch_size", 1)
         self._at_least("student_servers", 1)
         self._at_least("tensor_parallel_size", 1)
@@ -139,6 +150,16 @@ class EngineConfig(Section):
             size_key = "teacher_tensor_parallel_size" if self.teacher_tensor_parallel_size else "tensor_parallel_size"
             fail(self._key("teacher_gpus"), f"names {len(self.gpus('teacher_gpus'))} GPUs; one server of "
                  f"engine.{size_key} = {self.teacher_parallel_size()} needs that many")
+
+    def api_key(self) -> str | None:
+        """The servers' API key, read from the variable `api_key_env` names (None without one)."""
+        if not self.api_key_env:
+            return None
+        key = os.environ.get(self.api_key_env, "")
+        if not key:
+            fail(self._key("api_key_env"), f"names the environment variable {self.api_key_env}, which is not set "
+                 "or empty here; export the servers' API key in it")
+        return key
 
     def teacher_parallel_size(self) -> int:
         """The launched teacher server's tensor-parallel size (it may differ from the students')."""

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import torch
 
 from selfopd.config import ConfigError, ModelConfig
-from selfopd.models import PACKAGED_MODELS, ModelError, resolve_model
+from selfopd.models import PACKAGED_MODELS, ModelError, from_pretrained, resolve_model
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -159,9 +159,9 @@ def merge_checkpoint(checkpoint: Path, out: Path, dtype: str = "float32") -> Pat
     if not is_adapter_folder(checkpoint):
         raise ModelError(f"{checkpoint} is not a LoRA adapter folder (no {ADAPTER_CONFIG})")
     base = adapter_base(checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, dtype))
+    model = from_pretrained(AutoModelForCausalLM, base, dtype=getattr(torch, dtype))
     load_adapted(model, checkpoint, trainable=False).save_pretrained(out)
-    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokenizer = from_pretrained(AutoTokenizer, base)
     tokenizer.save_pretrained(out)
     return Path(out)
 

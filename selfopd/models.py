@@ -18,10 +18,25 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 class ModelError(RuntimeError):
     """A model spec that cannot be turned into a usable local folder."""
+
+
+def from_pretrained(loader: Any, folder: str | os.PathLike[str], *, trust_remote_code: bool = False,
+                    **kwargs: Any) -> Any:
+    """`loader.from_pretrained(folder, ...)` (a transformers Auto class) with trust_remote_code
+    always explicit, so only model.trust_remote_code runs a model's own code; a folder that
+    needs it is refused with one line that names the setting."""
+    try:
+        return loader.from_pretrained(folder, trust_remote_code=trust_remote_code, **kwargs)
+    except ValueError as error:
+        if trust_remote_code or "trust_remote_code" not in str(error):
+            raise
+        raise ModelError(f"{folder}: this model needs its own Python code (auto_map in its config), which selfopd "
+                         "runs only when model.trust_remote_code = true; set it if you trust that code") from None
 
 
 @dataclass(frozen=True)
@@ -148,8 +163,10 @@ def _looks_like_hub_id(text: str) -> bool:
 def _download_from_hub(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 
+    # *.py: a model's own code, downloaded but run only with model.trust_remote_code (`from_pretrained`).
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"]
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as error:  # the hub client raises many types; all mean "not available"
         raise ModelError(
             f"could not download model {repo_id!r} from the Hugging Face hub ({type(error).__name__}: {error}). "

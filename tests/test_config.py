@@ -28,7 +28,7 @@ EXPECTED_DEFAULTS = {
                 trackers=(), wandb_project="selfopd", wandb_mode="offline"),
     "model": dict(student="smollm2-135m-instruct", dtype="float32", device="auto", attn_implementation="auto",
                   gradient_checkpointing=False, lora_rank=0, lora_alpha=32.0, lora_dropout=0.0,
-                  lora_targets=("all-linear",), threads=0),
+                  lora_targets=("all-linear",), threads=0, trust_remote_code=False),
     "teacher": dict(kind="self", model="", template="teacher/reference_answer"),
     "data": dict(
         spec=DEMO_DATA,
@@ -48,7 +48,7 @@ EXPECTED_DEFAULTS = {
                    weight_sync="auto", trainer_address="127.0.0.1", compile="auto", gpu_memory_utilization=0.4,
                    cpu_kv_cache_gb=1, extra_server_args="", startup_timeout_s=900.0, request_timeout_s=600.0,
                    retries=3, max_concurrency=64, student_servers=1, student_gpus="", teacher_gpus="",
-                   tensor_parallel_size=1, teacher_tensor_parallel_size=0, sleep_mode=True),
+                   tensor_parallel_size=1, teacher_tensor_parallel_size=0, sleep_mode=True, api_key_env=""),
 }
 
 
@@ -104,7 +104,8 @@ def test_round_trip_of_every_field_changed(tmp_path):
                       trackers=("wandb", "tensorboard"), wandb_project="p", wandb_mode="online"),
         model=dataclasses.replace(TrainConfig().model, student="/models/x", dtype="bfloat16", threads=3,
                                   device="cuda:1", attn_implementation="eager", gradient_checkpointing=True,
-                                  lora_rank=8, lora_alpha=16, lora_dropout=0.1, lora_targets=("q_proj", "v_proj")),
+                                  lora_rank=8, lora_alpha=16, lora_dropout=0.1, lora_targets=("q_proj", "v_proj"),
+                                  trust_remote_code=True),
         teacher=dataclasses.replace(TrainConfig().teacher, kind="external", model="org/teacher", template="teacher/hints"),
         data=dataclasses.replace(TrainConfig().data, spec="champ?concepts=true", student_template="student/boxed", eval_size=10, split_seed=3),
         rollout=dataclasses.replace(TrainConfig().rollout, prompts_per_step=6, samples_per_prompt=2, max_tokens=9, temperature=1.0, top_p=0.95),
@@ -118,7 +119,7 @@ def test_round_trip_of_every_field_changed(tmp_path):
                             gpu_memory_utilization=0.8, cpu_kv_cache_gb=4, extra_server_args="--seed 1 --x 'a b'",
                             startup_timeout_s=60.0, request_timeout_s=30.0, retries=0, max_concurrency=8,
                             student_servers=2, student_gpus="1,2,3,4", teacher_gpus="5,6,7", tensor_parallel_size=2,
-                            teacher_tensor_parallel_size=3, sleep_mode=False),
+                            teacher_tensor_parallel_size=3, sleep_mode=False, api_key_env="MY_KEY"),
     )
     changed = config_to_dict(config)
     for section, defaults in EXPECTED_DEFAULTS.items():

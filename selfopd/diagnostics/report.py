@@ -118,7 +118,7 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
     from selfopd.config import load_config
     from selfopd.data import load_examples
     from selfopd.split import split_examples
-    from selfopd.models import resolve_model
+    from selfopd.models import from_pretrained, resolve_model
     from selfopd.run_summary import summarize_run
     from selfopd.templates import load_template
 
@@ -128,7 +128,8 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
     by_step = read_run_rollouts(run_dir)
     examples = load_examples(config.data.spec)
     _, eval_examples = split_examples(examples, eval_size=config.data.eval_size, seed=config.data.split_seed)
-    prompting = Prompting(AutoTokenizer.from_pretrained(resolve_model(config.model.student)),
+    prompting = Prompting(from_pretrained(AutoTokenizer, resolve_model(config.model.student),
+                                          trust_remote_code=config.model.trust_remote_code),
                           load_template(config.data.student_template), load_template(config.teacher.template),
                           {e.id: e for e in examples})
 

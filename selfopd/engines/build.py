@@ -22,12 +22,12 @@ from selfopd.distributed import World, current_world, shard_model
 from selfopd.engines.base import Engine
 from selfopd.engines.local import LocalEngine
 from selfopd.lora import adapter_base, adapters_off, is_adapter_folder, load_adapted
-from selfopd.models import resolve_model
+from selfopd.models import from_pretrained, resolve_model
 from selfopd.tokenizer_check import check_tokenizers_compatible
 
 def load_model(spec: str | Path, dtype: str = "float32", *, weights: Path | None = None, frozen: bool = False,
                device: torch.device | None = None, attn: str = "sdpa", gradient_checkpointing: bool = False,
-               master_weights: bool = True) -> tuple[Any, Any]:
+               master_weights: bool = True, trust_remote_code: bool = False) -> tuple[Any, Any]:
     """(model, tokenizer) of a packaged name, folder or hub id, on `device` (default CPU);
     `weights`: load the weights from that folder instead (a checkpoint of this model).
     `frozen`: eval mode, no gradients, weights in `dtype`. A trained model keeps fp32 master
@@ -35,7 +35,8 @@ def load_model(spec: str | Path, dtype: str = "float32", *, weights: Path | None
     unless `master_weights` is False: a LoRA base, which never updates, is held in `dtype`.
 
     A LoRA adapter folder (a LoRA run's checkpoint), as `spec` or `weights`, loads onto its
-    base: trainable adapters, or merged into a plain model when `frozen`."""
+    base: trainable adapters, or merged into a plain model when `frozen`. `trust_remote_code`
+    (model.trust_remote_code) lets a folder run its own model code."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = device or torch.device("cpu")
@@ -46,9 +47,9 @@ def load_model(spec: str | Path, dtype: str = "float32", *, weights: Path | None
         folder, adapters = adapter_base(Path(spec)), Path(spec)
     else:
         folder = resolve_model(spec)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(
-        weights or folder, dtype=torch.float32 if master_weights and not frozen else DTYPES[dtype], attn_implementation=attn,
+    tokenizer = from_pretrained(AutoTokenizer, folder, trust_remote_code=trust_remote_code)
+    model = from_pretrained(
+        AutoModelForCausalLM, weights or folder, trust_remote_code=trust_remote_code, dtype=torch.float32 if master_weights and not frozen else DTYPES[dtype], attn_implementation=attn,
         **({"device_map": device} if device.type == "cuda" else {}))
     if adapters is not None:
         model = load_adapted(model, adapters, trainable=not frozen)
@@ -61,9 +62,10 @@ def load_model(spec: str | Path, dtype: str = "float32", *, weights: Path | None
 
 
 def model_options(model: ModelConfig, world: World | None = None) -> dict[str, Any]:
-    """`load_model`'s placement keywords from the config: device, attention kernel."""
+    """`load_model`'s keywords from the config: device, attention kernel, trust_remote_code."""
     device = resolve_device(model.device, (world or current_world()).local_rank)
-    return {"device": device, "attn": attn_implementation(model.attn_implementation, device)}
+    return {"device": device, "attn": attn_implementation(model.attn_implementation, device),
+            "trust_remote_code": model.trust_remote_code}
 
 
 def frozen_engine(spec: str | Path, config: TrainConfig) -> LocalEngine:
@@ -86,8 +88,10 @@ def checked_external_teacher(config: TrainConfig, tokenizer: Any) -> tuple[Path,
     from transformers import AutoConfig, AutoTokenizer
 
     teacher_dir = resolve_model(config.teacher.model)
-    teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
-    check_tokenizers_compatible(tokenizer, teacher_tokenizer, AutoConfig.from_pretrained(teacher_dir).vocab_size,
+    trust = config.model.trust_remote_code
+    teacher_tokenizer = from_pretrained(AutoTokenizer, teacher_dir, trust_remote_code=trust)
+    vocab_size = from_pretrained(AutoConfig, teacher_dir, trust_remote_code=trust).vocab_size
+    check_tokenizers_compatible(tokenizer, teacher_tokenizer, vocab_size,
                                 config.model.student, config.teacher.model)
     return teacher_dir, teacher_tokenizer
 

@@ -13,7 +13,9 @@ Token ids in, token ids out, over the OpenAI-compatible `/v1/completions` route:
 Requests run concurrently (bounded) on an event loop in a background thread, so the
 engine is a plain synchronous object, also inside Jupyter, whose own loop is busy. The
 `openai` client retries connection errors, timeouts and 5xx answers with backoff; what
-still fails becomes a `ServerError` naming the server's URL.
+still fails, and any answer that is not what vLLM sends (broken JSON, a missing field, fewer
+or more logprobs than tokens), becomes a `ServerError` naming the server's URL: never a
+hang, never a silently shorter tensor.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import openai
 import torch
 
 from selfopd.engines.base import Rollout, SamplingParams, TokenScores
-from selfopd.engines.vllm_server import ServerError
+from selfopd.engines.vllm_server import ServerError, auth_headers, unauthorized
 from selfopd.engines.weight_sync import WeightSync
 
 T = TypeVar("T")
@@ -40,23 +42,26 @@ class VLLMEngine:
 
     Several URLs serve the same model: prompts are spread over them round-robin, and a
     weight sync must cover all of them. Without a `weight_sync` the engine serves fixed
-    weights (a frozen or external teacher) and refuses updates.
+    weights (a frozen or external teacher) and refuses updates. `api_key`: what servers
+    started with an API key require (sent as a bearer token).
     """
 
     def __init__(self, urls: Sequence[str], weight_sync: WeightSync | None = None, max_concurrency: int = 64,
-                 timeout_s: float = 600, retries: int = 3) -> None:
+                 timeout_s: float = 600, retries: int = 3, api_key: str | None = None) -> None:
         if not urls:
             raise ValueError("VLLMEngine needs at least one server URL")
         self.urls = [url.rstrip("/") for url in urls]
         self.weight_sync = weight_sync
         self.version = 0
-        models = [_served_model(url) for url in self.urls]
+        self._sends_key = bool(api_key)
+        models = [_served_model(url, api_key) for url in self.urls]
         self.model_names = [name for name, _ in models]
         self.max_model_len = min(length for _, length in models)
         self.retries = retries
         self._max_concurrency = max_concurrency
         self._loop = _LoopThread()
-        self._clients = [openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="EMPTY", timeout=timeout_s, max_retries=retries)
+        self._clients = [openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key or "EMPTY", timeout=timeout_s,
+                                            max_retries=retries)
                          for url in self.urls]
 
     # --- sampling -----------------------------------------------------------------------
@@ -75,13 +80,13 @@ class VLLMEngine:
         # Round-robin by the prompt's place in the whole request: ranks that each sample a
         # share of a step start on different servers.
         server = (params.first_row // params.n + index) % len(self.urls)
-        response = await self._call(server, prompt=prompt, n=params.n, max_tokens=params.max_tokens,
-                                    temperature=params.temperature, top_p=params.top_p,
-                                    seed=prompt_seed(params, index), logprobs=0,
-                                    extra_body={"return_token_ids": True, "top_k": 0, "min_p": 0.0,
-                                                "repetition_penalty": 1.0, "skip_special_tokens": True})
-        choices = sorted(response.choices, key=lambda choice: choice.index)
-        return [_rollout(prompt, choice, self.urls[server]) for choice in choices]
+        url = self.urls[server]
+        return await self._call(server, lambda response: _rollouts(prompt, response, params.n, url),
+                                prompt=prompt, n=params.n, max_tokens=params.max_tokens,
+                                temperature=params.temperature, top_p=params.top_p,
+                                seed=prompt_seed(params, index), logprobs=0,
+                                extra_body={"return_token_ids": True, "top_k": 0, "min_p": 0.0,
+                                            "repetition_penalty": 1.0, "skip_special_tokens": True})
 
     # --- scoring ------------------------------------------------------------------------
     def score(self, sequences: Sequence[tuple[list[int], list[int]]], top_k: int = 0,
@@ -111,13 +116,14 @@ class VLLMEngine:
     async def _score_one(self, index: int, prompt: list[int], completion: list[int], top_k: int) -> TokenScores:
         server = index % len(self.urls)
         ids = prompt + completion
-        response = await self._call(server, prompt=ids, max_tokens=1, temperature=0.0,
-                                    extra_body={"prompt_logprobs": top_k})
-        entries = response.choices[0].model_extra.get("prompt_logprobs")
-        if entries is None or len(entries) != len(ids):
-            raise ServerError(f"{self.urls[server]}: expected prompt_logprobs for {len(ids)} tokens, got "
-                              f"{None if entries is None else len(entries)}")
-        return parse_prompt_logprobs(entries, ids, len(prompt), top_k, self.urls[server])
+        url = self.urls[server]
+
+        def parse(response: Any) -> TokenScores:
+            entries = response.choices[0].model_extra.get("prompt_logprobs")
+            return parse_prompt_logprobs(entries, ids, len(prompt), top_k, url)
+
+        return await self._call(server, parse, prompt=ids, max_tokens=1, temperature=0.0,
+                                extra_body={"prompt_logprobs": top_k})
 
     # --- weights ------------------------------------------------------------------------
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
@@ -142,14 +148,30 @@ class VLLMEngine:
 
         return list(await asyncio.gather(*(bounded(call) for call in calls)))
 
-    async def _call(self, server: int, **request: Any) -> Any:
+    async def _call(self, server: int, parse: Callable[[Any], T], **request: Any) -> T:
+        """One completion request to server `server`, its answer read by `parse`; every
+        failure, a malformed answer included, becomes one `ServerError` line naming the URL."""
         url = self.urls[server]
         try:
-            return await self._clients[server].completions.create(model=self.model_names[server], **request)
+            response = await self._clients[server].completions.create(model=self.model_names[server], **request)
         except openai.APIConnectionError as error:  # includes timeouts, after the client's retries
             raise ServerError(f"{url}: {type(error).__name__} after {self.retries} retries: {error}") from None
         except openai.APIStatusError as error:
+            if error.status_code == 401:
+                raise unauthorized(url, self._sends_key) from None
             raise ServerError(f"{url}: HTTP {error.status_code}: {_error_message(error)}") from None
+        except (openai.APIError, ValueError) as error:  # ValueError: the body is not JSON
+            raise malformed(url, error) from None
+        try:
+            return parse(response)
+        except (AttributeError, KeyError, IndexError, TypeError, ValueError) as error:  # JSON, but not vLLM's answer
+            raise malformed(url, error) from None
+
+
+def malformed(url: str, error: Exception) -> ServerError:
+    """The error for an answer that is not the JSON a vLLM server sends."""
+    return ServerError(f"{url}: malformed answer from the server ({type(error).__name__}: "
+                       f"{' '.join(str(error).split())[:300]})")
 
 
 def prompt_seed(params: SamplingParams, index: int) -> int | None:
@@ -237,6 +259,16 @@ def _top_k(entry: Mapping[str, Any], top_k: int) -> list[tuple[int, float]]:
     return [(token_id, token_logprob) for _, token_id, token_logprob in ranked[:top_k]]
 
 
+def _rollouts(prompt: list[int], response: Any, n: int, url: str) -> list[Rollout]:
+    """The n rollouts of one sampling answer, in the order of their choice index; any other
+    number of choices is refused (a missing one would silently shrink the group)."""
+    choices = sorted(response.choices, key=lambda choice: choice.index)
+    if [choice.index for choice in choices] != list(range(n)):
+        raise ServerError(f"{url}: expected {n} completions (choice index 0..{n - 1}), got indices "
+                          f"{[choice.index for choice in choices]}")
+    return [_rollout(prompt, choice, url) for choice in choices]
+
+
 def _rollout(prompt: list[int], choice: Any, url: str) -> Rollout:
     extra = choice.model_extra or {}
     ids = extra.get("token_ids")
@@ -277,10 +309,12 @@ def _sampled_logprobs(logprobs: Sequence[Any], where: str) -> list[float]:
     return values
 
 
-def _served_model(url: str) -> tuple[str, int]:
-    """(model name, max_model_len) from GET /v1/models; the first sign of a wrong URL."""
+def _served_model(url: str, api_key: str | None = None) -> tuple[str, int]:
+    """(model name, max_model_len) from GET /v1/models; the first sign of a wrong URL or key."""
     try:
-        response = httpx.get(f"{url}/v1/models", timeout=30)
+        response = httpx.get(f"{url}/v1/models", timeout=30, headers=auth_headers(api_key))
+        if response.status_code == 401:
+            raise unauthorized(url, bool(api_key))
         response.raise_for_status()
         (model, *_) = response.json()["data"]
     except (httpx.HTTPError, KeyError, ValueError) as error:

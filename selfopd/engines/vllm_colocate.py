@@ -51,7 +51,7 @@ class ColocatedVLLMEngine:
 
     def __init__(self, model: str, *, dtype: str = "float32", max_model_len: int = 2048, max_logprobs: int = 20,
                  gpu_memory_utilization: float = 0.4, cpu_kv_cache_gb: int = 1, sleep_mode: bool = True,
-                 eager: bool | None = None, seed: int = 0) -> None:
+                 eager: bool | None = None, seed: int = 0, trust_remote_code: bool = False) -> None:
         on_gpu = torch.cuda.is_available()
         self.sleeps = sleep_mode and on_gpu
         self.max_model_len = max_model_len
@@ -59,6 +59,7 @@ class ColocatedVLLMEngine:
         self._asleep = False
         options: dict[str, Any] = dict(
             model=model, dtype=dtype, max_model_len=max_model_len, max_logprobs=max_logprobs, seed=seed,
+            trust_remote_code=trust_remote_code,
             enforce_eager=not on_gpu if eager is None else eager,
             generation_config="vllm",  # sampling defaults come from selfopd, not the checkpoint
             logprobs_mode="processed_logprobs",  # sampled tokens' logprobs: the distribution drawn from
@@ -156,13 +157,15 @@ def open_colocated_engines(config: TrainConfig, stack: contextlib.ExitStack) -> 
     teacher = None
     if config.teacher.kind != "self":  # reached first: a wrong URL fails before vLLM loads
         teacher = VLLMEngine(teacher_urls, max_concurrency=config.engine.max_concurrency,
-                             timeout_s=config.engine.request_timeout_s, retries=config.engine.retries)
+                             timeout_s=config.engine.request_timeout_s, retries=config.engine.retries,
+                             api_key=config.engine.api_key())
         stack.callback(teacher.close)
     engine = config.engine
     student = ColocatedVLLMEngine(
         str(resolve_model(config.model.student)), dtype=config.model.dtype, max_model_len=engine.max_model_len,
         gpu_memory_utilization=engine.gpu_memory_utilization, cpu_kv_cache_gb=engine.cpu_kv_cache_gb,
-        sleep_mode=engine.sleep_mode, eager={"on": False, "off": True}.get(engine.compile), seed=config.run.seed)
+        sleep_mode=engine.sleep_mode, eager={"on": False, "off": True}.get(engine.compile), seed=config.run.seed,
+        trust_remote_code=config.model.trust_remote_code)
     stack.callback(student.close)
     return student, teacher or student
 

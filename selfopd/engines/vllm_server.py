@@ -29,6 +29,18 @@ class ServerError(RuntimeError):
     """A server could not start, died, or cannot be reached; the message names its URL."""
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The header a server started with an API key wants (vLLM guards its /v1 routes)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def unauthorized(url: str, sent_key: bool) -> ServerError:
+    """A 401 answer: the server wants an API key that was not sent, or another one."""
+    sent = "the key sent is not the server's" if sent_key else "no key was sent"
+    return ServerError(f"{url}: HTTP 401 Unauthorized: the server requires an API key and {sent}; set "
+                       "engine.api_key_env to the name of an environment variable holding the server's key")
+
+
 @dataclass(frozen=True)
 class ServerSpec:
     """One vLLM server: what it serves and how.
@@ -57,6 +69,10 @@ class ServerSpec:
     chunked_prefill: bool = field(default_factory=lambda: cuda_available())
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)  # e.g. CUDA_VISIBLE_DEVICES: the server's GPUs
+    trust_remote_code: bool = False  # model.trust_remote_code: run the model folder's own Python code
+    # Required of every /v1 request. Handed over in the environment (VLLM_API_KEY), never on
+    # the command line, which `ps` shows to every user; kept out of repr for the same reason.
+    api_key: str | None = field(default=None, repr=False)
 
     @property
     def connect_host(self) -> str:
@@ -87,6 +103,8 @@ def server_command(spec: ServerSpec) -> list[str]:
         "--worker-extension-cls", WORKER_EXTENSION,
         "--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching",
     ]
+    if spec.trust_remote_code:
+        command.append("--trust-remote-code")
     if spec.eager:
         command.append("--enforce-eager")
     if not spec.chunked_prefill:
@@ -110,8 +128,13 @@ def visible_devices(gpus: Sequence[int], environ: Mapping[str, str] = os.environ
 
 
 def server_env(spec: ServerSpec) -> dict[str, str]:
-    """Dev mode exposes /collective_rpc, /pause, /resume and /reset_prefix_cache, which the sync needs."""
+    """Dev mode exposes /collective_rpc, /pause, /resume and /reset_prefix_cache, which the sync needs
+    (vLLM's API key guards /v1 routes only: loopback binding is what keeps these private).
+    The API key comes from the spec alone, not from a VLLM_API_KEY that selfopd happens to run under."""
     env = dict(os.environ)
+    env.pop("VLLM_API_KEY", None)
+    if spec.api_key:
+        env["VLLM_API_KEY"] = spec.api_key
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.cpu_kv_cache_gb))
     env["VLLM_SERVER_DEV_MODE"] = "1"
     # The worker imports selfopd for its extension: make this checkout importable.

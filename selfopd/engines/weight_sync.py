@@ -26,21 +26,24 @@ from typing import Any, Iterator, Mapping, Protocol
 import httpx
 import torch
 
-from selfopd.engines.vllm_server import ServerError
+from selfopd.engines.vllm_server import ServerError, auth_headers, unauthorized
 
 
 class ServerControl:
     """The dev-mode HTTP routes of one vLLM server, with errors that name the URL."""
 
-    def __init__(self, url: str, timeout_s: float = 600) -> None:
+    def __init__(self, url: str, timeout_s: float = 600, api_key: str | None = None) -> None:
         self.url = url.rstrip("/")
-        self._client = httpx.Client(timeout=timeout_s)
+        self._sends_key = bool(api_key)
+        self._client = httpx.Client(timeout=timeout_s, headers=auth_headers(api_key))
 
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
             response = self._client.request(method, self.url + path, **kwargs)
         except httpx.HTTPError as error:
             raise ServerError(f"{self.url}{path}: {type(error).__name__}: {error or 'no answer'}") from None
+        if response.status_code == 401:
+            raise unauthorized(self.url + path, self._sends_key)
         if response.status_code == 404:
             raise ServerError(f"{self.url}{path}: not found (404). This route needs a vLLM server started with "
                               "VLLM_SERVER_DEV_MODE=1 and selfopd's worker extension, as `selfopd serve` does")

@@ -1,0 +1,129 @@
+"""Safety settings without a server: model.trust_remote_code is the only way a model's own
+code runs (transformers loads, launched vLLM servers, colocated vLLM), launched servers bind
+to loopback, and engine.api_key_env hands the key to servers without putting it on a
+command line or in a config. The same settings against a real server: tests/test_vllm_faults.py."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from selfopd.config import ConfigError, load_config
+from selfopd.engines.build import load_model, model_options
+from selfopd.engines.vllm_server import server_command, server_env
+from selfopd.models import ModelError
+from selfopd.serving import planned_servers
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CUSTOM_CONFIG = """from transformers import LlamaConfig
+
+
+class CustomConfig(LlamaConfig):
+    model_type = "selfopd_custom"
+"""
+CUSTOM_MODEL = """from transformers import LlamaForCausalLM
+
+from .configuration_custom import CustomConfig
+
+
+class CustomForCausalLM(LlamaForCausalLM):
+    config_class = CustomConfig
+"""
+
+
+@pytest.fixture
+def remote_code_model(tiny_model_dir, tmp_path):
+    """The tiny model as an architecture transformers does not know: its config's auto_map
+    points at Python files in the folder, which only trust_remote_code runs."""
+    folder = tmp_path / "custom-model"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="selfopd_custom", architectures=["CustomForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_custom.CustomConfig",
+                            "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"})
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "configuration_custom.py").write_text(CUSTOM_CONFIG)
+    (folder / "modeling_custom.py").write_text(CUSTOM_MODEL)
+    return folder
+
+
+
+def _demo(*overrides):
+    """experiments/demo.toml with `overrides` (--set values); temperature 1, which vLLM engines need."""
+    return load_config(ROOT / "experiments/demo.toml", ["rollout.temperature=1.0", *overrides])
+
+
+def test_a_model_that_needs_its_own_code_is_refused_unless_the_config_trusts_it(remote_code_model):
+    refusing = _demo(f"model.student={remote_code_model}")
+    assert model_options(refusing.model)["trust_remote_code"] is False  # the default
+    with pytest.raises(ModelError, match=r"custom-model: this model needs its own Python code .* "
+                                         r"model\.trust_remote_code = true"):
+        load_model(remote_code_model, **model_options(refusing.model))
+    trusting = _demo(f"model.student={remote_code_model}", "model.trust_remote_code=true")
+    model, _ = load_model(remote_code_model, **model_options(trusting.model))
+    assert type(model).__name__ == "CustomForCausalLM"  # the folder's own class ran
+
+
+def test_launched_servers_get_trust_remote_code_only_from_the_config():
+    default, trusting = planned_servers(_demo("engine.kind=vllm")), planned_servers(
+        _demo("engine.kind=vllm", "model.trust_remote_code=true"))
+    assert all("--trust-remote-code" not in server_command(spec) for spec in default)
+    assert all("--trust-remote-code" in server_command(spec) for spec in trusting)
+
+
+def test_colocated_vllm_gets_trust_remote_code_from_the_config(monkeypatch):
+    """What reaches `vllm.LLM`: captured where the engine hands its options over (starting
+    colocated vLLM is tests/test_vllm_colocate.py's job; its default is checked there)."""
+    from selfopd.engines import vllm_colocate
+
+    handed = []
+
+    def capture(options):
+        handed.append(options)
+        raise RuntimeError("captured")
+
+    monkeypatch.setattr(vllm_colocate, "_start_in_process", capture)
+    for setting in ("false", "true"):
+        config = _demo("engine.kind=vllm_colocate", f"model.trust_remote_code={setting}")
+        with pytest.raises(RuntimeError, match="captured"):
+            vllm_colocate.open_colocated_engines(config, contextlib.ExitStack())
+    assert [options["trust_remote_code"] for options in handed] == [False, True]
+
+
+def test_launched_servers_bind_to_loopback_unless_told_otherwise():
+    (spec, teacher) = planned_servers(_demo("engine.kind=vllm"))
+    for server in (spec, teacher):
+        command = server_command(server)
+        assert command[command.index("--host") + 1] == "127.0.0.1"
+    (spec, _) = planned_servers(_demo("engine.kind=vllm", "engine.host=0.0.0.0"))
+    assert server_command(spec)[server_command(spec).index("--host") + 1] == "0.0.0.0"
+    assert spec.url.startswith("http://127.0.0.1:")  # the client still connects on this machine
+
+
+def test_the_api_key_reaches_servers_in_their_environment_never_their_command_line(monkeypatch):
+    key = "sk-selfopd-test-0123456789"
+    monkeypatch.setenv("SELFOPD_VLLM_API_KEY", key)
+    monkeypatch.setenv("VLLM_API_KEY", "inherited-by-accident")
+    keyed = planned_servers(_demo("engine.kind=vllm", "engine.api_key_env=SELFOPD_VLLM_API_KEY"))
+    for spec in keyed:
+        assert server_env(spec)["VLLM_API_KEY"] == key
+        assert key not in " ".join(server_command(spec)) and key not in repr(spec)
+    for spec in planned_servers(_demo("engine.kind=vllm")):  # no key configured: none inherited either
+        assert "VLLM_API_KEY" not in server_env(spec)
+
+
+def test_api_key_env_must_name_a_set_variable_and_is_never_echoed(monkeypatch, tmp_path):
+    monkeypatch.delenv("SELFOPD_NO_SUCH_KEY", raising=False)
+    config = _demo("engine.kind=vllm", "engine.api_key_env=SELFOPD_NO_SUCH_KEY")
+    with pytest.raises(ConfigError, match="engine.api_key_env.*SELFOPD_NO_SUCH_KEY, which is not set"):
+        config.engine.api_key()
+    pasted = "sk-live-abc.def/123"  # the key itself, pasted into a config file by mistake
+    (tmp_path / "keyed.toml").write_text(f'[engine]\napi_key_env = "{pasted}"\n')
+    with pytest.raises(ConfigError, match="keyed.toml: engine.api_key_env: must be the NAME") as error:
+        load_config(tmp_path / "keyed.toml")
+    assert pasted not in str(error.value)
