@@ -85,10 +85,16 @@ def save_checkpoint(run: Run) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
     fault_point("checkpoint.renamed")
-    for old in run.folder.checkpoints.glob("step_*"):
-        if old != target:
-            shutil.rmtree(old)
+    prune_checkpoints(run.folder, target)
     return target
+
+
+def prune_checkpoints(folder: RunFolder, keep: Path) -> None:
+    """Only the latest checkpoint is kept: older ones go, and so do the staging folders of
+    writes a kill cut short."""
+    for old in folder.checkpoints.iterdir():
+        if old != keep:
+            shutil.rmtree(old)
 
 
 def save_rollouts(run: Run, scored: Sequence[Scored], student_lp_N: torch.Tensor, advantage_N: torch.Tensor,

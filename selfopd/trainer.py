@@ -27,7 +27,7 @@ from selfopd.kernels import full_vocab_divergence, topk_reverse_kl
 from selfopd.loss_metrics import opd_metrics
 from selfopd.objectives import combined_advantage, masked_mean, policy_gradient_loss, truncated_is_ratio
 from selfopd.run_folder import RunFolder
-from selfopd.run_outputs import plot_run, reuse_eval, run_eval, save_checkpoint, save_rollouts
+from selfopd.run_outputs import plot_run, prune_checkpoints, reuse_eval, run_eval, save_checkpoint, save_rollouts
 from selfopd.run_setup import build_run
 from selfopd.run_state import Run, Scored
 from selfopd.scoring import completion_hidden, logprobs_from_hidden, pad_completions, tempered
@@ -236,6 +236,8 @@ def train(config: TrainConfig, resume: bool = False, initial_eval: Path | None =
         if main:
             folder.root.mkdir(parents=True, exist_ok=True)
             write_text_atomic(folder.config, config_to_toml(config))
+    if checkpoint is not None and main:
+        prune_checkpoints(folder, checkpoint)  # what a kill between a checkpoint and its clean-up left
     run = build_run(config, checkpoint)
     with contextlib.closing(run):  # stops launched servers on any exit, Ctrl-C included
         split = SplitRecord.of(config.data.spec, config.data.split_seed, run.train_examples, run.eval_examples)
