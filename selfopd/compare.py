@@ -33,8 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Sequence
 
-from selfopd.run_folder import RunFolder
+from selfopd.atomic import write_json_atomic, write_text_atomic
 from selfopd.config import ConfigError, TrainConfig, flat_config, load_config
+from selfopd.faults import fault_point
+from selfopd.run_folder import RunFolder
 from selfopd.settings import Section, build_sections, check_key, read_toml, setting
 
 ARM_SECTIONS = ("teacher", "loss", "optim")  # what arms may change; everything else is shared
@@ -235,7 +237,7 @@ def run_compare(compare: CompareConfig, progress: bool = True) -> None:
     sft = sft_config(compare)
     configs = arm_configs(compare, sft.model_dir if sft else None)
     compare.folder.mkdir(parents=True, exist_ok=True)
-    (compare.folder / "compare.toml").write_text(compare.source.read_text())
+    write_text_atomic(compare.folder / "compare.toml", compare.source.read_text())
     if sft is not None:
         from selfopd.sft import run_sft
 
@@ -262,8 +264,8 @@ def run_compare(compare: CompareConfig, progress: bool = True) -> None:
         started = time.perf_counter()
         train(config, resume=resume, initial_eval=None if resume else base_eval(compare, exclude=run_dir))
         seconds = time.perf_counter() - started
-        RunFolder(run_dir).finished.write_text(json.dumps({"arm": name, "seed": seed, "wall_seconds_last_session": seconds},
-                                                   indent=2) + "\n")
+        fault_point("compare.arm_trained")
+        write_json_atomic(RunFolder(run_dir).finished, {"arm": name, "seed": seed, "wall_seconds_last_session": seconds})
         _note(compare, f"{name} seed {seed}", seconds)
 
 
@@ -289,5 +291,5 @@ def _check_unchanged(run_dir: Path, config: TrainConfig, name: str) -> None:
 
 def _note(compare: CompareConfig, what: str, seconds: float) -> None:
     """Append to the comparison's timing log (what ran, how long, when)."""
-    with (compare.folder / "timing.jsonl").open("a") as handle:
+    with (compare.folder / "timing.jsonl").open("a") as handle:  # one whole line per write
         handle.write(json.dumps({"what": what, "wall_seconds": seconds, "finished_at": time.time()}) + "\n")

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import matplotlib
 import numpy as np
 
+from selfopd.atomic import write_json_atomic, write_text_atomic
 from selfopd.run_folder import RunFolder
 from selfopd.config import load_config
 from selfopd.diagnostics.measures import correct_preference
@@ -352,10 +353,8 @@ def write_compare_report(compare: CompareConfig) -> Path:
     results = measure_comparison(compare)
     figure = plot_comparison(results, compare.folder / "accuracy.png", compare.name) if results else None
     summary = [_summary_row(r) for r in results]
-    (compare.folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    report = compare.folder / "report.md"
-    report.write_text(render_report(compare, results, figure))
-    return report
+    write_json_atomic(compare.folder / "summary.json", summary)
+    return write_text_atomic(compare.folder / "report.md", render_report(compare, results, figure))
 
 
 

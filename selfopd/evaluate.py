@@ -10,8 +10,10 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
+from selfopd.atomic import write_json_atomic, write_lines_atomic
 from selfopd.example import Example, prompt_key
 from selfopd.engines.base import Engine, SamplingParams
+from selfopd.faults import fault_point
 from selfopd.stats import MeanEstimate, Proportion, prompt_accuracy
 from selfopd.templates import PromptTemplate, prompt_token_ids, render_student
 from selfopd.verifiers import verify_example
@@ -106,10 +108,10 @@ def write_eval(
     samples: int = 1,
     temperature: float = 0.0,
 ) -> None:
+    """eval.jsonl, then summary.json (its presence marks the eval finished), each whole or absent."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    with (out_dir / "eval.jsonl").open("w") as handle:
-        for record in records:
-            handle.write(json.dumps(asdict(record)) + "\n")
+    write_lines_atomic(out_dir / "eval.jsonl", (asdict(record) for record in records))
+    fault_point("eval.written")
     summary = {
         "template": template_name,
         "metric": "greedy accuracy" if samples == 1 else f"avg@{samples} accuracy at temperature {temperature}",
@@ -122,4 +124,4 @@ def write_eval(
         "truncated": sum(r.finish_reason == "length" for r in records),
         "mean_completion_tokens": sum(r.completion_tokens for r in records) / max(len(records), 1),
     }
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_json_atomic(out_dir / "summary.json", summary)

@@ -20,6 +20,7 @@ from matplotlib.colors import Colormap, Normalize, to_hex, to_rgba
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
+from selfopd.atomic import replace_atomic, write_text_atomic
 from selfopd.plots import DPI
 
 # ---------------------------------------------------------------------------------------
@@ -211,7 +212,7 @@ def plot_token_heatmaps_side_by_side(tokens: Sequence[str], values_by_label: Map
     _draw_colorbar(figure, colorbar_axes, norm, cmap, label, any_missing)
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        figure.savefig(path, dpi=DPI, format=image_format)
+        replace_atomic(path, lambda temporary: figure.savefig(temporary, dpi=DPI, format=image_format))
     return figure
 
 
@@ -274,5 +275,4 @@ def save_token_heatmap_html(path: str | Path, html: str, title: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     page = (f"<!DOCTYPE html>\n<html>\n<head>\n<meta charset=\"utf-8\">\n<title>{escape(title)}</title>\n"
             f"</head>\n<body>\n{html}\n</body>\n</html>\n")
-    path.write_text(page, encoding="utf-8")
-    return path
+    return write_text_atomic(path, page)

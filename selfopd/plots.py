@@ -19,6 +19,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from selfopd.atomic import replace_atomic
+
 DPI = 120
 STYLE = {"font.size": 11, "axes.titlesize": 13, "axes.labelsize": 11, "legend.fontsize": 10}
 MARKERS_BELOW = 60  # series with fewer points get markers, so a lone point is visible
@@ -138,9 +140,9 @@ def new_figure(panels: int, title: str) -> Figure:
 
 
 def save_figure(figure: Figure, path: Path) -> Path:
-    """Write the figure at the toolkit's DPI; returns the path."""
-    figure.savefig(path, dpi=DPI)
-    return path
+    """Write the figure at the toolkit's DPI, whole or not at all; returns the path."""
+    path = Path(path)
+    return replace_atomic(path, lambda temporary: figure.savefig(temporary, dpi=DPI, format=path.suffix[1:] or None))
 
 
 # file stem -> (metric keys, any of which makes the plot worth drawing; drawing function)

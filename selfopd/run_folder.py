@@ -3,13 +3,16 @@
     RUN/config.toml                  the full config (loads to the run's TrainConfig)
     RUN/split.json                   held-out prompt ids and keys, every training prompt's key
     RUN/metrics.jsonl                one JSON line per step and per eval
-    RUN/eval/step_NNNNN/             eval.jsonl (per prompt) and summary.json
+    RUN/eval/step_NNNNN/             eval.jsonl (per prompt), then summary.json (present: finished)
     RUN/rollouts/step_NNNNN.jsonl    saved rollouts with per-token logprobs
     RUN/checkpoints/step_NNNNN/      HF weights (LoRA: adapters) + tokenizer + trainer_state.pt
+                                     (written as .step_NNNNN.partial, then renamed)
     RUN/plots/  RUN/diagnostics/  RUN/logs/ (launched servers)  RUN/tensorboard/ RUN/wandb/
     RUN/finished.json                written by `selfopd compare` when the run is done
 
-Every module asks here for a path instead of spelling it.
+Every module asks here for a path instead of spelling it. Every file is written whole or not
+at all (`selfopd.atomic`; metrics.jsonl one whole line per write), so a run killed at any
+moment resumes from its last checkpoint (`selfopd train --resume`) with nothing torn.
 """
 
 from __future__ import annotations
@@ -49,8 +52,8 @@ class RunFolder:
         return self.evals / f"step_{step:05d}"
 
     def eval_steps(self) -> list[int]:
-        """Steps with a finished eval (its eval.jsonl written), in order."""
-        return sorted(int(path.parent.name.removeprefix("step_")) for path in self.evals.glob("step_*/eval.jsonl"))
+        """Steps with a finished eval (its summary.json, written last), in order."""
+        return sorted(int(path.parent.name.removeprefix("step_")) for path in self.evals.glob("step_*/summary.json"))
 
     @property
     def rollouts(self) -> Path:

@@ -10,9 +10,11 @@ from typing import Sequence
 
 import torch
 
+from selfopd.atomic import write_text_atomic
 from selfopd.diagnostics.records import RolloutRecord, write_records
 from selfopd.distributed import ShardedSampling, full_optimizer_state, full_state_dict, is_sharded
 from selfopd.evaluate import evaluate
+from selfopd.faults import fault_point
 from selfopd.run_folder import RunFolder
 from selfopd.run_state import Run, Scored
 
@@ -56,7 +58,9 @@ def reuse_eval(run: Run, source: Path) -> dict[str, float]:
         raise ValueError(f"{source}: its eval items are not this run's held-out split "
                          f"({len(ids ^ expected)} ids differ); evaluate again")
     target = run.folder.eval_dir(run.step)
-    shutil.copytree(source, target, dirs_exist_ok=True)
+    target.mkdir(parents=True, exist_ok=True)
+    for name in ("eval.jsonl", "summary.json"):  # summary.json last: it marks the eval finished
+        write_text_atomic(target / name, (source / name).read_text())
     return eval_metrics(run.step, target)
 
 
@@ -75,14 +79,22 @@ def save_checkpoint(run: Run) -> Path:
     shutil.rmtree(staging, ignore_errors=True)
     run.model.save_pretrained(staging, **({"state_dict": weights} if sharded else {}))
     run.tokenizer.save_pretrained(staging)
+    fault_point("checkpoint.weights")
     torch.save({"optimizer": optimizer, "scheduler": run.scheduler.state_dict(), "step": run.step},
                RunFolder.trainer_state(staging))
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
-    for old in run.folder.checkpoints.glob("step_*"):
-        if old != target:
-            shutil.rmtree(old)
+    fault_point("checkpoint.renamed")
+    prune_checkpoints(run.folder, target)
     return target
+
+
+def prune_checkpoints(folder: RunFolder, keep: Path) -> None:
+    """Only the latest checkpoint is kept: older ones go, and so do the staging folders of
+    writes a kill cut short."""
+    for old in folder.checkpoints.iterdir():
+        if old != keep:
+            shutil.rmtree(old)
 
 
 def save_rollouts(run: Run, scored: Sequence[Scored], student_lp_N: torch.Tensor, advantage_N: torch.Tensor,

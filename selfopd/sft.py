@@ -16,7 +16,11 @@ Targets (what the model learns to write after the *student* prompt): `selfopd.sf
 OUT_DIR/NAME/ holds config.toml, targets.jsonl, eval/{base,tuned}/, summary.json,
 README.md and model/ (HF weights + tokenizer), written under a staging name and renamed
 into place with its `selfopd_sft.json` marker inside: a folder with the marker is
-finished, and `run_sft` returns it again without retraining.
+finished, and `run_sft` returns it again without retraining. While it trains,
+OUT_DIR/NAME/checkpoint.pt (every `sft.checkpoint_every` steps, written whole and renamed
+into place) holds the weights, AdamW state, position in the epochs and everything computed
+before training (base eval, targets): a rerun of the same command after a kill continues
+from it and ends with the model and numbers an uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -32,20 +36,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Sequence
 
+from selfopd.atomic import write_json_atomic, write_lines_atomic, write_text_atomic
 from selfopd.config import SECTIONS, TrainConfig, build_config
 from selfopd.example import Example, prompt_key
 from selfopd.settings import ConfigError, Section, build_sections, fail, flatten, load_document, section_toml, setting
 from selfopd.sft_report import NLL_PROBE_SIZE, dropped_targets, sft_headline, sft_report, sft_summary
 from selfopd.sft_targets import Target, resolve_targets, sampled_targets, solution_targets
+from selfopd.sft_training import (Prelude, SftCheckpoint, SftState, completion_nll, read_checkpoint, train_sft,
+                                  write_checkpoint)
 
 Targets = Literal["auto", "solution", "sampled"]
 MARKER = "selfopd_sft.json"  # inside the model folder: written before the rename, so present = finished
+CHECKPOINT = "checkpoint.pt"  # in OUT_DIR/NAME while the fine-tuning runs
 USED_SECTIONS = ("run", "model", "data", "optim", "eval")  # the training sections an SFT run reads
 # Settings that do not change the result: a finished folder is reused whatever they say.
 NOT_COMPARED = ("model.threads", "run.progress", "run.name", "run.out_dir", "run.steps", "run.eval_every",
                 "run.checkpoint_every", "run.rollouts_to_save", "optim.lr", "optim.beta1", "optim.beta2",
                 "optim.warmup_steps", "optim.schedule", "optim.micro_batch_prompts", "sft.name",
-                "run.trackers", "run.wandb_project", "run.wandb_mode")
+                "run.trackers", "run.wandb_project", "run.wandb_mode", "sft.checkpoint_every")
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,9 @@ class SftSection(Section):
     epochs: int = setting(1, "Passes over the kept targets.")
     lr: float = setting(3e-5, "AdamW learning rate of the fine-tuning (constant; optim.lr is the OPD run's).")
     batch_size: int = setting(16, "Targets per optimizer step (cross-entropy averaged over their completion tokens).")
+    checkpoint_every: int = setting(
+        50, "Optimizer steps between checkpoints of the fine-tuning in progress (0: none); a rerun of the "
+        "same command after an interruption continues from the latest.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -79,7 +90,7 @@ class SftSection(Section):
             fail(self._key("name"), f"must be a plain folder name (no '/', '\\', '.' or '..'), got {self.name!r}")
         for name in ("samples_per_prompt", "max_tokens", "max_target_tokens", "epochs", "batch_size"):
             self._at_least(name, 1)
-        for name in ("train_examples", "temperature"):
+        for name in ("train_examples", "temperature", "checkpoint_every"):
             self._at_least(name, 0)
         if not self.lr > 0:
             fail(self._key("lr"), f"must be > 0, got {self.lr!r}")
@@ -140,65 +151,7 @@ def _compared(flat: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in json.loads(json.dumps(flat)).items() if k not in NOT_COMPARED}
 
 
-# --------------------------------------------------------------------------- training
-
-
-def completion_nll(model: Any, targets: Sequence[Target], pad_id: int, batch_size: int = 64) -> float:
-    """Mean negative log-likelihood per completion token of `targets` (no grad, eval mode)."""
-    import torch
-
-    from selfopd.scoring import completion_logprobs
-
-    was_training = model.training
-    model.eval()
-    total, tokens = 0.0, 0
-    with torch.no_grad():
-        for start in range(0, len(targets), batch_size):
-            chunk = targets[start : start + batch_size]
-            logprobs, mask = completion_logprobs(model, [(t.prompt_ids, t.completion_ids) for t in chunk], pad_id)
-            total -= float((logprobs * mask).sum())
-            tokens += int(mask.sum())
-    model.train(was_training)
-    return total / max(tokens, 1)
-
-
-def train_sft(model: Any, targets: Sequence[Target], pad_id: int, config: SftConfig,
-              progress: bool = True) -> list[float]:
-    """Cross-entropy on completion tokens only (the prompt is context, never a target), AdamW,
-    seeded shuffles per epoch; returns the loss of every step."""
-    import torch
-    from tqdm.auto import tqdm
-
-    from selfopd.scoring import completion_logprobs
-
-    sft, optim, seed = config.sft, config.train.optim, config.train.run.seed
-    torch.manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=sft.lr, weight_decay=optim.weight_decay)
-    steps_per_epoch = -(-len(targets) // sft.batch_size)
-    losses: list[float] = []
-    model.train()
-    bar = tqdm(total=steps_per_epoch * sft.epochs, desc="sft", unit="step", disable=not progress)
-    for epoch in range(sft.epochs):
-        order = list(range(len(targets)))
-        random.Random(f"{seed}/sft/{epoch}").shuffle(order)
-        for start in range(0, len(order), sft.batch_size):
-            batch = [targets[i] for i in order[start : start + sft.batch_size]]
-            logprobs, mask = completion_logprobs(model, [(t.prompt_ids, t.completion_ids) for t in batch], pad_id)
-            loss = -(logprobs * mask).sum() / mask.sum()
-            loss.backward()
-            if optim.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-            bar.set_postfix(epoch=epoch + 1, loss=f"{losses[-1]:.3f}")
-            bar.update(1)
-    bar.close()
-    model.eval()
-    return losses
-
-
-# --------------------------------------------------------------------------- the run
+# --------------------------------------------------------------------------- the run (training: selfopd.sft_training)
 
 
 def run_sft(config: SftConfig, progress: bool = True, student_run: Path | None = None) -> Path:
@@ -211,12 +164,7 @@ def run_sft(config: SftConfig, progress: bool = True, student_run: Path | None =
     """
     finished = _finished_config(config.model_dir)
     if finished is not None:
-        then, now = _compared(finished), _compared(config.flat())
-        if then != now:
-            differ = sorted(k for k, v in now.items() if then.get(k) != v)
-            raise FileExistsError(
-                f"{config.model_dir} holds an SFT model made with another config (differs in: "
-                f"{', '.join(differ)}); choose another sft.name or delete that folder")
+        _refuse_other_config(config, finished, f"{config.model_dir} holds an SFT model")
         print(f"reusing the finished SFT model at {config.model_dir} (no retraining)")
         return config.model_dir
 
@@ -246,7 +194,10 @@ def run_sft(config: SftConfig, progress: bool = True, student_run: Path | None =
     engine = LocalEngine(model, tokenizer, batch_size=eval_config.batch_size)
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(sft_config_to_toml(config))
+    write_text_atomic(run_dir / "config.toml", sft_config_to_toml(config))
+    checkpoint = read_checkpoint(run_dir / CHECKPOINT)
+    if checkpoint is not None:
+        _refuse_other_config(config, checkpoint.settings, f"{run_dir / CHECKPOINT} holds an unfinished fine-tuning")
     seconds: dict[str, float] = {}
 
     def evaluated(label: str) -> tuple[Any, list[Any]]:
@@ -257,30 +208,46 @@ def run_sft(config: SftConfig, progress: bool = True, student_run: Path | None =
         seconds[f"eval_{label}"] = time.perf_counter() - began
         return result
 
-    base, base_records = evaluated("base")
-    print(f"base held-out accuracy: {base}")
+    if checkpoint is None:
+        base, base_records = evaluated("base")
+        print(f"base held-out accuracy: {base}")
 
-    began = time.perf_counter()
-    if kind == "solution":
-        targets, stats = solution_targets(tokenizer, chosen, student_template, _end_id(model, tokenizer),
-                                          sft.max_target_tokens)
-    else:
-        params = SamplingParams(max_tokens=sft.max_tokens, temperature=sft.temperature, n=sft.samples_per_prompt,
-                                seed=seed)
+        began = time.perf_counter()
+        if kind == "solution":
+            targets, stats = solution_targets(tokenizer, chosen, student_template, _end_id(model, tokenizer),
+                                              sft.max_target_tokens)
+        else:
+            params = SamplingParams(max_tokens=sft.max_tokens, temperature=sft.temperature,
+                                    n=sft.samples_per_prompt, seed=seed)
+            with compute():
+                targets, stats = sampled_targets(engine, tokenizer, chosen, student_template, sample_template, params,
+                                                 eval_config.batch_size, progress)
+        seconds["targets"] = time.perf_counter() - began
+        write_lines_atomic(run_dir / "targets.jsonl", (
+            {"id": t.example_id, "text": t.text, "completion_tokens": len(t.completion_ids)} for t in targets))
+        print(f"targets ({kind}): {dropped_targets(dataclasses.asdict(stats))}")
+        if not targets:
+            fail("sft.targets", f"no {kind} target survived the verifier ({stats.drawn} drawn): nothing to train on")
         with compute():
-            targets, stats = sampled_targets(engine, tokenizer, chosen, student_template, sample_template, params,
-                                             eval_config.batch_size, progress)
-    seconds["targets"] = time.perf_counter() - began
-    _write_targets(run_dir / "targets.jsonl", targets)
-    print(f"targets ({kind}): {dropped_targets(dataclasses.asdict(stats))}")
-    if not targets:
-        fail("sft.targets", f"no {kind} target survived the verifier ({stats.drawn} drawn): nothing to train on")
+            nll_before = completion_nll(model, _nll_probe(targets, seed), engine.pad_id, eval_config.batch_size)
+        before = Prelude(base, base_records, targets, stats, nll_before, dict(seconds))
+        state = None
+    else:
+        model.load_state_dict(checkpoint.model)
+        before, state = checkpoint.prelude, checkpoint.state
+        base, base_records, targets, stats, nll_before = (before.base, before.base_records, before.targets,
+                                                          before.stats, before.nll_before)
+        seconds.update(before.seconds)
+        print(f"continuing the fine-tuning from {run_dir / CHECKPOINT} (step {state.step}; base eval and "
+              f"{len(targets)} targets as computed before it)")
+
+    def save(state: SftState) -> None:
+        write_checkpoint(run_dir / CHECKPOINT, SftCheckpoint(_compared(config.flat()), model.state_dict(), before, state))
 
     began = time.perf_counter()
     probe = _nll_probe(targets, seed)
     with compute():
-        nll_before = completion_nll(model, probe, engine.pad_id, eval_config.batch_size)
-        losses = train_sft(model, targets, engine.pad_id, config, progress)
+        losses = train_sft(model, targets, engine.pad_id, config, progress, state, save)
         nll_after = completion_nll(model, probe, engine.pad_id, eval_config.batch_size)
     seconds["train"] = time.perf_counter() - began
     print(f"NLL per token of {len(probe)} training targets: {nll_before:.3f} -> {nll_after:.3f}")
@@ -290,9 +257,10 @@ def run_sft(config: SftConfig, progress: bool = True, student_run: Path | None =
     summary = sft_summary(config.train.model.student, config.train.data.spec, sft.batch_size, config.model_dir, kind,
                           stats, targets, losses, nll_before, nll_after, base, base_records, tuned, tuned_records,
                           seconds)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (run_dir / "README.md").write_text(sft_report(summary))
+    write_json_atomic(run_dir / "summary.json", summary)
+    write_text_atomic(run_dir / "README.md", sft_report(summary))
     _save_model(model, tokenizer, config, summary, sorted({prompt_key(e.prompt) for e in chosen}))
+    (run_dir / CHECKPOINT).unlink(missing_ok=True)  # the finished model replaces it
     print(sft_headline(summary))
     print(f"model: {config.model_dir}  (use: selfopd train CONFIG --set teacher.kind=external "
           f"--set teacher.model={config.model_dir})")
@@ -372,10 +340,13 @@ def _end_id(model: Any, tokenizer: Any) -> int:
     return tokenizer.eos_token_id if tokenizer.eos_token_id in ids else ids[0]
 
 
-def _write_targets(path: Path, targets: Sequence[Target]) -> None:
-    with path.open("w") as handle:
-        for t in targets:
-            handle.write(json.dumps({"id": t.example_id, "text": t.text, "completion_tokens": len(t.completion_ids)}) + "\n")
+def _refuse_other_config(config: SftConfig, settings: dict[str, Any], what: str) -> None:
+    """FileExistsError unless `settings` (a marker's, a checkpoint's) are this config's."""
+    then, now = _compared(settings), _compared(config.flat())
+    if then != now:
+        differ = sorted(k for k, v in now.items() if then.get(k) != v)
+        raise FileExistsError(f"{what} made with another config (differs in: {', '.join(differ)}); "
+                              "choose another sft.name or delete that folder")
 
 
 def _finished_config(model_dir: Path) -> dict[str, Any] | None:

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Literal, Sequence
 
+from selfopd.atomic import write_text_atomic
 from selfopd.run_folder import RunFolder
 from selfopd.data import DataError, check_unique_ids
 from selfopd.example import Example, prompt_key
@@ -87,11 +88,7 @@ class SplitRecord:
                    sorted({prompt_key(e.prompt) for e in train}))
 
     def write(self, run_dir: Path) -> Path:
-        path = RunFolder(run_dir).split
-        staging = path.with_suffix(".partial")
-        staging.write_text(json.dumps(asdict(self)) + "\n")
-        staging.replace(path)
-        return path
+        return write_text_atomic(RunFolder(run_dir).split, json.dumps(asdict(self)) + "\n")
 
     @classmethod
     def read(cls, run_dir: Path) -> SplitRecord:

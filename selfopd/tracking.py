@@ -8,17 +8,22 @@ where researchers watch runs.
 
 A resumed run truncates metrics.jsonl to its checkpoint and logs the re-run steps again;
 TensorBoard shows the latest value of a repeated step, W&B keeps the first (it refuses to go
-back in steps): metrics.jsonl is the reference.
+back in steps): metrics.jsonl is the reference. Its lines are whole and unique by
+(step, kind) across any sequence of kills and resumes: each is one write of the full line,
+fsynced, and the truncation on resume drops a torn last line and rewrites the file atomically.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
+from selfopd.atomic import write_lines_atomic
 from selfopd.config import TrainConfig, config_to_dict
+from selfopd.faults import fault_point
 from selfopd.run_folder import RunFolder
 
 
@@ -32,14 +37,26 @@ class MetricsLog:
             self.trackers.append(_TRACKERS[name](folder, config))
 
     def truncate_after(self, step: int) -> None:
-        """On resume: drop what was logged after the checkpoint's step (those steps run again)."""
-        if self.path.exists():
-            lines = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= step]
-            self.path.write_text("".join(line + "\n" for line in lines))
+        """On resume: keep what was logged up to the checkpoint's step, once per (step, kind)
+        (the later steps run again); a torn last line of a killed write is dropped."""
+        from selfopd.plots import read_metrics  # matplotlib: loaded only when a run resumes
+
+        if not self.path.exists():
+            return
+        kept: dict[tuple[int, str], dict] = {}
+        for line in read_metrics(self.path):
+            if line["step"] <= step:
+                kept[metrics_key(line)] = line
+        fault_point("metrics.truncate")
+        write_lines_atomic(self.path, kept.values())
 
     def log(self, metrics: dict[str, float]) -> None:
+        """Append one whole line: a single write of it, flushed to disk before trackers see it."""
         with self.path.open("a") as handle:
             handle.write(json.dumps(metrics) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        fault_point("metrics.logged")
         scalars = {k: float(v) for k, v in metrics.items()
                    if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
         for tracker in self.trackers:
@@ -49,6 +66,12 @@ class MetricsLog:
         for tracker in self.trackers:
             tracker.close()
         self.trackers = []
+
+
+def metrics_key(line: dict) -> tuple[int, str]:
+    """What makes a metrics line unique: its step, and whether it is an eval ("eval") or a
+    training step ("train"): the eval after step N shares step N with that step's line."""
+    return int(line["step"]), "eval" if any(key.startswith("eval/") for key in line) else "train"
 
 
 class _TensorBoard:

@@ -17,15 +17,17 @@ from typing import Any, Iterator, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from selfopd.atomic import write_text_atomic
 from selfopd.config import TrainConfig, config_to_toml
 from selfopd.distributed import all_gather, all_sum, barrier, current_world, is_sharded, share
 from selfopd.engines.base import SamplingParams, rest_engines
 from selfopd.example import Example
+from selfopd.faults import fault_point
 from selfopd.kernels import full_vocab_divergence, topk_reverse_kl
 from selfopd.loss_metrics import opd_metrics
 from selfopd.objectives import combined_advantage, masked_mean, policy_gradient_loss, truncated_is_ratio
 from selfopd.run_folder import RunFolder
-from selfopd.run_outputs import plot_run, reuse_eval, run_eval, save_checkpoint, save_rollouts
+from selfopd.run_outputs import plot_run, prune_checkpoints, reuse_eval, run_eval, save_checkpoint, save_rollouts
 from selfopd.run_setup import build_run
 from selfopd.run_state import Run, Scored
 from selfopd.scoring import completion_hidden, logprobs_from_hidden, pad_completions, tempered
@@ -69,6 +71,7 @@ def _train_step(run: Run) -> dict[str, float]:
     )
     with timer("sample"):
         groups = run.student_engine.sample(prompts, params)
+    fault_point("train.sampled")
 
     # 2. Verifier rewards, then the teacher scores the student's exact completion ids,
     #    after its own (privileged) prompt.
@@ -136,6 +139,7 @@ def _train_step(run: Run) -> dict[str, float]:
             # Scale so the accumulated gradient equals one big batch's mean.
             weight = int(mask_BC.sum()) / total_tokens if cfg.loss.normalisation == "token" else len(micro) / total_rollouts
             (loss * (weight * world.size)).backward()
+            fault_point("train.backward")
             loss_total += loss.item() * weight
             for key, tensor in (("teacher", teacher_lp_BC), ("student", student_lp_BC), ("sampler", sampler_lp_BC), ("advantage", advantage_BC)):
                 collected[key].append(tensor.detach()[mask_BC].float().cpu())
@@ -231,7 +235,9 @@ def train(config: TrainConfig, resume: bool = False, initial_eval: Path | None =
             raise FileExistsError(f"{folder.root} already holds a run: choose another run.name or resume it")
         if main:
             folder.root.mkdir(parents=True, exist_ok=True)
-            folder.config.write_text(config_to_toml(config))
+            write_text_atomic(folder.config, config_to_toml(config))
+    if checkpoint is not None and main:
+        prune_checkpoints(folder, checkpoint)  # what a kill between a checkpoint and its clean-up left
     run = build_run(config, checkpoint)
     with contextlib.closing(run):  # stops launched servers on any exit, Ctrl-C included
         split = SplitRecord.of(config.data.spec, config.data.split_seed, run.train_examples, run.eval_examples)

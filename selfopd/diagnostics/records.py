@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from selfopd.atomic import write_lines_atomic
 from selfopd.run_folder import RunFolder
 
 
@@ -64,9 +65,7 @@ class RolloutRecord:
 
 def write_records(path: Path, records: Iterable[RolloutRecord]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as handle:
-        for record in records:
-            handle.write(json.dumps(asdict(record)) + "\n")
+    write_lines_atomic(path, (asdict(record) for record in records))
 
 
 def read_records(path: Path) -> list[RolloutRecord]:

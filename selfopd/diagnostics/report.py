@@ -10,7 +10,6 @@ and the accuracy gap the privileged context opens before training.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from selfopd.atomic import write_json_atomic, write_text_atomic
 from selfopd.diagnostics.context import ContextGap, Prompting, annotate_records, context_gap, privileged_gains
 from selfopd.diagnostics.measures import (
     Annotated,
@@ -168,10 +168,8 @@ def write_report(diagnosis: RunDiagnosis, out: Path, heatmaps: int = 4) -> Path:
         summary["at_start"] = {"privileged_gain_decomposition": as_jsonable(part.decomposition),
                                "illusion": _illusion_json(part.illusion), "contrast": as_jsonable(part.contrast),
                                "gap": as_jsonable(part.gap)}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    report = out / "report.md"
-    report.write_text(render_report(diagnosis, figures))
-    return report
+    write_json_atomic(out / "summary.json", summary)
+    return write_text_atomic(out / "report.md", render_report(diagnosis, figures))
 
 
 def _read_metrics(run_dir: Path) -> list[dict]:

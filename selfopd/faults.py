@@ -1,0 +1,38 @@
+"""Fault injection for the kill-and-resume tests: `fault_point(name)` marks a moment at which
+a real `kill -9` is worth testing (mid-sampling, between backward passes, half-way through a
+checkpoint, while metrics are written, ...).
+
+    SELFOPD_KILL_AT=checkpoint.weights      # SIGKILL the process the 1st time it gets there
+    SELFOPD_KILL_AT=train.backward:3        # ... the 3rd time
+
+Without the variable a point costs one comparison (the variable is read once per process).
+The process kills itself with SIGKILL, so nothing runs after: no `finally`, no atexit, no
+flush, exactly as when the machine or the OOM killer takes it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+ENV = "SELFOPD_KILL_AT"
+
+
+def _parse(value: str) -> tuple[str, int] | None:
+    if not value:
+        return None
+    name, _, count = value.partition(":")
+    return name, int(count) if count else 1
+
+
+_TARGET = _parse(os.environ.get(ENV, ""))
+_reached: dict[str, int] = {}
+
+
+def fault_point(name: str) -> None:
+    """SIGKILL this process if `SELFOPD_KILL_AT` names this point and this is its N-th visit."""
+    if _TARGET is None or _TARGET[0] != name:
+        return
+    _reached[name] = _reached.get(name, 0) + 1
+    if _reached[name] == _TARGET[1]:
+        os.kill(os.getpid(), signal.SIGKILL)
