@@ -6,11 +6,14 @@ import argparse
 import sys
 import textwrap
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from selfopd.cli_common import DEFAULT_DATA, DEFAULT_MODEL, UserError, add_overrides, command
 from selfopd.cli_prompts import add_prompts_command
 from selfopd.run_folder import RunFolder
+
+if TYPE_CHECKING:
+    from selfopd.config import TrainConfig
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
@@ -25,7 +28,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except Exception as error:
         if _is_user_error(error):
-            print(f"selfopd: error: {error}", file=sys.stderr)
+            one_line = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+            print(f"selfopd: error: {one_line}", file=sys.stderr)
             return 1
         raise
 
@@ -190,7 +194,9 @@ def _train(args: argparse.Namespace) -> None:
     if args.resume is not None:
         if args.config is not None:
             raise UserError("give either a CONFIG or --resume RUN_DIR, not both")
-        config = load_config(RunFolder(args.resume).config, args.overrides)
+        # The folder named is the one resumed, wherever it was first written (run.out_dir may be stale).
+        where = [f"run.out_dir={args.resume.parent}", f"run.name={args.resume.name}"]
+        config = load_config(RunFolder(args.resume).config, [*where, *args.overrides])
     elif args.config is None and not args.show_config:
         raise UserError("give a CONFIG file (e.g. experiments/demo.toml) or --resume RUN_DIR")
     else:
@@ -200,10 +206,25 @@ def _train(args: argparse.Namespace) -> None:
 
         print(config_to_toml(config), end="")
         return
-    run_dir = train(config, resume=args.resume is not None)
+    run_dir = _kept_on_write_failure(config, lambda: train(config, resume=args.resume is not None))
     if current_world().is_main:  # under torchrun: once, from rank 0
         print(summarize_run(run_dir))
         print(f"run folder: {run_dir} (metrics.jsonl, plots/, eval/, checkpoints/, rollouts/)")
+
+
+def _kept_on_write_failure(config: "TrainConfig", work: Callable[[], Path]) -> Path:
+    """`work()`; a full disk or refused write becomes one line naming the file and what was kept."""
+    from selfopd.folder_guard import FolderNotWritable, is_write_failure
+
+    try:
+        return work()
+    except (OSError, FolderNotWritable) as error:
+        if isinstance(error, OSError) and not is_write_failure(error):
+            raise
+        folder = RunFolder.of(config.run.out_dir, config.run.name)
+        what = str(error) if isinstance(error, FolderNotWritable) else f"{error.filename or folder.root}: {error.strerror}"
+        raise UserError(f"{what}; last complete checkpoint: {folder.latest_checkpoint() or 'none'} (free space or "
+                        f"fix permissions, then continue with --resume {folder.root})") from error
 
 
 # --- merge-lora ---------------------------------------------------------------------
@@ -350,7 +371,11 @@ def _compare(args: argparse.Namespace) -> None:
         raise UserError(f"--seeds: expected comma-separated integers, got {args.seeds!r}") from None
     compare = load_compare_config(args.config, args.overrides, only, seeds)
     if not args.report_only:
-        run_compare(compare)
+        from selfopd.folder_guard import folder_lock
+
+        compare.folder.mkdir(parents=True, exist_ok=True)
+        with folder_lock(compare.folder):  # a second comparison would restart this one's unfinished arms
+            run_compare(compare)
     report = write_compare_report(compare)
     print(report.read_text())
     print(f"report: {report}")
@@ -364,15 +389,18 @@ def _is_user_error(error: Exception) -> bool:
     from selfopd.config import ConfigError
     from selfopd.data import DataError
     from selfopd.diagnostics.records import DiagnosticsError
+    from selfopd.folder_guard import FolderInUse, FolderNotWritable
     from selfopd.models import ModelError
     from selfopd.templates import TemplateError
     from selfopd.tokenizer_check import TokenizerMismatch
 
     from selfopd.engines.vllm_server import ServerError
+    from selfopd.trainer import NonFiniteLoss
     from selfopd.weight_checks import WeightSyncError
 
     user_errors = (UserError, ConfigError, DataError, ModelError, TemplateError, TokenizerMismatch, WeightSyncError,
-                   ServerError, DiagnosticsError, FileNotFoundError, FileExistsError)
+                   ServerError, DiagnosticsError, FileNotFoundError, FileExistsError, FolderInUse, FolderNotWritable,
+                   NonFiniteLoss)
     return isinstance(error, user_errors)
 
 
