@@ -196,7 +196,7 @@ def test_a_full_disk_stops_the_run_naming_the_file_with_the_last_checkpoint_inta
 def test_a_comparison_in_use_is_refused_with_the_pid_that_holds_it(tmp_path, capsys):
     config = tmp_path / "cmp.toml"
     config.write_text(f'[compare]\nname = "cmp"\nbase = "{ROOT / "experiments" / "demo.toml"}"\nout_dir = "{tmp_path}"\n'
-                      'seeds = [0]\n\n[arms.only]\nset = ["run.steps=1"]\n')
+                      'seeds = [0]\nset = ["run.steps=1"]\n\n[arms.only]\nset = ["optim.lr=1e-6"]\n')
     (tmp_path / "cmp").mkdir()
     with folder_lock(tmp_path / "cmp"):
         assert main(["compare", str(config)]) == 1
