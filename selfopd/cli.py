@@ -6,14 +6,11 @@ import argparse
 import sys
 import textwrap
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Sequence
 
 from selfopd.cli_common import DEFAULT_DATA, DEFAULT_MODEL, UserError, add_overrides, command
 from selfopd.cli_prompts import add_prompts_command
 from selfopd.run_folder import RunFolder
-
-if TYPE_CHECKING:
-    from selfopd.config import TrainConfig
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
@@ -206,25 +203,13 @@ def _train(args: argparse.Namespace) -> None:
 
         print(config_to_toml(config), end="")
         return
-    run_dir = _kept_on_write_failure(config, lambda: train(config, resume=args.resume is not None))
+    from selfopd.folder_guard import kept_on_write_failure
+
+    folder = RunFolder.of(config.run.out_dir, config.run.name)
+    run_dir = kept_on_write_failure(folder, lambda: train(config, resume=args.resume is not None))
     if current_world().is_main:  # under torchrun: once, from rank 0
         print(summarize_run(run_dir))
         print(f"run folder: {run_dir} (metrics.jsonl, plots/, eval/, checkpoints/, rollouts/)")
-
-
-def _kept_on_write_failure(config: "TrainConfig", work: Callable[[], Path]) -> Path:
-    """`work()`; a full disk or refused write becomes one line naming the file and what was kept."""
-    from selfopd.folder_guard import FolderNotWritable, is_write_failure
-
-    try:
-        return work()
-    except (OSError, FolderNotWritable) as error:
-        if isinstance(error, OSError) and not is_write_failure(error):
-            raise
-        folder = RunFolder.of(config.run.out_dir, config.run.name)
-        what = str(error) if isinstance(error, FolderNotWritable) else f"{error.filename or folder.root}: {error.strerror}"
-        raise UserError(f"{what}; last complete checkpoint: {folder.latest_checkpoint() or 'none'} (free space or "
-                        f"fix permissions, then continue with --resume {folder.root})") from error
 
 
 # --- merge-lora ---------------------------------------------------------------------

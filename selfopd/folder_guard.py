@@ -15,10 +15,11 @@ import fcntl
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 from selfopd.run_folder import RunFolder
 
+T = TypeVar("T")
 LOCK_NAME = ".lock"
 # What a full disk, a quota or a read-only / unwritable folder raise when writing.
 WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS})
@@ -114,3 +115,16 @@ def writing(path: Path) -> Iterator[None]:
         reason = error.strerror if isinstance(error, OSError) else str(error).splitlines()[0]
         where = error.filename if isinstance(error, OSError) and error.filename else path
         raise FolderNotWritable(f"cannot write {where}: {reason}") from error
+
+
+def kept_on_write_failure(folder: RunFolder, work: Callable[[], T]) -> T:
+    """`work()`; a full disk or a refused write inside a run becomes one line naming the file
+    and the last complete checkpoint, from which `--resume` continues."""
+    try:
+        return work()
+    except (OSError, FolderNotWritable) as error:
+        if isinstance(error, OSError) and not is_write_failure(error):
+            raise
+        what = str(error) if isinstance(error, FolderNotWritable) else f"{error.filename or folder.root}: {error.strerror}"
+        raise FolderNotWritable(f"{what}; last complete checkpoint: {folder.latest_checkpoint() or 'none'} (free "
+                                f"space or fix permissions, then continue with --resume {folder.root})") from error
