@@ -25,7 +25,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except Exception as error:
         if _is_user_error(error):
-            print(f"selfopd: error: {error}", file=sys.stderr)
+            one_line = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+            print(f"selfopd: error: {one_line}", file=sys.stderr)
             return 1
         raise
 
@@ -191,7 +192,9 @@ def _train(args: argparse.Namespace) -> None:
     if args.resume is not None:
         if args.config is not None:
             raise UserError("give either a CONFIG or --resume RUN_DIR, not both")
-        config = load_config(RunFolder(args.resume).config, args.overrides)
+        # The folder named is the one resumed, wherever it was first written (run.out_dir may be stale).
+        where = [f"run.out_dir={args.resume.parent}", f"run.name={args.resume.name}"]
+        config = load_config(RunFolder(args.resume).config, [*where, *args.overrides])
     elif args.config is None and not args.show_config:
         raise UserError("give a CONFIG file (e.g. experiments/demo.toml) or --resume RUN_DIR")
     else:
@@ -201,25 +204,18 @@ def _train(args: argparse.Namespace) -> None:
 
         print(config_to_toml(config), end="")
         return
+    from selfopd.folder_guard import kept_on_write_failure, stopped_run_note
+
+    folder = RunFolder.of(config.run.out_dir, config.run.name)
     try:
-        run_dir = train(config, resume=args.resume is not None)
+        run_dir = kept_on_write_failure(folder, lambda: train(config, resume=args.resume is not None))
     except ServerError as error:  # a server died or garbled an answer: say what is safe and how to go on
         first, *rest = str(error).split("\n")
-        note = resume_note(RunFolder.of(config.run.out_dir, config.run.name))
+        note = stopped_run_note(folder, "once the server answers again")
         raise ServerError("\n".join([f"{first}. {note}", *rest])) from None
     if current_world().is_main:  # under torchrun: once, from rank 0
         print(summarize_run(run_dir))
         print(f"run folder: {run_dir} (metrics.jsonl, plots/, eval/, checkpoints/, rollouts/)")
-
-
-def resume_note(folder: RunFolder) -> str:
-    """What a run stopped by a server error left: its last checkpoint (written whole before
-    the step that failed began) and the command that continues from it."""
-    checkpoint = folder.latest_checkpoint()
-    if checkpoint is None:
-        return "The run stopped before its first checkpoint; start it again once the server answers"
-    return (f"The run stopped; its last checkpoint {checkpoint} is intact: once the server answers again, "
-            f"continue with `selfopd train --resume {folder.root}`")
 
 
 # --- merge-lora ---------------------------------------------------------------------
@@ -366,7 +362,11 @@ def _compare(args: argparse.Namespace) -> None:
         raise UserError(f"--seeds: expected comma-separated integers, got {args.seeds!r}") from None
     compare = load_compare_config(args.config, args.overrides, only, seeds)
     if not args.report_only:
-        run_compare(compare)
+        from selfopd.folder_guard import folder_lock
+
+        compare.folder.mkdir(parents=True, exist_ok=True)
+        with folder_lock(compare.folder):  # a second comparison would restart this one's unfinished arms
+            run_compare(compare)
     report = write_compare_report(compare)
     print(report.read_text())
     print(f"report: {report}")
@@ -380,15 +380,18 @@ def _is_user_error(error: Exception) -> bool:
     from selfopd.config import ConfigError
     from selfopd.data import DataError
     from selfopd.diagnostics.records import DiagnosticsError
+    from selfopd.folder_guard import FolderInUse, FolderNotWritable
     from selfopd.models import ModelError
     from selfopd.templates import TemplateError
     from selfopd.tokenizer_check import TokenizerMismatch
 
     from selfopd.engines.vllm_server import ServerError
+    from selfopd.trainer import NonFiniteLoss
     from selfopd.weight_checks import WeightSyncError
 
     user_errors = (UserError, ConfigError, DataError, ModelError, TemplateError, TokenizerMismatch, WeightSyncError,
-                   ServerError, DiagnosticsError, FileNotFoundError, FileExistsError)
+                   ServerError, DiagnosticsError, FileNotFoundError, FileExistsError, FolderInUse, FolderNotWritable,
+                   NonFiniteLoss)
     return isinstance(error, user_errors)
 
 

@@ -204,6 +204,9 @@ class OptimConfig(Section):
     micro_batch_prompts: int = setting(
         2, "Prompts per forward/backward (whole GRPO groups); gradients accumulate over a step."
     )
+    max_nonfinite_steps: int = setting(
+        3, "A step whose loss or gradient is NaN or inf is skipped (no update, logged as skipped); this many in a "
+        "row stop the run, its last checkpoint intact.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -216,6 +219,7 @@ class OptimConfig(Section):
         self._at_least("warmup_steps", 0)
         self._at_least("grad_clip", 0.0)
         self._at_least("micro_batch_prompts", 1)
+        self._at_least("max_nonfinite_steps", 1)
 
 
 @dataclass(frozen=True)

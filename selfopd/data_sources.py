@@ -48,9 +48,31 @@ def load_file(spec: DataSpec) -> list[Example]:
     path = Path(spec.name)
     if not path.is_file():
         raise DataError(f"{spec.name}: file not found")
+    if path.stat().st_size == 0:
+        raise DataError(f"{spec.name}: the file is empty: no rows")
+    if path.suffix.lower() == ".jsonl":
+        _check_json_lines(path)
     builder = FILE_BUILDERS[path.suffix.lower()]
-    table = datasets.load_dataset(builder, data_files=str(path), split="train")
+    try:
+        table = datasets.load_dataset(builder, data_files=str(path), split="train")
+    except (ValueError, datasets.exceptions.DatasetGenerationError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise DataError(f"{spec.name}: cannot read it as {builder}: {reason}") from None
     return _rows_to_examples(table, spec, PRESETS.get(spec.preset or ""), id_prefix=path.stem)
+
+
+def _check_json_lines(path: Path) -> None:
+    """Name the line of a JSON-lines file that is not one JSON object (`datasets` gives a byte offset)."""
+    with path.open(encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DataError(f"{path}:{number}: invalid JSON: {error.msg} (column {error.colno})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{number}: expected a JSON object per line, got {type(row).__name__}")
 
 
 def _rows_to_examples(table, spec: DataSpec, preset: Preset | None, id_prefix: str) -> list[Example]:

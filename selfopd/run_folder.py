@@ -9,6 +9,7 @@
                                      (written as .step_NNNNN.partial, then renamed)
     RUN/plots/  RUN/diagnostics/  RUN/logs/ (launched servers)  RUN/tensorboard/ RUN/wandb/
     RUN/finished.json                written by `selfopd compare` when the run is done
+    RUN/.lock                        flock + PID of the process writing the run (selfopd.folder_guard)
 
 Every module asks here for a path instead of spelling it. Every file is written whole or not
 at all (`selfopd.atomic`; metrics.jsonl one whole line per write), so a run killed at any

@@ -8,30 +8,35 @@ from __future__ import annotations
 import contextlib
 import math
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from selfopd.config import VLLM_KINDS, ConfigError, TrainConfig
 from selfopd.data import load_examples
 from selfopd.distributed import World, current_world, init_process_group, load_optimizer_state, shard_model
-from selfopd.engines.build import load_model, model_options, open_training_engines
+from selfopd.engines.build import checked_external_teacher, load_model, model_options, open_training_engines
 from selfopd.example import Example, prompt_key
 from selfopd.lora import adapters_off, prepare_student, trainable_parameters
 from selfopd.models import resolve_model
 from selfopd.run_folder import RunFolder
 from selfopd.run_state import Run
 from selfopd.split import split_examples
-from selfopd.templates import load_template, prompt_token_ids, render_student
+from selfopd.templates import PromptTemplate, load_template, prompt_token_ids, render_student, render_teacher
 from selfopd.weight_checks import check_frozen_teacher, check_probe, probe_logprobs, sync_weights
 
 PROBE_COMPLETION = "Let me think step by step. The answer is 42."
+CONTEXT_CHECKED = 64  # prompts per split whose token count is checked against the context
 
 
-def build_run(config: TrainConfig, resume_from: Path | None = None) -> Run:
+def build_run(config: TrainConfig, resume_from: Path | None = None,
+              claim: Callable[[], contextlib.AbstractContextManager] | None = None) -> Run:
     """Load data, templates and models, then start the engines; restore a checkpoint when resuming.
 
-    Data and templates load first, so a mistake in them fails before any server starts."""
+    Data and templates load first, so a mistake in them fails before any server starts.
+    `claim` (the trainer's: create and lock the run folder) is entered once every input
+    has passed its checks, before any engine starts, and held until the run closes: a bad
+    input leaves no run folder behind."""
     if config.model.threads:
         torch.set_num_threads(config.model.threads)
     torch.manual_seed(config.run.seed)
@@ -46,6 +51,7 @@ def build_run(config: TrainConfig, resume_from: Path | None = None) -> Run:
     train_examples, eval_examples = split_examples(examples, eval_size=config.data.eval_size, seed=config.data.split_seed)
     student_template = load_template(config.data.student_template)
     teacher_template = load_template(config.teacher.template)
+    check_templates_render(student_template, teacher_template, train_examples[0])
     if config.teacher.kind == "external":
         check_external_teacher_split(config.teacher.model, eval_examples)
 
@@ -56,6 +62,9 @@ def build_run(config: TrainConfig, resume_from: Path | None = None) -> Run:
     model, tokenizer = load_model(config.model.student, config.model.dtype, weights=resume_from,
                                   gradient_checkpointing=config.model.gradient_checkpointing,
                                   master_weights=not config.model.lora, **options)
+    check_context(config, model.config, tokenizer, student_template, train_examples, eval_examples)
+    if config.teacher.kind == "external":  # another tokenizer is refused before the run folder is claimed
+        checked_external_teacher(config, tokenizer)
     model = prepare_student(model, config.model, resume_from)  # LoRA adapters, when model.lora_rank > 0
     shard_model(model, world)  # before the optimizer: it must hold the sharded parameters
     optimizer = torch.optim.AdamW(
@@ -74,6 +83,8 @@ def build_run(config: TrainConfig, resume_from: Path | None = None) -> Run:
 
     resources = contextlib.ExitStack()
     try:
+        if claim is not None:
+            resources.enter_context(claim())
         student_engine, teacher_engine = open_training_engines(config, model, tokenizer, folder.logs, resources, world)
         run = Run(config, folder, model, tokenizer, optimizer, scheduler, student_engine, teacher_engine,
                   student_template, teacher_template, train_examples, eval_examples, probe, step, resources,
@@ -90,6 +101,32 @@ def build_run(config: TrainConfig, resume_from: Path | None = None) -> Run:
         resources.close()
         raise
     return run
+
+
+def check_templates_render(student: PromptTemplate, teacher: PromptTemplate, example: Example) -> None:
+    """Render both templates once, as a step does, so that an undefined variable or a
+    refused operation fails before any model loads rather than at the first step."""
+    render_teacher(teacher, example, render_student(student, example), attempt="", feedback="")
+
+
+def check_context(config: TrainConfig, model_config: Any, tokenizer: Any, template: PromptTemplate,
+                  train_examples: Sequence[Example], eval_examples: Sequence[Example]) -> None:
+    """Refuse a prompt that leaves no room for its completion in the model's context: past
+    it a local model silently extrapolates its positions and vLLM fails mid-run. Only the
+    longest prompts by characters are tokenized (a large dataset costs no start-up time)."""
+    limits = [(getattr(model_config, "max_position_embeddings", None), "the student's max_position_embeddings")]
+    if config.engine.kind == "vllm_colocate" or (config.engine.kind == "vllm" and not config.engine.student_urls):
+        limits.append((config.engine.max_model_len - 1, "engine.max_model_len - 1"))
+    limit, what = min((n, name) for n, name in limits if n)
+    for key, examples in (("rollout.max_tokens", train_examples), ("eval.max_tokens", eval_examples)):
+        completion = getattr(config.rollout if key.startswith("rollout") else config.eval, "max_tokens")
+        longest_texts = sorted(examples, key=lambda e: len(e.prompt), reverse=True)[:CONTEXT_CHECKED]
+        lengths = {e.id: len(prompt_token_ids(tokenizer, render_student(template, e))) for e in longest_texts}
+        longest = max(lengths, key=lengths.__getitem__)
+        if lengths[longest] + completion > limit:
+            raise ConfigError(key, f"data row {longest!r} of {config.data.spec}: its prompt ({lengths[longest]} tokens) "
+                              f"plus {key} ({completion}) exceeds the context of {limit} tokens ({what}); shorten "
+                              f"that prompt or lower {key}")
 
 
 def initial_probe_logprobs(run: Run, resume_from: Path | None, options: dict) -> torch.Tensor:

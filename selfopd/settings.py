@@ -142,8 +142,19 @@ def parse_overrides(overrides: Sequence[str], schema: Mapping[str, type]) -> dic
             tp = field_types(section_class(schema, section, key))[key]
             parsed.setdefault(section, {})[key] = parse_value(f"{section}.{key}", tp, text)
         except ConfigError as error:
-            raise ConfigError(error.key, error.message, source=f"--set {override}") from None
+            raise ConfigError(error.key, error.message, source=f"--set {redacted(override)}") from None
     return parsed
+
+
+SECRET_WORDS = ("key", "token", "secret", "password")
+
+
+def redacted(override: str) -> str:
+    """`section.key=value` as an error may quote it: the value of a key whose name suggests a
+    secret (api_key_env holds a variable's NAME, but a key may be pasted there) is hidden."""
+    path, eq, text = override.partition("=")
+    name = path.strip().rpartition(".")[2].lower()
+    return f"{path}=***" if eq and any(word in name for word in SECRET_WORDS) else override
 
 
 def section_class(schema: Mapping[str, type], section: str, key: str | None = None) -> type:
@@ -220,7 +231,7 @@ def load_document(path: str | Path | None, overrides: Sequence[str], schema: Map
     try:
         return build(tables)
     except ConfigError as error:
-        source = f"--set {set_by[error.key]}" if error.key in set_by else None if path is None else str(path)
+        source = f"--set {redacted(set_by[error.key])}" if error.key in set_by else None if path is None else str(path)
         raise ConfigError(error.key, error.message, source=source) from None
 
 

@@ -11,18 +11,19 @@ import contextlib
 import math
 import random
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
-from selfopd.atomic import write_text_atomic
 from selfopd.config import TrainConfig, config_to_toml
 from selfopd.distributed import all_gather, all_sum, barrier, current_world, is_sharded, share
 from selfopd.engines.base import SamplingParams, rest_engines
 from selfopd.example import Example
 from selfopd.faults import fault_point
+from selfopd.folder_guard import check_not_in_use, check_writable, claimed_run_folder, refuse_finished, writing
 from selfopd.kernels import full_vocab_divergence, topk_reverse_kl
 from selfopd.loss_metrics import opd_metrics
 from selfopd.objectives import combined_advantage, masked_mean, policy_gradient_loss, truncated_is_ratio
@@ -36,6 +37,13 @@ from selfopd.templates import prompt_token_ids, render_student, render_teacher
 from selfopd.tracking import MetricsLog
 from selfopd.weight_checks import WeightSyncError, check_probe, sync_weights  # noqa: F401  (WeightSyncError: public here)
 from selfopd.verifiers import verify_example
+
+
+SKIPPED = "nonfinite loss"  # the "skipped" value of a step whose loss or gradient was NaN or inf
+
+
+class NonFiniteLoss(RuntimeError):
+    """optim.max_nonfinite_steps steps in a row had a NaN or inf loss or gradient."""
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -144,19 +152,27 @@ def _train_step(run: Run) -> dict[str, float]:
             for key, tensor in (("teacher", teacher_lp_BC), ("student", student_lp_BC), ("sampler", sampler_lp_BC), ("advantage", advantage_BC)):
                 collected[key].append(tensor.detach()[mask_BC].float().cpu())
 
-    # 4. Optimizer step (AdamW state persists across steps).
+    # 4. Optimizer step (AdamW state persists across steps), skipped when the loss or the
+    #    gradient is NaN or inf on any rank: one bad batch must not poison the weights.
     with timer("optim"):
         grad_norm = _clip_gradients(run.model, cfg.optim.grad_clip)
-        run.optimizer.step()
-        run.scheduler.step()
+        finite = all_sum(float(not math.isfinite(loss_total + grad_norm)), world) == 0
+        if finite:
+            run.optimizer.step()
+        with warnings.catch_warnings():  # a skipped first step: the lr still follows run.step
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            run.scheduler.step()
         run.optimizer.zero_grad(set_to_none=True)
     run.step += 1
 
-    # 5. Weight sync to the engines, then the probe proves they serve the new weights.
-    with timer("sync"):
-        sync_weights(run)
-    with timer("probe"):
-        probe_gaps = check_probe(run)
+    # 5. Weight sync to the engines, then the probe proves they serve the new weights
+    #    (a skipped step changed no weight: nothing to sync).
+    probe_gaps = {}
+    if finite:
+        with timer("sync"):
+            sync_weights(run)
+        with timer("probe"):
+            probe_gaps = check_probe(run)
 
     # Metrics of the whole step: every rank's rollouts and tokens, in rank order.
     scored = [s for part in all_gather(scored, world) for s in part]
@@ -164,6 +180,7 @@ def _train_step(run: Run) -> dict[str, float]:
             for key, values in collected.items() if values}
     metrics = {
         "step": run.step,
+        **({} if finite else {"skipped": SKIPPED}),
         "loss/pg": all_sum(loss_total, world),
         "optim/lr": run.scheduler.get_last_lr()[0],
         "optim/grad_norm": grad_norm,
@@ -227,18 +244,17 @@ def train(config: TrainConfig, resume: bool = False, initial_eval: Path | None =
     rank runs this; rank 0 alone writes the run folder."""
     main = current_world().is_main
     folder = RunFolder.of(config.run.out_dir, config.run.name)
+    if main:  # refused before any model loads; the folder itself is made once the inputs pass their checks
+        check_writable(folder.root)
+        check_not_in_use(folder.root)
     checkpoint = folder.latest_checkpoint() if resume else None
     if resume and checkpoint is None:
-        raise FileNotFoundError(f"{folder.root}: no checkpoint to resume from")
+        raise FileNotFoundError(f"{folder.root}: no checkpoint to resume from (the run stopped before its first "
+                                "checkpoint: delete the folder and start the run again)")
     if not resume:
-        if folder.metrics.exists():
-            raise FileExistsError(f"{folder.root} already holds a run: choose another run.name or resume it")
-        if main:
-            folder.root.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(folder.config, config_to_toml(config))
-    if checkpoint is not None and main:
-        prune_checkpoints(folder, checkpoint)  # what a kill between a checkpoint and its clean-up left
-    run = build_run(config, checkpoint)
+        refuse_finished(folder)
+    claim = (lambda: _claimed(folder, None if resume else config_to_toml(config), checkpoint)) if main else None
+    run = build_run(config, checkpoint, claim)
     with contextlib.closing(run):  # stops launched servers on any exit, Ctrl-C included
         split = SplitRecord.of(config.data.spec, config.data.split_seed, run.train_examples, run.eval_examples)
         if resume:
@@ -252,6 +268,16 @@ def train(config: TrainConfig, resume: bool = False, initial_eval: Path | None =
     if main:
         plot_run(folder)
     return folder.root
+
+
+@contextlib.contextmanager
+def _claimed(folder: RunFolder, config_toml: str | None, checkpoint: Path | None) -> Iterator[None]:
+    """Hold the run folder's lock (a fresh run: create the folder, write its config); a resumed
+    run then drops what a kill between a checkpoint and its clean-up left behind."""
+    with claimed_run_folder(folder, config_toml):
+        if checkpoint is not None:
+            prune_checkpoints(folder, checkpoint)
+        yield
 
 
 def _train_loop(run: Run, log: MetricsLog | None, resume: bool, initial_eval: Path | None) -> None:
@@ -271,17 +297,30 @@ def _train_loop(run: Run, log: MetricsLog | None, resume: bool, initial_eval: Pa
         record(run_eval(run))
     bar = tqdm(total=config.run.steps, initial=run.step, desc=config.run.name, unit="step",
                disable=not (config.run.progress and run.world.is_main))
+    skipped_in_row = 0
     while run.step < config.run.steps:
         metrics = train_step(run)
         record(metrics)
+        skipped_in_row = skipped_in_row + 1 if metrics.get("skipped") else 0
+        if skipped_in_row >= config.optim.max_nonfinite_steps:
+            raise NonFiniteLoss(_nonfinite_message(run, skipped_in_row))
         bar.set_postfix(kl=f"{metrics['opd/reverse_kl']:.3f}", acc=f"{metrics['reward/accuracy']:.2f}")
         bar.update(1)
         last = run.step == config.run.steps
         if (config.run.eval_every and run.step % config.run.eval_every == 0) or last:
             record(run_eval(run))
         if (config.run.checkpoint_every and run.step % config.run.checkpoint_every == 0) or last:
-            save_checkpoint(run)
+            with writing(run.folder.checkpoint(run.step)):
+                save_checkpoint(run)
     bar.close()
+
+
+def _nonfinite_message(run: Run, count: int) -> str:
+    checkpoint = run.folder.latest_checkpoint()
+    return (f"steps {run.step - count + 1} to {run.step}: {count} steps in a row had a NaN or inf loss or gradient "
+            f"(optim.max_nonfinite_steps = {run.config.optim.max_nonfinite_steps}); they were skipped, the weights "
+            f"are those of step {run.step - count}; last checkpoint: {checkpoint or 'none'}. Check the teacher's "
+            f"logprobs and the learning rate in {run.folder.metrics}")
 
 
 def _clip_gradients(model: Any, max_norm: float) -> float:

@@ -40,7 +40,8 @@ EXPECTED_DEFAULTS = {
     "loss": dict(lambda_opd=1.0, lambda_rl=0.0, normalisation="token", is_cap=2.0, divergence="sampled", top_k=20, jsd_beta=0.5,
                  partial_credit=False),
     "optim": dict(
-        lr=1e-6, weight_decay=0.0, beta1=0.9, beta2=0.999, warmup_steps=0, schedule="constant", grad_clip=1.0, micro_batch_prompts=2
+        lr=1e-6, weight_decay=0.0, beta1=0.9, beta2=0.999, warmup_steps=0, schedule="constant", grad_clip=1.0, micro_batch_prompts=2,
+        max_nonfinite_steps=3,
     ),
     "eval": dict(max_tokens=48, batch_size=32),
     "probe": dict(tolerance=3e-4, bf16_tolerance=0.25),
@@ -111,7 +112,8 @@ def test_round_trip_of_every_field_changed(tmp_path):
         rollout=dataclasses.replace(TrainConfig().rollout, prompts_per_step=6, samples_per_prompt=2, max_tokens=9, temperature=1.0, top_p=0.95),
         loss=dataclasses.replace(TrainConfig().loss, lambda_opd=0.1, lambda_rl=0.3, normalisation="sequence", is_cap=0.0,
                                   divergence="topk_reverse_kl", top_k=7, jsd_beta=0.3, partial_credit=True),
-        optim=OptimConfig(lr=3e-6, weight_decay=0.01, beta1=0.8, beta2=0.95, warmup_steps=2, schedule="cosine", grad_clip=0.0, micro_batch_prompts=3),
+        optim=OptimConfig(lr=3e-6, weight_decay=0.01, beta1=0.8, beta2=0.95, warmup_steps=2, schedule="cosine", grad_clip=0.0, micro_batch_prompts=3,
+                          max_nonfinite_steps=5),
         eval=dataclasses.replace(TrainConfig().eval, max_tokens=7, batch_size=5),
         probe=dataclasses.replace(TrainConfig().probe, tolerance=2.5e-5, bf16_tolerance=0.5),
         engine=EngineConfig(kind="vllm", batch_size=8, student_urls="http://a:1,http://b:2", teacher_url="https://c:3", host="0.0.0.0",

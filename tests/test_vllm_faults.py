@@ -213,7 +213,7 @@ def test_a_server_killed_mid_step_stops_the_run_keeping_its_checkpoint_and_resum
     run = tmp_path / "killed"
     (message,) = [line for line in stopped.stderr.splitlines() if line.startswith("selfopd: error:")]
     assert message.startswith(f"selfopd: error: {proxy.url}: APIConnectionError after 1 retries: ")
-    assert message.endswith(f"its last checkpoint {run}/checkpoints/step_00001 is intact: once the server answers "
+    assert message.endswith(f"its last complete checkpoint {run}/checkpoints/step_00001 is intact: once the server answers "
                             f"again, continue with `selfopd train --resume {run}`")
     assert "Traceback" not in stopped.stderr
     assert [m["step"] for m in read_metrics(run) if "loss/pg" in m] == [1]

@@ -1,0 +1,218 @@
+"""Every bad input a user can hand `selfopd train` gives one line that names the culprit
+(file, line, key, row or PID), exit code 1, no traceback, and writes or loses nothing: a
+fresh run leaves no run folder, a resumed one leaves its folder byte for byte as it was.
+
+One table: each case builds its inputs in `tmp_path` and returns the command line and a
+fragment of the expected message (a regular expression)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from selfopd.cli import main
+
+SMALL = [
+    "data.spec=rg:chain_sum?min_terms=2&max_terms=2&size=60&seed=2", "data.eval_size=4",
+    "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_tokens=6", "optim.micro_batch_prompts=1",
+    "eval.max_tokens=6", "eval.batch_size=4", "run.progress=false", "run.eval_every=0",
+]
+
+
+# Library progress bars (datasets reading a file, transformers loading weights) are not messages.
+PROGRESS_BAR = re.compile(r"\d+ examples/s\]|\| \d+/\d+ \[")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a case hands the test: its inputs' folder and the tiny model."""
+
+    tmp: Path
+    model: Path
+
+    def file(self, name: str, text: str) -> Path:
+        path = self.tmp / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        return path
+
+    def setting(self, key: str, name: str, text: str) -> str:
+        """`KEY=PATH` of a new file: a --set that points at it."""
+        return f"{key}={self.file(name, text)}"
+
+    def rows(self, name: str, rows: list[dict]) -> Path:
+        return self.file(name, "".join(json.dumps(row) + "\n" for row in rows))
+
+    def train(self, *sets: str, config: Path | None = None) -> list[str]:
+        """`selfopd train` of a small run on the tiny model into tmp/runs/fresh."""
+        base = [*SMALL, f"model.student={self.model}", f"run.out_dir={self.tmp / 'runs'}", "run.name=fresh", *sets]
+        config = config or self.file("run.toml", "")
+        return ["train", str(config), *[arg for s in base for arg in ("--set", s)]]
+
+
+def _good_rows(n: int = 12) -> list[dict]:
+    return [{"id": f"q{i}", "prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(n)]
+
+
+BROKEN_ROWS = '{"prompt": "1 + 1?", "answer": "2"}\n{"prompt": "2 + 2?", "answer": \n'
+ROW_LIST = '["1 + 1?", "2"]\n'
+
+
+def _other_vocab_teacher(s: Setup) -> Path:
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    other = s.tmp / "other-teacher"
+    config = LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    LlamaForCausalLM(config).save_pretrained(other)
+    AutoTokenizer.from_pretrained(s.model).save_pretrained(other)
+    return other
+
+
+# (case id, argv builder, expected message fragment as a regex; "{tmp}" is the case's folder)
+Case = tuple[str, Callable[[Setup], list[str]], str]
+FRESH: list[Case] = [
+    ("toml-syntax", lambda s: s.train(config=s.file("bad.toml", "[run]\nname = \"x\"\nsteps = \n")),
+     r"{tmp}/bad\.toml: invalid TOML: .*line 3"),
+    ("unknown-key", lambda s: s.train(config=s.file("c.toml", "[optim]\nlrr = 1e-3\n")),
+     r"{tmp}/c\.toml: optim\.lrr: unknown key \(did you mean 'lr'\?\)"),
+    ("unknown-section", lambda s: s.train(config=s.file("c.toml", "[optimizer]\nlr = 1e-3\n")),
+     r"{tmp}/c\.toml: \[optimizer\]: unknown section"),
+    ("top-level-key", lambda s: s.train(config=s.file("c.toml", "lr = 1e-3\n")),
+     r"{tmp}/c\.toml: lr: a top-level key.*'optim\.lr'"),
+    ("wrong-type", lambda s: s.train(config=s.file("c.toml", "[run]\nsteps = \"two\"\n")),
+     r"{tmp}/c\.toml: run\.steps: expected an integer, got 'two'"),
+    ("bool-for-number", lambda s: s.train(config=s.file("c.toml", "[optim]\nlr = true\n")),
+     r"{tmp}/c\.toml: optim\.lr: expected a number, got True"),
+    ("out-of-range", lambda s: s.train(config=s.file("c.toml", "[rollout]\ntop_p = 1.5\n")),
+     r"{tmp}/c\.toml: rollout\.top_p: must be in \(0, 1\], got 1\.5"),
+    ("cross-section", lambda s: s.train("optim.micro_batch_prompts=3"),
+     r"--set optim\.micro_batch_prompts=3: optim\.micro_batch_prompts: must divide rollout\.prompts_per_step"),
+    ("nonfinite-setting", lambda s: s.train("optim.max_nonfinite_steps=0"),
+     r"--set optim\.max_nonfinite_steps=0: optim\.max_nonfinite_steps: must be >= 1"),
+    ("secret-pasted-in-set", lambda s: s.train("engine.api_key_env=sk-live-123"),  # the key is never echoed
+     r"^selfopd: error: --set engine\.api_key_env=\*\*\*: engine\.api_key_env: must be the NAME of an environment variable"),
+    ("missing-config", lambda s: ["train", str(s.tmp / "nope.toml")], r"{tmp}/nope\.toml: no such config file"),
+    ("unknown-set-key", lambda s: s.train("optim.lrr=1e-3"), r"--set optim\.lrr=1e-3: optim\.lrr: unknown key"),
+    ("bad-set-syntax", lambda s: s.train("optim.lr"), r"--set optim\.lr: expected section\.key=value"),
+    ("bad-set-value", lambda s: s.train("optim.lr=fast"), r"--set optim\.lr=fast: optim\.lr: expected a number"),
+    ("nan-set-value", lambda s: s.train("optim.lr=nan"), r"--set optim\.lr=nan: optim\.lr: must be finite"),
+    ("missing-model", lambda s: s.train(f"model.student={s.tmp}/no-model"),
+     r"model spec '{tmp}/no-model' is not a packaged model"),
+    ("model-folder-without-config", lambda s: s.train(f"model.student={s.file('empty/x.txt', '').parent}"),
+     r"model folder {tmp}/empty has no config\.json"),
+    ("missing-data-file", lambda s: s.train(f"data.spec={s.tmp}/none.jsonl"), r"{tmp}/none\.jsonl: file not found"),
+    ("row-missing-field", lambda s: s.train(
+        f"data.spec={s.rows('rows.jsonl', _good_rows()[:5] + [{'id': 'q5', 'prompt': 'x'}] + _good_rows()[6:])}"),
+     r"rows\.jsonl row 5: missing field 'answer'"),
+    ("row-empty-answer", lambda s: s.train(
+        f"data.spec={s.rows('rows.jsonl', _good_rows()[:3] + [{'id': 'q3', 'prompt': 'x', 'answer': ' '}])}"),
+     r"rows\.jsonl row 3: empty field 'answer'"),
+    ("duplicate-id", lambda s: s.train(f"data.spec={s.rows('rows.jsonl', _good_rows()[:4] + _good_rows()[:1])}?id=id"),
+     r"rows\.jsonl: duplicate id 'q0' at rows 0 and 4"),
+    ("empty-dataset", lambda s: s.train(f"data.spec={s.file('empty.jsonl', '')}"),
+     r"{tmp}/empty\.jsonl: the file is empty: no rows"),
+    ("malformed-json-line", lambda s: s.train(f"data.spec={s.file('rows.jsonl', BROKEN_ROWS)}"),
+     r"{tmp}/rows\.jsonl:2: invalid JSON"),
+    ("row-not-an-object", lambda s: s.train(f"data.spec={s.file('rows.jsonl', ROW_LIST)}"),
+     r"{tmp}/rows\.jsonl:1: expected a JSON object per line, got list"),
+    ("eval-size-past-data", lambda s: s.train(f"data.spec={s.rows('rows.jsonl', _good_rows(6))}", "data.eval_size=9"),
+     r"eval_size must be in \[0, 6\]"),
+    ("unknown-source", lambda s: s.train("data.spec=kaggle:titanic"), r"unknown data source 'kaggle:'"),
+    ("unknown-task", lambda s: s.train("data.spec=rg:no_such_task"), r"rg:no_such_task: unknown reasoning-gym task"),
+    ("unknown-task-option", lambda s: s.train("data.spec=rg:chain_sum?terms=2"), r"rg:chain_sum: unknown option 'terms'"),
+    ("missing-template", lambda s: s.train("data.student_template=student/nope"), r"no template 'student/nope'"),
+    ("template-syntax", lambda s: s.train(s.setting("data.student_template", "t.jinja", "Solve:\n{% if %}\n")),
+     r"{tmp}/t\.jinja:2: template syntax error"),
+    ("template-undefined", lambda s: s.train(s.setting("data.student_template", "t.jinja", "Q:\n{{ question }}\n")),
+     r"{tmp}/t\.jinja:2: variable 'question' is undefined"),
+    ("student-sees-answer", lambda s: s.train(s.setting("data.student_template", "t.jinja", "{{ prompt }} {{ answer }}")),
+     r"{tmp}/t\.jinja:1: variable 'answer' is undefined"),
+    ("teacher-template-undefined", lambda s: s.train(s.setting("teacher.template", "t.jinja", "{{ prompt }}\n{{ secret }}")),
+     r"{tmp}/t\.jinja:2: variable 'secret' is undefined"),
+    ("sandbox-escape", lambda s: s.train(s.setting(
+        "data.student_template", "t.jinja", "{{ prompt }}\n{{ cycler.__init__.__globals__.os.popen('id').read() }}")),
+     r"{tmp}/t\.jinja:2: "),
+    ("external-teacher-without-model", lambda s: s.train("teacher.kind=external"),
+     r"run\.toml: teacher\.model: required when teacher\.kind = 'external'"),
+    ("external-teacher-other-tokenizer", lambda s: s.train("teacher.kind=external", f"teacher.model={_other_vocab_teacher(s)}"),
+     r"{tmp}/other-teacher cannot score .* token ids: - .*model vocab size 1000"),
+    ("prompt-past-context", lambda s: s.train(
+        f"data.spec={s.rows('rows.jsonl', _good_rows()[:5] + [{'id': 'long', 'prompt': 'one ' * 2100, 'answer': '1'}] + _good_rows()[6:])}"),
+     r"rollout\.max_tokens: data row 'rows/5' of .*rows\.jsonl: its prompt \(\d+ tokens\) plus rollout\.max_tokens \(6\) "
+     r"exceeds the context of 2048 tokens"),
+    ("resume-and-config", lambda s: ["train", str(s.file("c.toml", "")), "--resume", str(s.tmp)],
+     r"give either a CONFIG or --resume RUN_DIR"),
+]
+
+
+def _resume(run: Path, *sets: str) -> list[str]:
+    return ["train", "--resume", str(run), *[arg for s in sets for arg in ("--set", s)]]
+
+
+RESUME: list[Case] = [
+    ("resume-not-a-run", lambda s: _resume(s.file("notes/readme.txt", "hi").parent),
+     r"{tmp}/notes/config\.toml: no such config file"),
+    ("resume-changed-split", lambda s: _resume(s.tmp / "runs" / "done", "data.eval_size=3"),
+     r"{tmp}/runs/done: the data now gives another split than the run recorded"),
+    ("resume-changed-data", lambda s: _resume(s.tmp / "runs" / "done", "data.spec=rg:chain_sum?size=60&seed=9"),
+     r"{tmp}/runs/done: the data now gives another split"),
+    ("resume-without-checkpoint", lambda s: _resume(_without_checkpoints(s.tmp / "runs" / "done")),
+     r"{tmp}/runs/done: no checkpoint to resume from"),
+    ("resume-bad-set", lambda s: _resume(s.tmp / "runs" / "done", "rollout.top_p=0"),
+     r"--set rollout\.top_p=0: rollout\.top_p: must be in \(0, 1\]"),
+    ("fresh-over-a-finished-run", lambda s: s.train("run.name=done"), r"{tmp}/runs/done already holds a run"),
+]
+
+
+def _without_checkpoints(run: Path) -> Path:
+    shutil.rmtree(run / "checkpoints")
+    return run
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tiny_model_dir) -> Path:
+    """A one-step run with its checkpoint, as `selfopd train` leaves it."""
+    out = tmp_path_factory.mktemp("finished")
+    sets = [*SMALL, f"model.student={tiny_model_dir}", f"run.out_dir={out}", "run.name=done", "run.steps=1"]
+    assert main(["train", "experiments/demo.toml", *[arg for s in sets for arg in ("--set", s)]]) == 0
+    return out / "done"
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file's bytes, but the lock's (it holds the PID of whoever last ran there)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+            and p.name != ".lock"}
+
+
+def _assert_one_line_error(capsys, argv: list[str], expected: str, tmp: Path) -> None:
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.strip("\n").split("\n") if not PROGRESS_BAR.search(line)]
+    assert len(lines) == 1 and lines[0].startswith("selfopd: error: "), err
+    assert re.search(expected.replace("{tmp}", re.escape(str(tmp))), lines[0]), lines[0]
+
+
+@pytest.mark.parametrize("name, argv_of, expected", FRESH, ids=[case[0] for case in FRESH])
+def test_bad_input_for_a_fresh_run(name, argv_of, expected, tmp_path, tiny_model_dir, capsys):
+    argv = argv_of(Setup(tmp_path, tiny_model_dir))
+    _assert_one_line_error(capsys, argv, expected, tmp_path)
+    assert not (tmp_path / "runs").exists()  # no run folder, not even an empty one
+
+
+@pytest.mark.parametrize("name, argv_of, expected", RESUME, ids=[case[0] for case in RESUME])
+def test_bad_input_for_a_resumed_run(name, argv_of, expected, tmp_path, tiny_model_dir, finished_run, capsys):
+    run = tmp_path / "runs" / "done"
+    shutil.copytree(finished_run, run)
+    argv = argv_of(Setup(tmp_path, tiny_model_dir))
+    before = _snapshot(run) if run.exists() else {}
+    _assert_one_line_error(capsys, argv, expected, tmp_path)
+    assert (_snapshot(run) if run.exists() else {}) == before
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["done"]
