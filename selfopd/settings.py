@@ -153,8 +153,8 @@ def redacted(override: str) -> str:
     """`section.key=value` as an error may quote it: the value of a key whose name suggests a
     secret (api_key_env holds a variable's NAME, but a key may be pasted there) is hidden."""
     path, eq, text = override.partition("=")
-    name = path.strip().rpartition(".")[2].lower()
-    return f"{path}=***" if eq and any(word in name for word in SECRET_WORDS) else override
+    words = path.strip().rpartition(".")[2].lower().split("_")  # api_key_env, hf_token: not max_tokens
+    return f"{path}=***" if eq and any(word in words for word in SECRET_WORDS) else override
 
 
 def section_class(schema: Mapping[str, type], section: str, key: str | None = None) -> type:
