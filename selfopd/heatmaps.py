@@ -20,8 +20,8 @@ from matplotlib.colors import Colormap, Normalize, to_hex, to_rgba
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from selfopd.atomic import replace_atomic, write_text_atomic
-from selfopd.plots import DPI
+from selfopd.atomic import write_text_atomic
+from selfopd.plots import DPI, save_figure
 
 # ---------------------------------------------------------------------------------------
 # Tokens are laid out like monospace text, on a grid whose x unit is one character and
@@ -193,7 +193,8 @@ def plot_token_heatmaps_side_by_side(tokens: Sequence[str], values_by_label: Map
 
     One scale, so a colour means the same value in every panel and the panels can be compared cell by cell.
     """
-    image_format = _image_format(path) if path is not None else None
+    if path is not None:
+        _image_format(path)  # checked before drawing, so a bad path fails fast
     if not values_by_label:
         raise ValueError("values_by_label is empty: give at least one series of values")
     series = {name: _as_values(values, len(tokens), f"values for {name!r}" if name else "values")
@@ -212,7 +213,7 @@ def plot_token_heatmaps_side_by_side(tokens: Sequence[str], values_by_label: Map
     _draw_colorbar(figure, colorbar_axes, norm, cmap, label, any_missing)
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        replace_atomic(path, lambda temporary: figure.savefig(temporary, dpi=DPI, format=image_format))
+        save_figure(figure, Path(path))
     return figure
 
 
