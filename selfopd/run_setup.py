@@ -15,7 +15,7 @@ import torch
 from selfopd.config import VLLM_KINDS, ConfigError, TrainConfig
 from selfopd.data import load_examples
 from selfopd.distributed import World, current_world, init_process_group, load_optimizer_state, shard_model
-from selfopd.engines.build import checked_external_teacher, load_model, model_options, open_training_engines
+from selfopd.engines.build import check_external_teacher, load_model, model_options, open_training_engines
 from selfopd.example import Example, prompt_key
 from selfopd.lora import adapters_off, prepare_student, trainable_parameters
 from selfopd.models import resolve_model
@@ -64,7 +64,7 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
                                   master_weights=not config.model.lora, **options)
     check_context(config, model.config, tokenizer, student_template, train_examples, eval_examples)
     if config.teacher.kind == "external":  # another tokenizer is refused before the run folder is claimed
-        checked_external_teacher(config, tokenizer)
+        check_external_teacher(config, tokenizer)
     model = prepare_student(model, config.model, resume_from)  # LoRA adapters, when model.lora_rank > 0
     shard_model(model, world)  # before the optimizer: it must hold the sharded parameters
     optimizer = torch.optim.AdamW(
@@ -118,8 +118,8 @@ def check_context(config: TrainConfig, model_config: Any, tokenizer: Any, templa
     if config.engine.kind == "vllm_colocate" or (config.engine.kind == "vllm" and not config.engine.student_urls):
         limits.append((config.engine.max_model_len - 1, "engine.max_model_len - 1"))
     limit, what = min((n, name) for n, name in limits if n)
-    for key, examples in (("rollout.max_tokens", train_examples), ("eval.max_tokens", eval_examples)):
-        completion = getattr(config.rollout if key.startswith("rollout") else config.eval, "max_tokens")
+    for key, completion, examples in (("rollout.max_tokens", config.rollout.max_tokens, train_examples),
+                                      ("eval.max_tokens", config.eval.max_tokens, eval_examples)):
         longest_texts = sorted(examples, key=lambda e: len(e.prompt), reverse=True)[:CONTEXT_CHECKED]
         lengths = {e.id: len(prompt_token_ids(tokenizer, render_student(template, e))) for e in longest_texts}
         longest = max(lengths, key=lengths.__getitem__)

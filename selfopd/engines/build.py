@@ -49,7 +49,8 @@ def load_model(spec: str | Path, dtype: str = "float32", *, weights: Path | None
         folder = resolve_model(spec)
     tokenizer = from_pretrained(AutoTokenizer, folder, trust_remote_code=trust_remote_code)
     model = from_pretrained(
-        AutoModelForCausalLM, weights or folder, trust_remote_code=trust_remote_code, dtype=torch.float32 if master_weights and not frozen else DTYPES[dtype], attn_implementation=attn,
+        AutoModelForCausalLM, weights or folder, trust_remote_code=trust_remote_code,
+        dtype=torch.float32 if master_weights and not frozen else DTYPES[dtype], attn_implementation=attn,
         **({"device_map": device} if device.type == "cuda" else {}))
     if adapters is not None:
         model = load_adapted(model, adapters, trainable=not frozen)
@@ -82,9 +83,9 @@ def engines_at_start(config: TrainConfig) -> tuple[Engine, Engine]:
     return student, student if teacher == config.model.student else frozen_engine(teacher, config)
 
 
-def checked_external_teacher(config: TrainConfig, tokenizer: Any) -> tuple[Path, Any]:
-    """(folder, tokenizer) of the external teacher, refused (TokenizerMismatch) unless it
-    maps every token to the student's ids; checked before its weights load."""
+def check_external_teacher(config: TrainConfig, tokenizer: Any) -> None:
+    """Refuse (TokenizerMismatch) an external teacher unless it maps every token to the
+    student's ids; `build_run` checks it once, before any engine opens or teacher weights load."""
     from transformers import AutoConfig, AutoTokenizer
 
     teacher_dir = resolve_model(config.teacher.model)
@@ -93,7 +94,6 @@ def checked_external_teacher(config: TrainConfig, tokenizer: Any) -> tuple[Path,
     vocab_size = from_pretrained(AutoConfig, teacher_dir, trust_remote_code=trust).vocab_size
     check_tokenizers_compatible(tokenizer, teacher_tokenizer, vocab_size,
                                 config.model.student, config.teacher.model)
-    return teacher_dir, teacher_tokenizer
 
 
 def open_training_engines(config: TrainConfig, model: Any, tokenizer: Any, log_dir: Path,
@@ -104,12 +104,10 @@ def open_training_engines(config: TrainConfig, model: Any, tokenizer: Any, log_d
     with another prompt); a frozen or external teacher is loaded on the student's device
     and, under torchrun, sharded like it. With vLLM, launched servers log to `log_dir` and
     are stopped when `resources` closes. Colocated, vLLM runs in this process
-    (`selfopd.engines.vllm_colocate`)."""
+    (`selfopd.engines.vllm_colocate`). An external teacher's tokenizer was checked by the caller."""
     if config.engine.kind == "vllm":
         from selfopd.serving import open_vllm_engines
 
-        if config.teacher.kind == "external":  # checked before any server starts
-            checked_external_teacher(config, tokenizer)
         if world.distributed:
             from selfopd.serving import open_vllm_engines_on_ranks
 
@@ -118,8 +116,6 @@ def open_training_engines(config: TrainConfig, model: Any, tokenizer: Any, log_d
     if config.engine.kind == "vllm_colocate":
         from selfopd.engines.vllm_colocate import open_colocated_engines
 
-        if config.teacher.kind == "external":  # checked before vLLM loads
-            checked_external_teacher(config, tokenizer)
         return open_colocated_engines(config, resources)
     batch_size = config.engine.batch_size
     student = LocalEngine(model, tokenizer, batch_size=batch_size)
@@ -135,7 +131,7 @@ def open_training_engines(config: TrainConfig, model: Any, tokenizer: Any, log_d
         frozen, _ = load_model(config.model.student, "float32", frozen=True, **options)
         shard_model(frozen, world)
         return student, LocalEngine(frozen, tokenizer, batch_size=batch_size)
-    teacher_dir, teacher_tokenizer = checked_external_teacher(config, tokenizer)
-    teacher, _ = load_model(teacher_dir, config.model.dtype, frozen=True, **options)
+    teacher, teacher_tokenizer = load_model(resolve_model(config.teacher.model), config.model.dtype, frozen=True,
+                                            **options)
     shard_model(teacher, world)
     return student, LocalEngine(teacher, teacher_tokenizer, batch_size=batch_size)
