@@ -13,6 +13,7 @@ from selfopd.atomic import replace_atomic
 from selfopd.faults import fault_point
 from selfopd.sft_targets import Target
 
+
 def completion_nll(model: Any, targets: Sequence[Target], pad_id: int, batch_size: int = 64) -> float:
     """Mean negative log-likelihood per completion token of `targets` (no grad, eval mode)."""
     import torch
