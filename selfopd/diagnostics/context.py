@@ -125,17 +125,20 @@ def fresh_records(student: Engine, teacher: Engine, examples: Sequence[Example],
 
 
 def student_records(student: Engine, examples: Sequence[Example], prompting: Prompting, params: SamplingParams,
-                    batch_size: int = 16, progress: bool = False) -> list[RolloutRecord]:
+                    batch_size: int = 16, progress: bool = False, sample_chunk: int | None = None
+                    ) -> list[RolloutRecord]:
     """`params.n` rollouts of each example by the student, verified, with the student's
-    logprobs at the sampling temperature. No teacher has scored them yet: the teacher
-    logprobs are the student's own (advantage 0) until `rescored`. Sampled in chunks of
-    `batch_size` prompts; `params.first_row` keeps each row's randomness whatever the chunk."""
+    logprobs at the sampling temperature (scored `batch_size` rollouts at a time, as
+    `rescored` scores the teacher). No teacher has scored them yet: the teacher logprobs are
+    the student's own (advantage 0) until `rescored`. `sample_chunk`: sample that many
+    prompts per call (a progress bar; each row draws the same randomness when a chunk's rows
+    are a multiple of the engine's batch); None: one call."""
     prompts = [prompting.student_ids(e) for e in examples]
+    chunk = sample_chunk or max(1, len(prompts))
     groups = []
-    for start in tqdm(range(0, len(prompts), batch_size), desc="student rollouts", unit="batch",
-                      disable=not progress):
-        chunk = dataclasses.replace(params, first_row=params.first_row + start * params.n)
-        groups.extend(student.sample(prompts[start : start + batch_size], chunk))
+    for start in tqdm(range(0, len(prompts), chunk), desc="student rollouts", unit="batch", disable=not progress):
+        params_here = dataclasses.replace(params, first_row=params.first_row + start * params.n)
+        groups.extend(student.sample(prompts[start : start + chunk], params_here))
     flat = [(group, e, r) for group, (e, rollouts) in enumerate(zip(examples, groups)) for r in rollouts]
     student_lp = _score(student, [r.prompt_ids for _, _, r in flat], [r.completion_ids for _, _, r in flat],
                         batch_size, progress, "student scores", params.temperature or 1.0)

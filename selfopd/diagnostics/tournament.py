@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -26,7 +26,7 @@ from selfopd.diagnostics.context import (
 )
 from selfopd.diagnostics.measures import IllusionScore, Share, correct_preference, illusion_score, ratio_share
 from selfopd.diagnostics.records import RolloutRecord
-from selfopd.engines.base import Engine
+from selfopd.engines.base import Engine, TokenScores
 from selfopd.example import Example, prompt_key
 from selfopd.stats import MeanEstimate
 
@@ -61,6 +61,28 @@ class TemplateScore:
         if self.all_zero:
             return 0.0
         return self.preference.value if self.preference is not None else None
+
+
+class ScoreCache:
+    """An engine that answers a `score` request it has seen before from memory, and passes
+    everything else to `engine`. A tournament asks the same questions once per template
+    (the student's top-k on its own prompts, the teacher's logprobs after the true context);
+    the answers do not change, so they are computed once. Requests are keyed by their exact
+    token ids, batch by batch: what comes back is what the engine returned, bit for bit."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._answers: dict[tuple, list[TokenScores]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def score(self, sequences: Sequence[tuple[list[int], list[int]]], top_k: int = 0,
+              temperature: float = 1.0) -> list[TokenScores]:
+        key = (tuple((tuple(p), tuple(c)) for p, c in sequences), top_k, temperature)
+        if key not in self._answers:
+            self._answers[key] = self.engine.score(sequences, top_k=top_k, temperature=temperature)
+        return self._answers[key]
 
 
 def tournament_prompts(train: Sequence[Example], count: int, prompts_per_step: int, seed: int,
@@ -129,10 +151,12 @@ def run_tournament(config: TrainConfig, templates: Sequence[PromptTemplate], pro
     `teacher.model`) and measure its gap on the first `gap_items` held-out items."""
     import torch
     from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
 
     from selfopd.data import load_examples
     from selfopd.engines.base import SamplingParams
-    from selfopd.engines.build import engines_at_start
+    from selfopd.engines.build import check_external_teacher, engines_at_start
+    from selfopd.models import from_pretrained, resolve_model
     from selfopd.split import distinct_prompts, split_examples
     from selfopd.templates import load_template
 
@@ -142,14 +166,20 @@ def run_tournament(config: TrainConfig, templates: Sequence[PromptTemplate], pro
     train, held_out = split_examples(examples, eval_size=config.data.eval_size, seed=config.data.split_seed)
     items = tournament_prompts(train, prompts, config.rollout.prompts_per_step, config.run.seed)
     gap_examples = held_out[:gap_items]
-    student, teacher = engines_at_start(config)
+    if config.teacher.kind == "external":  # another tokenizer is refused before any weights load
+        check_external_teacher(config, from_pretrained(AutoTokenizer, resolve_model(config.model.student),
+                                                       trust_remote_code=config.model.trust_remote_code))
+    student_engine, teacher_engine = engines_at_start(config)
+    student = ScoreCache(student_engine)
+    teacher = student if teacher_engine is student_engine else ScoreCache(teacher_engine)
     prompting = Prompting(student.tokenizer, load_template(config.data.student_template), templates[0],
                           {e.id: e for e in examples})
     temperature = config.rollout.temperature or 1.0
     batch_size = config.eval.batch_size
     params = SamplingParams(max_tokens=config.rollout.max_tokens, temperature=config.rollout.temperature,
                             top_p=config.rollout.top_p, n=samples, seed=config.run.seed)
-    records = student_records(student, items, prompting, params, max(1, batch_size // samples), progress)
+    records = student_records(student, items, prompting, params, batch_size, progress,
+                              sample_chunk=max(1, batch_size // samples))
     baseline = gap_baseline(student, teacher, gap_examples, prompting, config.eval.max_tokens, batch_size, progress)
     scores = []
     for template in tqdm(templates, desc="templates", unit="template", disable=not progress):
