@@ -43,7 +43,9 @@ predict which trains best. The student samples --prompts distinct training promp
 step order and seed) x --samples once; every template's teacher (the config's teacher.kind)
 scores exactly those token ids at the rollout temperature, as the trainer does at step 0.
 Columns, each with a 95% interval over distinct prompts: teacher-prefers-correct, the
-pre-training gap, the illusion score and its lift, the mean advantage per token.
+pre-training gap, the illusion score and its lift, teachability (teacher mass on the
+student's top-k tokens) and its tail, the contrastive gain (this item's context against
+another's), the mean advantage per token.
 Predicted order, pre-registered: {rule}."""
 
 
@@ -63,6 +65,8 @@ def _add_rank(sub: argparse._SubParsersAction) -> None:
                       help=f"samples per prompt (default: {RANK_SAMPLES}; more make mixed right/wrong groups likelier)")
     rank.add_argument("--gap-items", type=int, default=RANK_GAP_ITEMS,
                       help=f"held-out items for the pre-training gap (default: {RANK_GAP_ITEMS})")
+    rank.add_argument("--top-k", type=int, default=5,
+                      help="the student's top-k tokens teachability puts the teacher's mass on (default: 5)")
     rank.add_argument("--out", type=Path, help="output folder (default: runs/prompts-rank-<run.name>)")
 
 
@@ -128,13 +132,14 @@ def _prompts_rank(args: argparse.Namespace) -> None:
     from selfopd.diagnostics.tournament import run_tournament
     from selfopd.diagnostics.tournament_report import render_table, summary_line, write_tournament
 
-    for flag, value in (("--prompts", args.prompts), ("--samples", args.samples), ("--gap-items", args.gap_items)):
+    for flag, value in (("--prompts", args.prompts), ("--samples", args.samples), ("--gap-items", args.gap_items),
+                        ("--top-k", args.top_k)):
         if value < 1:
             raise UserError(f"{flag} must be >= 1, got {value}")
     config = load_config(args.config, args.overrides)
     templates = _rank_templates(args.templates, config.data.spec)  # every name checked before any model loads
     out = args.out or Path("runs") / f"prompts-rank-{config.run.name}"
-    tournament = run_tournament(config, templates, args.prompts, args.samples, args.gap_items)
+    tournament = run_tournament(config, templates, args.prompts, args.samples, args.gap_items, args.top_k)
     print(f"\n{summary_line(tournament)}\n")
     print(render_table(tournament))
     json_path, md_path = write_tournament(tournament, out)

@@ -14,7 +14,13 @@ from selfopd.cli import main
 from selfopd.data import load_examples
 from selfopd.diagnostics.context import ContextGap, Prompting, student_records
 from selfopd.diagnostics.measures import IllusionScore, Share
-from selfopd.diagnostics.tournament import TemplateScore, predicted_order, score_template, tournament_prompts
+from selfopd.diagnostics.tournament import (
+    ScoreCache,
+    TemplateScore,
+    predicted_order,
+    score_template,
+    tournament_prompts,
+)
 from selfopd.engines.base import SamplingParams
 from selfopd.engines.local import LocalEngine
 from selfopd.example import Example, prompt_key
@@ -54,6 +60,10 @@ def test_rank_prints_a_table_and_writes_every_number_with_the_empty_control_exac
     assert empty["all_zero"] and empty["rank_value"] == 0.0
     assert empty["mean_advantage_per_token"]["value"] == 0.0 and empty["mean_advantage_per_token"]["n"] == 3
     assert empty["gap"]["gap"]["mean"] == 0.0 and empty["gap"]["with_context"] == empty["gap"]["student"]
+    assert empty["contrastive_gain_per_token"]["value"] == 0.0 and note["contrastive_gain_per_token"]["value"] != 0.0
+    for row in (empty, note):  # teacher mass on the student's top-k plus the rest is all of it
+        assert 0 < row["teachability"]["value"] <= 1
+        assert row["teachability"]["value"] + row["tail"]["value"] == pytest.approx(1.0)
     assert not note["all_zero"] and note["mean_advantage_per_token"]["value"] != 0.0
 
 
@@ -96,6 +106,23 @@ def test_scores_equal_a_float64_reference(tiny_model_dir, smollm2_tokenizer):
     assert score.mean_advantage.n == 3 and not score.all_zero
 
 
+def test_the_score_cache_asks_the_engine_once_per_distinct_request():
+    class Counting:
+        supports_full_vocabulary = True
+        calls = 0
+
+        def score(self, sequences, top_k=0, temperature=1.0):
+            Counting.calls += 1
+            return [f"{len(p)}/{len(c)}/{top_k}/{temperature}" for p, c in sequences]
+
+    cache = ScoreCache(Counting())
+    first = cache.score([([1, 2], [3])], top_k=5, temperature=0.7)
+    assert cache.score([([1, 2], [3])], top_k=5, temperature=0.7) is first and Counting.calls == 1
+    cache.score([([1, 2], [3])], top_k=0, temperature=0.7)
+    cache.score([([1, 2], [4])], top_k=5, temperature=0.7)
+    assert Counting.calls == 3 and cache.supports_full_vocabulary
+
+
 def test_the_prompts_are_the_first_distinct_ones_of_the_runs_step_order():
     examples = [Example(id=str(i), prompt=f"q{i % 5}", answer="1") for i in range(12)]  # 5 distinct prompts
     chosen = tournament_prompts(examples, 4, prompts_per_step=3, seed=7)
@@ -113,7 +140,8 @@ def _score(name: str, preference: float | None, all_zero: bool = False) -> Templ
     gap = ContextGap(wilson_interval(0, 1), wilson_interval(0, 1), wilson_interval(0, 1),
                      PairedDifference(0.0, 0.0, 0.0, 1))
     estimate = None if preference is None else MeanEstimate(preference, preference - 1, preference + 1, 5)
-    return TemplateScore(name, gap, estimate, IllusionScore(nan, math.nan), nan, all_zero)
+    nothing = MeanEstimate(0.0, 0.0, 0.0, 1)
+    return TemplateScore(name, gap, estimate, IllusionScore(nan, math.nan), nothing, nothing, nothing, nan, all_zero)
 
 
 def test_the_predicted_order_follows_the_preregistered_rule():

@@ -26,6 +26,7 @@ from selfopd.diagnostics.context import (
 )
 from selfopd.diagnostics.measures import IllusionScore, Share, correct_preference, illusion_score, ratio_share
 from selfopd.diagnostics.records import RolloutRecord
+from selfopd.diagnostics.signals import contrastive_gains, prompt_mean, teachability
 from selfopd.engines.base import Engine, TokenScores
 from selfopd.example import Example, prompt_key
 from selfopd.stats import MeanEstimate
@@ -52,6 +53,9 @@ class TemplateScore:
     gap: ContextGap  # greedy accuracy with the context - the student's, paired over held-out items
     preference: MeanEstimate | None  # teacher-prefers-correct; None: no prompt with mixed outcomes
     illusion: IllusionScore  # share of |advantage| on answer tokens, and its lift
+    teachability: MeanEstimate  # teacher mass on the student's top-k tokens, per token
+    tail: MeanEstimate  # teacher mass outside them (1 - teachability)
+    contrastive: MeanEstimate  # log p_T(y | true context) - log p_T(y | another item's context), per token
     mean_advantage: Share  # teacher - student logprob per token: the sampled reverse-KL estimate, negated
     all_zero: bool  # every token's advantage is exactly 0: training on it changes nothing
 
@@ -102,26 +106,26 @@ def tournament_prompts(train: Sequence[Example], count: int, prompts_per_step: i
 
 def score_template(student: Engine, teacher: Engine, records: Sequence[RolloutRecord], prompting: Prompting,
                    gap_examples: Sequence[Example], gap_max_tokens: int, temperature: float, batch_size: int,
-                   baseline: GapBaseline | None = None, progress: bool = False
+                   baseline: GapBaseline | None = None, top_k: int = 5, seed: int = 0, progress: bool = False
                    ) -> tuple[TemplateScore, list[RolloutRecord]]:
     """`prompting`'s teacher template judged on `records` (the student's, scored by the
     student): the score, and the records with this teacher's logprobs and advantage.
-    `baseline`: the gap's no-context side (`gap_baseline`), shared by every template."""
+    `baseline`: the gap's no-context side (`gap_baseline`), shared by every template;
+    `top_k`: the student's candidates for teachability; `seed`: which other item's context
+    the contrastive gain uses."""
     scored = rescored(teacher, records, prompting, temperature, batch_size, progress)
     annotated = annotate_records(scored, prompting)
     advantages = [np.asarray(r.advantage, dtype=np.float64) for r in scored]
     clusters = [r.prompt for r in scored]
     mean_advantage = ratio_share([float(a.sum()) for a in advantages], [float(len(a)) for a in advantages], clusters)
+    teachable = teachability(student, teacher, scored, prompting, k=top_k, temperature=temperature,
+                             batch_size=batch_size)
+    gains = contrastive_gains(teacher, scored, prompting, temperature, batch_size, seed)
     gap = context_gap(student, teacher, gap_examples, prompting, gap_max_tokens, batch_size, progress, baseline)
     score = TemplateScore(prompting.teacher_template.name, gap, correct_preference(scored), illusion_score(annotated),
-                          mean_advantage, all(not a.any() for a in advantages))
+                          prompt_mean(scored, [t.mass for t in teachable]), prompt_mean(scored, [t.tail for t in teachable]),
+                          prompt_mean(scored, gains), mean_advantage, all(not a.any() for a in advantages))
     return score, scored
-
-
-def per_token_mean(values: Sequence[np.ndarray], records: Sequence[RolloutRecord]) -> Share:
-    """Mean per token of per-rollout, per-token arrays, with a bootstrap interval over prompts."""
-    return ratio_share([float(np.sum(v)) for v in values], [float(len(v)) for v in values],
-                       [r.prompt for r in records])
 
 
 def predicted_order(scores: Sequence[TemplateScore]) -> list[TemplateScore]:
@@ -144,7 +148,7 @@ class Tournament:
 
 
 def run_tournament(config: TrainConfig, templates: Sequence[PromptTemplate], prompts: int, samples: int,
-                   gap_items: int, progress: bool = True) -> Tournament:
+                   gap_items: int, top_k: int = 5, progress: bool = True) -> Tournament:
     """Sample the student once on the first `prompts` distinct training prompts of `config`'s
     run (`samples` each, the rollout settings and seed), then score every template on them
     with the config's teacher (`teacher.kind`: the student's starting weights, or
@@ -184,14 +188,15 @@ def run_tournament(config: TrainConfig, templates: Sequence[PromptTemplate], pro
     scores = []
     for template in tqdm(templates, desc="templates", unit="template", disable=not progress):
         score, _ = score_template(student, teacher, records, prompting.with_teacher(template), gap_examples,
-                                  config.eval.max_tokens, temperature, batch_size, baseline, progress)
+                                  config.eval.max_tokens, temperature, batch_size, baseline, top_k,
+                                  config.run.seed, progress)
         scores.append(score)
     settings = {
         "config_run": config.run.name, "data": config.data.spec, "student_template": config.data.student_template,
         "teacher_kind": config.teacher.kind, "teacher_model": config.teacher.weights(config.model.student),
         "prompts": prompts, "samples": samples, "gap_items": gap_items, "temperature": config.rollout.temperature,
         "top_p": config.rollout.top_p, "max_tokens": config.rollout.max_tokens, "seed": config.run.seed,
-        "gap_max_tokens": config.eval.max_tokens, "rule": RULE,
+        "gap_max_tokens": config.eval.max_tokens, "top_k": top_k, "rule": RULE,
     }
     return Tournament(predicted_order(scores), settings, distinct_prompts(items), len(records),
                       sum(r.correct for r in records), distinct_prompts(gap_examples))

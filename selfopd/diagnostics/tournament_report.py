@@ -13,7 +13,7 @@ from selfopd.diagnostics.tournament import RULE, TemplateScore, Tournament
 from selfopd.stats import MeanEstimate
 
 COLUMNS = ("rank", "template", "prefers correct [95% CI] (prompts)", "gap [95% CI]", "illusion [95% CI]", "lift",
-           "mean advantage / token [95% CI]")
+           "teachability [95% CI]", "tail", "contrastive gain / token [95% CI]", "mean advantage / token [95% CI]")
 
 
 def summary_line(tournament: Tournament) -> str:
@@ -26,7 +26,8 @@ def summary_line(tournament: Tournament) -> str:
 
 def table_rows(tournament: Tournament) -> list[list[str]]:
     return [[str(rank), score.template, _preference(score), _gap(score), _share(score.illusion.share),
-             _lift(score), _share(score.mean_advantage, signed=True)]
+             _lift(score), _interval(score.teachability, signed=False), f"{score.tail.value:.3f}",
+             _interval(score.contrastive, signed=True), _share(score.mean_advantage, signed=True)]
             for rank, score in enumerate(tournament.ranked, start=1)]
 
 
@@ -50,8 +51,11 @@ def render_markdown(tournament: Tournament) -> str:
         "prefers correct: per prompt with both right and wrong samples, the correct samples' mean teacher - "
         "student logprob per token minus the wrong ones'. gap: greedy accuracy of the teacher with the context "
         "minus the student's. illusion: share of |advantage| on answer tokens; lift: that share over their "
-        "share of tokens. mean advantage: teacher - student logprob per token (the sampled reverse-KL "
-        "estimate, negated).", "",
+        "share of tokens. teachability: the teacher's probability mass on the student's top-{k} tokens at "
+        "each position (tail: the mass outside them). contrastive gain: log p_T(y | this item's context) - "
+        "log p_T(y | another item's context). Both per token, averaged per rollout, then per prompt. mean "
+        "advantage: teacher - student logprob per token over all tokens (the sampled reverse-KL estimate, "
+        "negated).".format(k=tournament.settings["top_k"]), "",
     ])
 
 
@@ -78,6 +82,8 @@ def _score_json(rank: int, score: TemplateScore) -> dict[str, Any]:
         "teacher_prefers_correct": as_jsonable(score.preference), "gap": as_jsonable(score.gap),
         "illusion": {"share": as_jsonable(illusion.share), "answer_token_share": as_jsonable(illusion.token_share),
                      "lift": as_jsonable(illusion.lift), "warning": illusion.warning},
+        "teachability": as_jsonable(score.teachability), "tail": as_jsonable(score.tail),
+        "contrastive_gain_per_token": as_jsonable(score.contrastive),
         "mean_advantage_per_token": as_jsonable(score.mean_advantage),
     }
 
