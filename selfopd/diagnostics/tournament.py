@@ -122,9 +122,9 @@ def score_template(student: Engine, teacher: Engine, records: Sequence[RolloutRe
                              batch_size=batch_size)
     gains = contrastive_gains(teacher, scored, prompting, temperature, batch_size, seed)
     gap = context_gap(student, teacher, gap_examples, prompting, gap_max_tokens, batch_size, progress, baseline)
+    mass, tail = prompt_mean(scored, [t.mass for t in teachable]), prompt_mean(scored, [t.tail for t in teachable])
     score = TemplateScore(prompting.teacher_template.name, gap, correct_preference(scored), illusion_score(annotated),
-                          prompt_mean(scored, [t.mass for t in teachable]), prompt_mean(scored, [t.tail for t in teachable]),
-                          prompt_mean(scored, gains), mean_advantage, all(not a.any() for a in advantages))
+                          mass, tail, prompt_mean(scored, gains), mean_advantage, all(not a.any() for a in advantages))
     return score, scored
 
 
