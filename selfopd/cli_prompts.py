@@ -1,16 +1,23 @@
-"""`selfopd prompts list | render | lint`: author, render and lint prompt templates."""
+"""`selfopd prompts list | render | lint | rank`: author, render, lint and rank prompt templates."""
 
 from __future__ import annotations
 
 import argparse
 import shutil
 import textwrap
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from selfopd.cli_common import DEFAULT_DATA, DEFAULT_MODEL, DEFAULT_STUDENT, UserError, command
+from selfopd.cli_common import DEFAULT_DATA, DEFAULT_MODEL, DEFAULT_STUDENT, UserError, add_overrides, command
+
+if TYPE_CHECKING:
+    from selfopd.templates import PromptTemplate
+
+RANK_PROMPTS, RANK_SAMPLES, RANK_GAP_ITEMS = 24, 8, 64  # `prompts rank` defaults: README, "Template tournament"
 
 
 def add_prompts_command(commands: argparse._SubParsersAction) -> None:
-    prompts = commands.add_parser("prompts", help="author, render and lint prompt templates")
+    prompts = commands.add_parser("prompts", help="author, render, lint and rank prompt templates")
     sub = prompts.add_subparsers(title="prompts commands", metavar="COMMAND")
     command(sub, "list", _prompts_list, "list the templates shipped in prompts/")
 
@@ -27,7 +34,40 @@ def add_prompts_command(commands: argparse._SubParsersAction) -> None:
     lint.add_argument("--data", default=DEFAULT_DATA, help="data spec to render on (default: the demo task)")
     lint.add_argument("--sample", type=int, default=8, help="rows to render each template on (default: 8)")
     lint.add_argument("--student", default=DEFAULT_STUDENT, help=f"student template (default: {DEFAULT_STUDENT})")
+    _add_rank(sub)
     prompts.set_defaults(run=lambda _args: prompts.print_help() or 2)
+
+
+RANK_HELP = """Score teacher templates on ONE fixed set of student rollouts, with no training, and
+predict which trains best. The student samples --prompts distinct training prompts (the run's
+step order and seed) x --samples once; every template's teacher (the config's teacher.kind)
+scores exactly those token ids at the rollout temperature, as the trainer does at step 0.
+Columns, each with a 95% interval over distinct prompts: teacher-prefers-correct, the
+pre-training gap, the illusion score and its lift, teachability (teacher mass on the
+student's top-k tokens) and its tail, the contrastive gain (this item's context against
+another's), the mean advantage per token.
+Predicted order, pre-registered: {rule}."""
+
+
+def _add_rank(sub: argparse._SubParsersAction) -> None:
+    from selfopd.diagnostics.tournament import RULE
+
+    rank = sub.add_parser("rank", help="score teacher templates on one fixed set of student rollouts and rank them",
+                          description=RANK_HELP.format(rule=RULE))
+    rank.set_defaults(run=_prompts_rank)
+    rank.add_argument("config", type=Path, help="training config (e.g. experiments/demo.toml)")
+    add_overrides(rank, "teacher.kind=self")
+    rank.add_argument("--templates", default="",
+                      help="comma-separated teacher templates (default: every shipped teacher template the data fits)")
+    rank.add_argument("--prompts", type=int, default=RANK_PROMPTS,
+                      help=f"distinct training prompts to sample (default: {RANK_PROMPTS})")
+    rank.add_argument("--samples", type=int, default=RANK_SAMPLES,
+                      help=f"samples per prompt (default: {RANK_SAMPLES}; more make mixed right/wrong groups likelier)")
+    rank.add_argument("--gap-items", type=int, default=RANK_GAP_ITEMS,
+                      help=f"held-out items for the pre-training gap (default: {RANK_GAP_ITEMS})")
+    rank.add_argument("--top-k", type=int, default=5,
+                      help="the student's top-k tokens teachability puts the teacher's mass on (default: 5)")
+    rank.add_argument("--out", type=Path, help="output folder (default: runs/prompts-rank-<run.name>)")
 
 
 def _prompts_list(_args: argparse.Namespace) -> None:
@@ -85,6 +125,49 @@ def _prompts_lint(args: argparse.Namespace) -> int:
             print(f"ok: {name}")
     print(f"{len(names)} templates, {errors} errors, {warnings} warnings")
     return 1 if errors else 0
+
+
+def _prompts_rank(args: argparse.Namespace) -> None:
+    from selfopd.config import load_config
+    from selfopd.diagnostics.tournament import run_tournament
+    from selfopd.diagnostics.tournament_report import render_table, summary_line, write_tournament
+
+    for flag, value in (("--prompts", args.prompts), ("--samples", args.samples), ("--gap-items", args.gap_items),
+                        ("--top-k", args.top_k)):
+        if value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
+    config = load_config(args.config, args.overrides)
+    templates = _rank_templates(args.templates, config.data.spec)  # every name checked before any model loads
+    out = args.out or Path("runs") / f"prompts-rank-{config.run.name}"
+    tournament = run_tournament(config, templates, args.prompts, args.samples, args.gap_items, args.top_k)
+    print(f"\n{summary_line(tournament)}\n")
+    print(render_table(tournament))
+    json_path, md_path = write_tournament(tournament, out)
+    print(f"\nwrote {json_path} and {md_path}")
+
+
+def _rank_templates(names: str, spec: str) -> list[PromptTemplate]:
+    """The named teacher templates (a bad name, or one the data cannot fill, is an error), or
+    every shipped teacher template the data can fill (the others skipped with a note)."""
+    from selfopd.data import load_examples
+    from selfopd.template_lint import missing_fields, template_role
+    from selfopd.templates import list_templates, load_template
+
+    sample = load_examples(spec)[:8]
+    asked = [name.strip() for name in names.split(",") if name.strip()]
+    templates = []
+    for name in asked or [n for n in list_templates() if n.startswith("teacher/")]:
+        template = load_template(name)
+        if template_role(template) != "teacher":
+            raise UserError(f"--templates: {name} is a student template, not a teacher template")
+        missing = missing_fields(template, sample)
+        if missing and asked:
+            raise UserError(f"--templates: {name} is not applicable to {spec}: {missing[0]}")
+        if missing:
+            print(f"skip: {name}: not applicable to {spec}: {missing[0]}")
+            continue
+        templates.append(template)
+    return templates
 
 
 def _format_messages(messages: list[dict[str, str]]) -> str:

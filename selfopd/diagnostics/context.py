@@ -116,28 +116,55 @@ def privileged_gains(engine: Engine, records: Sequence[RolloutRecord], prompting
 
 
 def fresh_records(student: Engine, teacher: Engine, examples: Sequence[Example], prompting: Prompting,
-                  params: SamplingParams, batch_size: int = 16) -> list[RolloutRecord]:
+                  params: SamplingParams, batch_size: int = 16, progress: bool = False) -> list[RolloutRecord]:
     """Sample the student now and score with the teacher: records like a run's step 0,
     with advantage = teacher - student (no verifier-reward term), both at the sampling
     temperature, as the trainer scores them."""
-    groups = student.sample([prompting.student_ids(e) for e in examples], params)
+    records = student_records(student, examples, prompting, params, batch_size, progress)
+    return rescored(teacher, records, prompting, params.temperature or 1.0, batch_size, progress)
+
+
+def student_records(student: Engine, examples: Sequence[Example], prompting: Prompting, params: SamplingParams,
+                    batch_size: int = 16, progress: bool = False, sample_chunk: int | None = None
+                    ) -> list[RolloutRecord]:
+    """`params.n` rollouts of each example by the student, verified, with the student's
+    logprobs at the sampling temperature (scored `batch_size` rollouts at a time, as
+    `rescored` scores the teacher). No teacher has scored them yet: the teacher logprobs are
+    the student's own (advantage 0) until `rescored`. `sample_chunk`: sample that many
+    prompts per call (a progress bar; each row draws the same randomness when a chunk's rows
+    are a multiple of the engine's batch); None: one call."""
+    prompts = [prompting.student_ids(e) for e in examples]
+    chunk = sample_chunk or max(1, len(prompts))
+    groups = []
+    for start in tqdm(range(0, len(prompts), chunk), desc="student rollouts", unit="batch", disable=not progress):
+        params_here = dataclasses.replace(params, first_row=params.first_row + start * params.n)
+        groups.extend(student.sample(prompts[start : start + chunk], params_here))
     flat = [(group, e, r) for group, (e, rollouts) in enumerate(zip(examples, groups)) for r in rollouts]
-    verdicts = [verify_example(r.text, e) for _, e, r in flat]
-    completions = [r.completion_ids for _, _, r in flat]
-    temperature = params.temperature or 1.0
-    student_lp = _score(student, [r.prompt_ids for _, _, r in flat], completions, batch_size, False, "student",
-                        temperature)
-    teacher_prompts = [prompting.teacher_ids(e, r.text, v.feedback) for (_, e, r), v in zip(flat, verdicts)]
-    teacher_lp = _score(teacher, teacher_prompts, completions, batch_size, False, "teacher", temperature)
+    student_lp = _score(student, [r.prompt_ids for _, _, r in flat], [r.completion_ids for _, _, r in flat],
+                        batch_size, progress, "student scores", params.temperature or 1.0)
     records = []
-    for (group, example, rollout), verdict, s, t in zip(flat, verdicts, student_lp, teacher_lp):
+    for (group, example, rollout), s in zip(flat, student_lp):
+        verdict = verify_example(rollout.text, example)
         records.append(RolloutRecord(
             step=0, id=example.id, group=group, prompt_ids=rollout.prompt_ids, completion_ids=rollout.completion_ids,
             text=rollout.text, sampler_logprobs=list(rollout.sampler_logprobs), student_logprobs=s.tolist(),
-            teacher_logprobs=t.tolist(), advantage=(t - s).tolist(), reward=verdict.reward, correct=verdict.correct,
+            teacher_logprobs=s.tolist(), advantage=[0.0] * len(s), reward=verdict.reward, correct=verdict.correct,
             answer=example.answer,
         ))
     return records
+
+
+def rescored(teacher: Engine, records: Sequence[RolloutRecord], prompting: Prompting, temperature: float,
+             batch_size: int = 16, progress: bool = False) -> list[RolloutRecord]:
+    """The same rollouts scored by `teacher` after `prompting`'s teacher prompt, at
+    `temperature`: advantage = teacher - student. Batched as the student was scored, so a
+    teacher prompt equal to the student's (the `empty` control) gives exactly its logprobs."""
+    teacher_prompts = [prompting.teacher_ids(prompting.example(r.id), r.text) for r in records]
+    teacher_lp = _score(teacher, teacher_prompts, [r.completion_ids for r in records], batch_size, progress,
+                        "teacher scores", temperature)
+    return [dataclasses.replace(r, teacher_logprobs=t.tolist(),
+                                advantage=(t - np.asarray(r.student_logprobs, dtype=np.float64)).tolist())
+            for r, t in zip(records, teacher_lp)]
 
 
 @dataclass(frozen=True)
@@ -153,23 +180,42 @@ class ContextGap:
     gap: PairedDifference  # with_context - student, paired over items
 
 
-def context_gap(student: Engine, teacher: Engine, examples: Sequence[Example], prompting: Prompting, max_tokens: int,
-                batch_size: int = 32, progress: bool = False) -> ContextGap:
-    """A template that shows the teacher the student's attempt gets the student's greedy
-    answer as that attempt. `teacher` may be `student` (self-distillation)."""
+@dataclass(frozen=True)
+class GapBaseline:
+    """What the gap compares against, the same for every template: the student's greedy
+    answers to the items, whether they are right, and whether the teacher's weights alone are."""
+
+    attempts: list[str]
+    student_ok: list[bool]
+    alone_ok: list[bool]
+
+
+def gap_baseline(student: Engine, teacher: Engine, examples: Sequence[Example], prompting: Prompting,
+                 max_tokens: int, batch_size: int = 32, progress: bool = False) -> GapBaseline:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     plain_prompts = [prompting.student_ids(e) for e in examples]
     attempts = _greedy(student, plain_prompts, params, batch_size, progress, "student")
-    verdicts = [verify_example(a, e) for a, e in zip(attempts, examples)]
-    student_ok = [v.correct for v in verdicts]
+    student_ok = _graded(attempts, examples)
     alone_ok = student_ok
     if teacher is not student:
         alone_ok = _graded(_greedy(teacher, plain_prompts, params, batch_size, progress, "teacher alone"), examples)
-    context_prompts = [prompting.teacher_ids(e, a, v.feedback) for e, a, v in zip(examples, attempts, verdicts)]
+    return GapBaseline(attempts, student_ok, alone_ok)
+
+
+def context_gap(student: Engine, teacher: Engine, examples: Sequence[Example], prompting: Prompting, max_tokens: int,
+                batch_size: int = 32, progress: bool = False, baseline: GapBaseline | None = None) -> ContextGap:
+    """A template that shows the teacher the student's attempt gets the student's greedy
+    answer as that attempt. `teacher` may be `student` (self-distillation). `baseline`:
+    `gap_baseline` of these engines and items, when several templates share it."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    if baseline is None:
+        baseline = gap_baseline(student, teacher, examples, prompting, max_tokens, batch_size, progress)
+    feedback = [verify_example(a, e).feedback for a, e in zip(baseline.attempts, examples)]
+    context_prompts = [prompting.teacher_ids(e, a, f) for e, a, f in zip(examples, baseline.attempts, feedback)]
     context_ok = _graded(_greedy(teacher, context_prompts, params, batch_size, progress, "teacher with context"),
                          examples)
-    return ContextGap(_proportion(student_ok), _proportion(alone_ok), _proportion(context_ok),
-                      paired_difference(student_ok, context_ok))
+    return ContextGap(_proportion(baseline.student_ok), _proportion(baseline.alone_ok), _proportion(context_ok),
+                      paired_difference(baseline.student_ok, context_ok))
 
 
 def _graded(answers: Sequence[str], examples: Sequence[Example]) -> list[bool]:
