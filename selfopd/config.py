@@ -174,6 +174,10 @@ class LossConfig(Section):
         "'reverse_kl', 'forward_kl', 'jsd': full vocabulary, needs the teacher in process (engine.kind = 'local').")
     top_k: int = setting(20, "Teacher top-k for divergence = 'topk_reverse_kl'.")
     jsd_beta: float = setting(0.5, "beta of the generalised JSD (0: forward KL, 1: reverse KL), for divergence = 'jsd'.")
+    token_clip: float = setting(
+        0.0, "Per-token clip c of the teacher term (0: off). 'sampled': each token's teacher_lp - student_lp is "
+        "clipped to [-c, c] before lambda_opd weighs it and the GRPO term is added; other divergences: each "
+        "position's divergence is clamped at c, a clamped position giving no gradient. Logged: opd/clipped_share.")
     partial_credit: bool = setting(
         False, "Reward = the task scorer's partial credit (reasoning-gym pays 0.5 for '17' or '-7' when the answer "
         "is 7); off: 1 for a correct final answer, 0 otherwise.")
@@ -182,6 +186,7 @@ class LossConfig(Section):
         super().__post_init__()
         self._at_least("lambda_opd", 0.0)
         self._at_least("top_k", 1)
+        self._at_least("token_clip", 0.0)
         if not 0.0 <= self.jsd_beta <= 1.0:
             fail(self._key("jsd_beta"), f"must be in [0, 1], got {self.jsd_beta!r}")
         self._at_least("lambda_rl", 0.0)

@@ -26,7 +26,14 @@ from selfopd.faults import fault_point
 from selfopd.folder_guard import check_not_in_use, check_writable, claimed_run_folder, refuse_finished, writing
 from selfopd.kernels import full_vocab_divergence, topk_reverse_kl
 from selfopd.loss_metrics import opd_metrics
-from selfopd.objectives import combined_advantage, masked_mean, policy_gradient_loss, truncated_is_ratio
+from selfopd.objectives import (
+    clipped_divergence,
+    clipped_tokens,
+    combined_advantage,
+    masked_mean,
+    policy_gradient_loss,
+    truncated_is_ratio,
+)
 from selfopd.run_folder import RunFolder
 from selfopd.run_outputs import plot_run, prune_checkpoints, reuse_eval, run_eval, save_checkpoint, save_rollouts
 from selfopd.run_setup import build_run
@@ -114,7 +121,8 @@ def _train_step(run: Run) -> dict[str, float]:
     # by the step's totals, and FSDP's mean over ranks is undone by `world.size`.
     total_tokens = all_sum(sum(len(s.rollout.completion_ids) for s in scored), world)
     total_rollouts = len(scored) * world.size
-    collected: dict[str, list[torch.Tensor]] = {"teacher": [], "student": [], "sampler": [], "advantage": [], "divergence": []}
+    collected: dict[str, list[torch.Tensor]] = {"teacher": [], "student": [], "sampler": [], "advantage": [],
+                                                "divergence": [], "clipped": []}
     sampled = cfg.loss.divergence == "sampled"
     loss_total = 0.0
     with timer("train"):
@@ -133,23 +141,28 @@ def _train_step(run: Run) -> dict[str, float]:
             # The sampled-token advantage (OPD + GRPO) is always computed: it is saved and
             # measured even when the teacher term of the loss is an exact divergence.
             advantage_BC = combined_advantage(teacher_lp_BC, student_lp_BC, mask_BC, rewards_B, group_ids_B,
-                                              lambda_opd=cfg.loss.lambda_opd, lambda_rl=cfg.loss.lambda_rl)
+                                              lambda_opd=cfg.loss.lambda_opd, lambda_rl=cfg.loss.lambda_rl,
+                                              token_clip=cfg.loss.token_clip)
             ratio_BC = truncated_is_ratio(student_lp_BC, sampler_lp_BC, cfg.loss.is_cap) if cfg.loss.is_cap else None
             if sampled:
                 loss = policy_gradient_loss(student_lp_BC, advantage_BC, mask_BC, ratio_BC, cfg.loss.normalisation)
+                clipped_BC = clipped_tokens(teacher_lp_BC - student_lp_BC, mask_BC, cfg.loss.token_clip, two_sided=True)
             else:  # the teacher term is an exact divergence; only the GRPO term stays a policy gradient
                 grpo_BC = combined_advantage(teacher_lp_BC, student_lp_BC, mask_BC, rewards_B, group_ids_B,
                                              lambda_opd=0.0, lambda_rl=cfg.loss.lambda_rl)
                 divergence_BC = distribution_divergence(run, micro, hidden_BCH, mask_BC)
+                clipped_BC = clipped_tokens(divergence_BC, mask_BC, cfg.loss.token_clip, two_sided=False)
+                trained_BC = clipped_divergence(divergence_BC, cfg.loss.token_clip)
                 loss = (policy_gradient_loss(student_lp_BC, grpo_BC, mask_BC, ratio_BC, cfg.loss.normalisation)
-                        + cfg.loss.lambda_opd * masked_mean(divergence_BC, mask_BC, cfg.loss.normalisation))
-                collected["divergence"].append(divergence_BC.detach()[mask_BC].float().cpu())
+                        + cfg.loss.lambda_opd * masked_mean(trained_BC, mask_BC, cfg.loss.normalisation))
+                collected["divergence"].append(divergence_BC.detach()[mask_BC].float().cpu())  # before the clip
             # Scale so the accumulated gradient equals one big batch's mean.
             weight = int(mask_BC.sum()) / total_tokens if cfg.loss.normalisation == "token" else len(micro) / total_rollouts
             (loss * (weight * world.size)).backward()
             fault_point("train.backward")
             loss_total += loss.item() * weight
-            for key, tensor in (("teacher", teacher_lp_BC), ("student", student_lp_BC), ("sampler", sampler_lp_BC), ("advantage", advantage_BC)):
+            for key, tensor in (("teacher", teacher_lp_BC), ("student", student_lp_BC), ("sampler", sampler_lp_BC),
+                                ("advantage", advantage_BC), ("clipped", clipped_BC)):
                 collected[key].append(tensor.detach()[mask_BC].float().cpu())
 
     # 4. Optimizer step (AdamW state persists across steps), skipped when the loss or the
@@ -191,6 +204,7 @@ def _train_step(run: Run) -> dict[str, float]:
             rewards_B=torch.tensor([s.reward for s in scored]),
         ),
         **({} if sampled else {f"loss/{cfg.loss.divergence}": flat["divergence"].double().mean().item()}),
+        **({"opd/clipped_share": flat["clipped"].double().mean().item()} if cfg.loss.token_clip else {}),
         "reward/accuracy": sum(s.correct for s in scored) / len(scored),
         "rollout/length_mean": total_tokens / len(scored),
         "rollout/truncated_share": sum(s.rollout.finish_reason == "length" for s in scored) / len(scored),
