@@ -76,9 +76,11 @@ def test_same_seed_gives_same_metrics(tmp_path, tiny_model_dir):
     assert [_without_times(m) for m in _lines(other)] != [_without_times(m) for m in _lines(first)]
 
 
-def test_resumed_run_continues_exactly(tmp_path, tiny_model_dir):
-    whole = train(_config(tmp_path, tiny_model_dir, "run.steps=3", "run.name=whole"))
-    part = train(_config(tmp_path, tiny_model_dir, "run.steps=2", "run.name=part", "run.checkpoint_every=1"))
+@pytest.mark.parametrize("teacher", [(), ("teacher.kind=ema", "teacher.ema_rate=0.3")], ids=["self", "ema"])
+def test_resumed_run_continues_exactly(tmp_path, tiny_model_dir, teacher):
+    """Bit for bit; an `ema` teacher's average is restored from the checkpoint."""
+    whole = train(_config(tmp_path, tiny_model_dir, "run.steps=3", "run.name=whole", *teacher))
+    part = train(_config(tmp_path, tiny_model_dir, "run.steps=2", "run.name=part", "run.checkpoint_every=1", *teacher))
     resumed = train(load_config(part / "config.toml", ["run.steps=3"]), resume=True)
     step3 = [m for m in _lines(whole) if m["step"] == 3 and "loss/pg" in m]
     again = [m for m in _lines(resumed) if m["step"] == 3 and "loss/pg" in m]
