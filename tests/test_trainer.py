@@ -258,6 +258,22 @@ def test_topk_divergence_is_at_most_the_full_one_on_the_same_rollouts(tmp_path, 
         full, values["forward_kl"]["loss/forward_kl"])
 
 
+@pytest.mark.parametrize("divergence", ["sampled", "reverse_kl"])
+def test_token_clip_is_logged_and_bounds_the_opd_advantage(tmp_path, tiny_model_dir, divergence):
+    """A frozen teacher with the answer in its prompt disagrees with the (tiny, nearly
+    uniform) student by more than 1e-5 nats on some tokens: those are clipped (sampled: the
+    saved advantage stays within [-c, c]; a divergence: positions above c are counted)."""
+    run = build_run(_config(tmp_path, tiny_model_dir, "teacher.kind=frozen", "loss.token_clip=1e-5",
+                            f"loss.divergence={divergence}", f"run.name=clip-{divergence}"))
+    run.run_dir.mkdir(parents=True)
+    metrics = train_step(run)
+    assert 0 < metrics["opd/clipped_share"] <= 1
+    if divergence == "sampled":
+        advantages = [a for line in (run.folder.rollouts_file(1)).read_text().splitlines()
+                      for a in json.loads(line)["advantage"]]
+        assert max(abs(a) for a in advantages) <= 1e-5 + 1e-9
+
+
 def test_full_vocabulary_divergence_with_vllm_is_refused():
     from selfopd.config import ConfigError
 
