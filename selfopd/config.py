@@ -113,8 +113,8 @@ class TeacherConfig(Section):
         "demonstration; one whose group has no other correct sample gets none.")
     demonstration_fallback: str = setting(
         "teacher/empty", "Templates that use `demonstration`: the template that scores a rollout with no correct "
-        "sibling. 'teacher/empty' is the student's own prompt, so with a 'self' teacher such a rollout gets exactly "
-        "zero self-distillation signal.")
+        "sibling. 'teacher/empty' is the student's own prompt, so with a 'self' teacher such a rollout gets zero "
+        "self-distillation signal (exactly, but for the rounding of a micro-batch padded to longer teacher prompts).")
 
     def __post_init__(self) -> None:
         super().__post_init__()
