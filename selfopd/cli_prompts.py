@@ -28,6 +28,8 @@ def add_prompts_command(commands: argparse._SubParsersAction) -> None:
     render.add_argument("--student", default=DEFAULT_STUDENT, help=f"student template (default: {DEFAULT_STUDENT})")
     render.add_argument("--model", default=DEFAULT_MODEL, help="model whose chat template and tokenizer count tokens")
     render.add_argument("--attempt", help="a student attempt, for templates that use `attempt`/`feedback`")
+    render.add_argument("--demonstration", help="a correct sibling's answer, for templates that use `demonstration` "
+                        "(default: a stand-in sentence)")
 
     lint = command(sub, "lint", _prompts_lint, "check templates render on a data sample and do not leak the answer")
     lint.add_argument("templates", nargs="*", help="template names or files (default: every shipped template)")
@@ -81,7 +83,8 @@ def _prompts_render(args: argparse.Namespace) -> None:
 
     from selfopd.data import load_examples
     from selfopd.models import from_pretrained, resolve_model
-    from selfopd.templates import load_template, prompt_token_ids, render_student, render_teacher
+    from selfopd.templates import (SAMPLE_DEMONSTRATION, load_template, prompt_token_ids, render_student,
+                                   render_teacher, uses_demonstration)
     from selfopd.verifiers import verify_example
 
     examples = load_examples(args.data)
@@ -91,7 +94,8 @@ def _prompts_render(args: argparse.Namespace) -> None:
     student_template, teacher_template = load_template(args.student), load_template(args.template)
     student = render_student(student_template, example)
     feedback = verify_example(args.attempt, example).feedback if args.attempt is not None else None
-    teacher = render_teacher(teacher_template, example, student, args.attempt, feedback)
+    demonstration = (args.demonstration or SAMPLE_DEMONSTRATION) if uses_demonstration(teacher_template) else None
+    teacher = render_teacher(teacher_template, example, student, args.attempt, feedback, demonstration)
     tokenizer = from_pretrained(AutoTokenizer, resolve_model(args.model))
     columns = [
         (f"STUDENT {student_template.name}", student, len(prompt_token_ids(tokenizer, student))),

@@ -47,7 +47,7 @@ from selfopd.settings import (  # noqa: F401  (ConfigError and setting are this 
 
 # Same values as selfopd.objectives.Normalisation; restated so loading a config needs no torch.
 Normalisation = Literal["token", "sequence"]
-TeacherKind = Literal["self", "frozen", "external"]
+TeacherKind = Literal["self", "frozen", "ema", "external"]
 Schedule = Literal["constant", "cosine", "linear"]
 Tracker = Literal["tensorboard", "wandb"]
 WandbMode = Literal["offline", "online"]
@@ -98,10 +98,23 @@ class TeacherConfig(Section):
     kind: TeacherKind = setting(
         "self",
         "Who scores the rollouts: 'self' is the current student given privileged information, "
-        "'frozen' a copy of the initial student, 'external' the model named by teacher.model.",
+        "'frozen' a copy of the initial student, 'ema' an exponential moving average of the student's weights "
+        "(teacher.ema_rate), 'external' the model named by teacher.model.",
     )
     model: str = setting("", "The external teacher (packaged name, folder or hub id); set iff kind = 'external'.")
     template: str = setting("teacher/reference_answer", "Prompt template that shows the teacher the privileged information.")
+    ema_rate: float = setting(
+        0.05, "kind = 'ema': after every optimizer step taken, ema <- (1 - rate) * ema + rate * student, from the "
+        "initial weights; 1 is the 'self' teacher, 0 the 'frozen' one. 0.05 (a half-life of ~14 steps) is SDPO's "
+        "per-step rate; TRL's SDFT/SDPO teacher_update_rate defaults to 0.6 but is applied only every "
+        "teacher_sync_steps = 512 steps, far longer than a selfopd run.")
+    skip_self_success: bool = setting(
+        True, "Templates that use `demonstration` (teacher/sibling): a correct rollout is never its own "
+        "demonstration; one whose group has no other correct sample gets none.")
+    demonstration_fallback: str = setting(
+        "teacher/empty", "Templates that use `demonstration`: the template that scores a rollout with no correct "
+        "sibling. 'teacher/empty' is the student's own prompt, so with a 'self' teacher such a rollout gets zero "
+        "self-distillation signal (exactly, but for the rounding of a micro-batch padded to longer teacher prompts).")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -110,11 +123,19 @@ class TeacherConfig(Section):
         if self.kind != "external" and self.model:
             fail(self._key("model"), f"only used when teacher.kind = 'external' (kind is {self.kind!r}); leave it empty")
         self._non_empty("template")
+        self._non_empty("demonstration_fallback")
+        if not 0.0 <= self.ema_rate <= 1.0:
+            fail(self._key("ema_rate"), f"must be in [0, 1], got {self.ema_rate!r}")
 
     @property
     def follows_student(self) -> bool:
         """The teacher serves the student's current weights (`self`): synced after every step."""
         return self.kind == "self"
+
+    @property
+    def receives_weights(self) -> bool:
+        """The teacher is sent weights after every step: the student's (`self`) or their average (`ema`)."""
+        return self.kind in ("self", "ema")
 
     def weights(self, student: str) -> str:
         """The model whose weights the teacher runs: `teacher.model`, or the (initial) student."""
@@ -174,6 +195,10 @@ class LossConfig(Section):
         "'reverse_kl', 'forward_kl', 'jsd': full vocabulary, needs the teacher in process (engine.kind = 'local').")
     top_k: int = setting(20, "Teacher top-k for divergence = 'topk_reverse_kl'.")
     jsd_beta: float = setting(0.5, "beta of the generalised JSD (0: forward KL, 1: reverse KL), for divergence = 'jsd'.")
+    token_clip: float = setting(
+        0.0, "Per-token clip c of the teacher term (0: off). 'sampled': each token's teacher_lp - student_lp is "
+        "clipped to [-c, c] before lambda_opd weighs it and the GRPO term is added; other divergences: each "
+        "position's divergence is clamped at c, a clamped position giving no gradient. Logged: opd/clipped_share.")
     partial_credit: bool = setting(
         False, "Reward = the task scorer's partial credit (reasoning-gym pays 0.5 for '17' or '-7' when the answer "
         "is 7); off: 1 for a correct final answer, 0 otherwise.")
@@ -182,6 +207,7 @@ class LossConfig(Section):
         super().__post_init__()
         self._at_least("lambda_opd", 0.0)
         self._at_least("top_k", 1)
+        self._at_least("token_clip", 0.0)
         if not 0.0 <= self.jsd_beta <= 1.0:
             fail(self._key("jsd_beta"), f"must be in [0, 1], got {self.jsd_beta!r}")
         self._at_least("lambda_rl", 0.0)
@@ -286,6 +312,12 @@ class TrainConfig:
             fail("rollout.temperature", f"must be 1 with engine.kind = {self.engine.kind!r}, got {self.rollout.temperature}: vLLM "
                  "scores (prompt logprobs) from the raw logits only, so a vLLM teacher cannot score the tempered "
                  "distribution the student samples from; use engine.kind = 'local' for other temperatures")
+        if self.teacher.kind == "ema" and self.model.lora:
+            fail("teacher.kind", "'ema' with model.lora_rank > 0 is not supported: use teacher.kind = 'frozen' or "
+                 "'self' with LoRA, or model.lora_rank = 0 with 'ema'")
+        if self.teacher.kind == "ema" and self.engine.kind == "vllm_colocate":
+            fail("teacher.kind", "'ema' with engine.kind = 'vllm_colocate' is not supported: use engine.kind = "
+                 "'local' or 'vllm'")
         if self.loss.lambda_rl > 0 and self.rollout.samples_per_prompt < 2:
             fail(
                 "rollout.samples_per_prompt",

@@ -42,7 +42,7 @@ class ServerSlot:
     port: int
     gpus: tuple[int, ...]  # () = vLLM's default placement (CPU, or GPUs 0..TP-1)
     tensor_parallel_size: int
-    synced: bool  # serves the student's weights: a student server, or a `self` teacher's
+    synced: bool  # sent weights every step: a student server, a `self` teacher's, an `ema` teacher's
 
     @property
     def gpu_key(self) -> str:
@@ -133,7 +133,7 @@ def server_slots(config: TrainConfig) -> list[ServerSlot]:
         slots.append(ServerSlot(name="teacher", port=engine.port + engine.student_servers,
                                 gpus=tuple(engine.gpus("teacher_gpus")),
                                 tensor_parallel_size=engine.teacher_parallel_size(),
-                                synced=config.teacher.follows_student))
+                                synced=config.teacher.receives_weights))
     return slots
 
 

@@ -31,17 +31,39 @@ def _check_same_shape(**tensors: Tensor) -> None:
         raise ValueError(f"shape mismatch: {shapes}")
 
 
-def opd_advantage(teacher_lp_BT: Tensor, student_lp_BT: Tensor, mask_BT: Tensor) -> Tensor:
+def opd_advantage(teacher_lp_BT: Tensor, student_lp_BT: Tensor, mask_BT: Tensor, token_clip: float = 0.0) -> Tensor:
     """Per-token OPD advantage A_t = teacher_lp_t - student_lp_t, detached, 0 off completions.
 
     Reverse KL, KL(student || teacher) = E_{y ~ student}[log student(y) - log teacher(y)]:
     p = student (the sampling distribution), q = teacher. A_t is MINUS the per-token sampled
     estimate of it, so maximising A (gradient ascent on A * log student) lowers the reverse
     KL: tokens the teacher likes more than the student get pushed up.
+
+    `token_clip` c > 0 clips A_t to [-c, c]: one token the teacher finds absurd (an answer
+    digit it would have copied, say) then cannot outweigh the rest of the sequence.
     """
     _check_same_shape(teacher_lp_BT=teacher_lp_BT, student_lp_BT=student_lp_BT, mask_BT=mask_BT)
     diff_BT = teacher_lp_BT.detach() - student_lp_BT.detach()
+    if token_clip > 0:
+        diff_BT = diff_BT.clamp(-token_clip, token_clip)
     return torch.where(mask_BT.bool(), diff_BT, torch.zeros_like(diff_BT))
+
+
+def clipped_divergence(divergence_BT: Tensor, token_clip: float) -> Tensor:
+    """A per-token divergence clamped at `token_clip` (0: unchanged): a clamped position is
+    constant, so it gives no gradient, and the others are untouched."""
+    if token_clip <= 0:
+        return divergence_BT
+    return torch.where(divergence_BT > token_clip, divergence_BT.detach().clamp(max=token_clip), divergence_BT)
+
+
+def clipped_tokens(values_BT: Tensor, mask_BT: Tensor, token_clip: float, two_sided: bool) -> Tensor:
+    """(B, T) bool: the completion tokens that `token_clip` clips (none when it is 0):
+    |value| > c for the sampled advantage (`two_sided`), value > c for a divergence."""
+    if token_clip <= 0:
+        return torch.zeros_like(mask_BT, dtype=torch.bool)
+    outside_BT = (values_BT.abs() if two_sided else values_BT).detach() > token_clip
+    return outside_BT & mask_BT.bool()
 
 
 def grpo_advantage(rewards_N: Tensor, group_ids_N: Tensor, eps: float = 1e-6) -> Tensor:
@@ -83,15 +105,17 @@ def combined_advantage(
     lambda_opd: float = 1.0,
     lambda_rl: float = 0.0,
     eps: float = 1e-6,
+    token_clip: float = 0.0,
 ) -> Tensor:
-    """GRPO+OPD advantage: A = lambda_rl * A_grpo + lambda_opd * (teacher_lp - student_lp).
+    """GRPO+OPD advantage: A = lambda_rl * A_grpo + lambda_opd * clip(teacher_lp - student_lp).
 
     The GRPO term is one number per sequence, broadcast to each of its completion tokens;
-    the OPD term is per token (see `opd_advantage` for its sign). Pure OPD is the default
-    (lambda_rl = 0, rewards not needed). Returns (B, T), detached, 0 off completions.
+    the OPD term is per token (see `opd_advantage` for its sign and `token_clip`, which
+    clips it before it is weighted). Pure OPD is the default (lambda_rl = 0, rewards not
+    needed). Returns (B, T), detached, 0 off completions.
     """
     mask_BT = mask_BT.bool()
-    advantage_BT = lambda_opd * opd_advantage(teacher_lp_BT, student_lp_BT, mask_BT)
+    advantage_BT = lambda_opd * opd_advantage(teacher_lp_BT, student_lp_BT, mask_BT, token_clip)
     if lambda_rl != 0.0:
         if rewards_B is None or group_ids_B is None:
             raise ValueError("lambda_rl != 0 needs rewards_B and group_ids_B")

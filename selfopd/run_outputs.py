@@ -69,7 +69,8 @@ def save_checkpoint(run: Run) -> Path:
     (peft's adapter_config.json + adapter_model.safetensors: `selfopd merge-lora` makes them a
     full model), plus the tokenizer and the trainer state; only the latest checkpoint is kept.
     Under torchrun the full weights and optimizer state are gathered to rank 0 (every rank
-    takes part), which writes them in the one-process layout."""
+    takes part), which writes them in the one-process layout. An `ema` teacher's average is
+    part of the trainer state, so a resumed run continues it exactly."""
     target, staging = run.folder.checkpoint(run.step), run.folder.checkpoint_staging(run.step)
     sharded = is_sharded(run.model)
     weights = full_state_dict(run.model) if sharded else None
@@ -80,7 +81,8 @@ def save_checkpoint(run: Run) -> Path:
     run.model.save_pretrained(staging, **({"state_dict": weights} if sharded else {}))
     run.tokenizer.save_pretrained(staging)
     fault_point("checkpoint.weights")
-    torch.save({"optimizer": optimizer, "scheduler": run.scheduler.state_dict(), "step": run.step},
+    ema = {"ema": run.ema.state_dict()} if run.ema is not None else {}  # an `ema` teacher's average
+    torch.save({"optimizer": optimizer, "scheduler": run.scheduler.state_dict(), "step": run.step, **ema},
                RunFolder.trainer_state(staging))
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
@@ -112,7 +114,7 @@ def save_rollouts(run: Run, scored: Sequence[Scored], student_lp_N: torch.Tensor
             completion_ids=s.rollout.completion_ids, text=s.rollout.text,
             sampler_logprobs=list(s.rollout.sampler_logprobs), student_logprobs=student.tolist(),
             teacher_logprobs=s.teacher_logprobs.tolist(), advantage=advantage.tolist(), reward=s.reward,
-            correct=s.correct, answer=s.example.answer,
+            correct=s.correct, answer=s.example.answer, demonstration=s.demonstration,
         )
         for s, (student, advantage) in zip(scored[:limit], per_rollout)
     ]

@@ -15,6 +15,7 @@ import torch
 from selfopd.config import VLLM_KINDS, ConfigError, TrainConfig
 from selfopd.data import load_examples
 from selfopd.distributed import World, current_world, init_process_group, load_optimizer_state, shard_model
+from selfopd.ema import EmaWeights
 from selfopd.engines.build import check_external_teacher, load_model, model_options, open_training_engines
 from selfopd.example import Example, prompt_key
 from selfopd.lora import adapters_off, prepare_student, trainable_parameters
@@ -22,7 +23,16 @@ from selfopd.models import resolve_model
 from selfopd.run_folder import RunFolder
 from selfopd.run_state import Run
 from selfopd.split import split_examples
-from selfopd.templates import PromptTemplate, load_template, prompt_token_ids, render_student, render_teacher
+from selfopd.templates import (
+    SAMPLE_DEMONSTRATION,
+    PromptTemplate,
+    check_student_template,
+    load_template,
+    prompt_token_ids,
+    render_student,
+    render_teacher,
+    uses_demonstration,
+)
 from selfopd.weight_checks import check_frozen_teacher, check_probe, probe_logprobs, sync_weights
 
 PROBE_COMPLETION = "Let me think step by step. The answer is 42."
@@ -51,7 +61,8 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
     train_examples, eval_examples = split_examples(examples, eval_size=config.data.eval_size, seed=config.data.split_seed)
     student_template = load_template(config.data.student_template)
     teacher_template = load_template(config.teacher.template)
-    check_templates_render(student_template, teacher_template, train_examples[0])
+    fallback = demonstration_fallback(config, teacher_template)
+    check_templates_render(student_template, teacher_template, train_examples[0], fallback)
     if config.teacher.kind == "external":
         check_external_teacher_split(config.teacher.model, eval_examples)
 
@@ -72,7 +83,7 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
         weight_decay=config.optim.weight_decay,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
-    step = 0
+    step, state = 0, {}
     if resume_from is not None:
         state = torch.load(RunFolder.trainer_state(resume_from), weights_only=False, map_location="cpu")
         load_optimizer_state(model, optimizer, state["optimizer"])
@@ -88,7 +99,8 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
         student_engine, teacher_engine = open_training_engines(config, model, tokenizer, folder.logs, resources, world)
         run = Run(config, folder, model, tokenizer, optimizer, scheduler, student_engine, teacher_engine,
                   student_template, teacher_template, train_examples, eval_examples, probe, step, resources,
-                  device=options["device"], world=world)
+                  device=options["device"], world=world, demonstration_fallback=fallback,
+                  ema=open_ema(config, teacher_engine, resume_from, state.get("ema"), options))
         with run.autocast():
             if config.engine.kind in VLLM_KINDS:
                 # vLLM starts from the model folder (or was running already): give it the
@@ -103,10 +115,48 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
     return run
 
 
-def check_templates_render(student: PromptTemplate, teacher: PromptTemplate, example: Example) -> None:
-    """Render both templates once, as a step does, so that an undefined variable or a
-    refused operation fails before any model loads rather than at the first step."""
-    render_teacher(teacher, example, render_student(student, example), attempt="", feedback="")
+def open_ema(config: TrainConfig, teacher_engine: Any, resume_from: Path | None, saved: dict | None,
+             options: dict) -> EmaWeights | None:
+    """teacher.kind = 'ema': the average, from the initial weights or a checkpoint's average. In
+    process it is the teacher engine's own copy; a vLLM teacher is sent it (a float32 copy here)."""
+    if config.teacher.kind != "ema":
+        return None
+    if resume_from is not None and saved is None:
+        raise ConfigError("teacher.kind", f"{resume_from} holds no EMA weights: the run was not started with "
+                          "teacher.kind = 'ema'")
+    if config.engine.kind == "local":
+        model = teacher_engine.model
+    else:
+        model = load_model(config.model.student, "float32", frozen=True, **options)[0]
+    ema = EmaWeights(model, config.teacher.ema_rate)
+    if saved is not None:
+        ema.load_state_dict(saved)
+    return ema
+
+
+def demonstration_fallback(config: TrainConfig, teacher: PromptTemplate) -> PromptTemplate | None:
+    """The template for rollouts without a sibling demonstration, when `teacher` uses one;
+    it must not use `demonstration` itself."""
+    if not uses_demonstration(teacher):
+        return None
+    fallback = load_template(config.teacher.demonstration_fallback)
+    if uses_demonstration(fallback):
+        raise ConfigError("teacher.demonstration_fallback", f"{fallback.name!r} uses 'demonstration' itself; the "
+                          "fallback scores rollouts that have none (e.g. teacher/empty)")
+    return fallback
+
+
+def check_templates_render(student: PromptTemplate, teacher: PromptTemplate, example: Example,
+                           fallback: PromptTemplate | None = None) -> None:
+    """Render the templates once, as a step does (a teacher that uses `demonstration` with a
+    sample one, and its fallback), so that an undefined variable or a refused operation
+    fails before any model loads rather than at the first step."""
+    check_student_template(student)
+    student_messages = render_student(student, example)
+    render_teacher(teacher, example, student_messages, attempt="", feedback="",
+                   demonstration=SAMPLE_DEMONSTRATION if uses_demonstration(teacher) else None)
+    if fallback is not None:
+        render_teacher(fallback, example, student_messages, attempt="", feedback="")
 
 
 def check_context(config: TrainConfig, model_config: Any, tokenizer: Any, template: PromptTemplate,
@@ -153,6 +203,9 @@ def check_world(config: TrainConfig, world: World) -> None:
     if config.model.device.startswith("cuda:"):
         raise ConfigError("model.device", f"{config.model.device!r} would put every rank on one GPU; under torchrun "
                           "use 'auto' or 'cuda': each rank takes the GPU of its LOCAL_RANK")
+    if config.teacher.kind == "ema":
+        raise ConfigError("teacher.kind", f"'ema' under torchrun ({world.size} processes) is not supported: the "
+                          "average is kept on one process; train an 'ema' teacher on one process")
     if config.engine.kind == "vllm" and config.model.lora:
         raise ConfigError("model.lora_rank", "LoRA with vLLM servers under torchrun is not supported: the merged "
                           "weights are built on one process; train LoRA on one process or with engine.kind = 'local'")

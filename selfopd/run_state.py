@@ -13,6 +13,7 @@ import torch
 from selfopd.config import TrainConfig
 from selfopd.devices import autocast
 from selfopd.distributed import World
+from selfopd.ema import EmaWeights
 from selfopd.engines.base import Engine, Rollout
 from selfopd.engines.local import pad_token_id
 from selfopd.example import Example
@@ -41,6 +42,9 @@ class Run:
     resources: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # servers, clients
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # the trainer's
     world: World = field(default_factory=World)  # this process among torchrun's (one: rank 0 of 1)
+    # Set iff the teacher template uses `demonstration`: it scores rollouts that have none.
+    demonstration_fallback: PromptTemplate | None = None
+    ema: EmaWeights | None = None  # teacher.kind = 'ema': the averaged weights the teacher serves
 
     def close(self) -> None:
         """Close engine clients and stop the servers this run launched."""
@@ -77,3 +81,4 @@ class Scored:
     teacher_logprobs: torch.Tensor  # (T,) over the completion tokens
     teacher_prompt: list[int]
     teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None  # (T, k) ids and logprobs, when the loss needs them
+    demonstration: str | None = None  # the sibling's text the teacher saw (None: none, or not used)

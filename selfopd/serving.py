@@ -82,17 +82,18 @@ class SyncTarget:
 
 
 def weight_sync_plan(config: TrainConfig, student_urls: Sequence[str], teacher_urls: Sequence[str]) -> list[SyncTarget]:
-    """Every server that serves the student's weights: each student server, and a `self`
-    teacher's server (a frozen or external teacher keeps its weights); distinct NCCL ports."""
+    """Every server that is sent weights: each student server, and a `self` teacher's server
+    (the student's weights) or an `ema` teacher's (their average); a frozen or external
+    teacher keeps its weights. Distinct NCCL ports."""
     urls = [("student", url) for url in student_urls]
-    if config.teacher.follows_student:
+    if config.teacher.receives_weights:
         urls += [("teacher", url) for url in teacher_urls]
     return [SyncTarget(role, url, NCCL_FIRST_PORT + i) for i, (role, url) in enumerate(urls)]
 
 
 def open_weight_syncs(config: TrainConfig, student_urls: Sequence[str],
                       teacher_urls: Sequence[str]) -> tuple[WeightSync, WeightSync | None]:
-    """(the student servers' sync, a `self` teacher's sync or None), one group per server.
+    """(the student servers' sync, a `self` or `ema` teacher's sync or None), one group per server.
 
     With NCCL the calling process becomes rank 0 of every server's group, on its current
     CUDA device: under torchrun call it on trainer rank 0 only (rank 0 gathers the weights

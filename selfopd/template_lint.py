@@ -21,12 +21,14 @@ from typing import Literal, Sequence
 from selfopd.example import Example
 from selfopd.templates import (
     PROMPTS_DIR,
+    SAMPLE_DEMONSTRATION,
     STUDENT_VARIABLES,
     TEACHER_VARIABLES,
     PromptTemplate,
     TemplateError,
     render_student,
     render_teacher,
+    uses_demonstration,
 )
 
 Level = Literal["error", "warning"]
@@ -72,7 +74,8 @@ def lint_template(
             if role == "student":
                 continue
             attempt, feedback = _feedback_for(example) if {"attempt", "feedback"} & template.variables else (None, None)
-            teacher_messages = render_teacher(template, example, student_messages, attempt, feedback)
+            demonstration = SAMPLE_DEMONSTRATION if uses_demonstration(template) else None
+            teacher_messages = render_teacher(template, example, student_messages, attempt, feedback, demonstration)
         except TemplateError as error:
             findings.append(Finding("error", template.name, f"row {example.id}: {error}"))
             continue

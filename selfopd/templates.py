@@ -16,7 +16,10 @@ Variables:
 - student templates: `prompt`, `id`, `meta` (never the answer: the student cannot have it);
 - teacher templates: the student's, plus `answer`, `student_prompt` (the rendered student
   user message), and when available `solution`, `hints` (list), `attempt` (the student's
-  completion text) and `feedback` (a verifier's sentence about that attempt).
+  completion text), `feedback` (a verifier's sentence about that attempt) and
+  `demonstration` (the text of another, correct sample of the same prompt from the same
+  step). A rollout that has no demonstration is rendered with the run's fallback template
+  (`teacher.demonstration_fallback`) instead: `render_teacher(..., fallback=...)`.
 """
 
 from __future__ import annotations
@@ -37,7 +40,11 @@ Message = dict[str, str]
 
 PROMPTS_DIR = Path(os.environ.get("SELFOPD_PROMPTS", Path(__file__).resolve().parents[1] / "prompts"))
 STUDENT_VARIABLES = ("prompt", "id", "meta")
-TEACHER_VARIABLES = STUDENT_VARIABLES + ("answer", "student_prompt", "solution", "hints", "attempt", "feedback")
+TEACHER_VARIABLES = STUDENT_VARIABLES + ("answer", "student_prompt", "solution", "hints", "attempt", "feedback",
+                                          "demonstration")
+# A stand-in sibling demonstration, for rendering a template before any rollout exists
+# (start-up checks, `selfopd prompts lint` and `render`).
+SAMPLE_DEMONSTRATION = "Adding the two numbers step by step gives the final answer, \\boxed{0}."
 
 
 class TemplateError(ValueError):
@@ -116,6 +123,7 @@ def teacher_variables(
     student_messages: Sequence[Message],
     attempt: str | None = None,
     feedback: str | None = None,
+    demonstration: str | None = None,
 ) -> dict[str, Any]:
     """Everything a privileged teacher may see. Absent information stays undefined, so a
     template that needs it fails loudly rather than rendering 'None'."""
@@ -130,7 +138,21 @@ def teacher_variables(
         variables["attempt"] = attempt
     if feedback is not None:
         variables["feedback"] = feedback
+    if demonstration is not None:
+        variables["demonstration"] = demonstration
     return variables
+
+
+def uses_demonstration(template: PromptTemplate) -> bool:
+    """The template shows the teacher a sibling demonstration (the `demonstration` variable)."""
+    return "demonstration" in template.variables
+
+
+def check_student_template(template: PromptTemplate) -> None:
+    """A student cannot see a sibling's answer: `demonstration` is a teacher variable."""
+    if uses_demonstration(template):
+        raise TemplateError(f"{template.path}: student template {template.name!r} uses 'demonstration', which "
+                            "only a teacher template may use")
 
 
 def render_student(template: PromptTemplate, example: Example) -> list[Message]:
@@ -143,9 +165,15 @@ def render_teacher(
     student_messages: Sequence[Message],
     attempt: str | None = None,
     feedback: str | None = None,
+    demonstration: str | None = None,
+    fallback: PromptTemplate | None = None,
 ) -> list[Message]:
-    """Teacher messages; the student's system message is kept unless the template has its own."""
-    messages = template.render(teacher_variables(example, student_messages, attempt, feedback))
+    """Teacher messages; the student's system message is kept unless the template has its own.
+    A template that uses `demonstration`, given none, renders `fallback` instead (when given;
+    else the missing variable is an error)."""
+    if demonstration is None and fallback is not None and uses_demonstration(template):
+        template = fallback
+    messages = template.render(teacher_variables(example, student_messages, attempt, feedback, demonstration))
     student_system = [m for m in student_messages if m["role"] == "system"]
     if student_system and not any(m["role"] == "system" for m in messages):
         messages = student_system + messages

@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from selfopd.config import TrainConfig, config_to_toml
+from selfopd.demonstrations import pick_demonstrations
 from selfopd.distributed import all_gather, all_sum, barrier, current_world, is_sharded, share
 from selfopd.engines.base import SamplingParams, rest_engines
 from selfopd.example import Example
@@ -26,7 +27,14 @@ from selfopd.faults import fault_point
 from selfopd.folder_guard import check_not_in_use, check_writable, claimed_run_folder, refuse_finished, writing
 from selfopd.kernels import full_vocab_divergence, topk_reverse_kl
 from selfopd.loss_metrics import opd_metrics
-from selfopd.objectives import combined_advantage, masked_mean, policy_gradient_loss, truncated_is_ratio
+from selfopd.objectives import (
+    clipped_divergence,
+    clipped_tokens,
+    combined_advantage,
+    masked_mean,
+    policy_gradient_loss,
+    truncated_is_ratio,
+)
 from selfopd.run_folder import RunFolder
 from selfopd.run_outputs import plot_run, prune_checkpoints, reuse_eval, run_eval, save_checkpoint, save_rollouts
 from selfopd.run_setup import build_run
@@ -83,13 +91,20 @@ def _train_step(run: Run) -> dict[str, float]:
 
     # 2. Verifier rewards, then the teacher scores the student's exact completion ids,
     #    after its own (privileged) prompt.
+    #    A template that uses `demonstration` gets a correct sibling's text (else the fallback).
     with timer("verify"):
         pending = []
         for group, (example, messages, rollouts) in enumerate(zip(examples, student_messages, groups), first_group):
-            for rollout in rollouts:
-                verdict = verify_example(rollout.text, example, partial_credit=cfg.loss.partial_credit)
-                teacher_messages = render_teacher(run.teacher_template, example, messages, rollout.text, verdict.feedback)
-                pending.append((example, group, rollout, verdict, prompt_token_ids(run.tokenizer, teacher_messages)))
+            verdicts = [verify_example(r.text, example, partial_credit=cfg.loss.partial_credit) for r in rollouts]
+            demonstrations = (pick_demonstrations([r.text for r in rollouts], [v.correct for v in verdicts],
+                                                  seed=cfg.run.seed, step=run.step, group=group,
+                                                  skip_self=cfg.teacher.skip_self_success)
+                              if run.demonstration_fallback is not None else [None] * len(rollouts))
+            for rollout, verdict, demonstration in zip(rollouts, verdicts, demonstrations):
+                teacher_messages = render_teacher(run.teacher_template, example, messages, rollout.text,
+                                                  verdict.feedback, demonstration, run.demonstration_fallback)
+                pending.append((example, group, rollout, verdict, prompt_token_ids(run.tokenizer, teacher_messages),
+                                demonstration))
     with timer("teacher"):
         # Scored in the trainer's micro-batches: with the empty-context control the teacher
         # then computes exactly what the student does, bit for bit (same batch, same padding).
@@ -98,12 +113,12 @@ def _train_step(run: Run) -> dict[str, float]:
         scores = []
         for start in range(0, len(pending), per_micro):
             micro = pending[start : start + per_micro]
-            pairs = [(teacher_prompt, rollout.completion_ids) for _, _, rollout, _, teacher_prompt in micro]
+            pairs = [(teacher_prompt, rollout.completion_ids) for _, _, rollout, _, teacher_prompt, _ in micro]
             scores.extend(run.teacher_engine.score(pairs, top_k=top_k, temperature=temperature))
     scored = [
         Scored(example, group, rollout, verdict.reward, verdict.correct, score.logprobs, teacher_prompt,
-               (score.topk_ids, score.topk_logprobs) if top_k else None)
-        for (example, group, rollout, verdict, teacher_prompt), score in zip(pending, scores)
+               (score.topk_ids, score.topk_logprobs) if top_k else None, demonstration)
+        for (example, group, rollout, verdict, teacher_prompt, demonstration), score in zip(pending, scores)
     ]
 
     rest_engines(run.student_engine, run.teacher_engine)  # a colocated vLLM frees the GPU until its next call
@@ -114,7 +129,8 @@ def _train_step(run: Run) -> dict[str, float]:
     # by the step's totals, and FSDP's mean over ranks is undone by `world.size`.
     total_tokens = all_sum(sum(len(s.rollout.completion_ids) for s in scored), world)
     total_rollouts = len(scored) * world.size
-    collected: dict[str, list[torch.Tensor]] = {"teacher": [], "student": [], "sampler": [], "advantage": [], "divergence": []}
+    collected: dict[str, list[torch.Tensor]] = {"teacher": [], "student": [], "sampler": [], "advantage": [],
+                                                "divergence": [], "clipped": []}
     sampled = cfg.loss.divergence == "sampled"
     loss_total = 0.0
     with timer("train"):
@@ -133,23 +149,28 @@ def _train_step(run: Run) -> dict[str, float]:
             # The sampled-token advantage (OPD + GRPO) is always computed: it is saved and
             # measured even when the teacher term of the loss is an exact divergence.
             advantage_BC = combined_advantage(teacher_lp_BC, student_lp_BC, mask_BC, rewards_B, group_ids_B,
-                                              lambda_opd=cfg.loss.lambda_opd, lambda_rl=cfg.loss.lambda_rl)
+                                              lambda_opd=cfg.loss.lambda_opd, lambda_rl=cfg.loss.lambda_rl,
+                                              token_clip=cfg.loss.token_clip)
             ratio_BC = truncated_is_ratio(student_lp_BC, sampler_lp_BC, cfg.loss.is_cap) if cfg.loss.is_cap else None
             if sampled:
                 loss = policy_gradient_loss(student_lp_BC, advantage_BC, mask_BC, ratio_BC, cfg.loss.normalisation)
+                clipped_BC = clipped_tokens(teacher_lp_BC - student_lp_BC, mask_BC, cfg.loss.token_clip, two_sided=True)
             else:  # the teacher term is an exact divergence; only the GRPO term stays a policy gradient
                 grpo_BC = combined_advantage(teacher_lp_BC, student_lp_BC, mask_BC, rewards_B, group_ids_B,
                                              lambda_opd=0.0, lambda_rl=cfg.loss.lambda_rl)
                 divergence_BC = distribution_divergence(run, micro, hidden_BCH, mask_BC)
+                clipped_BC = clipped_tokens(divergence_BC, mask_BC, cfg.loss.token_clip, two_sided=False)
+                trained_BC = clipped_divergence(divergence_BC, cfg.loss.token_clip)
                 loss = (policy_gradient_loss(student_lp_BC, grpo_BC, mask_BC, ratio_BC, cfg.loss.normalisation)
-                        + cfg.loss.lambda_opd * masked_mean(divergence_BC, mask_BC, cfg.loss.normalisation))
-                collected["divergence"].append(divergence_BC.detach()[mask_BC].float().cpu())
+                        + cfg.loss.lambda_opd * masked_mean(trained_BC, mask_BC, cfg.loss.normalisation))
+                collected["divergence"].append(divergence_BC.detach()[mask_BC].float().cpu())  # before the clip
             # Scale so the accumulated gradient equals one big batch's mean.
             weight = int(mask_BC.sum()) / total_tokens if cfg.loss.normalisation == "token" else len(micro) / total_rollouts
             (loss * (weight * world.size)).backward()
             fault_point("train.backward")
             loss_total += loss.item() * weight
-            for key, tensor in (("teacher", teacher_lp_BC), ("student", student_lp_BC), ("sampler", sampler_lp_BC), ("advantage", advantage_BC)):
+            for key, tensor in (("teacher", teacher_lp_BC), ("student", student_lp_BC), ("sampler", sampler_lp_BC),
+                                ("advantage", advantage_BC), ("clipped", clipped_BC)):
                 collected[key].append(tensor.detach()[mask_BC].float().cpu())
 
     # 4. Optimizer step (AdamW state persists across steps), skipped when the loss or the
@@ -159,6 +180,8 @@ def _train_step(run: Run) -> dict[str, float]:
         finite = all_sum(float(not math.isfinite(loss_total + grad_norm)), world) == 0
         if finite:
             run.optimizer.step()
+            if run.ema is not None:  # the `ema` teacher follows only the steps taken
+                run.ema.update(run.model)
         with warnings.catch_warnings():  # a skipped first step: the lr still follows run.step
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
             run.scheduler.step()
@@ -185,13 +208,17 @@ def _train_step(run: Run) -> dict[str, float]:
         "optim/lr": run.scheduler.get_last_lr()[0],
         "optim/grad_norm": grad_norm,
         **probe_gaps,
+        **({"teacher/ema_distance": run.ema.distance(run.model)} if run.ema is not None else {}),
         **opd_metrics(
             flat["teacher"], flat["student"], torch.ones_like(flat["teacher"], dtype=torch.bool),
             sampler_lp_BT=flat["sampler"], cap=cfg.loss.is_cap or None, advantage_BT=flat["advantage"],
             rewards_B=torch.tensor([s.reward for s in scored]),
         ),
         **({} if sampled else {f"loss/{cfg.loss.divergence}": flat["divergence"].double().mean().item()}),
+        **({"opd/clipped_share": flat["clipped"].double().mean().item()} if cfg.loss.token_clip else {}),
         "reward/accuracy": sum(s.correct for s in scored) / len(scored),
+        **({"teacher/demonstration_share": sum(s.demonstration is not None for s in scored) / len(scored)}
+           if run.demonstration_fallback is not None else {}),
         "rollout/length_mean": total_tokens / len(scored),
         "rollout/truncated_share": sum(s.rollout.finish_reason == "length" for s in scored) / len(scored),
         **timer.as_metrics(),

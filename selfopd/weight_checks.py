@@ -1,5 +1,6 @@
 """Proof that every engine serves the weights it should: the weight sync after each step
-and the probe that checks it on every replica, and the one-time check of a frozen teacher."""
+and the probe that checks it on every replica (the student's weights, or an `ema`
+teacher's average), and the one-time check of a frozen teacher."""
 
 from __future__ import annotations
 
@@ -37,19 +38,32 @@ def sync_weights(run: Run) -> None:
     weights under the base checkpoint's names (LoRA adapters merged in, `served_weights`).
     An in-process engine over the trainer's own module already has them: it gets no tensors,
     only the version (with LoRA its parameter names are not the checkpoint's). Under torchrun
-    every rank helps gather the full weights; rank 0 sends them."""
+    every rank helps gather the full weights; rank 0 sends them. An `ema` teacher then gets
+    the average (`sync_ema_teacher`)."""
     copies = []
     for _, engine in engines_serving_student_weights(run):
         if serves_live_model(engine, run):
             engine.update_weights({}, version=run.step)
         else:
             copies.append(engine)
-    if not copies:
+    if copies:
+        named = full_state_dict(run.model) if is_sharded(run.model) else served_weights(run.model)
+        if run.world.is_main:
+            for engine in copies:
+                engine.update_weights(named, version=run.step)
+    sync_ema_teacher(run)
+
+
+def sync_ema_teacher(run: Run) -> None:
+    """An `ema` teacher's engine gets the average: only the version when it scores with the
+    average's own module (in process), the averaged weights when it is a server."""
+    if run.ema is None:
         return
-    named = full_state_dict(run.model) if is_sharded(run.model) else served_weights(run.model)
-    if run.world.is_main:
-        for engine in copies:
-            engine.update_weights(named, version=run.step)
+    engine = run.teacher_engine
+    if getattr(engine, "model", None) is run.ema.model:
+        engine.update_weights({}, version=run.step)
+    elif run.world.is_main:
+        engine.update_weights(served_weights(run.ema.model), version=run.step)
 
 
 @torch.no_grad()
@@ -78,16 +92,21 @@ def probe_rule(run: Run) -> tuple[str, float, str]:
 def check_probe(run: Run) -> dict[str, float]:
     """The largest max and mean |engine - trainer| logprob on a fixed sequence, over every
     replica of every engine that serves the student's weights (each student server, a
-    `self` teacher's server); raises past the tolerance (`probe_rule`), naming the replica."""
+    `self` teacher's server) and of an `ema` teacher's engine (against the average's
+    logprobs, not the student's); raises past the tolerance (`probe_rule`), naming the replica."""
     trainer_lp = probe_logprobs(run.model, run.probe, run.pad_id)
+    checks = [(name, engine, trainer_lp, "the trainer's") for name, engine in engines_serving_student_weights(run)]
+    if run.ema is not None:
+        checks.append(("ema teacher", run.teacher_engine, probe_logprobs(run.ema.model, run.probe, run.pad_id),
+                       "the trainer's EMA weights'"))
     key, tolerance, what = probe_rule(run)
     worst = {"probe/max_abs_diff": 0.0, "probe/mean_abs_diff": 0.0}
-    for name, engine in engines_serving_student_weights(run):
+    for name, engine, reference_lp, whose in checks:
         for replica, score in engine.score_replicas(run.probe):
-            gaps = probe_gaps(score.logprobs, trainer_lp)
+            gaps = probe_gaps(score.logprobs, reference_lp)
             if not gaps[key] <= tolerance:
                 raise WeightSyncError(
-                    f"after step {run.step} the {name} engine's logprobs ({replica}) differ from the trainer's: "
+                    f"after step {run.step} the {name} engine's logprobs ({replica}) differ from {whose}: "
                     f"{what} = {tolerance}) is {gaps[key]:.3g}: the weight update did not arrive")
             worst = {metric: max(worst[metric], gaps[metric]) for metric in worst}
     return worst

@@ -61,6 +61,12 @@ def test_render_shows_both_prompts_with_token_counts(capsys, smollm2_dir):
     assert teacher_tokens > student_tokens > 10  # the teacher prompt is the student's plus context
 
 
+def test_render_shows_a_given_demonstration(capsys, smollm2_dir):
+    assert main(["prompts", "render", "teacher/sibling", "--data", SMALL_DATA, "--index", "2",
+                 "--demonstration", "Twelve plus nine is 21."]) == 0
+    assert "Twelve plus nine is 21." in capsys.readouterr().out
+
+
 def test_render_index_out_of_range(capsys):
     assert main(["prompts", "render", "teacher/empty", "--data", SMALL_DATA, "--index", "40"]) == 1
     assert "--index 40 is outside" in capsys.readouterr().err
@@ -71,6 +77,7 @@ def test_lint_exit_codes(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "warning: teacher/answer_hint_leaky" in out
     assert "skip: teacher/hints" in out  # chain_sum has no hints
+    assert "ok: teacher/sibling" in out  # rendered with a stand-in demonstration
     broken = tmp_path / "broken.jinja"
     broken.write_text("{{ student_prompt }} {{ nope }}")
     assert main(["prompts", "lint", str(broken), "--data", SMALL_DATA]) == 1

@@ -177,6 +177,10 @@ def test_the_weight_sync_plan_covers_every_server_of_the_students_weights():
     # The synced servers of the launch plan are exactly those of the sync plan.
     synced = [slot.name for slot in server_slots(config()) if slot.synced]
     assert synced == ["student-0", "student-1", "teacher"]
+    # An `ema` teacher's server is sent the average after every step: synced too.
+    assert [t.role for t in weight_sync_plan(config("teacher.kind=ema"), students, teacher)] == [
+        "student", "student", "teacher"]
+    assert [slot.name for slot in server_slots(config("teacher.kind=ema")) if slot.synced][-1] == "teacher"
 
 
 # --- the launch path refuses before anything starts ---------------------------------------------

@@ -12,6 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from selfopd.kernels import token_logprobs_from_hidden
 from selfopd.loss_metrics import opd_metrics
 from selfopd.objectives import (
+    clipped_divergence,
+    clipped_tokens,
     combined_advantage,
     grpo_advantage,
     opd_advantage,
@@ -296,6 +298,59 @@ def test_combined_advantage_is_the_weighted_sum():
     assert torch.equal(combined_advantage(teacher_BT, student_BT, mask_BT), opd_BT)  # pure OPD default
     with pytest.raises(ValueError, match="rewards"):
         combined_advantage(teacher_BT, student_BT, mask_BT, lambda_rl=1.0)
+
+
+def test_token_clip_clips_the_opd_term_before_weighting_and_gives_its_gradient():
+    """Reference in float64, token by token from the definition: A = lambda_rl * A_grpo +
+    lambda_opd * min(max(teacher - student, -c), c); the loss gradient is -A / tokens."""
+    torch.manual_seed(5)
+    B, T, c = 4, 6, 0.5
+    teacher_BT, student_BT = 2 * torch.randn(B, T), 2 * torch.randn(B, T)
+    mask_BT = torch.tensor([[0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 1, 0, 0, 0, 0]],
+                           dtype=torch.bool)
+    teacher_BT[0, 0] = math.inf  # a prompt position's garbage stays out
+    rewards_B, group_ids_B = torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.tensor([0, 0, 1, 1])
+    grpo_B = grpo_advantage(rewards_B, group_ids_B).double()
+    expected_BT = torch.zeros(B, T, dtype=torch.float64)
+    clipped = 0
+    for b in range(B):
+        for t in range(T):
+            if mask_BT[b, t]:
+                gap = float(teacher_BT[b, t]) - float(student_BT[b, t])
+                clipped += abs(gap) > c
+                expected_BT[b, t] = 0.3 * grpo_B[b] + 0.7 * min(max(gap, -c), c)
+    assert 0 < clipped < int(mask_BT.sum())  # the data clips some tokens, not all
+    logpi_BT = student_BT.clone().requires_grad_(True)
+    advantage_BT = combined_advantage(teacher_BT, logpi_BT, mask_BT, rewards_B, group_ids_B, lambda_opd=0.7,
+                                      lambda_rl=0.3, token_clip=c)
+    assert torch.allclose(advantage_BT.double(), expected_BT, rtol=0, atol=1e-6)
+    policy_gradient_loss(logpi_BT, advantage_BT, mask_BT).backward()
+    assert torch.allclose(logpi_BT.grad.double(), -expected_BT / int(mask_BT.sum()), rtol=0, atol=1e-7)
+    share = clipped_tokens(teacher_BT - student_BT, mask_BT, c, two_sided=True)
+    assert int(share.sum()) == clipped and not share[~mask_BT].any()
+    unclipped = combined_advantage(teacher_BT, student_BT, mask_BT, rewards_B, group_ids_B, 0.7, 0.3, token_clip=0.0)
+    assert torch.equal(unclipped, combined_advantage(teacher_BT, student_BT, mask_BT, rewards_B, group_ids_B, 0.7, 0.3))
+    assert not clipped_tokens(teacher_BT - student_BT, mask_BT, 0.0, two_sided=True).any()
+
+
+def test_token_clip_clamps_a_divergence_and_drops_the_gradient_of_clamped_positions():
+    """The clamped divergence equals min(d, c) and its gradient is d's where d <= c, 0 where
+    clamped (float64 reference by finite pieces: the gradient of sum(w * min(d, c)))."""
+    torch.manual_seed(6)
+    x_N = torch.randn(12, dtype=torch.float64, requires_grad=True)
+    divergence_N = x_N**2  # >= 0, like every divergence here; its gradient is 2x
+    c = 0.6
+    weights_N = torch.rand(12, dtype=torch.float64)
+    clamped_N = clipped_divergence(divergence_N, c)
+    (weights_N * clamped_N).sum().backward()
+    d = divergence_N.detach()
+    assert torch.equal(clamped_N.detach(), torch.minimum(d, torch.tensor(c, dtype=torch.float64)))
+    expected_grad = torch.where(d > c, torch.zeros_like(d), weights_N * 2 * x_N.detach())
+    assert 0 < int((d > c).sum()) < 12
+    assert torch.equal(x_N.grad, expected_grad)
+    mask_N = torch.ones(12, dtype=torch.bool)
+    assert torch.equal(clipped_tokens(d, mask_N, c, two_sided=False), d > c)
+    assert clipped_divergence(divergence_N, 0.0) is divergence_N
 
 
 # ---- token logprobs -----------------------------------------------------------------------

@@ -34,7 +34,8 @@ def test_every_shipped_template_renders_on_a_full_example():
         if name.startswith("student/"):
             messages = render_student(template, FULL)
         else:
-            messages = render_teacher(template, FULL, student, attempt="It is 8.", feedback="Your final answer 8 is wrong.")
+            messages = render_teacher(template, FULL, student, attempt="It is 8.", feedback="Your final answer 8 is wrong.",
+                                      demonstration="3 + 4 = 7.")
         assert messages[-1]["role"] == "user"
         assert FULL.prompt in messages[-1]["content"], name
 

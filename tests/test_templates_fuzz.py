@@ -89,27 +89,29 @@ field = st.one_of(st.text(), jinja_in_data, st.lists(st.one_of(st.text(max_size=
 
 @examples(60)
 @given(prompt=field, answer=field, solution=field.filter(bool),  # an empty solution is an absent one
-       hints=st.lists(field, min_size=1, max_size=3), attempt=field, feedback=field)
+       hints=st.lists(field, min_size=1, max_size=3), attempt=field, feedback=field, demonstration=field)
 @example(prompt="{{ 7*7 }}", answer="{% include '/etc/passwd' %}", solution="{{ ''.__class__ }}",
-         hints=["{{ lipsum() }}"], attempt="{{ config }}", feedback="{0.__class__}")
-def test_data_fields_render_verbatim_in_every_shipped_template(prompt, answer, solution, hints, attempt, feedback):
+         hints=["{{ lipsum() }}"], attempt="{{ config }}", feedback="{0.__class__}", demonstration="{{ 7*7 }}")
+def test_data_fields_render_verbatim_in_every_shipped_template(prompt, answer, solution, hints, attempt, feedback,
+                                                               demonstration):
     """Every field a shipped template shows appears exactly as given: `{{ 7*7 }}` stays
     `{{ 7*7 }}`, never `49`; Jinja syntax in data is never parsed, let alone run."""
     example = Example(id="fuzz", prompt=prompt, answer=answer, solution=solution, hints=tuple(hints))
     fields = {"prompt": [prompt], "answer": [answer], "solution": [solution], "hints": hints,
-              "attempt": [attempt], "feedback": [feedback]}
+              "attempt": [attempt], "feedback": [feedback], "demonstration": [demonstration]}
     for name, template in SHIPPED.items():
         if name.startswith("student/"):
             messages = render_student(template, example)
         else:
             student = render_student(SHIPPED["student/plain"], example)
-            messages = render_teacher(template, example, student, attempt=attempt, feedback=feedback)
+            messages = render_teacher(template, example, student, attempt=attempt, feedback=feedback,
+                                      demonstration=demonstration)
         text = "\n".join(m["content"] for m in messages)
         shown = template.variables | ({"prompt"} if "student_prompt" in template.variables else set())
         for variable in shown & fields.keys():
             for value in fields[variable]:
                 assert value.strip() in text, f"{name}: {variable} {value!r} not rendered verbatim"
-        if "49" not in prompt + answer + solution + attempt + feedback + "".join(hints):
+        if "49" not in prompt + answer + solution + attempt + feedback + demonstration + "".join(hints):
             assert "49" not in text
 
 

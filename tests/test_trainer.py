@@ -76,9 +76,11 @@ def test_same_seed_gives_same_metrics(tmp_path, tiny_model_dir):
     assert [_without_times(m) for m in _lines(other)] != [_without_times(m) for m in _lines(first)]
 
 
-def test_resumed_run_continues_exactly(tmp_path, tiny_model_dir):
-    whole = train(_config(tmp_path, tiny_model_dir, "run.steps=3", "run.name=whole"))
-    part = train(_config(tmp_path, tiny_model_dir, "run.steps=2", "run.name=part", "run.checkpoint_every=1"))
+@pytest.mark.parametrize("teacher", [(), ("teacher.kind=ema", "teacher.ema_rate=0.3")], ids=["self", "ema"])
+def test_resumed_run_continues_exactly(tmp_path, tiny_model_dir, teacher):
+    """Bit for bit; an `ema` teacher's average is restored from the checkpoint."""
+    whole = train(_config(tmp_path, tiny_model_dir, "run.steps=3", "run.name=whole", *teacher))
+    part = train(_config(tmp_path, tiny_model_dir, "run.steps=2", "run.name=part", "run.checkpoint_every=1", *teacher))
     resumed = train(load_config(part / "config.toml", ["run.steps=3"]), resume=True)
     step3 = [m for m in _lines(whole) if m["step"] == 3 and "loss/pg" in m]
     again = [m for m in _lines(resumed) if m["step"] == 3 and "loss/pg" in m]
@@ -254,6 +256,22 @@ def test_topk_divergence_is_at_most_the_full_one_on_the_same_rollouts(tmp_path, 
     assert values["reverse_kl"]["opd/reverse_kl"] == values["topk_reverse_kl"]["opd/reverse_kl"]
     assert values["forward_kl"]["loss/forward_kl"] > 0 and 0 < values["jsd"]["loss/jsd"] < 0.5 * max(
         full, values["forward_kl"]["loss/forward_kl"])
+
+
+@pytest.mark.parametrize("divergence", ["sampled", "reverse_kl"])
+def test_token_clip_is_logged_and_bounds_the_opd_advantage(tmp_path, tiny_model_dir, divergence):
+    """A frozen teacher with the answer in its prompt disagrees with the (tiny, nearly
+    uniform) student by more than 1e-5 nats on some tokens: those are clipped (sampled: the
+    saved advantage stays within [-c, c]; a divergence: positions above c are counted)."""
+    run = build_run(_config(tmp_path, tiny_model_dir, "teacher.kind=frozen", "loss.token_clip=1e-5",
+                            f"loss.divergence={divergence}", f"run.name=clip-{divergence}"))
+    run.run_dir.mkdir(parents=True)
+    metrics = train_step(run)
+    assert 0 < metrics["opd/clipped_share"] <= 1
+    if divergence == "sampled":
+        advantages = [a for line in (run.folder.rollouts_file(1)).read_text().splitlines()
+                      for a in json.loads(line)["advantage"]]
+        assert max(abs(a) for a in advantages) <= 1e-5 + 1e-9
 
 
 def test_full_vocabulary_divergence_with_vllm_is_refused():

@@ -234,6 +234,27 @@ def test_training_step_syncs_student_and_teacher_servers(servers, engines, base_
         run.close()
 
 
+def test_an_ema_teacher_server_is_sent_the_average_not_the_students_weights(servers, engines, base_weights_after,
+                                                                           tmp_path):
+    from selfopd.trainer import build_run, train_step
+
+    run = build_run(train_config(servers, tmp_path, "optim.lr=1e-4", "optim.warmup_steps=0", "run.name=ema",
+                                 "teacher.kind=ema", "teacher.ema_rate=0.1"))
+    try:
+        metrics = train_step(run)
+        assert metrics["probe/max_abs_diff"] <= TOLERANCE and metrics["teacher/ema_distance"] > 0
+        prompt, completion = run.probe
+        sequence = (prompt[:-3] + completion, completion[::-1])  # another sequence than the probe's
+        run.model.eval()
+        average, student = hf_logprobs(run.ema.model, *sequence), hf_logprobs(run.model, *sequence)
+        served = engines["teacher"].score([sequence])[0].logprobs.double()
+        assert (served - average).abs().max().item() <= TOLERANCE
+        assert (served - student).abs().max().item() > 100 * TOLERANCE  # not the student's weights
+        assert ServerControl(servers["teacher"]).version() == "1"
+    finally:
+        run.close()
+
+
 def test_lora_step_sends_merged_weights_under_the_checkpoint_names(servers, engines, base_weights_after, tmp_path):
     """A LoRA student: the servers (student, self teacher) get W + scale * B @ A under the base
     model's names, and score like the adapted trainer module."""

@@ -15,16 +15,25 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
+from selfopd.config import TeacherConfig
 from selfopd.diagnostics.measures import Annotated, annotate
 from selfopd.diagnostics.records import DiagnosticsError, RolloutRecord
 from selfopd.diagnostics.tokens import privileged_only_text, token_pieces
 from selfopd.engines.base import Engine, SamplingParams
 from selfopd.example import Example
 from selfopd.stats import PairedDifference, Proportion, paired_difference, wilson_interval
-from selfopd.templates import PromptTemplate, prompt_token_ids, render_student, render_teacher
+from selfopd.templates import (
+    PromptTemplate,
+    load_template,
+    prompt_token_ids,
+    render_student,
+    render_teacher,
+    uses_demonstration,
+)
 from selfopd.verifiers import reference_answer, verify_example
 
 _NUMBER = re.compile(r"^-?\d+$")
+DEFAULT_DEMONSTRATION_FALLBACK = TeacherConfig().demonstration_fallback
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,8 @@ class Prompting:
     student_template: PromptTemplate
     teacher_template: PromptTemplate
     examples_by_id: Mapping[str, Example]
+    # The run's teacher.demonstration_fallback (None: the config's default), for templates that use `demonstration`.
+    demonstration_fallback: PromptTemplate | None = None
 
     def with_teacher(self, template: PromptTemplate) -> Prompting:
         return dataclasses.replace(self, teacher_template=template)
@@ -50,16 +61,23 @@ class Prompting:
     def student_ids(self, example: Example) -> list[int]:
         return prompt_token_ids(self.tokenizer, render_student(self.student_template, example))
 
-    def teacher_messages(self, example: Example, attempt: str, feedback: str | None = None) -> list[dict[str, str]]:
+    def teacher_messages(self, example: Example, attempt: str, feedback: str | None = None,
+                         demonstration: str | None = None) -> list[dict[str, str]]:
         """The teacher's messages for `attempt`, with feedback graded against this example's
-        answer (pass `feedback` when the attempt is already graded)."""
+        answer (pass `feedback` when the attempt is already graded). A template that uses
+        `demonstration` renders the demonstration fallback when it is None, as in training
+        (a saved rollout's `demonstration` re-renders its prompt exactly)."""
         if feedback is None:
             feedback = verify_example(attempt, example).feedback
+        fallback = None
+        if demonstration is None and uses_demonstration(self.teacher_template):
+            fallback = self.demonstration_fallback or load_template(DEFAULT_DEMONSTRATION_FALLBACK)
         return render_teacher(self.teacher_template, example, render_student(self.student_template, example),
-                              attempt, feedback)
+                              attempt, feedback, demonstration, fallback)
 
-    def teacher_ids(self, example: Example, attempt: str, feedback: str | None = None) -> list[int]:
-        return prompt_token_ids(self.tokenizer, self.teacher_messages(example, attempt, feedback))
+    def teacher_ids(self, example: Example, attempt: str, feedback: str | None = None,
+                    demonstration: str | None = None) -> list[int]:
+        return prompt_token_ids(self.tokenizer, self.teacher_messages(example, attempt, feedback, demonstration))
 
 
 def annotate_records(records: Sequence[RolloutRecord], prompting: Prompting, progress: bool = False) -> list[Annotated]:

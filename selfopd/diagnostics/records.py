@@ -39,6 +39,7 @@ class RolloutRecord:
     reward: float
     correct: bool
     answer: str
+    demonstration: str | None = None  # the sibling demonstration the teacher saw; None: none (or files saved before)
 
     def __post_init__(self) -> None:
         length = len(self.completion_ids)

@@ -101,7 +101,8 @@ def open_training_engines(config: TrainConfig, model: Any, tokenizer: Any, log_d
     """(student engine, teacher engine) for a training run whose trainable student is `model`.
 
     In process, the student engine wraps `model` itself (a `self` teacher is the same engine
-    with another prompt); a frozen or external teacher is loaded on the student's device
+    with another prompt); a frozen, ema (whose copy `selfopd.ema` then averages in place)
+    or external teacher is loaded on the student's device
     and, under torchrun, sharded like it. With vLLM, launched servers log to `log_dir` and
     are stopped when `resources` closes. Colocated, vLLM runs in this process
     (`selfopd.engines.vllm_colocate`). An external teacher's tokenizer was checked by the caller."""
@@ -122,7 +123,7 @@ def open_training_engines(config: TrainConfig, model: Any, tokenizer: Any, log_d
     if config.teacher.kind == "self":
         return student, student
     options = model_options(config.model, world)
-    if config.teacher.kind == "frozen":
+    if config.teacher.kind in ("frozen", "ema"):  # an `ema` teacher starts from the initial weights too
         if config.model.lora:  # the initial weights are the live student's with its adapters off: no second copy
             return student, LocalEngine(model, tokenizer, batch_size=batch_size, forward_context=lambda: adapters_off(model))
         # The student's own precision (fp32 weights, `model.dtype` autocast): the two then
