@@ -8,8 +8,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import random
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -18,6 +20,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from selfopd import guard
 from selfopd.config import TrainConfig, config_to_toml
 from selfopd.distributed import all_gather, all_sum, barrier, current_world, is_sharded, share
 from selfopd.engines.base import SamplingParams, rest_engines
@@ -25,7 +28,7 @@ from selfopd.example import Example
 from selfopd.faults import fault_point
 from selfopd.folder_guard import check_not_in_use, check_writable, claimed_run_folder, refuse_finished, writing
 from selfopd.kernels import full_vocab_divergence, topk_reverse_kl
-from selfopd.loss_metrics import opd_metrics
+from selfopd.loss_metrics import opd_metrics, preference_metrics
 from selfopd.objectives import combined_advantage, masked_mean, policy_gradient_loss, truncated_is_ratio
 from selfopd.run_folder import RunFolder
 from selfopd.run_outputs import plot_run, prune_checkpoints, reuse_eval, run_eval, save_checkpoint, save_rollouts
@@ -44,6 +47,14 @@ SKIPPED = "nonfinite loss"  # the "skipped" value of a step whose loss or gradie
 
 class NonFiniteLoss(RuntimeError):
     """optim.max_nonfinite_steps steps in a row had a NaN or inf loss or gradient."""
+
+
+class GuardStop(RuntimeError):
+    """The illusion guard fired with guard.action = 'stop' (the step is checkpointed and evaluated)."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -178,6 +189,8 @@ def _train_step(run: Run) -> dict[str, float]:
     scored = [s for part in all_gather(scored, world) for s in part]
     flat = {key: torch.cat([t for part in all_gather(values, world) for t in part])[None]
             for key, values in collected.items() if values}
+    lengths = [len(s.rollout.completion_ids) for s in scored]
+    signal_N = (flat["teacher"][0] - flat["student"][0]).double()  # the OPD signal per completion token, all rollouts
     metrics = {
         "step": run.step,
         **({} if finite else {"skipped": SKIPPED}),
@@ -191,6 +204,8 @@ def _train_step(run: Run) -> dict[str, float]:
             rewards_B=torch.tensor([s.reward for s in scored]),
         ),
         **({} if sampled else {f"loss/{cfg.loss.divergence}": flat["divergence"].double().mean().item()}),
+        **preference_metrics((s.group, s.correct, signal.mean().item())
+                             for s, signal in zip(scored, signal_N.split(lengths)) if len(signal)),
         "reward/accuracy": sum(s.correct for s in scored) / len(scored),
         "rollout/length_mean": total_tokens / len(scored),
         "rollout/truncated_share": sum(s.rollout.finish_reason == "length" for s in scored) / len(scored),
@@ -262,11 +277,13 @@ def train(config: TrainConfig, resume: bool = False, initial_eval: Path | None =
         elif main:
             split.write(folder.root)
         log = MetricsLog(folder, config) if main else None
-        with contextlib.closing(log) if log else contextlib.nullcontext():
-            _train_loop(run, log, resume, initial_eval)
-        barrier(run.world)  # the last checkpoint is written before any rank returns
-    if main:
-        plot_run(folder)
+        try:
+            with contextlib.closing(log) if log else contextlib.nullcontext():
+                _train_loop(run, log, resume, initial_eval)
+        finally:  # a run the guard stopped is plotted too
+            barrier(run.world)  # the last checkpoint is written before any rank returns
+            if main:
+                plot_run(folder)
     return folder.root
 
 
@@ -288,9 +305,10 @@ def _train_loop(run: Run, log: MetricsLog | None, resume: bool, initial_eval: Pa
         if log is not None and metrics is not None:
             log.log(metrics)
 
+    history: list[dict] = []  # the training-step lines so far (rank 0), what the guard decides on
     if resume:
         if log is not None:
-            log.truncate_after(run.step)
+            history = guard.training_lines(log.truncate_after(run.step))
     elif initial_eval is not None:
         record(reuse_eval(run, initial_eval) if run.world.is_main else None)
     else:
@@ -300,19 +318,47 @@ def _train_loop(run: Run, log: MetricsLog | None, resume: bool, initial_eval: Pa
     skipped_in_row = 0
     while run.step < config.run.steps:
         metrics = train_step(run)
+        fired = _watch(run, history, metrics)  # marks `metrics`; on every rank: did the guard fire?
         record(metrics)
         skipped_in_row = skipped_in_row + 1 if metrics.get("skipped") else 0
         if skipped_in_row >= config.optim.max_nonfinite_steps:
             raise NonFiniteLoss(_nonfinite_message(run, skipped_in_row))
         bar.set_postfix(kl=f"{metrics['opd/reverse_kl']:.3f}", acc=f"{metrics['reward/accuracy']:.2f}")
         bar.update(1)
-        last = run.step == config.run.steps
+        stop = fired and config.guard.action == "stop"
+        last = run.step == config.run.steps or stop
         if (config.run.eval_every and run.step % config.run.eval_every == 0) or last:
             record(run_eval(run))
-        if (config.run.checkpoint_every and run.step % config.run.checkpoint_every == 0) or last:
+        if (config.run.checkpoint_every and run.step % config.run.checkpoint_every == 0) or last or fired:
             with writing(run.folder.checkpoint(run.step)):
                 save_checkpoint(run)
+        if stop:
+            raise GuardStop(_guard_message(run), run.step)
     bar.close()
+
+
+def _watch(run: Run, history: list[dict], metrics: dict) -> bool:
+    """The illusion guard after a step (`selfopd.guard`): rank 0 appends the step to `history`
+    and decides; when conditions fire it marks the step's metrics (`guard/fired`), writes
+    RUN/guard.json and RUN/guard.md, and prints one line. Every rank learns whether it fired."""
+    fired = []
+    if run.world.is_main and guard.applies(run.config):
+        history.append(metrics)
+        fired = guard.check(history, run.config.guard)
+        if fired:
+            metrics[guard.FIRED] = [event.condition for event in fired]
+            guard.write_events(run.folder.root, guard.events(history, run.config.guard))
+            print(f"selfopd: guard: step {run.step}: " + "; ".join(f"{e.condition}: {e.reason}" for e in fired)
+                  + f" (checkpoint {run.folder.checkpoint(run.step)}, {run.folder.guard_notes})", file=sys.stderr)
+    return all_sum(float(bool(fired)), run.world) > 0
+
+
+def _guard_message(run: Run) -> str:
+    events = [e for e in json.loads(run.folder.guard_events.read_text()) if e["step"] == run.step] if run.world.is_main else []
+    why = "; ".join(f"{e['condition']}: {e['reason']}" for e in events)
+    return (f"the illusion guard stopped the run after step {run.step} (guard.action = 'stop'): {why}. Checkpoint: "
+            f"{run.folder.checkpoint(run.step)}; details: {run.folder.guard_notes}. To go on anyway: selfopd train "
+            f"--resume {run.folder.root} --set guard.action=warn (or off)")
 
 
 def _nonfinite_message(run: Run, count: int) -> str:
