@@ -62,12 +62,13 @@ def check(history: Sequence[dict], guard: GuardConfig) -> list[GuardEvent]:
     return [event for event in now if event.condition not in {e.condition for e in before}]
 
 
-def replay(run_dir: str | Path) -> list[GuardEvent]:
+def replay(run_dir: str | Path, overrides: Sequence[str] = ()) -> list[GuardEvent]:
     """Every event the guard gives on a run folder's metrics, step by step, with the run's
-    own config (a run made before the guard existed gets the defaults). Steps logged without
-    the teacher-prefers-correct sums take them from the saved rollouts, when saved."""
+    own config and `--set`-style `overrides` (a run made before the guard existed gets the
+    defaults). Steps logged without the teacher-prefers-correct sums take them from the
+    saved rollouts, when saved."""
     folder = RunFolder(run_dir)
-    config = load_config(folder.config)
+    config = load_config(folder.config, overrides)
     if config.loss.lambda_opd <= 0:
         return []
     from selfopd.plots import read_metrics
