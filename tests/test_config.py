@@ -11,6 +11,7 @@ import pytest
 from selfopd.config import (
     DEMO_DATA,
     EngineConfig,
+    GuardConfig,
     SECTIONS,
     ConfigError,
     OptimConfig,
@@ -124,6 +125,8 @@ def test_round_trip_of_every_field_changed(tmp_path):
                             startup_timeout_s=60.0, request_timeout_s=30.0, retries=0, max_concurrency=8,
                             student_servers=2, student_gpus="1,2,3,4", teacher_gpus="5,6,7", tensor_parallel_size=2,
                             teacher_tensor_parallel_size=3, sleep_mode=False, api_key_env="MY_KEY"),
+        guard=GuardConfig(action="stop", window=5, kl_drop=0.2, accuracy_drop=0.1, truncated_share=0.75,
+                          truncated_rise=0.2, preference_max=-0.1, preference_groups=12),
     )
     changed = config_to_dict(config)
     for section, defaults in EXPECTED_DEFAULTS.items():

@@ -145,6 +145,23 @@ def test_replay_takes_the_preference_from_saved_rollouts_when_the_metrics_predat
     assert from_rollouts == events(lines, load_config(folder.config).guard)
 
 
+# --- real runs (SmolLM2-135M, the demo task), replayed from their committed metrics ------
+
+
+def test_the_demo_recipe_runs_72_steps_without_a_false_alarm():
+    """The demo's recipe (GRPO + 0.3 x answer-note OPD; held out +0.58 at step 24), its
+    committed per-step KL, accuracy and length-cap share: neither the KL-and-accuracy nor
+    the length-cap condition fires in any window, though its accuracy is noisy (0.03-0.84)
+    and its cut-off share falls from 0.81 to 0."""
+    per_step = json.loads((ROOT / "experiments" / "results" / "demo_3x_summary.json").read_text())["per_step"]
+    history = [{"step": i + 1, **{key: values[i] for key, values in per_step.items()}}
+               for i in range(len(per_step["reward/accuracy"]))]
+    assert len(history) == 72
+    assert events(history, GuardConfig()) == []
+    # The check can fail: halve the margins and noise alone fires it.
+    assert events(history, GuardConfig(kl_drop=0.05, accuracy_drop=0.025))
+
+
 # --- the tiny model through the CLI -----------------------------------------------------
 
 SMALL = ["data.spec=rg:chain_sum?min_terms=2&max_terms=2&size=60&seed=2", "data.eval_size=4",
