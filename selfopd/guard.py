@@ -132,7 +132,7 @@ def _holding(history: Sequence[dict], guard: GuardConfig) -> list[GuardEvent]:
             step, "teacher_prefers_wrong",
             f"over steps {window[0]['step']}-{step} the teacher's signal on correct minus wrong samples of a "
             f"prompt is {mean:+.3f} (95% upper bound {high:+.3f}, {groups} prompt groups): it pushes toward wrong "
-            "answers as hard as toward right ones",
+            "answers at least as hard as toward right ones",
             {"preference": mean, "preference_high": high, "groups": float(groups)}))
     return events
 
