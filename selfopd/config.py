@@ -264,7 +264,7 @@ class GuardConfig(Section):
         "warn", "What a firing condition does while the teacher term is trained on (loss.lambda_opd > 0): 'warn' "
         "(one line, then go on), 'stop' (end the run), 'off'. Either way its step is checkpointed and "
         "RUN/guard.json and RUN/guard.md say why.")
-    window: int = setting(8, "Steps the conditions look back over; its first and second halves are compared.")
+    window: int = setting(6, "Steps the conditions look back over; its first and second halves are compared.")
     kl_drop: float = setting(
         0.1, "KL and accuracy fall: the mean opd/reverse_kl of the window's second half is at least this much "
         "below its first half's...")

@@ -51,7 +51,7 @@ EXPECTED_DEFAULTS = {
                    cpu_kv_cache_gb=1, extra_server_args="", startup_timeout_s=900.0, request_timeout_s=600.0,
                    retries=3, max_concurrency=64, student_servers=1, student_gpus="", teacher_gpus="",
                    tensor_parallel_size=1, teacher_tensor_parallel_size=0, sleep_mode=True, api_key_env=""),
-    "guard": dict(action="warn", window=8, kl_drop=0.1, accuracy_drop=0.05, truncated_share=0.5, truncated_rise=0.1,
+    "guard": dict(action="warn", window=6, kl_drop=0.1, accuracy_drop=0.05, truncated_share=0.5, truncated_rise=0.1,
                   preference_max=0.0, preference_groups=8),
 }
 

@@ -158,8 +158,8 @@ def test_the_demo_recipe_runs_72_steps_without_a_false_alarm():
                for i in range(len(per_step["reward/accuracy"]))]
     assert len(history) == 72
     assert events(history, GuardConfig()) == []
-    # The check can fail: halve the margins and noise alone fires it.
-    assert events(history, GuardConfig(kl_drop=0.05, accuracy_drop=0.025))
+    # The check can fail: with half the margins (and a window of 8) noise alone fires it.
+    assert events(history, GuardConfig(window=8, kl_drop=0.05, accuracy_drop=0.025))
 
 
 def _committed(name: str) -> list[dict]:
@@ -169,26 +169,29 @@ def _committed(name: str) -> list[dict]:
 def test_a_self_teacher_shown_the_attempt_is_caught_where_it_did_harm():
     """The verifier-feedback self teacher (pure OPD, demo task, seed 0, 12 steps, trained with
     the guard on: tests/data/guard/verifier_feedback_seed0.jsonl, wall times dropped): the
-    student ended below the base model, and the guard fired at step 8 on the teacher's
-    preference for wrong attempts, then on the KL falling with accuracy."""
+    student ended below the base model. The run's guard (window 8) fired at step 8 on the
+    teacher's preference for wrong attempts, then on the KL falling with accuracy; the default
+    window of 6 fires at step 6 on both."""
     lines = _committed("verifier_feedback_seed0")
     evals = [line["eval/accuracy"] for line in lines if "eval/accuracy" in line]
     assert evals == [0.06, 0.01]  # held out, 200 distinct prompts: -0.050 [-0.083, -0.017]
     history = training_lines(lines)
-    fired = [(e.step, e.condition) for e in events(history, GuardConfig())]
-    assert fired == [(8, "teacher_prefers_wrong"), (9, "kl_and_accuracy_fall"), (12, "length_cap")]
-    assert [(line["step"], c) for line in history for c in line.get(FIRED, [])] == fired  # offline = live
+    live = [(e.step, e.condition) for e in events(history, GuardConfig(window=8))]  # the run's own setting
+    assert live == [(8, "teacher_prefers_wrong"), (9, "kl_and_accuracy_fall"), (12, "length_cap")]
+    assert [(line["step"], c) for line in history for c in line.get(FIRED, [])] == live  # offline = live
+    fired = [(e.step, e.condition) for e in events(history, GuardConfig())]  # the default window of 6
+    assert fired == [(6, "kl_and_accuracy_fall"), (6, "teacher_prefers_wrong"), (8, "kl_and_accuracy_fall")]
 
 
 def test_the_answer_note_self_teacher_that_helped_raises_no_alarm():
     """The answer-note self teacher (same recipe and seed; the coordinator's comparison, its
     preference sums read off its saved rollouts): held out +0.175, and the guard stays
-    silent over its 12 steps (its pooled preference stays above +0.11)."""
+    silent over its 12 steps."""
     lines = _committed("answer_note_seed0")
     evals = [line["eval/accuracy"] for line in lines if "eval/accuracy" in line]
     assert evals[-1] - evals[0] == pytest.approx(0.175)
     assert events(training_lines(lines), GuardConfig()) == []
-    assert events(training_lines(lines), GuardConfig(preference_max=0.2))  # it can fail: a higher bar fires
+    assert events(training_lines(lines), GuardConfig(window=8, preference_max=0.2))  # it can fail: a higher bar fires
 
 
 # --- the tiny model through the CLI -----------------------------------------------------
