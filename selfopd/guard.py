@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
@@ -89,6 +90,34 @@ def write_events(run_dir: str | Path, events: Sequence[GuardEvent]) -> None:
     write_json_atomic(folder.guard_events, [asdict(event) for event in events])
     lines = ["# Illusion guard", ""] + [f"- step {e.step}, `{e.condition}`: {e.reason}" for e in events]
     write_text_atomic(folder.guard_notes, "\n".join(lines) + "\n")
+
+
+def watch(folder: RunFolder, config: TrainConfig, history: list[dict], metrics: dict) -> list[GuardEvent]:
+    """The guard after a training step (the trainer's rank 0): append the step's `metrics` to
+    `history` and decide; when conditions fire, mark the step's metrics (`guard/fired`), write
+    RUN/guard.json and RUN/guard.md, and print one line. Returns what fired."""
+    if not applies(config):
+        return []
+    history.append(metrics)
+    fired = check(history, config.guard)
+    if fired:
+        metrics[FIRED] = [event.condition for event in fired]
+        write_events(folder.root, events(history, config.guard))
+        step = int(metrics["step"])
+        print(f"selfopd: guard: step {step}: {_why(fired)} (checkpoint {folder.checkpoint(step)}, {folder.guard_notes})",
+              file=sys.stderr)
+    return fired
+
+
+def stop_message(folder: RunFolder, step: int, fired: Sequence[GuardEvent]) -> str:
+    """The one line a run the guard stopped ends with: why, where its checkpoint is, how to go on."""
+    return (f"the illusion guard stopped the run after step {step} (guard.action = 'stop'): {_why(fired)}. "
+            f"Checkpoint: {folder.checkpoint(step)}; details: {folder.guard_notes}. To go on anyway: selfopd train "
+            f"--resume {folder.root} --set guard.action=warn (or off)")
+
+
+def _why(fired: Sequence[GuardEvent]) -> str:
+    return "; ".join(f"{event.condition}: {event.reason}" for event in fired)
 
 
 def fired_steps(run_dir: str | Path) -> set[int]:

@@ -8,10 +8,8 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import random
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -280,10 +278,13 @@ def train(config: TrainConfig, resume: bool = False, initial_eval: Path | None =
         try:
             with contextlib.closing(log) if log else contextlib.nullcontext():
                 _train_loop(run, log, resume, initial_eval)
-        finally:  # a run the guard stopped is plotted too
-            barrier(run.world)  # the last checkpoint is written before any rank returns
+        except GuardStop:  # every rank stops at the same step, its checkpoint written: plot what ran
             if main:
                 plot_run(folder)
+            raise
+        barrier(run.world)  # the last checkpoint is written before any rank returns
+    if main:
+        plot_run(folder)
     return folder.root
 
 
@@ -318,47 +319,24 @@ def _train_loop(run: Run, log: MetricsLog | None, resume: bool, initial_eval: Pa
     skipped_in_row = 0
     while run.step < config.run.steps:
         metrics = train_step(run)
-        fired = _watch(run, history, metrics)  # marks `metrics`; on every rank: did the guard fire?
+        fired = guard.watch(run.folder, config, history, metrics) if run.world.is_main else []  # marks `metrics`
         record(metrics)
         skipped_in_row = skipped_in_row + 1 if metrics.get("skipped") else 0
         if skipped_in_row >= config.optim.max_nonfinite_steps:
             raise NonFiniteLoss(_nonfinite_message(run, skipped_in_row))
         bar.set_postfix(kl=f"{metrics['opd/reverse_kl']:.3f}", acc=f"{metrics['reward/accuracy']:.2f}")
         bar.update(1)
-        stop = fired and config.guard.action == "stop"
+        fired_any = all_sum(float(bool(fired)), run.world) > 0  # rank 0 decided; every rank checkpoints
+        stop = fired_any and config.guard.action == "stop"
         last = run.step == config.run.steps or stop
         if (config.run.eval_every and run.step % config.run.eval_every == 0) or last:
             record(run_eval(run))
-        if (config.run.checkpoint_every and run.step % config.run.checkpoint_every == 0) or last or fired:
+        if (config.run.checkpoint_every and run.step % config.run.checkpoint_every == 0) or last or fired_any:
             with writing(run.folder.checkpoint(run.step)):
                 save_checkpoint(run)
         if stop:
-            raise GuardStop(_guard_message(run), run.step)
+            raise GuardStop(guard.stop_message(run.folder, run.step, fired), run.step)
     bar.close()
-
-
-def _watch(run: Run, history: list[dict], metrics: dict) -> bool:
-    """The illusion guard after a step (`selfopd.guard`): rank 0 appends the step to `history`
-    and decides; when conditions fire it marks the step's metrics (`guard/fired`), writes
-    RUN/guard.json and RUN/guard.md, and prints one line. Every rank learns whether it fired."""
-    fired = []
-    if run.world.is_main and guard.applies(run.config):
-        history.append(metrics)
-        fired = guard.check(history, run.config.guard)
-        if fired:
-            metrics[guard.FIRED] = [event.condition for event in fired]
-            guard.write_events(run.folder.root, guard.events(history, run.config.guard))
-            print(f"selfopd: guard: step {run.step}: " + "; ".join(f"{e.condition}: {e.reason}" for e in fired)
-                  + f" (checkpoint {run.folder.checkpoint(run.step)}, {run.folder.guard_notes})", file=sys.stderr)
-    return all_sum(float(bool(fired)), run.world) > 0
-
-
-def _guard_message(run: Run) -> str:
-    events = [e for e in json.loads(run.folder.guard_events.read_text()) if e["step"] == run.step] if run.world.is_main else []
-    why = "; ".join(f"{e['condition']}: {e['reason']}" for e in events)
-    return (f"the illusion guard stopped the run after step {run.step} (guard.action = 'stop'): {why}. Checkpoint: "
-            f"{run.folder.checkpoint(run.step)}; details: {run.folder.guard_notes}. To go on anyway: selfopd train "
-            f"--resume {run.folder.root} --set guard.action=warn (or off)")
 
 
 def _nonfinite_message(run: Run, count: int) -> str:
