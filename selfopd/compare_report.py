@@ -60,7 +60,7 @@ class SeedRun:
     kl_first: float
     kl_last: float
     curve: list[EvalPoint]
-    guard_stopped: bool = False  # the illusion guard stopped it (guard.action = "stop"; finished.json says at which step)
+    guard_stopped: bool = False  # the illusion guard stopped it (finished.json says at which step)
 
     @property
     def final_accuracy(self) -> float:

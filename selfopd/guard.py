@@ -104,8 +104,8 @@ def watch(folder: RunFolder, config: TrainConfig, history: list[dict], metrics: 
         metrics[FIRED] = [event.condition for event in fired]
         write_events(folder.root, events(history, config.guard))
         step = int(metrics["step"])
-        print(f"selfopd: guard: step {step}: {_why(fired)} (checkpoint {folder.checkpoint(step)}, {folder.guard_notes})",
-              file=sys.stderr)
+        where = f"checkpoint {folder.checkpoint(step)}, {folder.guard_notes}"
+        print(f"selfopd: guard: step {step}: {_why(fired)} ({where})", file=sys.stderr)
     return fired
 
 

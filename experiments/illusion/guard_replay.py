@@ -30,7 +30,8 @@ def replay_run(run_dir: Path, overrides: list[str]) -> dict:
     evals = [line for line in lines if "eval/accuracy" in line]
     fired = replay(run_dir, overrides)
     return {
-        "run": str(run_dir), "template": config.teacher.template, "seed": config.run.seed, "steps": len(training_lines(lines)),
+        "run": str(run_dir), "template": config.teacher.template, "seed": config.run.seed,
+        "steps": len(training_lines(lines)),
         "held_out_first": evals[0]["eval/accuracy"] if evals else None,
         "held_out_last": evals[-1]["eval/accuracy"] if evals else None,
         "held_out_change": evals[-1]["eval/accuracy"] - evals[0]["eval/accuracy"] if len(evals) > 1 else None,

@@ -295,8 +295,8 @@ def correct_preference(records: Sequence[RolloutRecord]) -> MeanEstimate | None:
     prompts. Comparing within a prompt cancels its difficulty. A teacher whose signal is not
     positive here pushes the student toward wrong answers as much as right ones, however
     much its KL falls. None when no group has both outcomes."""
-    per_group = correct_minus_wrong(((r.step, r.group, r.prompt), bool(r.correct), sum(r.opd_advantage) / len(r.opd_advantage))
-                                    for r in records)
+    per_group = correct_minus_wrong(((r.step, r.group, r.prompt), bool(r.correct),
+                                     sum(r.opd_advantage) / len(r.opd_advantage)) for r in records)
     by_prompt: dict[str, list[float]] = {}
     for (_, _, prompt), contrast in per_group.items():
         by_prompt.setdefault(prompt, []).append(contrast)
