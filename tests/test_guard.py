@@ -254,3 +254,29 @@ def test_the_guard_watches_only_a_trained_teacher_term(tmp_path, tiny_model_dir)
     assert main(_train_argv(tiny_model_dir, tmp_path, "loss.lambda_opd=0", "loss.lambda_rl=1")) == 0
     assert not (run / "guard.json").exists()
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00004"]
+
+
+def test_a_comparison_reports_an_arm_its_guard_stopped_and_runs_the_others(tmp_path, tiny_model_dir, capsys):
+    shared = [s for s in SMALL if not s.startswith("run.")] + [
+        f"model.student={tiny_model_dir}", "run.steps=4", "run.eval_every=0", "run.progress=false", "guard.action=stop"]
+    path = tmp_path / "cmp.toml"
+    path.write_text(f"""[compare]
+name = "cmp"
+out_dir = "{tmp_path / 'runs'}"
+base = "{ROOT / 'experiments' / 'demo.toml'}"
+set = {json.dumps(shared)}
+
+[arms.opd]
+set = ["loss.lambda_rl=0", "loss.lambda_opd=1"]
+
+[arms.grpo]
+set = ["loss.lambda_opd=0", "loss.lambda_rl=1"]
+""")
+    assert main(["compare", str(path)]) == 0
+    assert "[1/2] arm opd, seed 0: the illusion guard stopped the run after step 2" in capsys.readouterr().out
+    arms = tmp_path / "runs" / "cmp" / "arms"
+    assert json.loads((arms / "opd" / "seed0" / "finished.json").read_text())["stopped_by_guard"] == 2
+    assert "stopped_by_guard" not in json.loads((arms / "grpo" / "seed0" / "finished.json").read_text())
+    report = (tmp_path / "runs" / "cmp" / "report.md").read_text()
+    assert "| 2 (seed 0 stopped by the illusion guard) |" in report
+    assert "| `grpo` |" in report and "| 4 |" in report
