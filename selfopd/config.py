@@ -288,10 +288,6 @@ class GuardConfig(Section):
             fail(self._key("truncated_share"), f"must be in [0, 1], got {self.truncated_share!r}")
         self._at_least("preference_groups", 2)
 
-    @property
-    def enabled(self) -> bool:
-        return self.action != "off"
-
 
 @dataclass(frozen=True)
 class TrainConfig:
