@@ -28,7 +28,7 @@ from typing import Sequence
 from selfopd.atomic import write_json_atomic, write_text_atomic
 from selfopd.config import GuardConfig, TrainConfig, load_config
 from selfopd.run_folder import RunFolder
-from selfopd.stats import Z_95, correct_minus_wrong
+from selfopd.stats import Z_95
 
 FIRED = "guard/fired"  # the metrics field that marks a step where conditions fired (their names)
 PREFERENCE_KEYS = ("opd/correct_preference_groups", "opd/correct_preference_sum", "opd/correct_preference_sumsq")
@@ -66,8 +66,8 @@ def check(history: Sequence[dict], guard: GuardConfig) -> list[GuardEvent]:
 def replay(run_dir: str | Path, overrides: Sequence[str] = ()) -> list[GuardEvent]:
     """Every event the guard gives on a run folder's metrics, step by step, with the run's
     own config and `--set`-style `overrides` (a run made before the guard existed gets the
-    defaults). Steps logged without the teacher-prefers-correct sums take them from the
-    saved rollouts, when saved."""
+    defaults), whatever its guard.action was. Steps logged without the teacher-prefers-correct
+    sums take them from the saved rollouts, when saved."""
     folder = RunFolder(run_dir)
     config = load_config(folder.config, overrides)
     if config.loss.lambda_opd <= 0:
