@@ -386,12 +386,12 @@ def _is_user_error(error: Exception) -> bool:
     from selfopd.tokenizer_check import TokenizerMismatch
 
     from selfopd.engines.vllm_server import ServerError
-    from selfopd.trainer import NonFiniteLoss
+    from selfopd.trainer import GuardStop, NonFiniteLoss
     from selfopd.weight_checks import WeightSyncError
 
     user_errors = (UserError, ConfigError, DataError, ModelError, TemplateError, TokenizerMismatch, WeightSyncError,
                    ServerError, DiagnosticsError, FileNotFoundError, FileExistsError, FolderInUse, FolderNotWritable,
-                   NonFiniteLoss)
+                   NonFiniteLoss, GuardStop)
     return isinstance(error, user_errors)
 
 

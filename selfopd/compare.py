@@ -231,7 +231,7 @@ def sft_config(compare: CompareConfig):
 
 def run_compare(compare: CompareConfig, progress: bool = True) -> None:
     """Run every unfinished arm (then `selfopd.compare_report.write_compare_report` reports them)."""
-    from selfopd.trainer import latest_checkpoint, train
+    from selfopd.trainer import GuardStop, latest_checkpoint, train
 
     # Every arm and the teacher's config are checked before any work starts.
     sft = sft_config(compare)
@@ -262,10 +262,16 @@ def run_compare(compare: CompareConfig, progress: bool = True) -> None:
                 shutil.rmtree(run_dir)
             print(f"{header}: {arm.description or ' '.join(arm.overrides) or 'the base config'}")
         started = time.perf_counter()
-        train(config, resume=resume, initial_eval=None if resume else base_eval(compare, exclude=run_dir))
+        stopped = {}
+        try:
+            train(config, resume=resume, initial_eval=None if resume else base_eval(compare, exclude=run_dir))
+        except GuardStop as stop:  # reported as such (its last eval is its step's); the other arms go on
+            print(f"{header}: {stop}")
+            stopped = {"stopped_by_guard": stop.step}
         seconds = time.perf_counter() - started
         fault_point("compare.arm_trained")
-        write_json_atomic(RunFolder(run_dir).finished, {"arm": name, "seed": seed, "wall_seconds_last_session": seconds})
+        write_json_atomic(RunFolder(run_dir).finished,
+                          {"arm": name, "seed": seed, "wall_seconds_last_session": seconds, **stopped})
         _note(compare, f"{name} seed {seed}", seconds)
 
 

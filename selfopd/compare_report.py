@@ -60,6 +60,7 @@ class SeedRun:
     kl_first: float
     kl_last: float
     curve: list[EvalPoint]
+    guard_stopped: bool = False  # the illusion guard stopped it (finished.json says at which step)
 
     @property
     def final_accuracy(self) -> float:
@@ -126,7 +127,12 @@ def measure_seed_run(run_dir: Path, seed: int) -> SeedRun | None:
         vs_base=paired_change(base, final), generated_tokens=tokens, train_seconds=seconds,
         kl_first=steps[0]["opd/reverse_kl"] if steps else math.nan,
         kl_last=steps[-1]["opd/reverse_kl"] if steps else math.nan, curve=curve,
+        guard_stopped=_guard_stopped(RunFolder(run_dir)),
     )
+
+
+def _guard_stopped(folder: RunFolder) -> bool:
+    return folder.finished.is_file() and "stopped_by_guard" in json.loads(folder.finished.read_text())
 
 
 def measure_arm(compare: CompareConfig, name: str, description: str = "") -> ArmResult | None:
@@ -247,7 +253,9 @@ def render_report(compare: CompareConfig, results: list[ArmResult], figure: Path
                "teacher prefers correct [95% CI] (prompts)"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
-        steps = f"{r.steps}" + ("" if r.finished else " (unfinished)")
+        stopped = [str(run.seed) for run in r.per_seed if run.guard_stopped]
+        steps = f"{r.steps}" + ("" if r.finished else f" (seed {', '.join(stopped)} stopped by the illusion guard)"
+                                if stopped else " (unfinished)")
         row = [f"`{r.name}`", r.teacher, r.loss, steps, ", ".join(map(str, r.seeds)),
                f"{r.final.value:.3f} [{r.final.low:.3f}, {r.final.high:.3f}]", _difference(r.vs_base)]
         if reference:

@@ -1,12 +1,16 @@
 """What a training step reports about the OPD signal: the sampled reverse KL, advantage
-statistics, importance ratios and rewards, from per-token tensors (float64 sums)."""
+statistics, importance ratios and rewards, from per-token tensors (float64 sums); and whether
+the signal favours the student's correct attempts over its wrong ones."""
 
 from __future__ import annotations
 
 import math
+from typing import Hashable, Iterable
 
 import torch
 from torch import Tensor
+
+from selfopd.stats import correct_minus_wrong
 
 
 def opd_metrics(
@@ -76,3 +80,20 @@ def opd_metrics(
     if rewards_B is not None:
         metrics["reward/mean"] = mean(rewards_B.detach().double())
     return metrics
+
+
+def preference_metrics(rollouts: Iterable[tuple[Hashable, bool, float]]) -> dict[str, float]:
+    """A step's teacher-prefers-correct inputs (see `selfopd.stats.correct_minus_wrong`), as
+    sums so that `selfopd.guard` can pool them over a window of steps:
+      opd/correct_preference          mean contrast over the step's groups (absent: no group has both outcomes)
+      opd/correct_preference_groups   how many groups had both outcomes
+      opd/correct_preference_sum      sum of their contrasts
+      opd/correct_preference_sumsq    sum of their squares
+    """
+    contrasts = list(correct_minus_wrong(rollouts).values())
+    return {
+        **({"opd/correct_preference": sum(contrasts) / len(contrasts)} if contrasts else {}),
+        "opd/correct_preference_groups": float(len(contrasts)),
+        "opd/correct_preference_sum": float(sum(contrasts)),
+        "opd/correct_preference_sumsq": float(sum(c * c for c in contrasts)),
+    }

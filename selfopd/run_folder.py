@@ -8,6 +8,7 @@
     RUN/checkpoints/step_NNNNN/      HF weights (LoRA: adapters) + tokenizer + trainer_state.pt
                                      (written as .step_NNNNN.partial, then renamed)
     RUN/plots/  RUN/diagnostics/  RUN/logs/ (launched servers)  RUN/tensorboard/ RUN/wandb/
+    RUN/guard.json  RUN/guard.md     the illusion guard's events (selfopd.guard), when it fired
     RUN/finished.json                written by `selfopd compare` when the run is done
     RUN/.lock                        flock + PID of the process writing the run (selfopd.folder_guard)
 
@@ -102,6 +103,14 @@ class RunFolder:
     @property
     def wandb(self) -> Path:
         return self.root / "wandb"
+
+    @property
+    def guard_events(self) -> Path:
+        return self.root / "guard.json"
+
+    @property
+    def guard_notes(self) -> Path:
+        return self.root / "guard.md"
 
     @property
     def finished(self) -> Path:

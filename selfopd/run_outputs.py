@@ -67,7 +67,8 @@ def reuse_eval(run: Run, source: Path) -> dict[str, float]:
 def save_checkpoint(run: Run) -> Path:
     """HF-format weights (loadable by transformers and vLLM), or with LoRA the adapters alone
     (peft's adapter_config.json + adapter_model.safetensors: `selfopd merge-lora` makes them a
-    full model), plus the tokenizer and the trainer state; only the latest checkpoint is kept.
+    full model), plus the tokenizer and the trainer state; only the latest checkpoint is kept
+    (and those the illusion guard fired at).
     Under torchrun the full weights and optimizer state are gathered to rank 0 (every rank
     takes part), which writes them in the one-process layout. An `ema` teacher's average is
     part of the trainer state, so a resumed run continues it exactly."""
@@ -92,10 +93,14 @@ def save_checkpoint(run: Run) -> Path:
 
 
 def prune_checkpoints(folder: RunFolder, keep: Path) -> None:
-    """Only the latest checkpoint is kept: older ones go, and so do the staging folders of
-    writes a kill cut short."""
+    """Only the latest checkpoint is kept, and those of steps where the illusion guard fired
+    (RUN/guard.json: the user may go back to them): older ones go, and so do the staging
+    folders of writes a kill cut short."""
+    from selfopd.guard import fired_steps
+
+    kept = {keep} | {folder.checkpoint(step) for step in fired_steps(folder.root)}
     for old in folder.checkpoints.iterdir():
-        if old != keep:
+        if old not in kept:
             shutil.rmtree(old)
 
 

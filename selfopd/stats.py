@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -230,3 +230,15 @@ def _mean_and_half_width(values: Sequence[float], z: float) -> tuple[float, floa
     mean = sum(values) / n
     variance = sum((v - mean) ** 2 for v in values) / max(n - 1, 1)
     return mean, z * math.sqrt(variance / n)
+
+
+def correct_minus_wrong(rollouts: Iterable[tuple[Hashable, bool, float]]) -> dict[Hashable, float]:
+    """Per prompt group (key) with both correct and wrong rollouts: the correct rollouts'
+    mean signal minus the wrong ones'. Input: (group key, correct, the rollout's mean
+    per-token teacher - student logprob). Comparing within a group cancels its difficulty."""
+    outcomes: dict[Hashable, dict[bool, list[float]]] = {}
+    for key, correct, signal in rollouts:
+        outcomes.setdefault(key, {True: [], False: []})[bool(correct)].append(signal)
+    return {key: sum(g[True]) / len(g[True]) - sum(g[False]) / len(g[False])
+            for key, g in outcomes.items() if g[True] and g[False]}
+

@@ -36,19 +36,21 @@ class MetricsLog:
         for name in config.run.trackers:
             self.trackers.append(_TRACKERS[name](folder, config))
 
-    def truncate_after(self, step: int) -> None:
+    def truncate_after(self, step: int) -> list[dict]:
         """On resume: keep what was logged up to the checkpoint's step, once per (step, kind)
-        (the later steps run again); a torn last line of a killed write is dropped."""
+        (the later steps run again); a torn last line of a killed write is dropped. Returns
+        the lines kept."""
         from selfopd.plots import read_metrics  # matplotlib: loaded only when a run resumes
 
         if not self.path.exists():
-            return
+            return []
         kept: dict[tuple[int, str], dict] = {}
         for line in read_metrics(self.path):
             if line["step"] <= step:
                 kept[metrics_key(line)] = line
         fault_point("metrics.truncate")
         write_lines_atomic(self.path, kept.values())
+        return list(kept.values())
 
     def log(self, metrics: dict[str, float]) -> None:
         """Append one whole line: a single write of it, flushed to disk before trackers see it."""

@@ -18,6 +18,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from selfopd import guard
 from selfopd.config import TrainConfig, config_to_toml
 from selfopd.demonstrations import pick_demonstrations
 from selfopd.distributed import all_gather, all_sum, barrier, current_world, is_sharded, share
@@ -26,15 +27,9 @@ from selfopd.example import Example
 from selfopd.faults import fault_point
 from selfopd.folder_guard import check_not_in_use, check_writable, claimed_run_folder, refuse_finished, writing
 from selfopd.kernels import full_vocab_divergence, topk_reverse_kl
-from selfopd.loss_metrics import opd_metrics
-from selfopd.objectives import (
-    clipped_divergence,
-    clipped_tokens,
-    combined_advantage,
-    masked_mean,
-    policy_gradient_loss,
-    truncated_is_ratio,
-)
+from selfopd.loss_metrics import opd_metrics, preference_metrics
+from selfopd.objectives import (clipped_divergence, clipped_tokens, combined_advantage, masked_mean,
+                                policy_gradient_loss, truncated_is_ratio)
 from selfopd.run_folder import RunFolder
 from selfopd.run_outputs import plot_run, prune_checkpoints, reuse_eval, run_eval, save_checkpoint, save_rollouts
 from selfopd.run_setup import build_run
@@ -52,6 +47,14 @@ SKIPPED = "nonfinite loss"  # the "skipped" value of a step whose loss or gradie
 
 class NonFiniteLoss(RuntimeError):
     """optim.max_nonfinite_steps steps in a row had a NaN or inf loss or gradient."""
+
+
+class GuardStop(RuntimeError):
+    """The illusion guard fired with guard.action = 'stop' (the step is checkpointed and evaluated)."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -201,6 +204,8 @@ def _train_step(run: Run) -> dict[str, float]:
     scored = [s for part in all_gather(scored, world) for s in part]
     flat = {key: torch.cat([t for part in all_gather(values, world) for t in part])[None]
             for key, values in collected.items() if values}
+    lengths = [len(s.rollout.completion_ids) for s in scored]
+    signal_N = (flat["teacher"][0] - flat["student"][0]).double()  # the OPD signal per completion token, all rollouts
     metrics = {
         "step": run.step,
         **({} if finite else {"skipped": SKIPPED}),
@@ -216,6 +221,8 @@ def _train_step(run: Run) -> dict[str, float]:
         ),
         **({} if sampled else {f"loss/{cfg.loss.divergence}": flat["divergence"].double().mean().item()}),
         **({"opd/clipped_share": flat["clipped"].double().mean().item()} if cfg.loss.token_clip else {}),
+        **preference_metrics((s.group, s.correct, signal.mean().item())
+                             for s, signal in zip(scored, signal_N.split(lengths)) if len(signal)),
         "reward/accuracy": sum(s.correct for s in scored) / len(scored),
         **({"teacher/demonstration_share": sum(s.demonstration is not None for s in scored) / len(scored)}
            if run.demonstration_fallback is not None else {}),
@@ -289,8 +296,13 @@ def train(config: TrainConfig, resume: bool = False, initial_eval: Path | None =
         elif main:
             split.write(folder.root)
         log = MetricsLog(folder, config) if main else None
-        with contextlib.closing(log) if log else contextlib.nullcontext():
-            _train_loop(run, log, resume, initial_eval)
+        try:
+            with contextlib.closing(log) if log else contextlib.nullcontext():
+                _train_loop(run, log, resume, initial_eval)
+        except GuardStop:  # every rank stops at the same step, its checkpoint written: plot what ran
+            if main:
+                plot_run(folder)
+            raise
         barrier(run.world)  # the last checkpoint is written before any rank returns
     if main:
         plot_run(folder)
@@ -315,9 +327,10 @@ def _train_loop(run: Run, log: MetricsLog | None, resume: bool, initial_eval: Pa
         if log is not None and metrics is not None:
             log.log(metrics)
 
+    history: list[dict] = []  # the training-step lines so far (rank 0), what the guard decides on
     if resume:
         if log is not None:
-            log.truncate_after(run.step)
+            history = guard.training_lines(log.truncate_after(run.step))
     elif initial_eval is not None:
         record(reuse_eval(run, initial_eval) if run.world.is_main else None)
     else:
@@ -327,18 +340,23 @@ def _train_loop(run: Run, log: MetricsLog | None, resume: bool, initial_eval: Pa
     skipped_in_row = 0
     while run.step < config.run.steps:
         metrics = train_step(run)
+        fired = guard.watch(run.folder, config, history, metrics) if run.world.is_main else []  # marks `metrics`
         record(metrics)
         skipped_in_row = skipped_in_row + 1 if metrics.get("skipped") else 0
         if skipped_in_row >= config.optim.max_nonfinite_steps:
             raise NonFiniteLoss(_nonfinite_message(run, skipped_in_row))
         bar.set_postfix(kl=f"{metrics['opd/reverse_kl']:.3f}", acc=f"{metrics['reward/accuracy']:.2f}")
         bar.update(1)
-        last = run.step == config.run.steps
+        fired_any = all_sum(float(bool(fired)), run.world) > 0  # rank 0 decided; every rank checkpoints
+        stop = fired_any and config.guard.action == "stop"
+        last = run.step == config.run.steps or stop
         if (config.run.eval_every and run.step % config.run.eval_every == 0) or last:
             record(run_eval(run))
-        if (config.run.checkpoint_every and run.step % config.run.checkpoint_every == 0) or last:
+        if (config.run.checkpoint_every and run.step % config.run.checkpoint_every == 0) or last or fired_any:
             with writing(run.folder.checkpoint(run.step)):
                 save_checkpoint(run)
+        if stop:
+            raise GuardStop(guard.stop_message(run.folder, run.step, fired), run.step)
     bar.close()
 
 

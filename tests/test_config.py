@@ -11,6 +11,7 @@ import pytest
 from selfopd.config import (
     DEMO_DATA,
     EngineConfig,
+    GuardConfig,
     SECTIONS,
     ConfigError,
     OptimConfig,
@@ -51,6 +52,8 @@ EXPECTED_DEFAULTS = {
                    cpu_kv_cache_gb=1, extra_server_args="", startup_timeout_s=900.0, request_timeout_s=600.0,
                    retries=3, max_concurrency=64, student_servers=1, student_gpus="", teacher_gpus="",
                    tensor_parallel_size=1, teacher_tensor_parallel_size=0, sleep_mode=True, api_key_env=""),
+    "guard": dict(action="warn", window=6, kl_drop=0.1, accuracy_drop=0.05, truncated_share=0.5, truncated_rise=0.1,
+                  preference_max=0.0, preference_groups=8),
 }
 
 
@@ -125,6 +128,8 @@ def test_round_trip_of_every_field_changed(tmp_path):
                             startup_timeout_s=60.0, request_timeout_s=30.0, retries=0, max_concurrency=8,
                             student_servers=2, student_gpus="1,2,3,4", teacher_gpus="5,6,7", tensor_parallel_size=2,
                             teacher_tensor_parallel_size=3, sleep_mode=False, api_key_env="MY_KEY"),
+        guard=GuardConfig(action="stop", window=5, kl_drop=0.2, accuracy_drop=0.1, truncated_share=0.75,
+                          truncated_rise=0.2, preference_max=-0.1, preference_groups=12),
     )
     changed = config_to_dict(config)
     for section, defaults in EXPECTED_DEFAULTS.items():
@@ -272,6 +277,7 @@ def test_the_expected_fields_are_literals():
     assert {(s, k) for s, k, _ in literal_fields()} == {
         ("model", "dtype"), ("model", "attn_implementation"), ("teacher", "kind"), ("loss", "normalisation"), ("loss", "divergence"), ("optim", "schedule"),
         ("engine", "kind"), ("engine", "weight_sync"), ("engine", "compile"), ("run", "wandb_mode"),
+        ("guard", "action"),
     }
 
 

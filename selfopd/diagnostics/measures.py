@@ -21,7 +21,7 @@ from selfopd.diagnostics.tokens import (
     epistemic_count,
     leaked_phrases,
 )
-from selfopd.stats import MeanEstimate, mean_interval
+from selfopd.stats import MeanEstimate, correct_minus_wrong, mean_interval
 
 # The illusion score warns when the answer tokens hold clearly more of the teacher's |advantage|
 # than of the tokens: at least ILLUSION_LIFT times their share of tokens, with the score's
@@ -295,15 +295,11 @@ def correct_preference(records: Sequence[RolloutRecord]) -> MeanEstimate | None:
     prompts. Comparing within a prompt cancels its difficulty. A teacher whose signal is not
     positive here pushes the student toward wrong answers as much as right ones, however
     much its KL falls. None when no group has both outcomes."""
-    groups: dict[tuple[int, int, str], dict[bool, list[float]]] = {}
-    for record in records:
-        signal = record.opd_advantage
-        outcome = groups.setdefault((record.step, record.group, record.prompt), {True: [], False: []})
-        outcome[bool(record.correct)].append(sum(signal) / len(signal))
+    per_group = correct_minus_wrong(((r.step, r.group, r.prompt), bool(r.correct),
+                                     sum(r.opd_advantage) / len(r.opd_advantage)) for r in records)
     by_prompt: dict[str, list[float]] = {}
-    for (_, _, prompt), g in groups.items():
-        if g[True] and g[False]:
-            by_prompt.setdefault(prompt, []).append(sum(g[True]) / len(g[True]) - sum(g[False]) / len(g[False]))
+    for (_, _, prompt), contrast in per_group.items():
+        by_prompt.setdefault(prompt, []).append(contrast)
     contrasts = [sum(values) / len(values) for values in by_prompt.values()]
     return mean_interval(contrasts, unit_range=False) if contrasts else None
 
