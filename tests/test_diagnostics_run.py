@@ -147,7 +147,7 @@ def test_diagnose_writes_a_report_with_figures(runs, capsys):
     share = summary["illusion"]["1"]["share"]
     assert 0 <= share["low"] <= share["value"] <= share["high"] <= 1
     assert "<span" in (out / "heatmaps.html").read_text()
-    assert "self teacher: all information (capability 0)" in report and "(signals.png)" in report
+    assert "self teacher: all information (capability 0)" in report and "(figures/signals.png)" in report
     signals = [json.loads(line) for line in (out / "signals.jsonl").read_text().splitlines()]
     assert len(signals) == 4 and {row["step"] for row in signals} == {1}  # the first saved step's rollouts
     assert all(row["capability"] == [0.0] * len(row["tokens"]) for row in signals)
