@@ -137,7 +137,7 @@ def test_diagnose_writes_a_report_with_figures(runs, capsys):
     assert "illusion score at step 1" in printed and str(out / "report.md") in printed
     report = (out / "report.md").read_text()
     for heading in ("## Verdict", "## Where the advantage sits", "## Over training", "## Wrong-context contrast",
-                    "## Gap before training", "## Per-token heatmaps"):
+                    "## Gap before training", "## Teachability, contrastive gain", "## Per-token heatmaps"):
         assert heading in report
     for link in [line.split("](")[1][:-1] for line in report.splitlines() if line.startswith("![")]:
         image = matplotlib.image.imread(out / link)
@@ -147,6 +147,12 @@ def test_diagnose_writes_a_report_with_figures(runs, capsys):
     share = summary["illusion"]["1"]["share"]
     assert 0 <= share["low"] <= share["value"] <= share["high"] <= 1
     assert "<span" in (out / "heatmaps.html").read_text()
+    assert "self teacher: all information (capability 0)" in report and "(figures/signals.png)" in report
+    signals = [json.loads(line) for line in (out / "signals.jsonl").read_text().splitlines()]
+    assert len(signals) == 4 and {row["step"] for row in signals} == {1}  # the first saved step's rollouts
+    assert all(row["capability"] == [0.0] * len(row["tokens"]) for row in signals)
+    mass = summary["signals"]["teacher_mass_on_student_top_k"]
+    assert summary["signals"]["exact"] and 0 < mass["value"] < 1 and summary["signals"]["dopd_information_share"] is None
     assert "- Teacher prefers correct attempts" in report
     preference = summary["teacher_prefers_correct"]
     assert preference is None or preference["low"] <= preference["value"] <= preference["high"]

@@ -4,6 +4,8 @@ the self-teacher identities on the tiny model and the real SmolLM2."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 
 import numpy as np
@@ -215,3 +217,28 @@ def test_smollm2_self_teacher_is_all_information_and_follows_its_own_context(smo
         # The answer token gains a lot with this item's hint over another item's (a different
         # answer); the rest of the sentence, which no hint states, moves far less.
         assert gain[answer] > 2.0 and np.abs(np.delete(gain, answer)).max() < 1.0
+
+
+def test_the_diagnose_section_of_an_external_teacher(tiny, smollm2_model, smollm2_tokenizer, tmp_path):
+    """measure_signals -> jsonl, heatmaps and the DOPD table, with a tiny student and SmolLM2 as an external teacher."""
+    from selfopd.diagnostics.signals_report import measure_signals, render_signals, signals_json, write_signal_outputs
+
+    prompting = prompting_with(smollm2_tokenizer, "teacher/answer_hint_leaky")
+    records = answer_records(prompting, ITEMS)
+    teacher = LocalEngine(smollm2_model, smollm2_tokenizer, batch_size=4)
+    signals = measure_signals(tiny, teacher, records, prompting, "external", temperature=0.7, batch_size=4)
+    figures = write_signal_outputs(signals, tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "signals.jsonl").read_text().splitlines()]
+    assert [row["id"] for row in rows] == ["a", "b", "c"]
+    for row, record in zip(rows, records):
+        assert len(row["tokens"]) == len(row["tail_mass"]) == len(record.completion_ids)
+        np.testing.assert_allclose(np.add(row["information"], row["capability"]), row["advantage"], atol=1e-9)
+    assert (tmp_path / figures["signals"]).stat().st_size > 10_000 and "<span" in (tmp_path / "signals.html").read_text()
+    text = render_signals(signals, figures)
+    assert "| all |" in text and "capability share" in text and "self teacher" not in text
+    summary = signals_json(signals)
+    assert summary["exact"] and 0 <= summary["dopd_information_share"]["all"]["value"] <= 1
+    mass = summary["teacher_mass_on_student_top_k"]
+    assert 0 <= mass["value"] <= 1 and summary["tail_mass"]["value"] == pytest.approx(1 - mass["value"])
+    assert "all information (capability 0)" in render_signals(dataclasses.replace(signals, teacher_kind="self",
+                                                                                  information=None), figures)

@@ -3,8 +3,9 @@ where a run's teacher signal came from.
 
 From the saved rollouts alone: the |advantage| decomposition by token class, the illusion
 score per step, and length, epistemic words and leakage over training. With a model (the
-run's starting weights, the default): the wrong-context contrast on the first saved step
-and the accuracy gap the privileged context opens before training.
+run's starting weights, the default): on the first saved step, the wrong-context contrast,
+teachability, the contrastive gain and the DOPD split (`signals_report`); and the accuracy
+gap the privileged context opens before training.
 """
 
 from __future__ import annotations
@@ -19,21 +20,12 @@ import numpy as np
 
 from selfopd.atomic import write_json_atomic, write_text_atomic
 from selfopd.diagnostics.context import ContextGap, Prompting, annotate_records, context_gap, privileged_gains
-from selfopd.diagnostics.measures import (
-    Annotated,
-    ClassRow,
-    ContextContrast,
-    IllusionScore,
-    StepBehaviour,
-    as_jsonable,
-    collapse_warnings,
-    context_contrast,
-    correct_preference,
-    decompose,
-    illusion_score,
-    step_behaviour,
-)
+from selfopd.diagnostics.measures import (Annotated, ClassRow, ContextContrast, IllusionScore, StepBehaviour,
+                                          as_jsonable, collapse_warnings, context_contrast, correct_preference,
+                                          decompose, illusion_score, step_behaviour)
 from selfopd.diagnostics.records import RolloutRecord, read_run_rollouts
+from selfopd.diagnostics.signals_report import (SignalDiagnosis, measure_signals, render_signals, signals_json,
+                                                write_signal_outputs)
 from selfopd.engines.base import Engine
 from selfopd.example import Example
 from selfopd.run_folder import RunFolder
@@ -100,6 +92,7 @@ class RunDiagnosis:
     outcome: str  # base vs trained held-out accuracy, from the run's evaluations
     preference: MeanEstimate | None  # teacher signal on correct - wrong samples of a prompt, all saved steps
     model_part: TemplateDiagnosis | None  # with the starting weights
+    signals: SignalDiagnosis | None = None  # teachability, contrastive gain, DOPD split; starting weights
 
     @property
     def first(self) -> int:
@@ -137,19 +130,20 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
     behaviour = [step_behaviour(step, rollouts, config.rollout.max_tokens) for step, rollouts in annotated.items()]
     first, last = min(annotated), max(annotated)
     decompositions = {f"step {step}": decompose(annotated[step]) for step in sorted({first, last})}
-    model_part = None
+    model_part = signals = None
     if with_model:
         from selfopd.engines.build import engines_at_start
 
         student_engine, teacher_engine = engines_at_start(config)
         model_part = diagnose_template(teacher_engine, by_step[first], prompting, eval_examples[:gap_items],
                                        config.eval.max_tokens, student_engine, config.eval.batch_size, progress)
+        signals = measure_signals(student_engine, teacher_engine, by_step[first], prompting, config.teacher.kind,
+                                  config.rollout.temperature, config.eval.batch_size)
     return RunDiagnosis(
         run_dir.name, f"{config.teacher.kind} with {prompting.teacher_template.name}", prompting.student_template.name,
         annotated, behaviour, {step: illusion_score(rollouts) for step, rollouts in annotated.items()},
         decompositions, collapse_warnings(behaviour, _read_metrics(run_dir)), summarize_run(run_dir),
-        correct_preference([record for records in by_step.values() for record in records]), model_part,
-    )
+        correct_preference([record for records in by_step.values() for record in records]), model_part, signals)
 
 
 def write_report(diagnosis: RunDiagnosis, out: Path, heatmaps: int = 4) -> Path:
@@ -168,6 +162,9 @@ def write_report(diagnosis: RunDiagnosis, out: Path, heatmaps: int = 4) -> Path:
         summary["at_start"] = {"privileged_gain_decomposition": as_jsonable(part.decomposition),
                                "illusion": _illusion_json(part.illusion), "contrast": as_jsonable(part.contrast),
                                "gap": as_jsonable(part.gap)}
+    if diagnosis.signals is not None:
+        summary["signals"] = signals_json(diagnosis.signals)
+        figures |= write_signal_outputs(diagnosis.signals, out)
     write_json_atomic(out / "summary.json", summary)
     return write_text_atomic(out / "report.md", render_report(diagnosis, figures))
 
@@ -305,6 +302,8 @@ def render_report(diagnosis: RunDiagnosis, figures: dict[str, str]) -> str:
                      f"{d.illusion[b.step].share} |")
     if d.model_part is not None:
         lines += ["", _model_section(d.model_part, first, figures)]
+    if d.signals is not None:
+        lines += ["", render_signals(d.signals, figures)]
     leaks = [(step, r) for step, rollouts in d.annotated.items() for r in rollouts if r.leaks]
     if leaks:
         lines += ["", "## Outputs that refer to or copy privileged context", ""]
