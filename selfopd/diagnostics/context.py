@@ -16,6 +16,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from selfopd.config import TeacherConfig
+from selfopd.demonstrations import pick_demonstrations
 from selfopd.diagnostics.measures import Annotated, annotate
 from selfopd.diagnostics.records import DiagnosticsError, RolloutRecord
 from selfopd.diagnostics.tokens import privileged_only_text, token_pieces
@@ -89,7 +90,8 @@ def annotate_records(records: Sequence[RolloutRecord], prompting: Prompting, pro
         example = prompting.example(record.id)
         verdict = verify_example(record.text, example)
         student_prompt = _content(render_student(prompting.student_template, example))
-        teacher_text = _content(prompting.teacher_messages(example, record.text, verdict.feedback))
+        teacher_text = _content(prompting.teacher_messages(example, record.text, verdict.feedback,
+                                                                record.demonstration))
         privileged = privileged_only_text(teacher_text, student_prompt, record.text)
         annotated.append(annotate(record, token_pieces(prompting.tokenizer, record.completion_ids),
                                   reference_answer(example.answer), privileged, student_prompt, verdict.extracted,
@@ -123,9 +125,9 @@ def privileged_gains(engine: Engine, records: Sequence[RolloutRecord], prompting
     correct_prompts, wrong_prompts = [], []
     for index, record in enumerate(records):
         example = prompting.example(record.id)
-        correct_prompts.append(prompting.teacher_ids(example, record.text))
+        correct_prompts.append(prompting.teacher_ids(example, record.text, demonstration=record.demonstration))
         wrong_prompts.append(prompting.teacher_ids(wrong_example(example, _other_example(pool, example, index)),
-                                                   record.text))
+                                                   record.text, demonstration=record.demonstration))
     completions = [r.completion_ids for r in records]
     plain = _score(engine, [r.prompt_ids for r in records], completions, batch_size, progress, "no context")
     correct = _score(engine, correct_prompts, completions, batch_size, progress, "correct context")
@@ -143,14 +145,15 @@ def fresh_records(student: Engine, teacher: Engine, examples: Sequence[Example],
 
 
 def student_records(student: Engine, examples: Sequence[Example], prompting: Prompting, params: SamplingParams,
-                    batch_size: int = 16, progress: bool = False, sample_chunk: int | None = None
-                    ) -> list[RolloutRecord]:
+                    batch_size: int = 16, progress: bool = False, sample_chunk: int | None = None,
+                    skip_self_success: bool = True) -> list[RolloutRecord]:
     """`params.n` rollouts of each example by the student, verified, with the student's
     logprobs at the sampling temperature (scored `batch_size` rollouts at a time, as
     `rescored` scores the teacher). No teacher has scored them yet: the teacher logprobs are
     the student's own (advantage 0) until `rescored`. `sample_chunk`: sample that many
     prompts per call (a progress bar; each row draws the same randomness when a chunk's rows
-    are a multiple of the engine's batch); None: one call."""
+    are a multiple of the engine's batch); None: one call. Each record carries the sibling
+    demonstration a `demonstration` template would see (`selfopd.demonstrations`)."""
     prompts = [prompting.student_ids(e) for e in examples]
     chunk = sample_chunk or max(1, len(prompts))
     groups = []
@@ -160,14 +163,20 @@ def student_records(student: Engine, examples: Sequence[Example], prompting: Pro
     flat = [(group, e, r) for group, (e, rollouts) in enumerate(zip(examples, groups)) for r in rollouts]
     student_lp = _score(student, [r.prompt_ids for _, _, r in flat], [r.completion_ids for _, _, r in flat],
                         batch_size, progress, "student scores", params.temperature or 1.0)
+    verdicts = [verify_example(rollout.text, example) for _, example, rollout in flat]
+    demonstrations = []  # for templates that use `demonstration`: another correct sample of the group, as in training
+    for group, rollouts in enumerate(groups):
+        first = len(demonstrations)
+        demonstrations += pick_demonstrations([r.text for r in rollouts],
+                                              [v.correct for v in verdicts[first : first + len(rollouts)]],
+                                              seed=params.seed or 0, step=0, group=group, skip_self=skip_self_success)
     records = []
-    for (group, example, rollout), s in zip(flat, student_lp):
-        verdict = verify_example(rollout.text, example)
+    for (group, example, rollout), s, verdict, demonstration in zip(flat, student_lp, verdicts, demonstrations):
         records.append(RolloutRecord(
             step=0, id=example.id, group=group, prompt_ids=rollout.prompt_ids, completion_ids=rollout.completion_ids,
             text=rollout.text, sampler_logprobs=list(rollout.sampler_logprobs), student_logprobs=s.tolist(),
             teacher_logprobs=s.tolist(), advantage=[0.0] * len(s), reward=verdict.reward, correct=verdict.correct,
-            answer=example.answer,
+            answer=example.answer, demonstration=demonstration,
         ))
     return records
 
@@ -177,7 +186,8 @@ def rescored(teacher: Engine, records: Sequence[RolloutRecord], prompting: Promp
     """The same rollouts scored by `teacher` after `prompting`'s teacher prompt, at
     `temperature`: advantage = teacher - student. Batched as the student was scored, so a
     teacher prompt equal to the student's (the `empty` control) gives exactly its logprobs."""
-    teacher_prompts = [prompting.teacher_ids(prompting.example(r.id), r.text) for r in records]
+    teacher_prompts = [prompting.teacher_ids(prompting.example(r.id), r.text, demonstration=r.demonstration)
+                       for r in records]
     teacher_lp = _score(teacher, teacher_prompts, [r.completion_ids for r in records], batch_size, progress,
                         "teacher scores", temperature)
     return [dataclasses.replace(r, teacher_logprobs=t.tolist(),

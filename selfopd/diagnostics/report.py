@@ -124,7 +124,7 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
     prompting = Prompting(from_pretrained(AutoTokenizer, resolve_model(config.model.student),
                                           trust_remote_code=config.model.trust_remote_code),
                           load_template(config.data.student_template), load_template(config.teacher.template),
-                          {e.id: e for e in examples})
+                          {e.id: e for e in examples}, load_template(config.teacher.demonstration_fallback))
 
     annotated = {step: annotate_records(records, prompting, progress) for step, records in by_step.items()}
     behaviour = [step_behaviour(step, rollouts, config.rollout.max_tokens) for step, rollouts in annotated.items()]

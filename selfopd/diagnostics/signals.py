@@ -78,7 +78,7 @@ def teachability(student: Engine, teacher: Engine, records: Sequence[RolloutReco
         raise ValueError(f"teachability needs 1 <= k <= teacher_k, got k={k}, teacher_k={teacher_k}")
     completions = [list(r.completion_ids) for r in records]
     student_pairs = [(list(r.prompt_ids), c) for r, c in zip(records, completions)]
-    teacher_pairs = [(prompting.teacher_ids(prompting.example(r.id), r.text), c) for r, c in zip(records, completions)]
+    teacher_pairs = [(prompting.teacher_ids(prompting.example(r.id), r.text, demonstration=r.demonstration), c) for r, c in zip(records, completions)]
     out = []
     for start in range(0, len(records), batch_size):
         batch = slice(start, start + batch_size)
@@ -131,8 +131,9 @@ def contrastive_gains(teacher: Engine, records: Sequence[RolloutRecord], prompti
     true_prompts, other_prompts = [], []
     for record in records:
         example = prompting.example(record.id)
-        true_prompts.append(prompting.teacher_ids(example, record.text))
-        other_prompts.append(prompting.teacher_ids(other_item_example(example, pool, seed), record.text))
+        true_prompts.append(prompting.teacher_ids(example, record.text, demonstration=record.demonstration))
+        other_prompts.append(prompting.teacher_ids(other_item_example(example, pool, seed), record.text,
+                                                   demonstration=record.demonstration))
     completions = [r.completion_ids for r in records]
     true = _score(teacher, true_prompts, completions, batch_size, False, "true context", temperature)
     other = _score(teacher, other_prompts, completions, batch_size, False, "other item's context", temperature)
@@ -157,7 +158,8 @@ def dopd_split(student: Engine, teacher: Engine, records: Sequence[RolloutRecord
     """The advantage of each rollout split into information and capability. When `teacher`
     is `student` (a self teacher) the capability is zero by construction and not scored."""
     completions = [r.completion_ids for r in records]
-    privileged = [prompting.teacher_ids(prompting.example(r.id), r.text) for r in records]
+    privileged = [prompting.teacher_ids(prompting.example(r.id), r.text, demonstration=r.demonstration)
+                  for r in records]
     plain = _score(student, [r.prompt_ids for r in records], completions, batch_size, False, "student", temperature)
     informed = _score(student, privileged, completions, batch_size, False, "student with context", temperature)
     if teacher is student:

@@ -177,13 +177,13 @@ def run_tournament(config: TrainConfig, templates: Sequence[PromptTemplate], pro
     student = ScoreCache(student_engine)
     teacher = student if teacher_engine is student_engine else ScoreCache(teacher_engine)
     prompting = Prompting(student.tokenizer, load_template(config.data.student_template), templates[0],
-                          {e.id: e for e in examples})
+                          {e.id: e for e in examples}, load_template(config.teacher.demonstration_fallback))
     temperature = config.rollout.temperature or 1.0
     batch_size = config.eval.batch_size
     params = SamplingParams(max_tokens=config.rollout.max_tokens, temperature=config.rollout.temperature,
                             top_p=config.rollout.top_p, n=samples, seed=config.run.seed)
     records = student_records(student, items, prompting, params, batch_size, progress,
-                              sample_chunk=max(1, batch_size // samples))
+                              sample_chunk=max(1, batch_size // samples), skip_self_success=config.teacher.skip_self_success)
     baseline = gap_baseline(student, teacher, gap_examples, prompting, config.eval.max_tokens, batch_size, progress)
     scores = []
     for template in tqdm(templates, desc="templates", unit="template", disable=not progress):
