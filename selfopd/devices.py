@@ -58,12 +58,28 @@ def attn_implementation(spec: str, device: torch.device) -> str:
     return spec
 
 
-def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
-    """bf16 autocast around the trainer's forward passes (sampling, scoring, training) for
-    `model.dtype = 'bfloat16'`; nothing for fp32."""
+def autocast(device: torch.device, dtype: str, *, cache: bool = False) -> contextlib.AbstractContextManager:
+    """bf16 autocast around one forward pass (or one `generate`) for `model.dtype =
+    'bfloat16'`; nothing for fp32.
+
+    Scoped per forward, never around a whole step: autocast keeps the bf16 copy of each fp32
+    weight made by the first forward of the outermost region, and neither a backward, an
+    optimizer step nor FSDP's re-gathering invalidates it. A step-wide region gave FSDP2
+    layers no gradient after a no-grad forward, wrong sums over micro-batches, a probe that
+    read the previous step's weights, and a bf16 copy of every layer held all step.
+    `cache=True` only where the weights cannot change inside the region (one `generate`, whose
+    every token reuses the casts), and only as the outermost region, whose exit drops the
+    cache; inside another autocast region it does not cache."""
     if dtype == "float32":
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=DTYPES[dtype])
+    outermost = not torch.is_autocast_enabled(device.type)
+    return torch.autocast(device.type, dtype=DTYPES[dtype], cache_enabled=cache and outermost)
+
+
+def full_precision(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast off: the output head and log-softmax run in the inputs' precision (fp32 or more),
+    where bf16 logits would be off by ~0.1 nats at logits of ~30."""
+    return torch.autocast(device_type, enabled=False)
 
 
 def model_device(model: Any) -> torch.device:

@@ -20,6 +20,8 @@ from typing import Callable, Literal
 import torch
 from torch import Tensor
 
+from selfopd.devices import full_precision
+
 # ---- full-distribution divergences, chunked -----------------------------------------------
 #
 # Sampled-token OPD (above) sees one token per position. These losses compare whole
@@ -51,10 +53,12 @@ def _log1mexp(x: Tensor) -> Tensor:
 
 
 def _logprobs_from_hidden(hidden_BWH: Tensor, weight_VH: Tensor, mask_BW: Tensor, dtype: torch.dtype) -> Tensor:
-    """log_softmax(hidden @ weight.T) in `dtype`; masked positions read zeros (a uniform
+    """log_softmax(hidden @ weight.T), the matmul and the softmax in `dtype` (fp32 or fp64)
+    even inside a bf16 autocast region; masked positions read zeros (a uniform
     distribution), so inf or nan hidden states there never reach a value or gradient."""
     hidden_BWH = torch.where(mask_BW[..., None], hidden_BWH, 0.0)
-    return torch.log_softmax((hidden_BWH @ weight_VH.T).to(dtype), dim=-1)
+    with full_precision(hidden_BWH.device.type):
+        return torch.log_softmax(hidden_BWH.to(dtype) @ weight_VH.to(dtype).T, dim=-1)
 
 
 class _ChunkedDivergence(torch.autograd.Function):
@@ -69,6 +73,11 @@ class _ChunkedDivergence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_BTH: Tensor, weight_VH: Tensor, mask_BT: Tensor, chunk_divergence: ChunkDivergence, chunk_size: int) -> Tensor:
+        with full_precision(hidden_BTH.device.type):
+            return _ChunkedDivergence._forward(ctx, hidden_BTH, weight_VH, mask_BT, chunk_divergence, chunk_size)
+
+    @staticmethod
+    def _forward(ctx, hidden_BTH: Tensor, weight_VH: Tensor, mask_BT: Tensor, chunk_divergence: ChunkDivergence, chunk_size: int) -> Tensor:
         dtype = torch.promote_types(torch.promote_types(hidden_BTH.dtype, weight_VH.dtype), torch.float32)
         values_BT = torch.zeros(mask_BT.shape, dtype=dtype, device=hidden_BTH.device)
         for start in range(0, hidden_BTH.shape[1], chunk_size):
@@ -84,6 +93,11 @@ class _ChunkedDivergence(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_BT: Tensor):
+        with full_precision(grad_BT.device.type):
+            return _ChunkedDivergence._backward(ctx, grad_BT)
+
+    @staticmethod
+    def _backward(ctx, grad_BT: Tensor):
         hidden_BTH, weight_VH, mask_BT = ctx.saved_tensors
         grad_hidden_BTH = torch.zeros_like(hidden_BTH) if ctx.needs_input_grad[0] else None
         grad_weight_VH = torch.zeros(weight_VH.shape, dtype=ctx.dtype, device=weight_VH.device) if ctx.needs_input_grad[1] else None
@@ -92,11 +106,12 @@ class _ChunkedDivergence(torch.autograd.Function):
             mask_BW = mask_BT[:, window]
             _, grad_logits_BWV = ctx.chunk_divergence(_logprobs_from_hidden(hidden_BTH[:, window], weight_VH, mask_BW, ctx.dtype), window, mask_BW, True)
             grad_logits_BWV.mul_(torch.where(mask_BW, grad_BT[:, window].to(ctx.dtype), 0.0)[..., None])
+            # In the head's precision (`ctx.dtype`), whatever the dtype of hidden states or weight.
             if grad_hidden_BTH is not None:
-                grad_hidden_BTH[:, window] = grad_logits_BWV.to(weight_VH.dtype) @ weight_VH
+                grad_hidden_BTH[:, window] = grad_logits_BWV @ weight_VH.to(ctx.dtype)
             if grad_weight_VH is not None:
                 hidden_NH = torch.where(mask_BW[..., None], hidden_BTH[:, window], 0.0).flatten(0, 1)
-                grad_weight_VH += grad_logits_BWV.flatten(0, 1).T.to(hidden_NH.dtype) @ hidden_NH
+                grad_weight_VH += grad_logits_BWV.flatten(0, 1).T @ hidden_NH.to(ctx.dtype)
             del grad_logits_BWV
         if grad_weight_VH is not None:
             grad_weight_VH = grad_weight_VH.to(weight_VH.dtype)
@@ -123,7 +138,9 @@ def token_logprobs_from_hidden(
     straight to hidden and weight (the chunked machinery of the divergences below: about
     three (B, W, V) tensors at a time, where per-chunk checkpointing kept about five).
     Only for a plain linear head (no bias, logit scaling or soft-capping), as in
-    Llama/Qwen/SmolLM2; `hidden_BTH` is the output of the final norm.
+    Llama/Qwen/SmolLM2; `hidden_BTH` is the output of the final norm. The head's matmul and
+    the log-softmax run in at least fp32 with autocast off, inside a bf16 region too: bf16
+    logits of ~30 are off by ~0.1 nats.
     """
     if hidden_BTH.ndim != 3 or tokens_BT.shape != hidden_BTH.shape[:2]:
         raise ValueError(f"need hidden (B, T, H) and tokens (B, T), got {tuple(hidden_BTH.shape)} and {tuple(tokens_BT.shape)}")
@@ -169,8 +186,8 @@ def full_vocab_divergence(
                     beta KL(t || m) + (1 - beta) KL(s || m). It tends to 0 at both ends, so,
                     as in TRL, beta = 0 is defined as forward KL and beta = 1 as reverse KL
                     (the limits of JSD / beta and JSD / (1 - beta)).
-    Computed in at least fp32 (fp64 stays fp64), with the head's matmul in the inputs' dtype
-    as in `token_logprobs_from_hidden`. A teacher logprob of -inf where the student has mass
+    Computed in at least fp32 (fp64 stays fp64), the heads' matmuls included, with autocast
+    off as in `token_logprobs_from_hidden`. A teacher logprob of -inf where the student has mass
     makes the reverse KL inf, as it should.
     """
     _check_student(student_hidden_BTH, student_weight_VH, mask_BT, chunk_size)

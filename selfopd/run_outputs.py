@@ -26,10 +26,9 @@ def run_eval(run: Run) -> dict[str, float] | None:
     cfg = run.config
     out_dir = run.folder.eval_dir(run.step)
     main = run.world.is_main
-    with run.autocast():
-        evaluate(ShardedSampling(run.student_engine, run.world), run.tokenizer, run.eval_examples,
-                 run.student_template, cfg.eval.max_tokens, cfg.eval.batch_size, out_dir=out_dir if main else None,
-                 progress=cfg.run.progress and main)
+    evaluate(ShardedSampling(run.student_engine, run.world), run.tokenizer, run.eval_examples,
+             run.student_template, cfg.eval.max_tokens, cfg.eval.batch_size, out_dir=out_dir if main else None,
+             progress=cfg.run.progress and main)
     return eval_metrics(run.step, out_dir) if main else None
 
 

@@ -22,6 +22,7 @@ from selfopd.lora import adapters_off, prepare_student, trainable_parameters
 from selfopd.models import resolve_model
 from selfopd.run_folder import RunFolder
 from selfopd.run_state import Run
+from selfopd.scoring import check_plain_head
 from selfopd.split import split_examples
 from selfopd.templates import (
     SAMPLE_DEMONSTRATION,
@@ -73,6 +74,7 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
     model, tokenizer = load_model(config.model.student, config.model.dtype, weights=resume_from,
                                   gradient_checkpointing=config.model.gradient_checkpointing,
                                   master_weights=not config.model.lora, **options)
+    check_plain_head(model, f"model.student {config.model.student}")
     check_context(config, model.config, tokenizer, student_template, train_examples, eval_examples)
     if config.teacher.kind == "external":  # another tokenizer is refused before the run folder is claimed
         check_external_teacher(config, tokenizer)
@@ -101,14 +103,13 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
                   student_template, teacher_template, train_examples, eval_examples, probe, step, resources,
                   device=options["device"], world=world, demonstration_fallback=fallback,
                   ema=open_ema(config, teacher_engine, resume_from, state.get("ema"), options))
-        with run.autocast():
-            if config.engine.kind in VLLM_KINDS:
-                # vLLM starts from the model folder (or was running already): give it the
-                # trainer's weights (a resumed checkpoint's, say) before the first rollout.
-                sync_weights(run)
-                check_probe(run)
-            if config.teacher.kind == "frozen":
-                check_frozen_teacher(run, initial_probe_logprobs(run, resume_from, options))
+        if config.engine.kind in VLLM_KINDS:
+            # vLLM starts from the model folder (or was running already): give it the
+            # trainer's weights (a resumed checkpoint's, say) before the first rollout.
+            sync_weights(run)
+            check_probe(run)
+        if config.teacher.kind == "frozen":
+            check_frozen_teacher(run, initial_probe_logprobs(run, resume_from, options))
     except BaseException:
         resources.close()
         raise
@@ -182,15 +183,15 @@ def check_context(config: TrainConfig, model_config: Any, tokenizer: Any, templa
 def initial_probe_logprobs(run: Run, resume_from: Path | None, options: dict) -> torch.Tensor:
     """The probe's logprobs under the run's initial weights, which a frozen teacher must serve:
     the student itself at the start, the base model (adapters off) with LoRA, else a fresh load."""
-    config, model = run.config, run.model
+    config, model, precision = run.config, run.model, run.config.model.dtype
     if config.model.lora:  # the initial weights are the base ones: the adapters off, no second load
         with adapters_off(model):
-            return probe_logprobs(model, run.probe, run.pad_id)
+            return probe_logprobs(model, run.probe, run.pad_id, precision)
     if resume_from is None:
-        return probe_logprobs(model, run.probe, run.pad_id)
+        return probe_logprobs(model, run.probe, run.pad_id, precision)
     initial = load_model(config.model.student, config.model.dtype, **options)[0]
     shard_model(initial, run.world)
-    return probe_logprobs(initial, run.probe, run.pad_id)
+    return probe_logprobs(initial, run.probe, run.pad_id, precision)
 
 
 def check_world(config: TrainConfig, world: World) -> None:

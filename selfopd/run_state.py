@@ -59,7 +59,8 @@ class Run:
         return pad_token_id(self.tokenizer, self.model)
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """The compute precision of every forward of the student (`model.dtype`)."""
+        """The compute precision (`model.dtype`) of one forward of the student: a region per
+        forward, never around a step (`selfopd.devices.autocast` says why)."""
         return autocast(self.device, self.config.model.dtype)
 
     @property

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from selfopd.devices import model_device
+from selfopd.devices import full_precision, model_device
 from selfopd.kernels import token_logprobs_from_hidden
 
 Sequences = Sequence[tuple[Sequence[int], Sequence[int]]]
@@ -48,7 +48,7 @@ def logprobs_from_hidden(model: Any, hidden_BCH: Tensor, targets_BC: Tensor, mas
 
 def tempered(hidden_BCH: Tensor, temperature: float) -> Tensor:
     """Hidden states whose logits are the model's divided by `temperature`: the head is
-    linear without bias (`_check_plain_head`), so scaling before it is scaling the logits,
+    linear without bias (`check_plain_head`), so scaling before it is scaling the logits,
     and every loss and scorer downstream works unchanged on the tempered distribution."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -63,7 +63,8 @@ def topk_from_hidden(model: Any, hidden_BCH: Tensor, k: int, chunk_size: int = 2
     head_VH = model.get_output_embeddings().weight
     ids, values = [], []
     for start in range(0, hidden_BCH.shape[1], chunk_size):
-        logprobs_BcV = (hidden_BCH[:, start : start + chunk_size].float() @ head_VH.float().T).log_softmax(-1)
+        with full_precision(hidden_BCH.device.type):  # fp32 logits inside a bf16 autocast region too
+            logprobs_BcV = (hidden_BCH[:, start : start + chunk_size].float() @ head_VH.float().T).log_softmax(-1)
         top = logprobs_BcV.topk(k, dim=-1)
         ids.append(top.indices)
         values.append(top.values)
@@ -81,7 +82,7 @@ def completion_hidden(model: Any, sequences: Sequences, pad_id: int) -> tuple[Te
     (selected per row, a differentiable gather). Under gradient checkpointing, which drops
     the cache, one pass over prompt + completion instead (same result, no sharing).
     """
-    _check_plain_head(model)
+    check_plain_head(model)
     if not sequences:
         raise ValueError("no sequences to score")
     for row, (prompt, completion) in enumerate(sequences):
@@ -181,10 +182,34 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor
     return ids, mask
 
 
-def _check_plain_head(model: Any) -> None:
-    config = model.config
-    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
-        raise NotImplementedError(f"{type(model).__name__} scales its logits; selfopd scores plain linear heads only")
+# Config fields with which transformers' models scale or cap their logits after the head
+# (Gemma 2/3, Cohere, Granite, Falcon-H1), and each one's neutral value.
+LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": None, "logits_scaling": 1.0,
+                    "lm_head_multiplier": 1.0}
+
+
+def check_plain_head(model: Any, where: str = "") -> None:
+    """Refuse (ModelError) a model whose logits are not `final hidden @ head.T`: the chunked
+    kernels apply the head themselves and `tempered` divides the hidden states by the
+    temperature, both exact for a plain linear head only. `where`: the model's folder or name."""
+    from selfopd.models import ModelError
+
+    head = model.get_output_embeddings()
+    reasons = []
+    if head is None:
+        reasons.append("has no output head (get_output_embeddings() is None)")
+    elif getattr(head, "bias", None) is not None:
+        reasons.append("has a bias on its output head")
+    config = getattr(model, "config", None)
+    for field, neutral in LOGIT_TRANSFORMS.items():
+        value = getattr(config, field, None)
+        if value is not None and value != neutral:
+            reasons.append(f"transforms its logits after the head (config.{field} = {value})")
+    if reasons:
+        name = f"{where} ({type(model).__name__})" if where else type(model).__name__
+        raise ModelError(f"{name} {' and '.join(reasons)}: selfopd scores plain linear heads only "
+                         "(logits = final hidden state @ head.T, as Llama, Qwen, Mistral, SmolLM2)")
+
 
 
 def pad_completions(values: Sequence[Tensor | Sequence[float]], length: int,

@@ -190,8 +190,10 @@ def run_sft(config: SftConfig, progress: bool = True, student_run: Path | None =
     model, tokenizer = load_model(config.train.model.student, config.train.model.dtype,
                                   gradient_checkpointing=config.train.model.gradient_checkpointing, **options)
     model.eval()
+    # bf16: the engine opens a region per forward; `compute` is one for the fine-tuning's forwards,
+    # which never caches a weight's cast across an optimizer step (selfopd.devices.autocast).
     compute = functools.partial(autocast, options["device"], config.train.model.dtype)
-    engine = LocalEngine(model, tokenizer, batch_size=eval_config.batch_size)
+    engine = LocalEngine(model, tokenizer, batch_size=eval_config.batch_size, precision=config.train.model.dtype)
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(run_dir / "config.toml", sft_config_to_toml(config))
@@ -202,9 +204,8 @@ def run_sft(config: SftConfig, progress: bool = True, student_run: Path | None =
 
     def evaluated(label: str) -> tuple[Any, list[Any]]:
         began = time.perf_counter()
-        with compute():
-            result = evaluate(engine, tokenizer, held_out, student_template, eval_config.max_tokens,
-                              eval_config.batch_size, out_dir=run_dir / "eval" / label, progress=progress)
+        result = evaluate(engine, tokenizer, held_out, student_template, eval_config.max_tokens,
+                          eval_config.batch_size, out_dir=run_dir / "eval" / label, progress=progress)
         seconds[f"eval_{label}"] = time.perf_counter() - began
         return result
 
@@ -219,9 +220,8 @@ def run_sft(config: SftConfig, progress: bool = True, student_run: Path | None =
         else:
             params = SamplingParams(max_tokens=sft.max_tokens, temperature=sft.temperature,
                                     n=sft.samples_per_prompt, seed=seed)
-            with compute():
-                targets, stats = sampled_targets(engine, tokenizer, chosen, student_template, sample_template, params,
-                                                 eval_config.batch_size, progress)
+            targets, stats = sampled_targets(engine, tokenizer, chosen, student_template, sample_template, params,
+                                             eval_config.batch_size, progress)
         seconds["targets"] = time.perf_counter() - began
         write_lines_atomic(run_dir / "targets.jsonl", (
             {"id": t.example_id, "text": t.text, "completion_tokens": len(t.completion_ids)} for t in targets))

@@ -63,12 +63,9 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def train_step(run: Run) -> dict[str, float]:
-    """One OPD step; returns its metrics (the same on every rank)."""
-    with run.autocast():
-        return _train_step(run)
-
-
-def _train_step(run: Run) -> dict[str, float]:
+    """One OPD step; returns its metrics (the same on every rank). Under model.dtype =
+    'bfloat16' each forward enters its own autocast region (`run.autocast`, the engines'),
+    never the whole step: see `selfopd.devices.autocast`."""
     cfg = run.config
     timer = _PhaseTimer()
     temperature = run.temperature  # student and teacher logprobs are both at the sampling temperature
@@ -140,7 +137,8 @@ def _train_step(run: Run) -> dict[str, float]:
         for start in range(0, len(scored), per_micro):
             micro = scored[start : start + per_micro]
             sequences = [(s.rollout.prompt_ids, s.rollout.completion_ids) for s in micro]
-            hidden_BCH, tokens_BC, mask_BC = completion_hidden(run.model, sequences, run.pad_id)  # with grad
+            with run.autocast():  # the decoder only: the head and log-softmax run in fp32 (selfopd.kernels)
+                hidden_BCH, tokens_BC, mask_BC = completion_hidden(run.model, sequences, run.pad_id)  # with grad
             hidden_BCH = tempered(hidden_BCH, temperature)  # the sampling distribution's logits
             student_lp_BC = logprobs_from_hidden(run.model, hidden_BCH, tokens_BC, mask_BC)
             mask_BC = mask_BC.bool()

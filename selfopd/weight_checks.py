@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from selfopd.devices import autocast, model_device
 from selfopd.distributed import full_state_dict, is_sharded
 from selfopd.engines.base import Engine
 from selfopd.engines.local import eval_mode
@@ -67,9 +68,12 @@ def sync_ema_teacher(run: Run) -> None:
 
 
 @torch.no_grad()
-def probe_logprobs(model: Any, probe: tuple[list[int], list[int]], pad_id: int) -> torch.Tensor:
-    """The trainer-side logprobs of the probe sequence (eval mode, no dropout)."""
-    with eval_mode(model):
+def probe_logprobs(model: Any, probe: tuple[list[int], list[int]], pad_id: int,
+                   precision: str = "float32") -> torch.Tensor:
+    """The trainer-side logprobs of the probe sequence (eval mode, no dropout), in the run's
+    precision (`model.dtype`), from the weights as they are now: its own autocast region,
+    which no earlier forward's bf16 casts outlive."""
+    with eval_mode(model), autocast(model_device(model), precision):
         return completion_logprobs(model, [probe], pad_id)[0][0].float().cpu()  # where engines' scores are
 
 
@@ -94,10 +98,11 @@ def check_probe(run: Run) -> dict[str, float]:
     replica of every engine that serves the student's weights (each student server, a
     `self` teacher's server) and of an `ema` teacher's engine (against the average's
     logprobs, not the student's); raises past the tolerance (`probe_rule`), naming the replica."""
-    trainer_lp = probe_logprobs(run.model, run.probe, run.pad_id)
+    precision = run.config.model.dtype
+    trainer_lp = probe_logprobs(run.model, run.probe, run.pad_id, precision)
     checks = [(name, engine, trainer_lp, "the trainer's") for name, engine in engines_serving_student_weights(run)]
     if run.ema is not None:
-        checks.append(("ema teacher", run.teacher_engine, probe_logprobs(run.ema.model, run.probe, run.pad_id),
+        checks.append(("ema teacher", run.teacher_engine, probe_logprobs(run.ema.model, run.probe, run.pad_id, precision),
                        "the trainer's EMA weights'"))
     key, tolerance, what = probe_rule(run)
     worst = {"probe/max_abs_diff": 0.0, "probe/mean_abs_diff": 0.0}

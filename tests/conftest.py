@@ -64,15 +64,15 @@ def servable_tiny_model_dir(tmp_path_factory, smollm2_tokenizer):
                            head_dim=64)
 
 
-def save_tiny_llama(folder, tokenizer, hidden_size: int, heads: int, head_dim: int):
-    """A seeded random 2-layer Llama (tied head, grouped KV heads) with `tokenizer`, saved to `folder`."""
+def save_tiny_llama(folder, tokenizer, hidden_size: int, heads: int, head_dim: int, tie_word_embeddings: bool = True):
+    """A seeded random 2-layer Llama (tied head unless told, grouped KV heads) with `tokenizer`, saved to `folder`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                          num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=heads // 2,
-                         head_dim=head_dim, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+                         head_dim=head_dim, tie_word_embeddings=tie_word_embeddings, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from selfopd.config import ConfigError, load_config
 from selfopd.distributed import World, share
 from selfopd.run_setup import check_world
 from selfopd.trainer import train
+from tests import two_processes
 
 pytestmark = pytest.mark.distributed
 
@@ -31,45 +31,8 @@ pytestmark = pytest.mark.distributed
 TOLERANCE = 1e-5
 
 
-def _config_file(tmp_path: Path, model: Path, micro_batch_prompts: int = 2) -> Path:
-    # 4 prompts x 2 samples: each rank takes 2 prompts (4 rows, one generation batch of
-    # engine.batch_size = 4, so one process draws the same randomness row by row).
-    path = tmp_path / "two.toml"
-    path.write_text(f"""
-[run]
-out_dir = "{tmp_path / 'runs'}"
-steps = 2
-eval_every = 0
-progress = false
-[model]
-student = "{model}"
-threads = 1
-[data]
-spec = "rg:chain_sum?min_terms=2&max_terms=2&size=60&seed=2"
-eval_size = 5
-[rollout]
-prompts_per_step = 4
-samples_per_prompt = 2
-max_tokens = 6
-[loss]
-lambda_rl = 1.0
-[optim]
-micro_batch_prompts = {micro_batch_prompts}
-lr = 1e-4
-[eval]
-max_tokens = 6
-batch_size = 4
-[engine]
-batch_size = 4
-""")
-    return path
-
-
 def _torchrun(*args: str) -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "selfopd", "train", *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    two_processes.torchrun("-m", "selfopd", "train", *args)
 
 
 def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
@@ -97,7 +60,7 @@ def _assert_same_run(one: Path, two: Path, step: int, weights: bool = True) -> N
 @pytest.mark.parametrize("teacher", ["self", "frozen"])
 def test_two_processes_take_the_step_of_one(tmp_path, tiny_model_dir, teacher):
     """A `self` teacher is the sharded student itself; a `frozen` one a second model, sharded alike."""
-    config_file = _config_file(tmp_path, tiny_model_dir)
+    config_file = two_processes.config_file(tmp_path, tiny_model_dir)
     one = train(load_config(config_file, ["run.name=one", f"teacher.kind={teacher}"]))
     _torchrun(str(config_file), "--set", "run.name=two", "--set", f"teacher.kind={teacher}")
     two = tmp_path / "runs" / "two"
@@ -112,7 +75,7 @@ def test_two_processes_take_the_step_of_one(tmp_path, tiny_model_dir, teacher):
 
 
 def test_a_two_process_checkpoint_resumes_on_two_or_one_processes(tmp_path, tiny_model_dir):
-    config_file = _config_file(tmp_path, tiny_model_dir)
+    config_file = two_processes.config_file(tmp_path, tiny_model_dir)
     whole = train(load_config(config_file, ["run.name=whole"]))
     _torchrun(str(config_file), "--set", "run.name=part", "--set", "run.steps=1")
     part = tmp_path / "runs" / "part"
@@ -126,7 +89,7 @@ def test_a_two_process_checkpoint_resumes_on_two_or_one_processes(tmp_path, tiny
 
 def test_lora_student_shards_and_takes_the_step_of_one(tmp_path, tiny_model_dir):
     """peft under FSDP2: the adapters after 2 steps on 2 processes are those of one process."""
-    config_file = _config_file(tmp_path, tiny_model_dir)
+    config_file = two_processes.config_file(tmp_path, tiny_model_dir)
     lora = ["model.lora_rank=4", "model.lora_targets=q_proj,v_proj"]
     one = train(load_config(config_file, ["run.name=one", *lora]))
     _torchrun(str(config_file), *[arg for item in ["run.name=two", *lora] for arg in ("--set", item)])
@@ -140,7 +103,7 @@ def test_lora_student_shards_and_takes_the_step_of_one(tmp_path, tiny_model_dir)
 def test_micro_batches_accumulate_over_ranks(tmp_path, tiny_model_dir):
     """Two micro-batches per rank: the loss, KL, rewards and gradient norm of each step are
     those of one process (the weights: see TOLERANCE)."""
-    config_file = _config_file(tmp_path, tiny_model_dir, micro_batch_prompts=1)
+    config_file = two_processes.config_file(tmp_path, tiny_model_dir, micro_batch_prompts=1)
     one = train(load_config(config_file, ["run.name=one"]))
     _torchrun(str(config_file), "--set", "run.name=two")
     _assert_same_run(one, tmp_path / "runs" / "two", 2, weights=False)

@@ -119,3 +119,23 @@ def test_update_weights_copies_into_a_separate_model(smollm2_model, smollm2_toke
     assert not torch.equal(clone.get_parameter(name), smollm2_model.get_parameter(name))
     with pytest.raises(KeyError, match="not in the engine's model"):
         engine.update_weights({"no.such.weight": torch.zeros(1)}, version=4)
+
+
+def test_the_checkpoint_generation_config_does_not_shape_the_policy(smollm2_model, smollm2_tokenizer, prompts):
+    """A checkpoint whose generation_config sets repetition_penalty, min_p, no_repeat_ngram_size,
+    top_k and a temperature: the samples are still drawn from the tempered model alone (sampler
+    logprob = scoring logprob, so the importance ratio is 1), and greedy decoding is its argmax."""
+    model = copy.deepcopy(smollm2_model)
+    model.generation_config.update(repetition_penalty=1.5, min_p=0.2, no_repeat_ngram_size=2, top_k=5,
+                                   temperature=0.3, do_sample=True)
+    engine = LocalEngine(model, smollm2_tokenizer, batch_size=8)
+    groups = engine.sample(prompts, SamplingParams(max_tokens=16, temperature=0.8, n=2, seed=5))
+    flat = [r for group in groups for r in group]
+    scores = engine.score([(r.prompt_ids, r.completion_ids) for r in flat], temperature=0.8)
+    gaps = torch.cat([torch.tensor(r.sampler_logprobs) - s.logprobs for r, s in zip(flat, scores)])
+    assert gaps.abs().max() < 2e-4  # the checkpoint's processors moved them by nats
+    greedy = [g[0] for g in engine.sample(prompts, SamplingParams(max_tokens=16, temperature=0.0))]
+    best = engine.score([(r.prompt_ids, r.completion_ids) for r in greedy], top_k=1)
+    for rollout, score in zip(greedy, best):
+        assert score.topk_ids[:, 0].tolist() == rollout.completion_ids
+    assert model.generation_config.repetition_penalty == 1.5  # given back as it was

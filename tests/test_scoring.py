@@ -87,3 +87,35 @@ def test_empty_prompt_or_completion_is_refused(float64_llama):
 def test_pad_completions():
     padded = pad_completions([[1.0, 2.0], torch.tensor([3.0])], 3)
     assert padded.tolist() == [[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]] and padded.dtype == torch.float32
+
+
+def test_heads_that_are_not_plain_are_refused(float64_llama, tmp_path, tiny_model_dir):
+    """The kernels apply `hidden @ head.T` themselves and temper the hidden states: a head bias
+    or a logit transform after the head (Granite's logits_scaling, Gemma's soft-capping) would
+    silently be dropped, so such models are refused, by name, before anything is scored."""
+    from transformers import AutoTokenizer, GraniteConfig, GraniteForCausalLM
+
+    from selfopd.config import load_config
+    from selfopd.models import ModelError
+    from selfopd.run_setup import build_run
+    from selfopd.scoring import check_plain_head
+
+    check_plain_head(float64_llama)  # plain: passes
+    float64_llama.lm_head.bias = torch.nn.Parameter(torch.zeros(48, dtype=torch.float64))
+    with pytest.raises(ModelError, match=r"LlamaForCausalLM has a bias on its output head: selfopd scores plain "
+                       r"linear heads only"):
+        completion_logprobs(float64_llama, SEQUENCES, pad_id=0)
+    float64_llama.config.final_logit_softcapping = 30.0
+    with pytest.raises(ModelError, match=r"and transforms its logits after the head \(config.final_logit_softcapping"):
+        check_plain_head(float64_llama)
+
+    granite = tmp_path / "granite"
+    config = GraniteConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, logits_scaling=8.0)
+    GraniteForCausalLM(config).save_pretrained(granite)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(granite)
+    with pytest.raises(ModelError, match=rf"model.student {granite} \(GraniteForCausalLM\) transforms its logits "
+                       r"after the head \(config.logits_scaling = 8.0\)"):
+        build_run(load_config(None, [f"model.student={granite}", f"run.out_dir={tmp_path}", "data.eval_size=4",
+                                     "data.spec=rg:chain_sum?min_terms=2&max_terms=2&size=60&seed=2"]))
+    assert [p.name for p in tmp_path.iterdir()] == ["granite"]  # refused before a run folder is made

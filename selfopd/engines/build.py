@@ -11,6 +11,7 @@ new engine kind or device is added in one module.
 from __future__ import annotations
 
 import contextlib
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from selfopd.engines.base import Engine
 from selfopd.engines.local import LocalEngine
 from selfopd.lora import adapter_base, adapters_off, is_adapter_folder, load_adapted
 from selfopd.models import from_pretrained, resolve_model
+from selfopd.scoring import check_plain_head
 from selfopd.tokenizer_check import check_tokenizers_compatible
 
 def load_model(spec: str | Path, dtype: str = "float32", *, weights: Path | None = None, frozen: bool = False,
@@ -118,21 +120,23 @@ def open_training_engines(config: TrainConfig, model: Any, tokenizer: Any, log_d
         from selfopd.engines.vllm_colocate import open_colocated_engines
 
         return open_colocated_engines(config, resources)
-    batch_size = config.engine.batch_size
-    student = LocalEngine(model, tokenizer, batch_size=batch_size)
+    # Every in-process engine computes in the run's precision (bf16: an autocast region per forward).
+    engine = functools.partial(LocalEngine, batch_size=config.engine.batch_size, precision=config.model.dtype)
+    student = engine(model, tokenizer)
     if config.teacher.kind == "self":
         return student, student
     options = model_options(config.model, world)
     if config.teacher.kind in ("frozen", "ema"):  # an `ema` teacher starts from the initial weights too
         if config.model.lora:  # the initial weights are the live student's with its adapters off: no second copy
-            return student, LocalEngine(model, tokenizer, batch_size=batch_size, forward_context=lambda: adapters_off(model))
+            return student, engine(model, tokenizer, forward_context=lambda: adapters_off(model))
         # The student's own precision (fp32 weights, `model.dtype` autocast): the two then
         # compute alike, bit for bit at step 0. bf16 weights would differ from the student's
         # autocast by up to 0.75 nats a token (SmolLM2, measured), a teacher-student gap of noise.
         frozen, _ = load_model(config.model.student, "float32", frozen=True, **options)
         shard_model(frozen, world)
-        return student, LocalEngine(frozen, tokenizer, batch_size=batch_size)
-    teacher, teacher_tokenizer = load_model(resolve_model(config.teacher.model), config.model.dtype, frozen=True,
-                                            **options)
+        return student, engine(frozen, tokenizer)
+    teacher_dir = resolve_model(config.teacher.model)
+    teacher, teacher_tokenizer = load_model(teacher_dir, config.model.dtype, frozen=True, **options)
+    check_plain_head(teacher, f"teacher.model {config.teacher.model}")
     shard_model(teacher, world)
-    return student, LocalEngine(teacher, teacher_tokenizer, batch_size=batch_size)
+    return student, engine(teacher, teacher_tokenizer)

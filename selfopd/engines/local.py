@@ -12,7 +12,7 @@ from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
 
 import torch
 
-from selfopd.devices import model_device
+from selfopd.devices import autocast, model_device
 from selfopd.distributed import gathered_for_generation, is_sharded
 from selfopd.engines.base import Rollout, SamplingParams, TokenScores
 from selfopd.scoring import completion_hidden, left_pad, logprobs_from_hidden, tempered, topk_from_hidden
@@ -22,11 +22,14 @@ class LocalEngine:
     """Samples with `model.generate` (KV cache) and scores with `selfopd.scoring`."""
 
     def __init__(self, model: Any, tokenizer: Any, batch_size: int = 16, chunk_size: int = 256,
-                 forward_context: Callable[[], ContextManager[Any]] | None = None) -> None:
+                 forward_context: Callable[[], ContextManager[Any]] | None = None,
+                 precision: str = "float32") -> None:
         self.model = model
         # Entered around every forward pass: a `frozen` teacher that is the live LoRA student
         # with its adapters off (selfopd.lora.adapters_off) reads the base weights this way.
         self.forward_context = forward_context or contextlib.nullcontext
+        # `model.dtype`: 'bfloat16' runs each forward under its own autocast region (selfopd.devices).
+        self.precision = precision
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.chunk_size = chunk_size
@@ -53,12 +56,16 @@ class LocalEngine:
         with eval_mode(self.model), self.forward_context():
             return self._score(sequences, top_k, temperature)
 
+    def _autocast(self, cache: bool = False) -> ContextManager[Any]:
+        return autocast(model_device(self.model), self.precision, cache=cache)
+
     def _score(self, sequences: Sequence[tuple[list[int], list[int]]], top_k: int,
                temperature: float) -> list[TokenScores]:
         scores: list[TokenScores] = []
         for start in range(0, len(sequences), self.batch_size):
             chunk = sequences[start : start + self.batch_size]
-            hidden_BCH, targets_BC, mask_BC = completion_hidden(self.model, chunk, self.pad_id)  # one decoder pass
+            with self._autocast():
+                hidden_BCH, targets_BC, mask_BC = completion_hidden(self.model, chunk, self.pad_id)  # one decoder pass
             hidden_BCH = tempered(hidden_BCH, temperature)
             logprobs_BC = logprobs_from_hidden(self.model, hidden_BCH, targets_BC, mask_BC, self.chunk_size)
             topk = topk_from_hidden(self.model, hidden_BCH, top_k, self.chunk_size) if top_k else None
@@ -82,7 +89,7 @@ class LocalEngine:
         logits: the tempered final hidden states (B, C, H) and the output head (V, H), padded
         like `selfopd.scoring.completion_hidden`. What the full-vocabulary losses need from a
         teacher; only an in-process engine has it (`supports_full_vocabulary`)."""
-        with eval_mode(self.model), self.forward_context():
+        with eval_mode(self.model), self.forward_context(), self._autocast():
             hidden_BCH, _, _ = completion_hidden(self.model, sequences, self.pad_id)
         return tempered(hidden_BCH, temperature), self.model.get_output_embeddings().weight
 
@@ -111,24 +118,22 @@ class LocalEngine:
         ids_BT, mask_BT = (t.to(device) for t in left_pad(prompts, self.pad_id))
         width = ids_BT.shape[1]
         greedy = params.temperature == 0
-        sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
+        policy = SampledPolicy(width, params.temperature, params.top_p)
         sharded = is_sharded(self.model)
-        with torch.no_grad(), eval_mode(self.model), self.forward_context(), gathered_for_generation(self.model):
-            output = self.model.generate(
+        with (torch.no_grad(), eval_mode(self.model), self.forward_context(), gathered_for_generation(self.model),
+              neutral_generation_config(self.model), self._autocast(cache=True)):
+            new_BS = self.model.generate(
                 input_ids=ids_BT,
                 attention_mask=mask_BT,
                 max_new_tokens=params.max_tokens,
                 pad_token_id=self.pad_id,
-                output_scores=True,
-                return_dict_in_generate=True,
+                # The policy is SampledPolicy's alone: generate's own warpers stay off.
+                **({"do_sample": False} if greedy else {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}),
+                logits_processor=[policy],
                 synced_gpus=sharded,  # sharded ranks step together until every rank is done
-                **sampling,
-            )
-        new_BS = output.sequences[:, width:].cpu()
-        # Logprobs of the distribution each token was drawn from: generate's scores are the
-        # logits after temperature and top-p (as vLLM's processed_logprobs), raw when greedy.
-        drawn_BSV = torch.stack(output.scores, dim=1).float().log_softmax(-1)
-        logprobs_BS = drawn_BSV.gather(-1, new_BS.to(drawn_BSV.device).unsqueeze(-1)).squeeze(-1).cpu()
+            )[:, width:]
+        logprobs_BS = policy.drawn_logprobs(new_BS).cpu()
+        new_BS = new_BS.cpu()
         rollouts = []
         for row, prompt in enumerate(prompts):
             tokens = new_BS[row].tolist()
@@ -145,6 +150,70 @@ class LocalEngine:
                 )
             )
         return rollouts
+
+
+class SampledPolicy:
+    """The one logits processor of `generate`: it turns the model's logits into the policy
+    that selfopd trains (logits / temperature, then the top-p nucleus; raw logits when
+    greedy) and keeps the logprob of each drawn token under it.
+
+    Only the latest step's (B, V) logprobs are held: the token drawn from them is read at the
+    next call (the last one from the output), where keeping generate's scores would hold
+    S x (B, V) floats several times over. Steps generate runs and then drops (a deferred stop
+    check) are dropped here too, by the output's length."""
+
+    def __init__(self, prompt_width: int, temperature: float, top_p: float) -> None:
+        self.prompt_width = prompt_width
+        self.temperature = temperature
+        from transformers import TopPLogitsWarper
+
+        self.top_p = TopPLogitsWarper(top_p) if temperature > 0 and top_p < 1.0 else None
+        self.drawn: list[torch.Tensor] = []  # (B,) per step whose token is known
+        self.pending_BV: torch.Tensor | None = None  # the latest step's logprobs
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.pending_BV is not None:  # the previous step's token is now the last input id
+            self.drawn.append(self.pending_BV.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        if self.temperature > 0:
+            if self.temperature != 1.0:
+                scores = scores / self.temperature
+            if self.top_p is not None:
+                scores = self.top_p(input_ids, scores)
+        self.pending_BV = scores.float().log_softmax(-1)
+        return scores
+
+    def drawn_logprobs(self, new_BS: torch.Tensor) -> torch.Tensor:
+        """(B, S) logprobs of the generated tokens `new_BS` under the distributions they were drawn from."""
+        steps = new_BS.shape[1]
+        drawn = list(self.drawn[:steps])
+        if len(drawn) < steps and self.pending_BV is not None:
+            drawn.append(self.pending_BV.gather(-1, new_BS[:, len(drawn) : len(drawn) + 1].to(self.pending_BV.device)).squeeze(-1))
+        self.pending_BV = None
+        if len(drawn) != steps:
+            raise RuntimeError(f"generate returned {steps} new tokens but ran the policy for {len(drawn)}")
+        return torch.stack(drawn, dim=1) if drawn else torch.zeros(new_BS.shape[0], 0)
+
+
+@contextlib.contextmanager
+def neutral_generation_config(model: Any) -> Iterator[None]:
+    """`generate` fills every setting it is not given from the checkpoint's generation_config
+    (repetition_penalty, min_p, no_repeat_ngram_size, suppress_tokens, ...), each of which
+    would make the samples, and their logprobs, another policy than the trained one. For the
+    call, every generating module's config is a default one that keeps only the token ids."""
+    from transformers import GenerationConfig
+    from transformers.generation import GenerationMixin
+
+    modules = [m for m in model.modules() if isinstance(m, GenerationMixin) and getattr(m, "generation_config", None)]
+    saved = [m.generation_config for m in modules]
+    try:
+        for module, original in zip(modules, saved):
+            module.generation_config = GenerationConfig(
+                bos_token_id=original.bos_token_id, eos_token_id=original.eos_token_id,
+                pad_token_id=original.pad_token_id, decoder_start_token_id=original.decoder_start_token_id)
+        yield
+    finally:
+        for module, original in zip(modules, saved):
+            module.generation_config = original
 
 
 def pad_token_id(tokenizer: Any, model: Any) -> int:
