@@ -13,7 +13,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from selfopd.config import VLLM_KINDS, ConfigError, TrainConfig
+from selfopd.context_limits import check_context
 from selfopd.data import load_examples
+from selfopd.devices import use_device
 from selfopd.distributed import World, current_world, init_process_group, load_optimizer_state, shard_model
 from selfopd.ema import EmaWeights
 from selfopd.engines.build import check_external_teacher, load_model, model_options, open_training_engines
@@ -37,7 +39,6 @@ from selfopd.templates import (
 from selfopd.weight_checks import check_frozen_teacher, check_probe, probe_logprobs, sync_weights
 
 PROBE_COMPLETION = "Let me think step by step. The answer is 42."
-CONTEXT_CHECKED = 64  # prompts per split whose token count is checked against the context
 
 
 def build_run(config: TrainConfig, resume_from: Path | None = None,
@@ -54,6 +55,7 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
     world = current_world()
     check_world(config, world)
     options = model_options(config.model, world)
+    use_device(options["device"])  # before any NCCL endpoint or CUDA tensor is made
     # Collectives wait at most as long as rank 0 may take to start vLLM servers, plus 30 minutes.
     init_process_group(world, options["device"], timeout_s=config.engine.startup_timeout_s + 1800)
 
@@ -75,7 +77,8 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
                                   gradient_checkpointing=config.model.gradient_checkpointing,
                                   master_weights=not config.model.lora, **options)
     check_plain_head(model, f"model.student {config.model.student}")
-    check_context(config, model.config, tokenizer, student_template, train_examples, eval_examples)
+    check_context(config, model.config, teacher_model_config(config, model.config), tokenizer, student_template,
+                  teacher_template, fallback, train_examples, eval_examples)
     if config.teacher.kind == "external":  # another tokenizer is refused before the run folder is claimed
         check_external_teacher(config, tokenizer)
     model = prepare_student(model, config.model, resume_from)  # LoRA adapters, when model.lora_rank > 0
@@ -160,26 +163,6 @@ def check_templates_render(student: PromptTemplate, teacher: PromptTemplate, exa
         render_teacher(fallback, example, student_messages, attempt="", feedback="")
 
 
-def check_context(config: TrainConfig, model_config: Any, tokenizer: Any, template: PromptTemplate,
-                  train_examples: Sequence[Example], eval_examples: Sequence[Example]) -> None:
-    """Refuse a prompt that leaves no room for its completion in the model's context: past
-    it a local model silently extrapolates its positions and vLLM fails mid-run. Only the
-    longest prompts by characters are tokenized (a large dataset costs no start-up time)."""
-    limits = [(getattr(model_config, "max_position_embeddings", None), "the student's max_position_embeddings")]
-    if config.engine.kind == "vllm_colocate" or (config.engine.kind == "vllm" and not config.engine.student_urls):
-        limits.append((config.engine.max_model_len - 1, "engine.max_model_len - 1"))
-    limit, what = min((n, name) for n, name in limits if n)
-    for key, completion, examples in (("rollout.max_tokens", config.rollout.max_tokens, train_examples),
-                                      ("eval.max_tokens", config.eval.max_tokens, eval_examples)):
-        longest_texts = sorted(examples, key=lambda e: len(e.prompt), reverse=True)[:CONTEXT_CHECKED]
-        lengths = {e.id: len(prompt_token_ids(tokenizer, render_student(template, e))) for e in longest_texts}
-        longest = max(lengths, key=lengths.__getitem__)
-        if lengths[longest] + completion > limit:
-            raise ConfigError(key, f"data row {longest!r} of {config.data.spec}: its prompt ({lengths[longest]} tokens) "
-                              f"plus {key} ({completion}) exceeds the context of {limit} tokens ({what}); shorten "
-                              f"that prompt or lower {key}")
-
-
 def initial_probe_logprobs(run: Run, resume_from: Path | None, options: dict) -> torch.Tensor:
     """The probe's logprobs under the run's initial weights, which a frozen teacher must serve:
     the student itself at the start, the base model (adapters off) with LoRA, else a fresh load."""
@@ -215,6 +198,17 @@ def check_world(config: TrainConfig, world: World) -> None:
         raise ConfigError("rollout.prompts_per_step", f"must be a multiple of optim.micro_batch_prompts "
                           f"({config.optim.micro_batch_prompts}) x {world.size} processes = {per_rank}, got "
                           f"{config.rollout.prompts_per_step}: each rank takes an equal share of whole micro-batches")
+
+
+def teacher_model_config(config: TrainConfig, student_config: Any) -> Any:
+    """The teacher's transformers config: the student's, or an external teacher's own."""
+    if config.teacher.kind != "external":
+        return student_config
+    from transformers import AutoConfig
+
+    from selfopd.models import from_pretrained
+
+    return from_pretrained(AutoConfig, resolve_model(config.teacher.model), trust_remote_code=config.model.trust_remote_code)
 
 
 def check_external_teacher_split(teacher: str, eval_examples: Sequence[Example]) -> None:

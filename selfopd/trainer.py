@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from selfopd import guard
 from selfopd.config import TrainConfig, config_to_toml
+from selfopd.context_limits import check_teacher_rows
 from selfopd.demonstrations import pick_demonstrations
 from selfopd.distributed import all_gather, all_sum, barrier, current_world, is_sharded, share
 from selfopd.engines.base import SamplingParams, rest_engines
@@ -89,9 +90,9 @@ def train_step(run: Run) -> dict[str, float]:
         groups = run.student_engine.sample(prompts, params)
     fault_point("train.sampled")
 
-    # 2. Verifier rewards, then the teacher scores the student's exact completion ids,
-    #    after its own (privileged) prompt.
-    #    A template that uses `demonstration` gets a correct sibling's text (else the fallback).
+    # 2. Verifier rewards, then the teacher scores the student's exact completion ids after its
+    #    own (privileged) prompt, which must fit its context. A template that uses
+    #    `demonstration` gets a correct sibling's text (else the fallback).
     with timer("verify"):
         pending = []
         for group, (example, messages, rollouts) in enumerate(zip(examples, student_messages, groups), first_group):
@@ -105,6 +106,7 @@ def train_step(run: Run) -> dict[str, float]:
                                                   verdict.feedback, demonstration, run.demonstration_fallback)
                 pending.append((example, group, rollout, verdict, prompt_token_ids(run.tokenizer, teacher_messages),
                                 demonstration))
+        check_teacher_rows([(e.id, ids, r.completion_ids) for e, _, r, _, ids, _ in pending], run.teacher_engine, run.step + 1)
     with timer("teacher"):
         # Scored in the trainer's micro-batches: with the empty-context control the teacher
         # then computes exactly what the student does, bit for bit (same batch, same padding).

@@ -311,3 +311,17 @@ def test_an_sft_teacher_that_trained_on_the_runs_held_out_prompts_is_refused(tmp
     (teacher / MARKER).write_text(json.dumps({"settings": {}, "summary": {}, "trained_prompts": trained[:5]}))
     run = build_run(_config(tmp_path, tiny_model_dir, "run.name=clean-teacher", *external))
     run.close()
+
+
+def test_a_teacher_row_past_the_teacher_context_stops_the_step_naming_it(tmp_path, tiny_model_dir):
+    """What the start check cannot see (a server's context, a verdict's length): every teacher
+    row of a step is measured against the teacher engine's context before it is scored."""
+    from selfopd.config import ConfigError
+
+    run = build_run(_config(tmp_path, tiny_model_dir, "run.name=long_teacher"))
+    run.model.config.max_position_embeddings = 40  # the self teacher's engine reads it now
+    with pytest.raises(ConfigError, match=r"teacher.template: step 1, data row 'chain_sum/seed2/\d+': the teacher's "
+                       r"prompt \(\d+ tokens\) plus the student's completion \(\d+ tokens\) exceeds the teacher's "
+                       r"context of 40 tokens"):
+        train_step(run)
+    assert run.step == 0

@@ -84,6 +84,8 @@ class Engine(Protocol):
     # True when `completion_states` gives the full next-token distributions (in process);
     # a server returns only the top-k logprobs it is asked for.
     supports_full_vocabulary: bool
+    # The most tokens (prompt + completion) `score` can take; None when no limit is known.
+    max_scored_tokens: int | None
 
     def sample(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[list[Rollout]]:
         """`params.n` rollouts per prompt, in prompt order."""

@@ -95,6 +95,11 @@ class LocalEngine:
 
     supports_full_vocabulary = True
 
+    @property
+    def max_scored_tokens(self) -> int | None:
+        """The model's positions: past them its rotary positions extrapolate silently."""
+        return getattr(self.model.config, "max_position_embeddings", None)
+
     def score_replicas(self, sequence: tuple[list[int], list[int]]) -> list[tuple[str, TokenScores]]:
         return [("in-process model", self.score([sequence])[0])]
 

@@ -49,6 +49,10 @@ class ColocatedVLLMEngine:
 
     supports_full_vocabulary = False
 
+    @property
+    def max_scored_tokens(self) -> int:
+        return self.max_model_len - 1  # scoring asks for one token after the completion
+
     def __init__(self, model: str, *, dtype: str = "float32", max_model_len: int = 2048, max_logprobs: int = 20,
                  gpu_memory_utilization: float = 0.4, cpu_kv_cache_gb: int = 1, sleep_mode: bool = True,
                  eager: bool | None = None, seed: int = 0, trust_remote_code: bool = False) -> None:
