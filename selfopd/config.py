@@ -169,7 +169,7 @@ class RolloutConfig(Section):
     temperature: float = setting(
         1.0, "Sampling temperature (0: greedy). The trained policy is this tempered distribution: student and "
         "in-process teacher logprobs are taken at it, so a teacher equal to the student has advantage 0.")
-    top_p: float = setting(1.0, "Nucleus sampling mass, in (0, 1] (1: off).")
+    top_p: float = setting(1.0, "Nucleus sampling mass, in (0, 1] (1: off); below 1 needs loss.is_cap = 0.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -314,6 +314,10 @@ class TrainConfig:
             fail("rollout.temperature", f"must be 1 with engine.kind = {self.engine.kind!r}, got {self.rollout.temperature}: vLLM "
                  "scores (prompt logprobs) from the raw logits only, so a vLLM teacher cannot score the tempered "
                  "distribution the student samples from; use engine.kind = 'local' for other temperatures")
+        if self.rollout.top_p < 1.0 and self.loss.is_cap:
+            fail("loss.is_cap", f"must be 0 with rollout.top_p = {self.rollout.top_p} < 1: the sampler's logprobs are "
+                 "over the renormalised nucleus, the trainer's over the whole tempered distribution, so their ratio "
+                 "is the nucleus mass (below 1 on every token), not an importance weight")
         if self.teacher.kind == "ema" and self.model.lora:
             fail("teacher.kind", "'ema' with model.lora_rank > 0 is not supported: use teacher.kind = 'frozen' or "
                  "'self' with LoRA, or model.lora_rank = 0 with 'ema'")

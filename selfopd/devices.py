@@ -42,20 +42,35 @@ def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
     return torch.device("cuda", index)
 
 
-def attn_implementation(spec: str, device: torch.device) -> str:
-    """The transformers attention kernel: 'auto' is flash attention 2 on a GPU with the
-    flash-attn package installed, else PyTorch's sdpa (what transformers picks by default)."""
+def attn_implementation(spec: str, device: torch.device, dtype: str = "float32") -> str:
+    """The transformers attention kernel: 'auto' is flash attention 2 for a bf16 run on a GPU
+    with the flash-attn package installed, else PyTorch's sdpa (what transformers picks by
+    default). Flash kernels take fp16/bf16 only: an fp32 run's models and engines compute in
+    fp32, so flash there is refused rather than failing at the first forward."""
     flash_installed = importlib.util.find_spec("flash_attn") is not None
     if spec == "auto":
-        return "flash_attention_2" if device.type == "cuda" and flash_installed else "sdpa"
+        flash = device.type == "cuda" and dtype == "bfloat16" and flash_installed
+        return "flash_attention_2" if flash else "sdpa"
     if spec.startswith("flash_attention"):
         if device.type != "cuda":
             raise ConfigError("model.attn_implementation", f"{spec!r} runs on CUDA only; model.device is {device}")
+        if dtype == "float32":
+            raise ConfigError("model.attn_implementation", f"{spec!r} computes in fp16/bf16 only and model.dtype is "
+                              "'float32': set model.dtype = 'bfloat16' or use 'sdpa'")
         package = "flash_attn_interface" if spec == "flash_attention_3" else "flash_attn"
         if importlib.util.find_spec(package) is None:
             raise ConfigError("model.attn_implementation", f"{spec!r} needs the {package} package, which is not "
                               "installed (pip install flash-attn --no-build-isolation); or use 'sdpa'")
     return spec
+
+
+def use_device(device: torch.device) -> None:
+    """Make a CUDA `device` this process's current one, whichever GPU it is. NCCL endpoints
+    (vLLM's weight transfer, the process group) bind the current device, and tensors sent to
+    "cuda" land there: left at GPU 0, a trainer on cuda:1 would put its end of the weight sync
+    on GPU 0, where a server may be ('Duplicate GPU detected')."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def autocast(device: torch.device, dtype: str, *, cache: bool = False) -> contextlib.AbstractContextManager:

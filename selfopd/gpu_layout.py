@@ -183,7 +183,8 @@ def _check_trainer_gpus(slots: Sequence[ServerSlot], trainer: tuple[int, ...], s
                         utilization: float) -> list[str]:
     """Refuse a server of the NCCL weight sync on a trainer GPU (or left to vLLM's placement);
     the warnings for servers that share a trainer GPU without an NCCL group."""
-    # A CPU trainer's NCCL endpoint lives on CUDA's current device (the sync copies tensors to "cuda").
+    # A CPU trainer's NCCL endpoint lives on CUDA's current device, GPU 0 (the sync sends from the current GPU;
+    # a trainer on cuda:N made GPU N current, selfopd.devices.use_device).
     nccl_gpus = set(trainer) if trainer else {0}
     what = f"trainer GPUs {sorted(trainer)}" if trainer else "GPU 0 (a CPU trainer's NCCL endpoint is CUDA's current device)"
     warnings = []

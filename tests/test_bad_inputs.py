@@ -147,6 +147,17 @@ FRESH: list[Case] = [
         f"data.spec={s.rows('rows.jsonl', _good_rows()[:5] + [{'id': 'long', 'prompt': 'one ' * 2100, 'answer': '1'}] + _good_rows()[6:])}"),
      r"rollout\.max_tokens: data row 'rows/5' of .*rows\.jsonl: its prompt \(\d+ tokens\) plus rollout\.max_tokens \(6\) "
      r"exceeds the context of 2048 tokens"),
+    ("teacher-prompt-past-context", lambda s: s.train(s.setting("teacher.template", "long.jinja",
+                                                                "{{ prompt }}\n{% for i in range(2100) %}{{ answer }} {% endfor %}")),
+     r"teacher\.template: data row '.+' of rg:chain_sum.*: the teacher's prompt \({tmp}/long\.jinja, \d+ tokens\) and the scored "
+     r"completion can reach \d+ tokens with rollout\.max_tokens = 6, past the teacher's context of 2048"),
+    ("teacher-shows-attempts-past-context", lambda s: s.train("teacher.template=teacher/verifier_feedback",
+                                                              "rollout.max_tokens=1000"),
+     r"teacher\.template: data row .*: the teacher's prompt \(teacher/verifier_feedback, \d+ tokens\), the attempt it "
+     r"shows and the scored completion can reach \d+ tokens with rollout\.max_tokens = 1000, past the teacher's "
+     r"context of 2048"),
+    ("is-ratio-with-top-p", lambda s: s.train("rollout.top_p=0.9"),
+     r"loss\.is_cap: must be 0 with rollout\.top_p = 0\.9 < 1"),
     ("resume-and-config", lambda s: ["train", str(s.file("c.toml", "")), "--resume", str(s.tmp)],
      r"give either a CONFIG or --resume RUN_DIR"),
 ]

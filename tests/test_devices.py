@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from selfopd.config import ConfigError, load_config
-from selfopd.devices import attn_implementation, model_device, resolve_device
+from selfopd.devices import attn_implementation, model_device, resolve_device, use_device
 from selfopd.engines.build import load_model, model_options
 from selfopd.scoring import _hidden_in_one_pass, completion_hidden, completion_logprobs, right_pad
 
@@ -32,6 +32,34 @@ def test_attention_kernel_defaults_to_sdpa_and_flash_needs_cuda():
     assert attn_implementation("eager", torch.device("cpu")) == "eager"
     with pytest.raises(ConfigError, match=r"model.attn_implementation: 'flash_attention_2' runs on CUDA only"):
         attn_implementation("flash_attention_2", torch.device("cpu"))
+
+
+def test_flash_attention_only_for_bf16(monkeypatch):
+    """Flash kernels refuse fp32 inputs, and an fp32 run computes in fp32 everywhere: 'auto'
+    picks flash for bf16 only, and an explicit flash setting with fp32 is refused at start.
+    (Whether flash-attn is installed is what the decision reads; here it is said to be.)"""
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "flash_attn" else real_find_spec(name, *a))
+    gpu = torch.device("cuda", 0)
+    assert attn_implementation("auto", gpu, "bfloat16") == "flash_attention_2"
+    assert attn_implementation("auto", gpu, "float32") == "sdpa"
+    assert attn_implementation("flash_attention_2", gpu, "bfloat16") == "flash_attention_2"
+    with pytest.raises(ConfigError, match=r"^model.attn_implementation: 'flash_attention_2' computes in fp16/bf16 only "
+                       r"and model.dtype is 'float32': set model.dtype = 'bfloat16' or use 'sdpa'$"):
+        attn_implementation("flash_attention_2", gpu, "float32")
+
+
+def test_a_trainer_on_any_gpu_makes_it_the_current_device(monkeypatch):
+    """NCCL endpoints and tensors sent to "cuda" land on the current device: one process on
+    cuda:1 must make GPU 1 current, not only a torchrun rank. (No GPU here: the call is recorded.)"""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    use_device(torch.device("cuda", 1))
+    use_device(torch.device("cpu"))
+    assert calls == [torch.device("cuda", 1)]
 
 
 def test_the_model_loads_where_the_config_says(tiny_model_dir):

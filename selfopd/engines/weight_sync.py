@@ -182,7 +182,7 @@ def _gigabytes(tensors: Mapping[str, torch.Tensor]) -> float:
 
 
 def _tensor_source() -> Any:
-    """A vLLM `WeightSource` over the dict of the current push, each tensor sent from the GPU.
+    """A vLLM `WeightSource` over the dict of the current push, each tensor sent from the current GPU.
 
     Defined on first use: vLLM is imported only where the NCCL path runs."""
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
@@ -196,6 +196,9 @@ def _tensor_source() -> Any:
 
         def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in self.tensors.items():
-                yield name, tensor.detach().to("cuda", non_blocking=True).contiguous()
+                yield name, tensor.detach().to(device, non_blocking=True).contiguous()
 
+    # The trainer's GPU (`selfopd.devices.use_device` made it current), where its NCCL endpoint is;
+    # a CPU trainer's endpoint is on GPU 0, CUDA's default.
+    device = torch.device("cuda", torch.cuda.current_device())
     return TensorSource()
