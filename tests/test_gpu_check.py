@@ -49,6 +49,11 @@ def test_cpu_plumbing_reports_every_case(gpu_check, smollm2_dir, tmp_path):
     assert check["update_cosine"] == pytest.approx(1.0)
     assert "loss/pg" in check["metrics"] and "opd/reverse_kl" in check["metrics"]
 
+    mixed = report["bf16_vs_fp32"]  # bf16 on the CPU: the same code a GPU runs
+    assert mixed["verdict"] == "pass" and not mixed["missing_gradients"]
+    assert 0 < mixed["gradient_relative_error_max"] <= mixed["gradient_tolerance"]
+    assert mixed["gradient_cosine_min"] > 0.99 and mixed["two_steps_update_sign_agreement"] > 0.5
+
 
 def test_ignored_settings_are_named(gpu_check):
     from selfopd.config import load_config

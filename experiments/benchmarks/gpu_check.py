@@ -30,7 +30,10 @@ What it does, in order:
    parameters). A setting the trainer ignores or refuses makes its case 'not available';
    one case failing never loses the others;
 3. one greedy step of a tiny random Qwen3 in fp32 on the GPU and on the CPU: same rollouts,
-   metric differences and max |weight difference| after the step, each against a tolerance.
+   metric differences and max |weight difference| after the step, each against a tolerance;
+4. bf16 against fp32 on the GPU with that tiny model (`bf16_vs_fp32`): the step-1 gradient of
+   each tensor on the same rollouts (relative error against a tolerance, cosine), and the
+   weight updates of 2 steps (sign agreement, relative difference).
 
 Writes the JSON after every case (a killed run still leaves what it measured) and prints a
 table. `--device cpu --tiny` runs the same plumbing on the CPU in seconds
@@ -400,6 +403,62 @@ def device_vs_cpu_step(model_dir: Path, work_dir: Path, device: str, shape: dict
     }
 
 
+def bf16_vs_fp32(model_dir: Path, work_dir: Path, device: str, shape: dict[str, int],
+                 gradient_tolerance: float) -> dict[str, Any]:
+    """bf16 (fp32 master weights, autocast per forward) against fp32 on `device`, one process,
+    from the same weights. Step 1: the accumulated gradient of a bf16 step (self teacher: a
+    no-grad forward before the micro-batches) and of an fp32 step on the same rollouts, per
+    tensor (relative L2 error, cosine). Two steps: each run's weight update, compared (sign
+    agreement over all weights, relative difference). Greedy rollouts: the two precisions may
+    still pick different tokens at a near-tie, which the report says."""
+    from experiments.benchmarks.precision_step import captured_step, relative_errors
+    from selfopd.trainer import build_run, train_step
+
+    def config(dtype: str, name: str) -> Any:
+        return train_config(model_dir, work_dir / f"bf16-{name}", shape, (
+            f"model.device={device}", f"model.dtype={dtype}", "rollout.temperature=0", "optim.lr=1e-3",
+            f"run.rollouts_to_save={shape['prompts'] * shape['samples']}"))
+
+    with generated_data(shape["prompts"] * 8):
+        bf16 = captured_step(config("bfloat16", "grad16"))
+        fp32 = captured_step(config("float32", "grad32"), bf16["rollouts"])
+    _release(device)
+    errors = relative_errors(bf16["grads"], fp32["grads"])
+    cosines = {name: torch.nn.functional.cosine_similarity(bf16["grads"][name].flatten(), exact.flatten(), dim=0).item()
+               for name, exact in fp32["grads"].items() if exact is not None and bf16["grads"][name] is not None}
+
+    updates, rollouts = {}, {}
+    for dtype in ("bfloat16", "float32"):
+        with generated_data(shape["prompts"] * 8):
+            run = build_run(config(dtype, f"two-{dtype}"))
+        try:
+            before = torch.cat([p.detach().flatten().double().cpu() for p in run.model.parameters()])
+            run.run_dir.mkdir(parents=True, exist_ok=True)
+            for _ in range(2):
+                train_step(run)
+            updates[dtype] = torch.cat([p.detach().flatten().double().cpu() for p in run.model.parameters()]) - before
+            rollouts[dtype] = [json.loads(line)["completion_ids"]
+                               for step in (1, 2) for line in run.folder.rollouts_file(step).read_text().splitlines()]
+        finally:
+            run.close()
+        del run
+        _release(device)
+    a, b = updates["bfloat16"], updates["float32"]
+    moved = (a != 0) | (b != 0)
+    worst = max(errors, key=errors.get)
+    return {
+        "verdict": "pass" if errors[worst] <= gradient_tolerance else "fail",
+        "gradient_relative_error_max": errors[worst], "gradient_worst_tensor": worst,
+        "gradient_relative_error_median": statistics.median(errors.values()),
+        "gradient_cosine_min": min(cosines.values()), "gradient_tolerance": gradient_tolerance,
+        "missing_gradients": sorted(name for name, g in bf16["grads"].items() if g is None),
+        "two_steps_same_rollouts": rollouts["bfloat16"] == rollouts["float32"],
+        "two_steps_update_sign_agreement": ((a.sign() == b.sign()) & moved).sum().item() / max(1, moved.sum().item()),
+        "two_steps_update_relative_difference": ((a - b).norm() / b.norm()).item(),
+        "two_steps_update_cosine": torch.nn.functional.cosine_similarity(a, b, dim=0).item(),
+    }
+
+
 # --------------------------------------------------------------------------- the whole check
 
 
@@ -420,7 +479,7 @@ def run_check(out: Path, device: str, tiny: bool, tokenizer_dir: Path, steps: in
         "status": "ran", "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_info(device),
         "missing_packages": missing, "tiny": tiny, "model_dtype": "bfloat16", "shape": shape, "steps_per_case": steps,
         "model_config": "tiny Qwen3 (TINY in gpu_check.py)" if tiny else str(MODEL_CONFIG.relative_to(ROOT)),
-        "cases": {}, "device_vs_cpu": None,
+        "cases": {}, "device_vs_cpu": None, "bf16_vs_fp32": None,
     }
 
     def save() -> None:
@@ -460,6 +519,15 @@ def run_check(out: Path, device: str, tiny: bool, tokenizer_dir: Path, steps: in
     except Exception as error:
         report["device_vs_cpu"] = {"verdict": "error", "error": _error(error), "traceback": traceback.format_exc(limit=-6)}
     save()
+
+    print("bf16 vs fp32 on the device: step-1 gradients, 2-step updates ...", flush=True)
+    try:
+        report["bf16_vs_fp32"] = bf16_vs_fp32(
+            tiny_dir, work_dir, device, {"prompts": 2, "samples": 2, "max_tokens": 16, "micro_batch_prompts": 1},
+            gradient_tolerance=0.05)
+    except Exception as error:
+        report["bf16_vs_fp32"] = {"verdict": "error", "error": _error(error), "traceback": traceback.format_exc(limit=-6)}
+    save()
     return report
 
 
@@ -481,6 +549,14 @@ def print_table(report: dict[str, Any]) -> None:
               f"{check['metric_tolerance']:.0e}; same rollouts {check['same_rollouts']})")
     else:
         print(f"fp32 step device vs cpu: {check.get('error', 'not run')}")
+    mixed = report.get("bf16_vs_fp32") or {}
+    if "gradient_relative_error_max" in mixed:
+        print(f"bf16 vs fp32: {mixed['verdict']} (gradient relative error max {mixed['gradient_relative_error_max']:.3f} "
+              f"<= {mixed['gradient_tolerance']}, min cosine {mixed['gradient_cosine_min']:.4f}; 2-step updates agree "
+              f"in sign on {mixed['two_steps_update_sign_agreement']:.1%}, relative difference "
+              f"{mixed['two_steps_update_relative_difference']:.3f}, same rollouts {mixed['two_steps_same_rollouts']})")
+    else:
+        print(f"bf16 vs fp32: {mixed.get('error', 'not run')}")
 
 
 def main() -> int:

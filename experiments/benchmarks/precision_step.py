@@ -1,9 +1,10 @@
 """One real training step (`selfopd.trainer.train_step`) whose accumulated gradient is
-captured just before the optimizer takes it: alone, under torchrun (FSDP2), or in float64
-on rollouts saved by another run. tests/test_precision.py compares the three.
+captured just before the optimizer takes it: alone, under torchrun (FSDP2), or on the
+rollouts of another run with the model's weights in another dtype. What the bf16 checks
+compare: tests/test_precision.py on the CPU, experiments/benchmarks/gpu_check.py on a GPU.
 
-    python tests/precision_step.py CONFIG OUT [--set key=value ...] [--float64-on ROLLOUTS]
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/precision_step.py CONFIG OUT ...
+    python experiments/benchmarks/precision_step.py CONFIG OUT [--set key=value ...] [--float64-on ROLLOUTS]
+    python -m torch.distributed.run --standalone --nproc_per_node 2 experiments/benchmarks/precision_step.py CONFIG OUT
 
 OUT (rank 0) is a torch file {"grads": {name: float64 full gradient or None}, "rollouts":
 every rollout group of the step in order}. `--float64-on` trains the model converted to
@@ -19,25 +20,28 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from selfopd.config import load_config  # noqa: E402
+from selfopd.config import TrainConfig, load_config  # noqa: E402
 from selfopd.distributed import all_gather  # noqa: E402
 from selfopd.run_setup import build_run  # noqa: E402
 from selfopd.trainer import train_step  # noqa: E402
 
 
-def captured_step(config_file: str | Path, overrides: list[str], float64_on: Any = None) -> dict[str, Any]:
-    """The step's gradients (full, float64, on the CPU) and its rollouts; the same on every rank."""
-    run = build_run(load_config(config_file, overrides))
+def captured_step(config: TrainConfig, given_rollouts: list[Any] | None = None,
+                  weights_dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """The step's gradients (full, float64, on the CPU) and its rollouts, the same on every
+    rank. `given_rollouts`: train on these groups (every rank its share) instead of sampling;
+    `weights_dtype`: convert the student to it first (float64: a reference)."""
+    run = build_run(config)
     engine = run.student_engine
     sampled: list[Any] = []
-    if float64_on is not None:
-        run.model.double()
-
+    if weights_dtype is not None:
+        run.model.to(weights_dtype)
+    if given_rollouts is not None:
         def sample(prompts, params):  # the given rollouts of this rank's groups
             first = params.first_row // params.n
-            return float64_on[first : first + len(prompts)]
+            return given_rollouts[first : first + len(prompts)]
     else:
         real_sample = engine.sample
 
@@ -62,18 +66,30 @@ def captured_step(config_file: str | Path, overrides: list[str], float64_on: Any
     finally:
         run.close()
     rollouts = [group for part in all_gather(sampled, run.world) for group in part]
-    return {"grads": grads, "rollouts": rollouts}
+    return {"grads": grads, "rollouts": rollouts or given_rollouts}
+
+
+def relative_errors(grads: dict[str, torch.Tensor | None], reference: dict[str, torch.Tensor | None]) -> dict[str, float]:
+    """Per tensor |g - reference| / |reference| (L2); inf for a missing gradient, nan for a zero reference."""
+    errors = {}
+    for name, exact in reference.items():
+        value = grads.get(name)
+        if value is None or exact is None:
+            errors[name] = float("inf") if exact is not None else float("nan")
+        else:
+            errors[name] = ((value - exact).norm() / exact.norm()).item()
+    return errors
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("config")
     parser.add_argument("out")
     parser.add_argument("--set", action="append", default=[])
     parser.add_argument("--float64-on", help="a torch file of rollouts (another OUT) to train on in float64")
     args = parser.parse_args()
     given = torch.load(args.float64_on, weights_only=False)["rollouts"] if args.float64_on else None
-    result = captured_step(args.config, args.set, given)
+    result = captured_step(load_config(args.config, args.set), given, torch.float64 if given is not None else None)
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_rank() == 0:
