@@ -379,8 +379,8 @@ def test_chunked_token_logprobs_match_float64_reference(chunk_size):
 
 
 def test_token_logprobs_float64_and_bfloat16():
-    """fp64 inputs stay fp64 (gradcheck); bf16 inputs give bf16 logits (as the model's own
-    head would), whose log-softmax is taken in fp32."""
+    """fp64 inputs stay fp64 (gradcheck); bf16 inputs are upcast: the head's matmul and its
+    log-softmax run in fp32 (bf16 logits of ~30 would be off by up to 0.1 nats)."""
     torch.manual_seed(6)
     hidden_BTH = torch.randn(2, 5, 3, dtype=torch.float64, requires_grad=True)
     weight_VH = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
@@ -391,7 +391,8 @@ def test_token_logprobs_float64_and_bfloat16():
     low_BTH, low_VH = hidden_BTH.detach().bfloat16(), weight_VH.detach().bfloat16()
     actual_BT = token_logprobs_from_hidden(low_BTH, low_VH, tokens_BT, 3)
     assert actual_BT.dtype == torch.float32
-    assert torch.allclose(actual_BT.double(), _reference_logprobs(low_BTH @ low_VH.T, tokens_BT), rtol=0, atol=1e-5)
+    assert torch.allclose(actual_BT.double(), _reference_logprobs(low_BTH.double() @ low_VH.double().T, tokens_BT),
+                          rtol=0, atol=1e-5)
 
 
 def test_token_logprobs_from_hidden_match_model_logits(tiny_llama):
