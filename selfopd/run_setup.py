@@ -83,10 +83,7 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
         check_external_teacher(config, tokenizer)
     model = prepare_student(model, config.model, resume_from)  # LoRA adapters, when model.lora_rank > 0
     shard_model(model, world)  # before the optimizer: it must hold the sharded parameters
-    optimizer = torch.optim.AdamW(
-        trainable_parameters(model), lr=config.optim.lr, betas=(config.optim.beta1, config.optim.beta2),
-        weight_decay=config.optim.weight_decay,
-    )
+    optimizer = adamw(trainable_parameters(model), config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
     step, state = 0, {}
     if resume_from is not None:
@@ -222,6 +219,14 @@ def check_external_teacher_split(teacher: str, eval_examples: Sequence[Example])
         raise ConfigError("teacher.model", f"{teacher} was fine-tuned (selfopd sft) on {len(shared)} of this run's "
                           f"{len(eval_examples)} held-out prompts (e.g. {shared[0].prompt!r}): train the teacher with "
                           "this run's data, data.eval_size and data.split_seed")
+
+
+def adamw(params: Any, config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with torch's fused kernel: one pass over every parameter (CPU and CUDA), where the
+    default for-loop implementation took about 10x TRL's optimizer time on the CPU. It rounds
+    differently from the for-loop one (measured and bounded in tests/test_speedups.py)."""
+    return torch.optim.AdamW(params, lr=config.optim.lr, betas=(config.optim.beta1, config.optim.beta2),
+                             weight_decay=config.optim.weight_decay, fused=True)
 
 
 def _lr_lambda(config: TrainConfig):

@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from selfopd import guard
-from selfopd.config import TrainConfig, config_to_toml
+from selfopd.config import FULL_VOCABULARY, TrainConfig, config_to_toml
 from selfopd.context_limits import check_teacher_rows
 from selfopd.demonstrations import pick_demonstrations
 from selfopd.distributed import all_gather, all_sum, barrier, current_world, is_sharded, share
@@ -37,6 +37,7 @@ from selfopd.run_setup import build_run
 from selfopd.run_state import Run, Scored
 from selfopd.scoring import completion_hidden, logprobs_from_hidden, pad_completions, tempered
 from selfopd.split import SplitRecord
+from selfopd.teacher_scoring import score_in_micro_batches
 from selfopd.templates import prompt_token_ids, render_student, render_teacher
 from selfopd.tracking import MetricsLog
 from selfopd.weight_checks import WeightSyncError, check_probe, sync_weights  # noqa: F401  (WeightSyncError: public here)
@@ -107,16 +108,12 @@ def train_step(run: Run) -> dict[str, float]:
                 pending.append((example, group, rollout, verdict, prompt_token_ids(run.tokenizer, teacher_messages),
                                 demonstration))
         check_teacher_rows([(e.id, ids, r.completion_ids) for e, _, r, _, ids, _ in pending], run.teacher_engine, run.step + 1)
-    with timer("teacher"):
-        # Scored in the trainer's micro-batches: with the empty-context control the teacher
-        # then computes exactly what the student does, bit for bit (same batch, same padding).
-        per_micro = cfg.optim.micro_batch_prompts * cfg.rollout.samples_per_prompt
-        top_k = cfg.loss.top_k if cfg.loss.divergence == "topk_reverse_kl" else 0
-        scores = []
-        for start in range(0, len(pending), per_micro):
-            micro = pending[start : start + per_micro]
-            pairs = [(teacher_prompt, rollout.completion_ids) for _, _, rollout, _, teacher_prompt, _ in micro]
-            scores.extend(run.teacher_engine.score(pairs, top_k=top_k, temperature=temperature))
+    per_micro = cfg.optim.micro_batch_prompts * cfg.rollout.samples_per_prompt
+    top_k = cfg.loss.top_k if cfg.loss.divergence == "topk_reverse_kl" else 0
+    with timer("teacher"):  # in the trainer's micro-batches; a full-vocabulary loss keeps the teacher's states
+        scores, teacher_states = score_in_micro_batches(
+            run.teacher_engine, [(prompt, rollout.completion_ids) for _, _, rollout, _, prompt, _ in pending],
+            per_micro, top_k, temperature, keep_states=cfg.loss.divergence in FULL_VOCABULARY)
     scored = [
         Scored(example, group, rollout, verdict.reward, verdict.correct, score.logprobs, teacher_prompt,
                (score.topk_ids, score.topk_logprobs) if top_k else None, demonstration)
@@ -136,13 +133,15 @@ def train_step(run: Run) -> dict[str, float]:
     sampled = cfg.loss.divergence == "sampled"
     loss_total = 0.0
     with timer("train"):
-        for start in range(0, len(scored), per_micro):
+        for index, start in enumerate(range(0, len(scored), per_micro)):
             micro = scored[start : start + per_micro]
             sequences = [(s.rollout.prompt_ids, s.rollout.completion_ids) for s in micro]
             with run.autocast():  # the decoder only: the head and log-softmax run in fp32 (selfopd.kernels)
                 hidden_BCH, tokens_BC, mask_BC = completion_hidden(run.model, sequences, run.pad_id)  # with grad
             hidden_BCH = tempered(hidden_BCH, temperature)  # the sampling distribution's logits
-            student_lp_BC = logprobs_from_hidden(run.model, hidden_BCH, tokens_BC, mask_BC)
+            # Differentiated only by a policy-gradient term; else read for the advantage and metrics.
+            with contextlib.nullcontext() if sampled or cfg.loss.lambda_rl else torch.no_grad():
+                student_lp_BC = logprobs_from_hidden(run.model, hidden_BCH, tokens_BC, mask_BC)
             mask_BC = mask_BC.bool()
             length = mask_BC.shape[1]
             teacher_lp_BC = pad_completions([s.teacher_logprobs for s in micro], length, device)
@@ -161,7 +160,8 @@ def train_step(run: Run) -> dict[str, float]:
             else:  # the teacher term is an exact divergence; only the GRPO term stays a policy gradient
                 grpo_BC = combined_advantage(teacher_lp_BC, student_lp_BC, mask_BC, rewards_B, group_ids_B,
                                              lambda_opd=0.0, lambda_rl=cfg.loss.lambda_rl)
-                divergence_BC = distribution_divergence(run, micro, hidden_BCH, mask_BC)
+                divergence_BC = distribution_divergence(run, micro, hidden_BCH, mask_BC,
+                                                        teacher_states[index] if teacher_states else None)
                 clipped_BC = clipped_tokens(divergence_BC, mask_BC, cfg.loss.token_clip, two_sided=False)
                 trained_BC = clipped_divergence(divergence_BC, cfg.loss.token_clip)
                 loss = (policy_gradient_loss(student_lp_BC, grpo_BC, mask_BC, ratio_BC, cfg.loss.normalisation)
@@ -235,11 +235,11 @@ def train_step(run: Run) -> dict[str, float]:
     return metrics
 
 
-def distribution_divergence(run: Run, micro: Sequence[Scored], hidden_BCH: torch.Tensor,
-                            mask_BC: torch.Tensor) -> torch.Tensor:
+def distribution_divergence(run: Run, micro: Sequence[Scored], hidden_BCH: torch.Tensor, mask_BC: torch.Tensor,
+                            teacher_states: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """Per-token divergence (B, C) of the student's next-token distributions from the
     teacher's (`loss.divergence`), differentiable in the student's (tempered) hidden states;
-    the teacher's are tempered alike."""
+    the teacher's are tempered alike (full vocabulary: its states from the teacher phase)."""
     cfg = run.config.loss
     head_VH = run.model.get_output_embeddings().weight
     length = mask_BC.shape[1]
@@ -251,8 +251,7 @@ def distribution_divergence(run: Run, micro: Sequence[Scored], hidden_BCH: torch
             ids_BCK[row, : len(ids)], logprobs_BCK[row, : len(ids)] = ids, logprobs
         return topk_reverse_kl(hidden_BCH, head_VH, ids_BCK.to(run.device), logprobs_BCK.to(run.device), mask_BC)
     # In process only: the config refuses full-vocabulary losses with vLLM.
-    pairs = [(s.teacher_prompt, s.rollout.completion_ids) for s in micro]
-    teacher_hidden_BCH, teacher_head_VH = run.teacher_engine.completion_states(pairs, run.temperature)
+    teacher_hidden_BCH, teacher_head_VH = teacher_states
     return full_vocab_divergence(hidden_BCH, head_VH, mask_BC, teacher_hidden_BTH=teacher_hidden_BCH,
                                  teacher_weight_VH=teacher_head_VH, divergence=cfg.divergence, beta=cfg.jsd_beta)
 

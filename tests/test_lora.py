@@ -174,7 +174,7 @@ def test_real_model_adapters_off_is_the_base_after_a_training_step(tmp_path, smo
     assert run.teacher_engine.model is run.model
     base_lp = probe_logprobs(smollm2_model, run.probe, run.pad_id)
     metrics = train_step(run)
-    assert metrics["probe/max_abs_diff"] == 0.0
+    assert "probe/max_abs_diff" not in metrics  # in process: the live module, nothing to probe
     adapted = probe_logprobs(run.model, run.probe, run.pad_id)
     assert (adapted - base_lp).abs().max() > 1e-3
     assert (run.teacher_engine.score([run.probe])[0].logprobs - base_lp).abs().max() <= 1e-6
@@ -189,8 +189,7 @@ def test_bfloat16_lora_student_trains_float32_adapters(tmp_path, tiny_model_dir)
     """peft keeps the adapters in float32 over a bfloat16 base (frozen: no fp32 master copy,
     unlike full training); the merged weights a server gets are bfloat16 like the checkpoint."""
     run = _started(_config(tmp_path, tiny_model_dir, "model.dtype=bfloat16", "run.name=bf16"))
-    metrics = train_step(run)
-    assert metrics["probe/max_abs_diff"] == 0.0
+    train_step(run)
     dtypes = {_is_adapter(name): param.dtype for name, param in run.model.named_parameters()}
     assert dtypes == {True: torch.float32, False: torch.bfloat16}
     assert {tensor.dtype for tensor in served_weights(run.model).values()} == {torch.bfloat16}

@@ -53,10 +53,10 @@ def test_run_writes_metrics_checkpoint_rollouts_and_plots(tmp_path, tiny_model_d
     assert [m["step"] for m in steps] == [1, 2] and [m["step"] for m in evals] == [0, 2]
     for key in ("opd/reverse_kl", "opd/advantage_mean", "opd/advantage_std", "opd/positive_advantage_share",
                 "reward/mean", "reward/accuracy", "rollout/length_mean", "rollout/truncated_share",
-                "is/sampler_logprob_abs_diff", "optim/grad_norm", "probe/max_abs_diff",
+                "is/sampler_logprob_abs_diff", "optim/grad_norm",
                 "time/sample", "time/teacher", "time/train", "time/optim", "time/sync", "time/probe", "time/step"):
         assert key in steps[0], key
-    assert steps[0]["probe/max_abs_diff"] == 0.0  # in-process engines share the live module
+    assert "probe/max_abs_diff" not in steps[0]  # in-process engines share the live module: nothing to probe
     checkpoint = run_dir / "checkpoints" / "step_00002"
     reloaded = AutoModelForCausalLM.from_pretrained(checkpoint)
     trained = dict(build_run(_config(tmp_path, tiny_model_dir, "run.name=plumbing"), checkpoint).model.named_parameters())
@@ -185,7 +185,7 @@ def test_bfloat16_run_trains_fp32_master_weights_in_bf16_compute(tmp_path, tiny_
     metrics = train_step(run)
     assert all(p.dtype == torch.float32 for p in run.model.parameters())
     assert all(s["exp_avg_sq"].dtype == torch.float32 for s in run.optimizer.state.values())
-    assert metrics["probe/max_abs_diff"] == 0.0
+    assert "probe/max_abs_diff" not in metrics  # the live module: nothing to probe
     moved = [(p != before[n]).float().mean().item() for n, p in run.model.named_parameters()]
     assert min(moved) > 0.9, moved  # every tensor: nearly every weight moved
     dtypes = []

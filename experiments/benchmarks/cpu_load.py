@@ -1,0 +1,33 @@
+"""Whether other processes used the CPU during a timed interval: this machine is shared, and a
+step that waited for a core says nothing about the code. Linux /proc only; no dependencies,
+so both sides of a benchmark (each in its own virtual environment) can import it."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    wall: float
+    busy_s: float  # every core's non-idle time, all processes
+    own_s: float  # this process's user + system time (every thread)
+
+
+def snapshot() -> Snapshot:
+    with open("/proc/stat") as stat:
+        fields = [int(v) for v in stat.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal guest guest_nice: guest time is inside user
+    busy = sum(fields[:8]) - fields[3] - fields[4]
+    times = os.times()
+    return Snapshot(time.perf_counter(), busy / TICKS, times.user + times.system)
+
+
+def others_cores(start: Snapshot, end: Snapshot) -> float:
+    """Cores that other processes kept busy on average between two snapshots of this process."""
+    wall = max(end.wall - start.wall, 1e-9)
+    return max(0.0, (end.busy_s - start.busy_s) - (end.own_s - start.own_s)) / wall
