@@ -8,8 +8,10 @@ straight to hidden states and weight. Pinned against float64 brute force and
 `torch.autograd.gradcheck` in tests/test_loss_variants.py.
 
 Shape letters: B sequences, T positions, V vocabulary, H hidden size, K teacher top-k
-entries, W positions in one window (chunk). Masked positions (mask False) give exactly 0
-and exactly zero gradient, whatever their inputs hold.
+entries, W positions in one window (chunk), N real (masked-in) positions. Masked positions
+(mask False: padding) give exactly 0 and exactly zero gradient, whatever their inputs hold,
+and cost nothing: the kernels gather the N real positions first and form logits for those
+only (a window holds chunk_size x B of them, as many logits as a padded (B, chunk_size) one).
 """
 
 from __future__ import annotations
@@ -128,8 +130,29 @@ def _check_student(hidden_BTH: Tensor, weight_VH: Tensor, mask_BT: Tensor, chunk
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
 
 
+def _apply_on_real_positions(hidden_BTH: Tensor, weight_VH: Tensor, mask_BT: Tensor, chunk_divergence: ChunkDivergence,
+                             chunk_size: int) -> Tensor:
+    """`_ChunkedDivergence` over the masked-in positions only, back in (B, T) with exactly 0 (and
+    zero gradient) elsewhere: padding never costs a (V, H) matmul. `chunk_divergence` reads
+    per-position inputs compacted alike (`_compact`). A window holds chunk_size x B real
+    positions, as many logits as a (B, chunk_size) window of the padded layout."""
+    values_1N = _ChunkedDivergence.apply(hidden_BTH[mask_BT][None], weight_VH, _all_real(mask_BT),
+                                         chunk_divergence, chunk_size * mask_BT.shape[0])
+    return values_1N.new_zeros(mask_BT.shape).index_put(torch.nonzero(mask_BT, as_tuple=True), values_1N[0])
+
+
+def _compact(mask_BT: Tensor, tensor_BT: Tensor) -> Tensor:
+    """A per-position tensor (B, T, ...) at the masked-in positions, as (1, N, ...)."""
+    return tensor_BT[mask_BT][None]
+
+
+def _all_real(mask_BT: Tensor) -> Tensor:
+    return torch.ones(1, int(mask_BT.sum()), dtype=torch.bool, device=mask_BT.device)
+
+
 def token_logprobs_from_hidden(
-    hidden_BTH: Tensor, lm_head_weight_VH: Tensor, tokens_BT: Tensor, chunk_size: int = 256
+    hidden_BTH: Tensor, lm_head_weight_VH: Tensor, tokens_BT: Tensor, chunk_size: int = 256,
+    mask_BT: Tensor | None = None,
 ) -> Tensor:
     """Like `token_logprobs`, from final hidden states and the unembedding matrix.
 
@@ -140,11 +163,14 @@ def token_logprobs_from_hidden(
     Only for a plain linear head (no bias, logit scaling or soft-capping), as in
     Llama/Qwen/SmolLM2; `hidden_BTH` is the output of the final norm. The head's matmul and
     the log-softmax run in at least fp32 with autocast off, inside a bf16 region too: bf16
-    logits of ~30 are off by ~0.1 nats.
+    logits of ~30 are off by ~0.1 nats. `mask_BT` (optional): positions outside it get 0 and
+    cost nothing (padding).
     """
     if hidden_BTH.ndim != 3 or tokens_BT.shape != hidden_BTH.shape[:2]:
         raise ValueError(f"need hidden (B, T, H) and tokens (B, T), got {tuple(hidden_BTH.shape)} and {tuple(tokens_BT.shape)}")
-    tokens_BT = tokens_BT.long()
+    mask_BT = torch.ones(tokens_BT.shape, dtype=torch.bool, device=tokens_BT.device) if mask_BT is None else mask_BT.bool()
+    _check_student(hidden_BTH, lm_head_weight_VH, mask_BT, chunk_size)
+    tokens_BT = _compact(mask_BT, tokens_BT.long())
 
     def chunk_token_logprob(student_lp_BWV: Tensor, window: slice, mask_BW: Tensor, need_grad: bool) -> tuple[Tensor, Tensor | None]:
         tokens_BW1 = tokens_BT[:, window, None]
@@ -154,9 +180,7 @@ def token_logprobs_from_hidden(
         grad_BWV = student_lp_BWV.exp_().neg_()  # d log s_y / d logits = onehot(y) - s
         return values_BW, grad_BWV.scatter_add_(-1, tokens_BW1, torch.ones_like(tokens_BW1, dtype=grad_BWV.dtype))
 
-    everywhere_BT = torch.ones(tokens_BT.shape, dtype=torch.bool, device=tokens_BT.device)
-    _check_student(hidden_BTH, lm_head_weight_VH, everywhere_BT, chunk_size)
-    return _ChunkedDivergence.apply(hidden_BTH, lm_head_weight_VH, everywhere_BT, chunk_token_logprob, chunk_size)
+    return _apply_on_real_positions(hidden_BTH, lm_head_weight_VH, mask_BT, chunk_token_logprob, chunk_size)
 
 
 def full_vocab_divergence(
@@ -199,10 +223,11 @@ def full_vocab_divergence(
         raise ValueError(f"divergence must be 'reverse_kl', 'forward_kl' or 'jsd', got {divergence!r}")
     B, T, _ = student_hidden_BTH.shape
     V = student_weight_VH.shape[0]
+    mask_BT = mask_BT.bool()
     if teacher_logits_BTV is not None and teacher_hidden_BTH is None and teacher_weight_VH is None:
         if teacher_logits_BTV.shape != (B, T, V):
             raise ValueError(f"teacher logits have shape {tuple(teacher_logits_BTV.shape)}, need {(B, T, V)}")
-        teacher_logits_BTV = teacher_logits_BTV.detach()
+        teacher_logits_BTV = _compact(mask_BT, teacher_logits_BTV.detach())
 
         def teacher_logprobs(window: slice, mask_BW: Tensor, dtype: torch.dtype) -> Tensor:
             return torch.log_softmax(torch.where(mask_BW[..., None], teacher_logits_BTV[:, window], 0.0).to(dtype), dim=-1)
@@ -210,7 +235,7 @@ def full_vocab_divergence(
     elif teacher_logits_BTV is None and teacher_hidden_BTH is not None and teacher_weight_VH is not None:
         if teacher_hidden_BTH.shape[:2] != (B, T) or teacher_weight_VH.shape[0] != V or teacher_hidden_BTH.shape[-1] != teacher_weight_VH.shape[-1]:
             raise ValueError(f"teacher hidden {tuple(teacher_hidden_BTH.shape)} and weight {tuple(teacher_weight_VH.shape)} do not fit {(B, T)} and V = {V}")
-        teacher_hidden_BTH, teacher_weight_VH = teacher_hidden_BTH.detach(), teacher_weight_VH.detach()
+        teacher_hidden_BTH, teacher_weight_VH = _compact(mask_BT, teacher_hidden_BTH.detach()), teacher_weight_VH.detach()
 
         def teacher_logprobs(window: slice, mask_BW: Tensor, dtype: torch.dtype) -> Tensor:
             return _logprobs_from_hidden(teacher_hidden_BTH[:, window], teacher_weight_VH, mask_BW, dtype)
@@ -242,7 +267,7 @@ def full_vocab_divergence(
         # dJ/dlogits_v = (1 - beta) s_v (log s_v - log m_v - KL(s || m)) = (1 - beta)(term_v - s_v KL(s || m))
         return values_BW, (terms_BWV.sub_(student_BWV.mul_(student_part_BW[..., None])).mul_(1 - beta) if need_grad else None)
 
-    return _ChunkedDivergence.apply(student_hidden_BTH, student_weight_VH, mask_BT.bool(), chunk_divergence, chunk_size)
+    return _apply_on_real_positions(student_hidden_BTH, student_weight_VH, mask_BT, chunk_divergence, chunk_size)
 
 
 def topk_tail_logprob(topk_logprobs_BTK: Tensor, floor: float = 0.0) -> Tensor:
@@ -290,9 +315,8 @@ def topk_reverse_kl(
             f"need top-k ids and logprobs (B, T, K) with 1 <= K <= V = {V}, got {tuple(topk_ids_BTK.shape)} and {tuple(topk_logprobs_BTK.shape)}"
         )
     mask_BT = mask_BT.bool()
-    # Masked positions get a harmless stand-in: ids 0..K-1, each with probability 1 / (K + 1).
-    ids_BTK = torch.where(mask_BT[..., None], topk_ids_BTK.long(), torch.arange(K, device=topk_ids_BTK.device))
-    teacher_lp_BTK = torch.where(mask_BT[..., None], topk_logprobs_BTK.detach(), -math.log(K + 1))
+    ids_BTK = _compact(mask_BT, topk_ids_BTK.long())  # masked positions may hold anything: they are dropped
+    teacher_lp_BTK = _compact(mask_BT, topk_logprobs_BTK.detach())
     teacher_tail_BT = topk_tail_logprob(teacher_lp_BTK, tail_floor)
 
     def chunk_divergence(student_lp_BWV: Tensor, window: slice, mask_BW: Tensor, need_grad: bool) -> tuple[Tensor, Tensor | None]:
@@ -312,4 +336,4 @@ def topk_reverse_kl(
         slope = log_ratio.sub_(values_BW[..., None])
         return values_BW, rest_BWV.mul_(slope[..., K:]).scatter_(-1, ids_BWK, top_BWK.exp() * slope[..., :K])
 
-    return _ChunkedDivergence.apply(student_hidden_BTH, student_weight_VH, mask_BT, chunk_divergence, chunk_size)
+    return _apply_on_real_positions(student_hidden_BTH, student_weight_VH, mask_BT, chunk_divergence, chunk_size)

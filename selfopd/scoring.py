@@ -43,7 +43,7 @@ def logprobs_from_hidden(model: Any, hidden_BCH: Tensor, targets_BC: Tensor, mas
                          chunk_size: int = 256) -> Tensor:
     """The second half of `completion_logprobs`, for callers that also need the hidden states."""
     head_VH = model.get_output_embeddings().weight
-    return token_logprobs_from_hidden(hidden_BCH, head_VH, targets_BC, chunk_size) * mask_BC
+    return token_logprobs_from_hidden(hidden_BCH, head_VH, targets_BC, chunk_size, mask_BC)
 
 
 def tempered(hidden_BCH: Tensor, temperature: float) -> Tensor:
@@ -79,8 +79,10 @@ def completion_hidden(model: Any, sequences: Sequences, pad_id: int) -> tuple[Te
 
     Two passes: the distinct prompts, left-padded so they all end at the same position;
     then every completion, right-padded, attending to its prompt's cached keys/values
-    (selected per row, a differentiable gather). Under gradient checkpointing, which drops
-    the cache, one pass over prompt + completion instead (same result, no sharing).
+    (selected per row, a differentiable gather). When no prompt repeats there is nothing to
+    share, and under gradient checkpointing (which drops the cache) nothing can be: then one
+    pass over prompt + completion (the same result; measured 25% faster than two passes on
+    8 distinct SmolLM2 prompts).
     """
     check_plain_head(model)
     if not sequences:
@@ -91,11 +93,11 @@ def completion_hidden(model: Any, sequences: Sequences, pad_id: int) -> tuple[Te
     device = model_device(model)
     ids_BC, mask_BC = right_pad([completion for _, completion in sequences], pad_id)
     ids_BC, mask_BC = ids_BC.to(device), mask_BC.to(device)
-    if _recomputes_layers(model):
-        return _hidden_in_one_pass(model, sequences, ids_BC, mask_BC, pad_id), ids_BC, mask_BC
-
     prompt_index: dict[tuple[int, ...], int] = {}
     rows = [prompt_index.setdefault(tuple(prompt), len(prompt_index)) for prompt, _ in sequences]
+    if _recomputes_layers(model) or len(prompt_index) == len(sequences):
+        return _hidden_in_one_pass(model, sequences, ids_BC, mask_BC, pad_id), ids_BC, mask_BC
+
     # Prompts: (G, P), left-padded; positions count real tokens only.
     prompt_ids_GP, prompt_mask_GP = (t.to(device) for t in left_pad(list(prompt_index), pad_id))
     prompt_positions_GP = (prompt_mask_GP.cumsum(-1) - 1).clamp(min=0)

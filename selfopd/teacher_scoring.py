@@ -42,7 +42,9 @@ def scores_from_states(hidden_BCH: torch.Tensor, head_VH: torch.Tensor,
                        completions: Sequence[list[int]]) -> list[TokenScores]:
     """The logprob of each completion token under the distributions `completion_states` gave,
     as an engine's `score` computes it (fp32 head, on the CPU)."""
-    ids_BC, _ = right_pad(completions, pad_id=0)  # padded positions are never read
-    logprobs_BC = token_logprobs_from_hidden(hidden_BCH, head_VH, ids_BC.to(hidden_BCH.device)).float().cpu()
+    ids_BC, mask_BC = right_pad(completions, pad_id=0)
+    device = hidden_BCH.device
+    logprobs_BC = token_logprobs_from_hidden(hidden_BCH, head_VH, ids_BC.to(device), mask_BT=mask_BC.to(device))
+    logprobs_BC = logprobs_BC.float().cpu()
     return [TokenScores(logprobs=logprobs_BC[row, : len(completion)].clone())
             for row, completion in enumerate(completions)]

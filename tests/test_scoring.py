@@ -50,15 +50,20 @@ def _reference(model, sequences):
     return values, total
 
 
-def test_values_and_gradients_equal_the_unshared_reference(float64_llama):
+# Every prompt once: nothing to share, so scoring takes one pass over prompt + completion.
+DISTINCT = [([5, 6, 7, 8, 9], [10, 11, 12]), ([20, 21], [22, 23, 24, 25]), ([30, 31, 32], [33])]
+
+
+@pytest.mark.parametrize("sequences", [SEQUENCES, DISTINCT], ids=["shared-prompts", "distinct-prompts"])
+def test_values_and_gradients_equal_the_unshared_reference(float64_llama, sequences):
     model = float64_llama
-    logprobs_BC, mask_BC = completion_logprobs(model, SEQUENCES, pad_id=0, chunk_size=2)
+    logprobs_BC, mask_BC = completion_logprobs(model, sequences, pad_id=0, chunk_size=2)
     (logprobs_BC * mask_BC).sum().backward()
     shared_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    values, total = _reference(model, SEQUENCES)
+    values, total = _reference(model, sequences)
     total.backward()
-    assert mask_BC.tolist() == [[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 0], [1, 0, 0, 0]]
+    assert mask_BC.tolist() == [[1] * len(c) + [0] * (mask_BC.shape[1] - len(c)) for _, c in sequences]
     for row, expected in enumerate(values):
         torch.testing.assert_close(logprobs_BC[row, : len(expected)], expected, atol=1e-12, rtol=0)
     assert torch.all(logprobs_BC[mask_BC == 0] == 0)

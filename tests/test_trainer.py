@@ -192,7 +192,7 @@ def test_bfloat16_run_trains_fp32_master_weights_in_bf16_compute(tmp_path, tiny_
     linear = run.model.get_decoder().layers[0].mlp.down_proj
     handle = linear.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
     with run.autocast():
-        completion_hidden(run.model, [([1, 2, 3], [4, 5])], run.pad_id)
+        completion_hidden(run.model, [([1, 2, 3], [4, 5]), ([1, 2, 3], [6])], run.pad_id)  # a shared prompt
     handle.remove()
     assert dtypes == [torch.bfloat16, torch.bfloat16]  # prompt and completion passes: bf16 matmuls
     bf16 = {n: p.detach().to(torch.bfloat16) for n, p in before.items()}

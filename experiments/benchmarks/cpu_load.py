@@ -1,9 +1,12 @@
-"""Whether other processes used the CPU during a timed interval: this machine is shared, and a
-step that waited for a core says nothing about the code. Linux /proc only; no dependencies,
-so both sides of a benchmark (each in its own virtual environment) can import it."""
+"""What both sides of a benchmark (each in its own virtual environment) share, with no
+dependencies: whether other processes used the CPU during a timed interval (this machine is
+shared, and a step that waited for a core says nothing about the code; Linux /proc), and a
+digest of a step's prompt token ids."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -31,3 +34,8 @@ def others_cores(start: Snapshot, end: Snapshot) -> float:
     """Cores that other processes kept busy on average between two snapshots of this process."""
     wall = max(end.wall - start.wall, 1e-9)
     return max(0.0, (end.busy_s - start.busy_s) - (end.own_s - start.own_s)) / wall
+
+
+def prompt_digest(prompt_ids: list[list[int]]) -> str:
+    """A short digest of a step's prompt token ids, to show two trainers were given the same prompts."""
+    return hashlib.sha256(json.dumps([list(map(int, p)) for p in prompt_ids]).encode()).hexdigest()[:16]

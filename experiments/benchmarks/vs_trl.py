@@ -44,7 +44,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
-from cpu_load import others_cores, snapshot  # noqa: E402
+from cpu_load import others_cores, prompt_digest, snapshot  # noqa: E402
 
 SHARED = ["rollout.prompts_per_step=8", "rollout.samples_per_prompt=1", "rollout.max_tokens=64",
           "rollout.temperature=1.0", "rollout.top_p=1.0", "loss.lambda_opd=1.0", "loss.lambda_rl=0.0",
@@ -95,6 +95,14 @@ def selfopd_child(args: argparse.Namespace) -> None:
 
     with tempfile.TemporaryDirectory(prefix="vs_trl-") as scratch:
         run = build_run(selfopd_config(args.variant, Path(scratch), "bench"))
+        prompt_ids: list[str] = []
+        sample = run.student_engine.sample
+
+        def recorded_sample(prompts: Any, params: Any) -> Any:
+            prompt_ids.append(prompt_digest(prompts))
+            return sample(prompts, params)
+
+        run.student_engine.sample = recorded_sample
         try:
             for _ in range(args.steps):
                 start = snapshot()
@@ -104,7 +112,7 @@ def selfopd_child(args: argparse.Namespace) -> None:
                           if k.startswith("time/") and k != "time/step"}
                 record = {"step": run.step, "wall_s": end.wall - start.wall,
                           "generated_tokens": int(metrics["tokens/completion"]), "phases": phases,
-                          "others_cores": others_cores(start, end)}
+                          "others_cores": others_cores(start, end), "prompts": prompt_ids[-1]}
                 with args.out.open("a") as out:
                     out.write(json.dumps(record) + "\n")
         finally:
@@ -194,16 +202,20 @@ def main() -> None:
         ratios[variant] = {"step": spread(per_step), "per_token": spread(per_token)}
     pooled = {name: summarise([s for steps in rounds for s in steps[name]], args.busy_cores)
               for name in ["trl", *variants]}
+    digests = lambda name: [[s["prompts"] for s in steps[name]] for steps in rounds]  # noqa: E731
+    same_prompts = {variant: digests(variant) == digests("trl") for variant in variants}
     report = {
         "what": "selfopd vs TRL DistillationTrainer, same work per step (see vs_trl.py)", "shared": SHARED,
         "variants": {v: VARIANTS[v] for v in variants}, "rounds": args.rounds, "steps_per_process": args.steps,
         "busy_cores": args.busy_cores, "trl_env": versions, "selfopd_commit": _git_commit(),
-        "wall_s": round(time.time() - started), "pooled": pooled, "ratios_selfopd_over_trl": ratios,
+        "wall_s": round(time.time() - started), "same_prompt_ids_as_trl": same_prompts, "pooled": pooled,
+        "ratios_selfopd_over_trl": ratios,
         "per_round": summaries, "steps": rounds,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print_tables(report)
+    print(f"same prompt token ids as TRL, step by step: {same_prompts}")
     print(f"wrote {args.out}")
 
 

@@ -3,7 +3,8 @@
 Runs in the benchmark's own virtual environment (`make bench-trl` makes .venv-trl with a
 pinned TRL); it imports nothing of selfopd. Reads the prompts in the order to train on them
 (a JSON list, prompts_per_step per step) and writes one JSON line per step:
-{"step", "wall_s", "generated_tokens", "phases": {...}, "others_cores"}.
+{"step", "wall_s", "generated_tokens", "phases": {...}, "others_cores", "prompts"} (a digest
+of the step's prompt token ids).
 
 Phases: generate (`model.generate`), student_forward and teacher_forward (the decoder's
 final hidden states, with and without grad), head_divergence (TRL's chunked head + JSD
@@ -24,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_load import others_cores, snapshot  # noqa: E402
+from cpu_load import others_cores, prompt_digest, snapshot  # noqa: E402
 
 
 class Phases:
@@ -82,6 +83,7 @@ def main() -> None:
         seed=args.seed, max_grad_norm=1.0, dataloader_num_workers=0, disable_tqdm=True)
     phases = Phases()
     generated: list[int] = []
+    prompt_ids: list[str] = []  # a digest of each step's prompt token ids, to check both trainers saw the same
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, *_: Any, **__: Any) -> None:
@@ -99,7 +101,7 @@ def main() -> None:
             end = snapshot()
             record = {"step": state.global_step, "wall_s": end.wall - self.start.wall,
                       "generated_tokens": sum(generated), "phases": dict(phases.seconds),
-                      "others_cores": others_cores(self.start, end)}
+                      "others_cores": others_cores(self.start, end), "prompts": prompt_ids[-1]}
             with args.out.open("a") as out:
                 out.write(json.dumps(record) + "\n")
 
@@ -114,6 +116,14 @@ def main() -> None:
         return completions
 
     trainer._generate_single_turn = counted_generation
+    tokenize = trainer._tokenize_prompts
+
+    def recorded_tokenization(*a: Any, **k: Any) -> Any:
+        result = tokenize(*a, **k)
+        prompt_ids.append(prompt_digest(result[0]))
+        return result
+
+    trainer._tokenize_prompts = recorded_tokenization
     trainer._get_last_hidden_state = phases.timed(
         lambda: "student_forward" if torch.is_grad_enabled() else "teacher_forward", trainer._get_last_hidden_state)
     distillation_trainer._chunked_divergence_loss = phases.timed("head_divergence",
