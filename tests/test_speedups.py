@@ -58,3 +58,37 @@ def test_fused_adamw_rounds_within_tolerance_of_the_for_loop_one(lr):
         moved = (loop - begin).abs().max()
         assert moved > 0
         assert ((fused - loop).norm() / (loop - begin).norm()).item() < FUSED_TOLERANCE
+
+
+def test_the_exponential_race_draws_exactly_the_tempered_nucleus():
+    """SampledPolicy draws argmax(log p - log E), E ~ Exp(1): the frequencies of 40000 draws
+    match softmax(logits / T) restricted to the top-p nucleus (chi-square, seeded), tokens
+    outside the nucleus are never drawn, and the kept logprob is the drawn token's under that
+    distribution. Greedy is the argmax of the raw logits."""
+    from scipy.stats import chisquare
+
+    from selfopd.engines.local import SampledPolicy
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    rows = 40_000
+    torch.manual_seed(0)
+    for temperature, top_p in ((1.0, 1.0), (0.7, 1.0), (1.3, 0.8)):
+        policy = SampledPolicy(temperature, top_p)
+        chosen = policy(torch.zeros(rows, 1, dtype=torch.long), logits.repeat(rows, 1))
+        tokens = chosen.argmax(-1)
+        assert torch.all(chosen.max(-1).values == 0) and torch.all(torch.isinf(chosen).sum(-1) == len(logits) - 1)
+        probs = (logits / temperature).softmax(-1).double()
+        if top_p < 1:  # the smallest set of most likely tokens whose mass reaches top_p
+            order = probs.argsort(descending=True)
+            keep = order[: int((probs[order].cumsum(0) < top_p).sum()) + 1]
+            nucleus = torch.zeros_like(probs).index_fill_(0, keep, 1.0)
+            probs = probs * nucleus / (probs * nucleus).sum()
+        counts = torch.bincount(tokens, minlength=len(logits)).double()
+        assert torch.all(counts[probs == 0] == 0)
+        seen = probs > 0
+        expected = probs[seen] / probs[seen].sum() * counts.sum()
+        assert chisquare(counts[seen].numpy(), expected.numpy()).pvalue > 1e-3, (temperature, top_p)
+        expected_lp = probs.log()[tokens]
+        assert torch.allclose(policy.drawn_logprobs(1, rows)[:, 0].double(), expected_lp, atol=1e-5)
+    greedy = SampledPolicy(0.0, 1.0)
+    assert greedy(torch.zeros(3, 1, dtype=torch.long), logits.repeat(3, 1)).argmax(-1).tolist() == [0, 0, 0]

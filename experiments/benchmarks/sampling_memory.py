@@ -5,10 +5,11 @@
     python experiments/benchmarks/sampling_memory.py --out experiments/benchmarks/results/sampling_memory.json
 
 The sampler must report the logprob of each drawn token under the distribution it was drawn
-from. Keeping `generate`'s per-step scores for that (`output_scores=True`, then stack and
-log-softmax: what the engine did before) holds S x (B, V) fp32 logits several times over,
-80 GB at 64 x 2048 tokens and a 152k vocabulary. `selfopd.engines.local.SampledPolicy` keeps
-the latest step's (B, V) only. Both sample the same tokens (checked here).
+from. Keeping `generate`'s per-step logits for that (`output_logits=True`, then stack and
+log-softmax: what the engine did before, with its scores) holds S x (B, V) fp32 logits
+several times over, 80 GB at 64 x 2048 tokens and a 152k vocabulary.
+`selfopd.engines.local.SampledPolicy` keeps each step's (B,) logprobs only. Both draw with
+that policy, so they sample the same tokens (checked here).
 
 The model is a random 2-layer Llama with SmolLM2's 49152-token vocabulary and a small hidden
 size, so that the logits dominate; it never stops early (no end-of-sequence id), so every
@@ -58,14 +59,16 @@ def sample(method: str, model, tokenizer, prompts: list[list[int]], steps: int) 
         engine = LocalEngine(model, tokenizer, batch_size=len(prompts))
         groups = engine.sample(prompts, SamplingParams(max_tokens=steps, temperature=1.0, seed=0))
         return torch.tensor([group[0].completion_ids for group in groups])
+    from selfopd.engines.local import SampledPolicy
+
     ids_BT, mask_BT = left_pad(prompts, 2)
     torch.manual_seed(0)
-    with torch.no_grad():
+    with torch.no_grad():  # the same draws, with generate keeping every step's scores
         output = model.generate(input_ids=ids_BT, attention_mask=mask_BT, max_new_tokens=steps, pad_token_id=2,
-                                do_sample=True, temperature=1.0, top_p=1.0, top_k=0, output_scores=True,
+                                do_sample=False, logits_processor=[SampledPolicy(1.0, 1.0)], output_logits=True,
                                 return_dict_in_generate=True)
     new_BS = output.sequences[:, ids_BT.shape[1]:]
-    drawn_BSV = torch.stack(output.scores, dim=1).float().log_softmax(-1)
+    drawn_BSV = torch.stack(output.logits, dim=1).float().log_softmax(-1)
     drawn_BSV.gather(-1, new_BS.unsqueeze(-1))
     return new_BS
 

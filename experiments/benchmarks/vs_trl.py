@@ -57,6 +57,14 @@ VARIANTS = {
     "self_privileged": ["teacher.kind=self", "teacher.template=teacher/answer_note", "loss.divergence=reverse_kl"],
 }
 COMPARED = "full"  # the selfopd config that does TRL's work
+# The same work under each trainer's phase names: sampling, the teacher's and the student's
+# forward, head and backward, the optimizer (both sides clip gradients there).
+PHASE_GROUPS = {
+    "sampling": (("sample",), ("generate",)),
+    "teacher + student forward, head, backward": (("teacher", "train"),
+                                                  ("teacher_forward", "student_forward", "head_divergence", "backward")),
+    "optimizer": (("optim",), ("optimizer",)),
+}
 
 
 def demo_data() -> tuple[str, int, int]:
@@ -144,6 +152,20 @@ def summarise(steps: list[dict], busy_cores: float) -> dict[str, Any]:
     }
 
 
+def phase_ratios(ours: dict[str, Any], trl: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per group of PHASE_GROUPS: each side's median seconds and selfopd / TRL; 'rest' is the step
+    minus the groups (selfopd: verify, sync, probe, overhead; TRL: the Trainer's own work)."""
+    groups = {}
+    for name, (ours_keys, trl_keys) in PHASE_GROUPS.items():
+        a = sum(ours["phases_s"].get(k, 0.0) for k in ours_keys)
+        b = sum(trl["phases_s"].get(k, 0.0) for k in trl_keys)
+        groups[name] = {"selfopd_s": a, "trl_s": b, "ratio": a / b if b else float("nan")}
+    rest_a = ours["step_s"] - sum(g["selfopd_s"] for g in groups.values())
+    rest_b = trl["step_s"] - sum(g["trl_s"] for g in groups.values())
+    groups["rest"] = {"selfopd_s": rest_a, "trl_s": rest_b, "ratio": rest_a / rest_b if rest_b > 0 else float("nan")}
+    return groups
+
+
 def spread(values: list[float]) -> dict[str, float] | None:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)} if values else None
 
@@ -157,6 +179,7 @@ def main() -> None:
     parser.add_argument("--busy-cores", type=float, default=0.3,
                         help="a step during which other processes used more than this many cores is left out")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "benchmarks" / "vs_trl.json")
+    parser.add_argument("--tables-of", type=Path, help="print the tables of a report this script wrote, and stop")
     parser.add_argument("--child", choices=("selfopd",), help=argparse.SUPPRESS)
     parser.add_argument("--variant", choices=tuple(VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
@@ -164,6 +187,8 @@ def main() -> None:
     if args.child:
         args.out = args.child_out
         return selfopd_child(args)
+    if args.tables_of:
+        return print_tables(json.loads(args.tables_of.read_text()))
     if not args.trl_python.is_file():
         raise SystemExit(f"{args.trl_python}: no such interpreter; `make bench-trl` makes .venv-trl with the pinned TRL")
     from selfopd.models import resolve_model
@@ -202,6 +227,8 @@ def main() -> None:
         ratios[variant] = {"step": spread(per_step), "per_token": spread(per_token)}
     pooled = {name: summarise([s for steps in rounds for s in steps[name]], args.busy_cores)
               for name in ["trl", *variants]}
+    phases = {v: phase_ratios(pooled[v], pooled["trl"]) for v in variants
+              if pooled[v].get("counted_steps") and pooled["trl"].get("counted_steps")}
     digests = lambda name: [[s["prompts"] for s in steps[name]] for steps in rounds]  # noqa: E731
     same_prompts = {variant: digests(variant) == digests("trl") for variant in variants}
     report = {
@@ -209,7 +236,7 @@ def main() -> None:
         "variants": {v: VARIANTS[v] for v in variants}, "rounds": args.rounds, "steps_per_process": args.steps,
         "busy_cores": args.busy_cores, "trl_env": versions, "selfopd_commit": _git_commit(),
         "wall_s": round(time.time() - started), "same_prompt_ids_as_trl": same_prompts, "pooled": pooled,
-        "ratios_selfopd_over_trl": ratios,
+        "ratios_selfopd_over_trl": ratios, "phase_groups": phases,
         "per_round": summaries, "steps": rounds,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -238,6 +265,10 @@ def print_tables(report: dict[str, Any]) -> None:
     for name, summary in pooled.items():
         phases = summary.get("phases_s", {})
         print(f"{name:<16}" + ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in phases.items()))
+    for variant, groups in report.get("phase_groups", {}).items():
+        print(f"\nthe same work, selfopd {variant} vs TRL (median seconds; selfopd / TRL)")
+        for name, group in groups.items():
+            print(f"  {name:<44}{group['selfopd_s']:>7.2f}{group['trl_s']:>7.2f}{group['ratio']:>7.2f}")
 
 
 def _git_commit() -> str | None:
