@@ -152,18 +152,25 @@ def summarise(steps: list[dict], busy_cores: float) -> dict[str, Any]:
     }
 
 
-def phase_ratios(ours: dict[str, Any], trl: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """Per group of PHASE_GROUPS: each side's median seconds and selfopd / TRL; 'rest' is the step
-    minus the groups (selfopd: verify, sync, probe, overhead; TRL: the Trainer's own work)."""
-    groups = {}
-    for name, (ours_keys, trl_keys) in PHASE_GROUPS.items():
-        a = sum(ours["phases_s"].get(k, 0.0) for k in ours_keys)
-        b = sum(trl["phases_s"].get(k, 0.0) for k in trl_keys)
-        groups[name] = {"selfopd_s": a, "trl_s": b, "ratio": a / b if b else float("nan")}
-    rest_a = ours["step_s"] - sum(g["selfopd_s"] for g in groups.values())
-    rest_b = trl["step_s"] - sum(g["trl_s"] for g in groups.values())
-    groups["rest"] = {"selfopd_s": rest_a, "trl_s": rest_b, "ratio": rest_a / rest_b if rest_b > 0 else float("nan")}
-    return groups
+def grouped_phases(steps: list[dict], side: int, busy_cores: float) -> dict[str, float]:
+    """Median seconds per group of PHASE_GROUPS over the counted steps (side 0: selfopd's phase
+    names, 1: TRL's), and 'rest': each step's time outside the groups (selfopd: verify, sync,
+    probe, overhead; TRL: the Trainer's own work)."""
+    counted = [s for s in steps if s["step"] > 1 and s["others_cores"] <= busy_cores]
+    per_step = [{name: sum(s["phases"].get(k, 0.0) for k in keys[side]) for name, keys in PHASE_GROUPS.items()}
+                for s in counted]
+    for step, groups in zip(counted, per_step):
+        groups["rest"] = step["wall_s"] - sum(groups.values())
+    return {name: statistics.median(g[name] for g in per_step) for name in [*PHASE_GROUPS, "rest"]} if per_step else {}
+
+
+def phase_comparison(rounds: list[dict[str, list[dict]]], variant: str, busy_cores: float) -> dict[str, dict]:
+    """Each group's median seconds on both sides over all rounds, and selfopd / TRL."""
+    ours = grouped_phases([s for r in rounds for s in r[variant]], 0, busy_cores)
+    theirs = grouped_phases([s for r in rounds for s in r["trl"]], 1, busy_cores)
+    return {name: {"selfopd_s": ours[name], "trl_s": theirs[name],
+                   "ratio": ours[name] / theirs[name] if theirs[name] > 0 else float("nan")}
+            for name in ours if name in theirs}
 
 
 def spread(values: list[float]) -> dict[str, float] | None:
@@ -188,7 +195,9 @@ def main() -> None:
         args.out = args.child_out
         return selfopd_child(args)
     if args.tables_of:
-        return print_tables(json.loads(args.tables_of.read_text()))
+        report = json.loads(args.tables_of.read_text())
+        report["phase_groups"] = {v: phase_comparison(report["steps"], v, report["busy_cores"]) for v in report["variants"]}
+        return print_tables(report)
     if not args.trl_python.is_file():
         raise SystemExit(f"{args.trl_python}: no such interpreter; `make bench-trl` makes .venv-trl with the pinned TRL")
     from selfopd.models import resolve_model
@@ -227,8 +236,7 @@ def main() -> None:
         ratios[variant] = {"step": spread(per_step), "per_token": spread(per_token)}
     pooled = {name: summarise([s for steps in rounds for s in steps[name]], args.busy_cores)
               for name in ["trl", *variants]}
-    phases = {v: phase_ratios(pooled[v], pooled["trl"]) for v in variants
-              if pooled[v].get("counted_steps") and pooled["trl"].get("counted_steps")}
+    phases = {v: phase_comparison(rounds, v, args.busy_cores) for v in variants}
     digests = lambda name: [[s["prompts"] for s in steps[name]] for steps in rounds]  # noqa: E731
     same_prompts = {variant: digests(variant) == digests("trl") for variant in variants}
     report = {
