@@ -26,8 +26,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def resolved(revision: str) -> str:
+    """The short commit hash a revision (HEAD, a branch, a tag) names now."""
+    done = subprocess.run(["git", "rev-parse", "--short", revision], cwd=ROOT, check=True, capture_output=True, text=True)
+    return done.stdout.strip()
+
+
 def worktree(revision: str, scratch: Path) -> Path:
-    folder = scratch / revision.replace("/", "_")
+    folder = scratch / revision
     subprocess.run(["git", "worktree", "add", "--detach", str(folder), revision], cwd=ROOT, check=True,
                    capture_output=True)
     return folder
@@ -53,6 +59,7 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "benchmarks" / "compare_commits.json")
     args = parser.parse_args()
+    args.before, args.after = resolved(args.before), resolved(args.after)
     scratch = Path(tempfile.mkdtemp(prefix="compare_commits-"))
     trees = {"before": worktree(args.before, scratch), "after": worktree(args.after, scratch)}
     results: dict[str, list[dict]] = {"before": [], "after": []}
