@@ -46,7 +46,14 @@ def breakdown(tree: Path, config: Path, steps: int, overrides: list[str], out: P
     done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{tree}: step_breakdown failed:\n{done.stderr[-3000:]}")
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    result["config"] = portable(config)
+    return result
+
+
+def portable(config: Path) -> str:
+    """The config as the report names it: relative to the checkout, so result files read the same everywhere."""
+    return str(config.relative_to(ROOT)) if config.is_relative_to(ROOT) else config.name
 
 
 def main() -> None:
@@ -80,7 +87,7 @@ def main() -> None:
                          "phases_s": {name: statistics.median(next((p["seconds"] for p in r["phases"]
                                                                     if p["phase"] == name), 0.0) for r in runs)
                                       for name in sorted(phases)}}
-    report = {"config": str(args.config.relative_to(ROOT)) if args.config.is_relative_to(ROOT) else str(args.config),
+    report = {"config": portable(args.config.resolve()),
               "overrides": args.overrides, "rounds": args.rounds, "steps": args.steps, "summary": summary,
               "after_over_before": {"min": min(ratios), "median": statistics.median(ratios), "max": max(ratios)},
               "runs": results}
