@@ -15,7 +15,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import matplotlib
 import numpy as np
@@ -146,7 +146,7 @@ def measure_arm(compare: CompareConfig, name: str, description: str = "") -> Arm
         teacher = f"none (KL column: {teacher})"
     return ArmResult(
         name=name, description=description, teacher=teacher,
-        loss=f"{config.loss.lambda_opd:g} x OPD + {config.loss.lambda_rl:g} x GRPO",
+        loss=loss_label(config.loss),
         steps=min(run.steps for run in runs), finished=all(run.finished for run in runs),
         final=pooled_accuracy([run.final for run in runs]),
         vs_base=pooled_change([(run.base, run.final) for run in runs]), vs_reference=None,
@@ -157,6 +157,17 @@ def measure_arm(compare: CompareConfig, name: str, description: str = "") -> Arm
         opd_weight=config.loss.lambda_opd,
         teacher_preference=_teacher_preference([compare.arm_dir(name, run.seed) for run in runs]),
     )
+
+
+def loss_label(loss: Any) -> str:
+    """The loss in a few words: its weights, and each cure (`selfopd.credit`) that is on."""
+    cures = [f"RLSD l={loss.rlsd_weight:g}/{loss.rlsd_decay_steps} steps" if loss.rlsd_weight else "",
+             "OPD on failed only" if loss.opd_on == "failed" else "",
+             "vs wrong context" if loss.opd_baseline == "wrong_context" else "",
+             "pass-rate weighted" if loss.pass_rate_weighting else "",
+             f"clip {loss.token_clip:g}" if loss.token_clip else ""]
+    extra = ", ".join(cure for cure in cures if cure)
+    return f"{loss.lambda_opd:g} x OPD + {loss.lambda_rl:g} x GRPO" + (f" ({extra})" if extra else "")
 
 
 def _teacher_preference(run_dirs: list[Path]) -> MeanEstimate | None:

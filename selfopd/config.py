@@ -34,6 +34,7 @@ from selfopd.config_compute import (  # noqa: F401  (sections of TrainConfig, pu
     Switch,
     WeightSyncKind,
 )
+from selfopd.config_loss import FULL_VOCABULARY, Divergence, LossConfig, Normalisation  # noqa: F401  (public here too)
 from selfopd.config_guard import GuardConfig  # noqa: F401  (a section of TrainConfig, public here too)
 from selfopd.settings import (  # noqa: F401  (ConfigError and setting are this module's public names too)
     ConfigError,
@@ -46,14 +47,10 @@ from selfopd.settings import (  # noqa: F401  (ConfigError and setting are this 
     setting,
 )
 
-# Same values as selfopd.objectives.Normalisation; restated so loading a config needs no torch.
-Normalisation = Literal["token", "sequence"]
 TeacherKind = Literal["self", "frozen", "ema", "external"]
 Schedule = Literal["constant", "cosine", "linear"]
 Tracker = Literal["tensorboard", "wandb"]
 WandbMode = Literal["offline", "online"]
-Divergence = Literal["sampled", "topk_reverse_kl", "reverse_kl", "forward_kl", "jsd"]
-FULL_VOCABULARY = ("reverse_kl", "forward_kl", "jsd")  # divergences that need the teacher in process
 # The demo's task (experiments/demo.toml, tested): the default data of every command, so that
 # `selfopd eval` or `selfopd sft` without a config see the demo's split and its held-out prompts.
 DEMO_DATA = ("rg:basic_arithmetic?min_terms=2&max_terms=2&min_digits=1&max_digits=2&operators=+&allow_negation=false"
@@ -179,43 +176,6 @@ class RolloutConfig(Section):
         self._at_least("temperature", 0.0)
         if not 0.0 < self.top_p <= 1.0:
             fail(self._key("top_p"), f"must be in (0, 1], got {self.top_p!r}")
-
-
-@dataclass(frozen=True)
-class LossConfig(Section):
-    SECTION: ClassVar[str] = "loss"
-    lambda_opd: float = setting(1.0, "Weight of the OPD advantage teacher_lp - student_lp (minus the reverse KL per token).")
-    lambda_rl: float = setting(0.0, "Weight of the GRPO advantage of the verifier reward.")
-    normalisation: Normalisation = setting("token", "Loss average: over all completion tokens ('token') or per sequence first ('sequence').")
-    is_cap: float = setting(2.0, "Cap of the truncated importance-sampling ratio trainer/engine (0: no ratio).")
-    divergence: Divergence = setting(
-        "sampled",
-        "What the OPD term minimises at each completion position. 'sampled': policy gradient on teacher_lp - "
-        "student_lp of the sampled token (reverse KL, one-sample estimate; any engine). 'topk_reverse_kl': exact "
-        "reverse KL over the teacher's top-k tokens plus one tail bucket (any engine that returns top-k). "
-        "'reverse_kl', 'forward_kl', 'jsd': full vocabulary, needs the teacher in process (engine.kind = 'local').")
-    top_k: int = setting(20, "Teacher top-k for divergence = 'topk_reverse_kl'.")
-    jsd_beta: float = setting(0.5, "beta of the generalised JSD (0: forward KL, 1: reverse KL), for divergence = 'jsd'.")
-    token_clip: float = setting(
-        0.0, "Per-token clip c of the teacher term (0: off). 'sampled': each token's teacher_lp - student_lp is "
-        "clipped to [-c, c] before lambda_opd weighs it and the GRPO term is added; other divergences: each "
-        "position's divergence is clamped at c, a clamped position giving no gradient. Logged: opd/clipped_share.")
-    partial_credit: bool = setting(
-        False, "Reward = the task scorer's partial credit (reasoning-gym pays 0.5 for '17' or '-7' when the answer "
-        "is 7); off: 1 for a correct final answer, 0 otherwise.")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._at_least("lambda_opd", 0.0)
-        self._at_least("top_k", 1)
-        self._at_least("token_clip", 0.0)
-        if not 0.0 <= self.jsd_beta <= 1.0:
-            fail(self._key("jsd_beta"), f"must be in [0, 1], got {self.jsd_beta!r}")
-        self._at_least("lambda_rl", 0.0)
-        if self.lambda_opd == 0 and self.lambda_rl == 0:
-            fail(self._key("lambda_opd"), "loss.lambda_opd and loss.lambda_rl are both 0: nothing to train on")
-        if self.is_cap != 0 and self.is_cap < 1:
-            fail(self._key("is_cap"), f"must be 0 (off) or >= 1, got {self.is_cap!r}")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from typing import Any
 
 from selfopd.data_spec import FILE_BUILDERS, PRESETS, DataError, DataSpec, Preset
 from selfopd.example import Example, prompt_key
+from selfopd.worked_solutions import arithmetic_solution
 
 # Distinct procedural prompts: draw at most this many items per prompt asked for, and stop
 # early once this many draws in a row (or as many as found so far) brought nothing new.
@@ -209,10 +210,9 @@ def load_reasoning_gym(spec: DataSpec, exclude: frozenset[str] = frozenset()) ->
             json.dumps(entry)  # entries go into logs and caches
         except TypeError as e:
             raise DataError(f"rg:{task} row {i}: item is not JSON-serialisable: {e}") from e
-        cot = entry.get("metadata", {}).get("answer_cot")  # worked solution (gsm_symbolic)
         examples.append(Example(
             id=f"{task}/seed{spec.seed}/{i}", prompt=entry["question"], answer=str(answer),
-            solution=cot if isinstance(cot, str) else None,
+            solution=_worked_solution(task, entry),
             meta={"source": spec.label, "row": i,
                   "reasoning_gym": {"task": task, "config": config, "entry": entry}},
         ))
@@ -224,6 +224,17 @@ def load_reasoning_gym(spec: DataSpec, exclude: frozenset[str] = frozenset()) ->
             f"Ask for fewer (size={len(examples)}), widen the task (more terms or digits), or allow repeated "
             f"prompts with distinct=false")
     return examples
+
+
+def _worked_solution(task: str, entry: dict) -> str | None:
+    """The task's own worked solution (gsm_symbolic's answer_cot), else one generated for a
+    sum or a product (`selfopd.worked_solutions`), else None."""
+    metadata = entry.get("metadata", {})
+    if isinstance(metadata.get("answer_cot"), str):
+        return metadata["answer_cot"]
+    if task in ("basic_arithmetic", "chain_sum", "products") and isinstance(metadata.get("expression"), str):
+        return arithmetic_solution(metadata["expression"])
+    return None
 
 
 @functools.lru_cache(maxsize=1)

@@ -83,3 +83,4 @@ class Scored:
     teacher_prompt: list[int]
     teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None  # (T, k) ids and logprobs, when the loss needs them
     demonstration: str | None = None  # the sibling's text the teacher saw (None: none, or not used)
+    wrong_context_logprobs: torch.Tensor | None = None  # (T,) the teacher under a wrong context (contrastive loss)

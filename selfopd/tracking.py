@@ -15,11 +15,13 @@ fsynced, and the truncation on resume drops a torn last line and rewrites the fi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from selfopd.atomic import write_lines_atomic
 from selfopd.config import TrainConfig, config_to_dict
@@ -121,3 +123,26 @@ def _wandb_id(root: Path) -> str:
 
 
 _TRACKERS = {"tensorboard": _TensorBoard, "wandb": _WandB}
+
+
+class PhaseTimer:
+    """Wall seconds per named phase of a step, and what the phases do not account for."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.started = time.perf_counter()
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def as_metrics(self) -> dict[str, float]:
+        total = time.perf_counter() - self.started
+        metrics = {f"time/{name}": seconds for name, seconds in self.seconds.items()}
+        metrics["time/step"] = total
+        metrics["time/overhead"] = total - sum(self.seconds.values())
+        return metrics

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import math
 import random
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -21,7 +20,7 @@ from tqdm.auto import tqdm
 from selfopd import guard
 from selfopd.config import FULL_VOCABULARY, TrainConfig, config_to_toml
 from selfopd.context_limits import check_teacher_rows
-from selfopd.demonstrations import pick_demonstrations
+from selfopd.credit import cure_advantage, mean_prompt_weight, opd_rollout_weights, rlsd_lambda
 from selfopd.distributed import all_gather, all_sum, barrier, current_world, is_sharded, share
 from selfopd.engines.base import SamplingParams, rest_engines
 from selfopd.example import Example
@@ -29,8 +28,7 @@ from selfopd.faults import fault_point
 from selfopd.folder_guard import check_not_in_use, check_writable, claimed_run_folder, refuse_finished, writing
 from selfopd.kernels import full_vocab_divergence, topk_reverse_kl
 from selfopd.loss_metrics import opd_metrics, preference_metrics
-from selfopd.objectives import (clipped_divergence, clipped_tokens, combined_advantage, masked_mean,
-                                policy_gradient_loss, truncated_is_ratio)
+from selfopd.objectives import clipped_divergence, clipped_tokens, masked_mean, policy_gradient_loss, truncated_is_ratio
 from selfopd.run_folder import RunFolder
 from selfopd.run_outputs import plot_run, prune_checkpoints, reuse_eval, run_eval, save_checkpoint, save_rollouts
 from selfopd.run_setup import build_run
@@ -38,10 +36,10 @@ from selfopd.run_state import Run, Scored
 from selfopd.scoring import completion_hidden, logprobs_from_hidden, pad_completions, tempered
 from selfopd.split import SplitRecord
 from selfopd.teacher_scoring import score_in_micro_batches
-from selfopd.templates import prompt_token_ids, render_student, render_teacher
-from selfopd.tracking import MetricsLog
+from selfopd.teacher_prompts import teacher_rows
+from selfopd.templates import prompt_token_ids, render_student
+from selfopd.tracking import MetricsLog, PhaseTimer
 from selfopd.weight_checks import WeightSyncError, check_probe, sync_weights  # noqa: F401  (WeightSyncError: public here)
-from selfopd.verifiers import verify_example
 
 
 SKIPPED = "nonfinite loss"  # the "skipped" value of a step whose loss or gradient was NaN or inf
@@ -69,7 +67,7 @@ def train_step(run: Run) -> dict[str, float]:
     'bfloat16' each forward enters its own autocast region (`run.autocast`, the engines'),
     never the whole step: see `selfopd.devices.autocast`."""
     cfg = run.config
-    timer = _PhaseTimer()
+    timer = PhaseTimer()
     temperature = run.temperature  # student and teacher logprobs are both at the sampling temperature
     world, device = run.world, run.device
 
@@ -92,32 +90,26 @@ def train_step(run: Run) -> dict[str, float]:
     fault_point("train.sampled")
 
     # 2. Verifier rewards, then the teacher scores the student's exact completion ids after its
-    #    own (privileged) prompt, which must fit its context. A template that uses
-    #    `demonstration` gets a correct sibling's text (else the fallback).
+    #    own (privileged) prompt, which must fit its context (`selfopd.teacher_prompts`).
     with timer("verify"):
-        pending = []
-        for group, (example, messages, rollouts) in enumerate(zip(examples, student_messages, groups), first_group):
-            verdicts = [verify_example(r.text, example, partial_credit=cfg.loss.partial_credit) for r in rollouts]
-            demonstrations = (pick_demonstrations([r.text for r in rollouts], [v.correct for v in verdicts],
-                                                  seed=cfg.run.seed, step=run.step, group=group,
-                                                  skip_self=cfg.teacher.skip_self_success)
-                              if run.demonstration_fallback is not None else [None] * len(rollouts))
-            for rollout, verdict, demonstration in zip(rollouts, verdicts, demonstrations):
-                teacher_messages = render_teacher(run.teacher_template, example, messages, rollout.text,
-                                                  verdict.feedback, demonstration, run.demonstration_fallback)
-                pending.append((example, group, rollout, verdict, prompt_token_ids(run.tokenizer, teacher_messages),
-                                demonstration))
-        check_teacher_rows([(e.id, ids, r.completion_ids) for e, _, r, _, ids, _ in pending], run.teacher_engine, run.step + 1)
+        rows = teacher_rows(run, examples, student_messages, groups, first_group)
+        check_teacher_rows([(r.example.id, ids, r.rollout.completion_ids) for r in rows
+                            for ids in (r.prompt_ids, r.wrong_prompt_ids) if ids is not None], run.teacher_engine,
+                           run.step + 1)
     per_micro = cfg.optim.micro_batch_prompts * cfg.rollout.samples_per_prompt
     top_k = cfg.loss.top_k if cfg.loss.divergence == "topk_reverse_kl" else 0
     with timer("teacher"):  # in the trainer's micro-batches; a full-vocabulary loss keeps the teacher's states
         scores, teacher_states = score_in_micro_batches(
-            run.teacher_engine, [(prompt, rollout.completion_ids) for _, _, rollout, _, prompt, _ in pending],
-            per_micro, top_k, temperature, keep_states=cfg.loss.divergence in FULL_VOCABULARY)
+            run.teacher_engine, [(r.prompt_ids, r.rollout.completion_ids) for r in rows], per_micro, top_k,
+            temperature, keep_states=cfg.loss.divergence in FULL_VOCABULARY)
+        wrong_scores = (score_in_micro_batches(run.teacher_engine, [(r.wrong_prompt_ids, r.rollout.completion_ids)
+                                                                    for r in rows], per_micro, 0, temperature, False)[0]
+                        if cfg.loss.opd_baseline == "wrong_context" else [None] * len(rows))
     scored = [
-        Scored(example, group, rollout, verdict.reward, verdict.correct, score.logprobs, teacher_prompt,
-               (score.topk_ids, score.topk_logprobs) if top_k else None, demonstration)
-        for (example, group, rollout, verdict, teacher_prompt, demonstration), score in zip(pending, scores)
+        Scored(r.example, r.group, r.rollout, r.verdict.reward, r.verdict.correct, score.logprobs, r.prompt_ids,
+               (score.topk_ids, score.topk_logprobs) if top_k else None, r.demonstration,
+               wrong.logprobs if wrong is not None else None)
+        for r, score, wrong in zip(rows, scores, wrong_scores)
     ]
 
     rest_engines(run.student_engine, run.teacher_engine)  # a colocated vLLM frees the GPU until its next call
@@ -131,6 +123,8 @@ def train_step(run: Run) -> dict[str, float]:
     collected: dict[str, list[torch.Tensor]] = {"teacher": [], "student": [], "sampler": [], "advantage": [],
                                                 "divergence": [], "clipped": []}
     sampled = cfg.loss.divergence == "sampled"
+    opd_weight_N = _opd_weights(run, scored)
+    rlsd_lam = rlsd_lambda(run.step, cfg.loss.rlsd_weight, cfg.loss.rlsd_decay_steps)
     loss_total = 0.0
     with timer("train"):
         for index, start in enumerate(range(0, len(scored), per_micro)):
@@ -148,22 +142,25 @@ def train_step(run: Run) -> dict[str, float]:
             sampler_lp_BC = pad_completions([s.rollout.sampler_logprobs for s in micro], length, device)
             rewards_B = torch.tensor([s.reward for s in micro], device=device)
             group_ids_B = torch.tensor([s.group for s in micro], device=device)
-            # The sampled-token advantage (OPD + GRPO) is always computed: it is saved and
-            # measured even when the teacher term of the loss is an exact divergence.
-            advantage_BC = combined_advantage(teacher_lp_BC, student_lp_BC, mask_BC, rewards_B, group_ids_B,
-                                              lambda_opd=cfg.loss.lambda_opd, lambda_rl=cfg.loss.lambda_rl,
-                                              token_clip=cfg.loss.token_clip)
+            baseline_lp_BC = (pad_completions([s.wrong_context_logprobs for s in micro], length, device)
+                              if cfg.loss.opd_baseline == "wrong_context" else student_lp_BC)
+            weight_B = opd_weight_N[start : start + per_micro].to(device)
+            # The sampled-token advantage (OPD + GRPO, and the cures of selfopd.credit) is always
+            # computed: it is saved and measured even when the teacher term is an exact divergence.
+            advantage_BC, grpo_BC = cure_advantage(teacher_lp_BC, baseline_lp_BC, mask_BC, rewards_B, group_ids_B,
+                                                   weight_B, cfg.loss.lambda_opd, cfg.loss.lambda_rl, rlsd_lam,
+                                                   cfg.loss.rlsd_clip, cfg.loss.token_clip)
             ratio_BC = truncated_is_ratio(student_lp_BC, sampler_lp_BC, cfg.loss.is_cap) if cfg.loss.is_cap else None
             if sampled:
                 loss = policy_gradient_loss(student_lp_BC, advantage_BC, mask_BC, ratio_BC, cfg.loss.normalisation)
-                clipped_BC = clipped_tokens(teacher_lp_BC - student_lp_BC, mask_BC, cfg.loss.token_clip, two_sided=True)
+                clipped_BC = clipped_tokens(teacher_lp_BC - baseline_lp_BC, mask_BC, cfg.loss.token_clip, two_sided=True)
             else:  # the teacher term is an exact divergence; only the GRPO term stays a policy gradient
-                grpo_BC = combined_advantage(teacher_lp_BC, student_lp_BC, mask_BC, rewards_B, group_ids_B,
-                                             lambda_opd=0.0, lambda_rl=cfg.loss.lambda_rl)
                 divergence_BC = distribution_divergence(run, micro, hidden_BCH, mask_BC,
                                                         teacher_states[index] if teacher_states else None)
                 clipped_BC = clipped_tokens(divergence_BC, mask_BC, cfg.loss.token_clip, two_sided=False)
                 trained_BC = clipped_divergence(divergence_BC, cfg.loss.token_clip)
+                if cfg.loss.opd_on != "all" or cfg.loss.pass_rate_weighting:
+                    trained_BC = trained_BC * weight_B[:, None].to(trained_BC.dtype)
                 loss = (policy_gradient_loss(student_lp_BC, grpo_BC, mask_BC, ratio_BC, cfg.loss.normalisation)
                         + cfg.loss.lambda_opd * masked_mean(trained_BC, mask_BC, cfg.loss.normalisation))
                 collected["divergence"].append(divergence_BC.detach()[mask_BC].float().cpu())  # before the clip
@@ -221,6 +218,7 @@ def train_step(run: Run) -> dict[str, float]:
         ),
         **({} if sampled else {f"loss/{cfg.loss.divergence}": flat["divergence"].double().mean().item()}),
         **({"opd/clipped_share": flat["clipped"].double().mean().item()} if cfg.loss.token_clip else {}),
+        **_cure_metrics(cfg.loss, rlsd_lam, opd_weight_N, scored),
         **preference_metrics((s.group, s.correct, signal.mean().item())
                              for s, signal in zip(scored, signal_N.split(lengths)) if len(signal)),
         "reward/accuracy": sum(s.correct for s in scored) / len(scored),
@@ -254,6 +252,31 @@ def distribution_divergence(run: Run, micro: Sequence[Scored], hidden_BCH: torch
     teacher_hidden_BCH, teacher_head_VH = teacher_states
     return full_vocab_divergence(hidden_BCH, head_VH, mask_BC, teacher_hidden_BTH=teacher_hidden_BCH,
                                  teacher_weight_VH=teacher_head_VH, divergence=cfg.divergence, beta=cfg.jsd_beta)
+
+
+def _opd_weights(run: Run, scored: Sequence[Scored]) -> torch.Tensor:
+    """Each rollout's weight on the teacher term (routing, pass-rate weighting; float64),
+    the pass-rate weights normalised by their mean over the whole step's prompts, all ranks."""
+    loss = run.config.loss
+    correct_N = torch.tensor([s.correct for s in scored])
+    group_N = torch.tensor([s.group for s in scored])
+    mean = None
+    if loss.pass_rate_weighting:
+        total, prompts = mean_prompt_weight(correct_N, group_N)
+        mean = all_sum(total, run.world) / max(all_sum(prompts, run.world), 1.0)
+    return opd_rollout_weights(correct_N, group_N, loss.opd_on, loss.pass_rate_weighting, mean)
+
+
+def _cure_metrics(loss: Any, rlsd_lam: float, opd_weight_N: torch.Tensor, scored: Sequence[Scored]) -> dict[str, float]:
+    """This rank's view of the cures' settings at this step (the weights are a step's, all ranks alike
+    only in their mean)."""
+    metrics = {"loss/rlsd_lambda": rlsd_lam} if loss.rlsd_weight else {}
+    if loss.opd_on != "all" or loss.pass_rate_weighting:
+        metrics["opd/weighted_share"] = float((opd_weight_N > 0).double().mean())
+    if loss.opd_baseline == "wrong_context":
+        gaps = [(s.teacher_logprobs - s.wrong_context_logprobs).double() for s in scored]
+        metrics["opd/context_contrast"] = float(torch.cat(gaps).mean()) if gaps else 0.0
+    return metrics
 
 
 def batch_for_step(examples: Sequence[Example], step: int, size: int, seed: int) -> list[Example]:
@@ -374,26 +397,3 @@ def _clip_gradients(model: Any, max_norm: float) -> float:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
         return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
     return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])).item()
-
-
-class _PhaseTimer:
-    """Wall seconds per named phase of a step, and what the phases do not account for."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self.started = time.perf_counter()
-
-    @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-
-    def as_metrics(self) -> dict[str, float]:
-        total = time.perf_counter() - self.started
-        metrics = {f"time/{name}": seconds for name, seconds in self.seconds.items()}
-        metrics["time/step"] = total
-        metrics["time/overhead"] = total - sum(self.seconds.values())
-        return metrics

@@ -40,7 +40,8 @@ EXPECTED_DEFAULTS = {
     ),
     "rollout": dict(prompts_per_step=8, samples_per_prompt=4, max_tokens=48, temperature=1.0, top_p=1.0),
     "loss": dict(lambda_opd=1.0, lambda_rl=0.0, normalisation="token", is_cap=2.0, divergence="sampled", top_k=20, jsd_beta=0.5,
-                 token_clip=0.0, partial_credit=False),
+                 token_clip=0.0, partial_credit=False, rlsd_weight=0.0, rlsd_decay_steps=50, rlsd_clip=0.2, opd_on="all",
+                 opd_baseline="student", pass_rate_weighting=False),
     "optim": dict(
         lr=1e-6, weight_decay=0.0, beta1=0.9, beta2=0.999, warmup_steps=0, schedule="constant", grad_clip=1.0, micro_batch_prompts=2,
         max_nonfinite_steps=3,
@@ -117,7 +118,8 @@ def test_round_trip_of_every_field_changed(tmp_path):
         rollout=dataclasses.replace(TrainConfig().rollout, prompts_per_step=6, samples_per_prompt=2, max_tokens=9, temperature=1.0, top_p=0.95),
         loss=dataclasses.replace(TrainConfig().loss, lambda_opd=0.1, lambda_rl=0.3, normalisation="sequence", is_cap=0.0,
                                   divergence="topk_reverse_kl", top_k=7, jsd_beta=0.3, partial_credit=True,
-                                  token_clip=1.5),
+                                  token_clip=1.5, rlsd_weight=0.4, rlsd_decay_steps=20, rlsd_clip=0.3, opd_on="failed",
+                                  pass_rate_weighting=True),
         optim=OptimConfig(lr=3e-6, weight_decay=0.01, beta1=0.8, beta2=0.95, warmup_steps=2, schedule="cosine", grad_clip=0.0, micro_batch_prompts=3,
                           max_nonfinite_steps=5),
         eval=dataclasses.replace(TrainConfig().eval, max_tokens=7, batch_size=5),
@@ -134,9 +136,12 @@ def test_round_trip_of_every_field_changed(tmp_path):
     changed = config_to_dict(config)
     for section, defaults in EXPECTED_DEFAULTS.items():
         for key, default in defaults.items():
-            if (section, key) != ("rollout", "temperature"):  # vLLM needs 1; round-tripped below
+            # vLLM needs temperature 1, top-k a sampled baseline: both round-tripped below
+            if (section, key) not in (("rollout", "temperature"), ("loss", "opd_baseline")):
                 assert changed[section][key] != default, f"{section}.{key} not changed: the round trip would not test it"
     assert load_config(write(tmp_path, config_to_toml(config))) == config
+    contrastive = dataclasses.replace(TrainConfig(), loss=dataclasses.replace(TrainConfig().loss, opd_baseline="wrong_context"))
+    assert load_config(write(tmp_path, config_to_toml(contrastive))) == contrastive
     tempered = dataclasses.replace(config, engine=EngineConfig(), rollout=dataclasses.replace(config.rollout, temperature=0.7))
     assert load_config(write(tmp_path, config_to_toml(tempered))) == tempered
 
@@ -275,7 +280,8 @@ def literal_fields():
 
 def test_the_expected_fields_are_literals():
     assert {(s, k) for s, k, _ in literal_fields()} == {
-        ("model", "dtype"), ("model", "attn_implementation"), ("teacher", "kind"), ("loss", "normalisation"), ("loss", "divergence"), ("optim", "schedule"),
+        ("model", "dtype"), ("model", "attn_implementation"), ("teacher", "kind"), ("loss", "normalisation"), ("loss", "divergence"),
+        ("loss", "opd_on"), ("loss", "opd_baseline"), ("optim", "schedule"),
         ("engine", "kind"), ("engine", "weight_sync"), ("engine", "compile"), ("run", "wandb_mode"),
         ("guard", "action"),
     }

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -32,8 +31,8 @@ from selfopd.templates import (
     uses_demonstration,
 )
 from selfopd.verifiers import reference_answer, verify_example
+from selfopd.wrong_context import wrong_example
 
-_NUMBER = re.compile(r"^-?\d+$")
 DEFAULT_DEMONSTRATION_FALLBACK = TeacherConfig().demonstration_fallback
 
 
@@ -97,24 +96,6 @@ def annotate_records(records: Sequence[RolloutRecord], prompting: Prompting, pro
                                   reference_answer(example.answer), privileged, student_prompt, verdict.extracted,
                                   special))
     return annotated
-
-
-def wrong_example(example: Example, other: Example, seed: int = 0) -> Example:
-    """The same question with a deliberately wrong privileged context: a nearby wrong number
-    (or another item's answer), and another item's solution and hints. Reasoning-gym's own
-    scorer is dropped, so feedback is computed against the wrong answer."""
-    answer = reference_answer(example.answer).strip()
-    if _NUMBER.match(answer):
-        offset = random.Random(f"{seed}/{example.id}").choice([-3, -2, -1, 1, 2, 3])
-        value = int(answer) + offset
-        wrong = str(value if value >= 0 or int(answer) < 0 else int(answer) + abs(offset))
-    else:
-        wrong = reference_answer(other.answer).strip()
-        if wrong == answer:
-            wrong = f"not {answer}"
-    meta = {key: value for key, value in example.meta.items() if key != "reasoning_gym"}
-    return dataclasses.replace(example, answer=wrong, solution=other.solution if example.solution else None,
-                               hints=other.hints if example.hints else (), meta=meta)
 
 
 def privileged_gains(engine: Engine, records: Sequence[RolloutRecord], prompting: Prompting, batch_size: int = 16,

@@ -1,0 +1,213 @@
+"""The pre-registered cures comparison (experiments/cures/PREREGISTRATION.md), stage by stage.
+
+    python experiments/cures/run.py                    # every stage, in order; rerun to resume
+    python experiments/cures/run.py --stage select     # or one: select, compare, fresh, longer, diagnose, report
+
+Stages:
+  select    the sparse task: base accuracy and a GRPO pilot (seed 100) per candidate, in order
+  compare   both tasks x 7 arms x seeds 0-2 (`selfopd compare`'s runner: finished runs are skipped)
+  fresh     each run's final weights on 200 fresh prompts of its task (`selfopd eval --fresh`)
+  longer    the best cure and grpo_only at 3x the steps, on the task where the cure did best
+  diagnose  `selfopd diagnose` on each arm's seed-0 run (answer-token lift, wrong-context contrast)
+
+Everything is written under --out (default runs/cures), never into experiments/results/;
+every stage skips what an earlier call finished. Each comparison's report.md is rewritten
+after its runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from selfopd.compare import CompareConfig, load_compare_config, run_compare  # noqa: E402
+from selfopd.compare_report import measure_comparison, write_compare_report  # noqa: E402
+from selfopd.folder_guard import folder_lock  # noqa: E402
+from selfopd.stats import paired_change, pooled_change  # noqa: E402
+from selfopd.evaluate import read_eval_outcomes  # noqa: E402
+
+ARMS = ROOT / "experiments" / "cures" / "arms.toml"
+DEMO = ROOT / "experiments" / "demo.toml"
+RESULTS = ROOT / "experiments" / "results"
+COMMON = "allow_negation=false&allow_parentheses=false&size=4000&seed=1"
+CANDIDATES = {  # the pre-registered order
+    "three_sums": f"rg:basic_arithmetic?min_terms=3&max_terms=3&min_digits=1&max_digits=2&operators=+&{COMMON}",
+    "three_digit_sums": f"rg:basic_arithmetic?min_terms=2&max_terms=2&min_digits=3&max_digits=3&operators=+&{COMMON}",
+    "products": f"rg:basic_arithmetic?min_terms=2&max_terms=2&min_digits=1&max_digits=2&operators=*&{COMMON}",
+    "two_digit_products": f"rg:basic_arithmetic?min_terms=2&max_terms=2&min_digits=2&max_digits=2&operators=*&{COMMON}",
+}
+BASE_LIMIT, GAIN_LIMIT, PILOT_SEED, STEPS = 0.05, 0.10, 100, 12
+FRESH_SIZE, FRESH_SEED = 200, 7
+
+
+def selfopd(*args: str) -> None:
+    """Run the selfopd CLI as a user would; a failure stops the stage with its message."""
+    command = [sys.executable, "-m", "selfopd", *args]
+    print("$", " ".join(command[2:]), flush=True)
+    subprocess.run(command, cwd=ROOT, check=True)
+
+
+def select(out: Path) -> dict:
+    """The sparse task by the pre-registered rule; selection.json records every number seen."""
+    path = out / "selection.json"
+    record = json.loads(path.read_text()) if path.is_file() else {"candidates": {}}
+    if "selected" in record:
+        return record
+    for name, spec in CANDIDATES.items():
+        seen = record["candidates"].setdefault(name, {"spec": spec})
+        if "base_accuracy" not in seen:
+            base_dir = out / "select" / name / "base"
+            if not (base_dir / "summary.json").is_file():
+                selfopd("eval", str(DEMO), "--set", f"data.spec={spec}", "--split", "eval", "--out", str(base_dir))
+            seen["base_accuracy"] = json.loads((base_dir / "summary.json").read_text())["accuracy"]
+            _write(path, record)
+        if seen["base_accuracy"] > BASE_LIMIT:
+            continue
+        if "pilot_gain" not in seen:
+            run_dir = out / "select" / name / "grpo_pilot"
+            if not (run_dir / "finished.json").is_file():
+                if (run_dir / "config.toml").is_file():
+                    selfopd("train", "--resume", str(run_dir))
+                else:
+                    selfopd("train", str(DEMO), "--set", f"data.spec={spec}", "--set", f"run.steps={STEPS}",
+                            "--set", f"run.seed={PILOT_SEED}", "--set", "run.eval_every=0", "--set", "loss.lambda_opd=0",
+                            "--set", "loss.lambda_rl=1", "--set", f"run.out_dir={run_dir.parent}",
+                            "--set", f"run.name={run_dir.name}", "--set", "run.progress=false")
+            change = paired_change(read_eval_outcomes(run_dir / "evals" / "step_00000"),
+                                   read_eval_outcomes(run_dir / "evals" / f"step_{STEPS:05d}"))
+            seen["pilot_gain"] = [change.value, change.low, change.high]
+            _write(path, record)
+        if seen["pilot_gain"][0] <= GAIN_LIMIT:
+            record["selected"], record["rule"] = name, "first candidate with base <= 0.05 and pilot gain <= +0.10"
+            break
+    if "selected" not in record:
+        sparse = {n: c for n, c in record["candidates"].items() if c["base_accuracy"] <= BASE_LIMIT}
+        if sparse:
+            record["selected"] = min(sparse, key=lambda n: sparse[n]["pilot_gain"][0])
+            record["rule"] = "no candidate passed both: the one with base <= 0.05 and the smallest pilot gain"
+        else:
+            record["selected"] = min(record["candidates"], key=lambda n: record["candidates"][n]["base_accuracy"])
+            record["rule"] = "no candidate had base <= 0.05: the one with the lowest base accuracy"
+    _write(path, record)
+    print(f"sparse task: {record['selected']} ({record['rule']})")
+    return record
+
+
+def comparisons(out: Path, selection: dict | None) -> dict[str, CompareConfig]:
+    """The demo-task comparison, and the sparse-task one once the task is selected."""
+    demo = dataclasses.replace(load_compare_config(ARMS), out_dir=out)
+    tasks = {"demo": demo}
+    if selection and "selected" in selection:
+        spec = CANDIDATES[selection["selected"]]
+        sparse = load_compare_config(ARMS, [f"data.spec={spec}"])
+        tasks["sparse"] = dataclasses.replace(sparse, name="cures_sparse", out_dir=out)
+    return tasks
+
+
+def compare(tasks: dict[str, CompareConfig]) -> None:
+    for compare_config in tasks.values():
+        compare_config.folder.mkdir(parents=True, exist_ok=True)
+        with folder_lock(compare_config.folder):
+            run_compare(compare_config)
+        write_compare_report(compare_config)
+
+
+def fresh_spec(spec: str) -> str:
+    """The task's generator at another seed, FRESH_SIZE prompts (`--fresh` drops any the run's data held)."""
+    head, _, query = spec.partition("?")
+    options = dict(part.split("=", 1) for part in query.split("&"))
+    options.update(size=str(FRESH_SIZE), seed=str(FRESH_SEED))
+    return f"{head}?{'&'.join(f'{k}={v}' for k, v in options.items())}"
+
+
+def fresh(tasks: dict[str, CompareConfig], spec_of: dict[str, str]) -> None:
+    for task, compare_config in tasks.items():
+        for arm, seed in compare_config.runs():
+            run_dir = compare_config.arm_dir(arm, seed)
+            target = run_dir / "fresh_eval"
+            if (run_dir / "finished.json").is_file() and not (target / "summary.json").is_file():
+                selfopd("eval", "--run", str(run_dir), "--data", fresh_spec(spec_of[task]), "--fresh", "--out", str(target))
+
+
+CURES = ("rlsd", "routing", "contrastive", "pass_rate", "worked_solution")
+
+
+def best_cure(tasks: dict[str, CompareConfig]) -> tuple[str, str] | None:
+    """(task, cure) with the largest pooled point change vs grpo_only at the comparison's
+    steps; None until every task's every run is finished."""
+    best = None
+    for task, compare_config in tasks.items():
+        for result in measure_comparison(compare_config):
+            if not result.finished or len(result.per_seed) < len(compare_config.seeds):
+                return None
+            if result.name in CURES and result.vs_reference is not None:
+                if best is None or result.vs_reference.value > best[0]:
+                    best = (result.vs_reference.value, task, result.name)
+    return (best[1], best[2]) if best else None
+
+
+def longer(tasks: dict[str, CompareConfig], spec_of: dict[str, str]) -> None:
+    """The best cure and grpo_only at 3x the steps, evals every 12, on the task where it did best."""
+    if len(tasks) < 2 or (chosen := best_cure(tasks)) is None:
+        print("longer: waits for both tasks' comparisons to finish")
+        return
+    task, cure = chosen
+    overrides = [f"data.spec={spec_of[task]}", f"run.steps={3 * STEPS}", f"run.eval_every={STEPS}"]
+    config = load_compare_config(ARMS, overrides, only=["grpo_only", cure])
+    config = dataclasses.replace(config, name=f"cures_{task}_3x", out_dir=tasks[task].out_dir)
+    print(f"longer: {cure} vs grpo_only on the {task} task, {3 * STEPS} steps")
+    compare({"longer": config})
+
+
+def diagnose(tasks: dict[str, CompareConfig]) -> None:
+    for compare_config in tasks.values():
+        for arm in compare_config.arms:
+            run_dir = compare_config.arm_dir(arm.name, compare_config.seeds[0])
+            if (run_dir / "finished.json").is_file() and not (run_dir / "diagnostics" / "report.md").is_file():
+                selfopd("diagnose", str(run_dir), "--gap-items", "50", "--heatmaps", "0")
+
+
+def _write(path: Path, value: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value, indent=1) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stage", choices=("all", "select", "compare", "fresh", "longer", "diagnose"),
+                        default="all")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "cures")
+    args = parser.parse_args()
+    out = args.out.resolve()
+    selection = select(out) if args.stage in ("all", "select") else _read(out / "selection.json")
+    tasks = comparisons(out, selection)
+    spec_of = {"demo": _demo_spec(), **({"sparse": CANDIDATES[selection["selected"]]} if "sparse" in tasks else {})}
+    if args.stage in ("all", "compare"):
+        compare(tasks)
+    if args.stage in ("all", "fresh"):
+        fresh(tasks, spec_of)
+    if args.stage in ("all", "longer"):
+        longer(tasks, spec_of)
+    if args.stage in ("all", "diagnose"):
+        diagnose(tasks)
+
+
+def _read(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _demo_spec() -> str:
+    from selfopd.config import load_config
+
+    return load_config(DEMO).data.spec
+
+
+if __name__ == "__main__":
+    main()
