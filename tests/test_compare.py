@@ -63,6 +63,24 @@ def test_the_shipped_comparison_parses_and_every_arm_shares_the_budget():
     assert configs["grpo_opd", 0].run.out_dir == "runs/self_vs_external/arms/grpo_opd"
 
 
+def test_the_cures_comparison_parses_with_each_cure_on_in_its_arm_and_on_both_tasks():
+    """experiments/cures/arms.toml, as the pre-registration describes it, on the demo task and
+    with a sparse task's data set for every arm."""
+    for overrides in ((), ("data.spec=rg:basic_arithmetic?min_terms=2&max_terms=2&min_digits=2&max_digits=2&operators=*"
+                           "&allow_negation=false&allow_parentheses=false&size=4000&seed=1",)):
+        compare = load_compare_config(ROOT / "experiments" / "cures" / "arms.toml", overrides)
+        configs = arm_configs(compare, None)
+        assert {arm for arm, _ in configs} == {"grpo_only", "demo_recipe", "rlsd", "routing", "contrastive", "pass_rate",
+                                               "worked_solution"}
+        assert {c.run.steps for c in configs.values()} == {12} and compare.reference == "grpo_only"
+        assert len({c.data.spec for c in configs.values()}) == 1
+        loss = {arm: c.loss for (arm, seed), c in configs.items() if seed == 0}
+        assert loss["rlsd"].rlsd_weight == 0.5 and loss["rlsd"].lambda_opd == 0
+        assert loss["routing"].opd_on == "failed" and loss["pass_rate"].pass_rate_weighting
+        assert loss["contrastive"].opd_baseline == "wrong_context" and loss["contrastive"].token_clip == 0.5
+        assert configs["worked_solution", 0].teacher.template == "teacher/worked_solution"
+
+
 @pytest.mark.parametrize(
     "arms, extra, message",
     [

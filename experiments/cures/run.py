@@ -30,7 +30,8 @@ sys.path.insert(0, str(ROOT))
 from selfopd.compare import CompareConfig, load_compare_config, run_compare  # noqa: E402
 from selfopd.compare_report import measure_comparison, write_compare_report  # noqa: E402
 from selfopd.folder_guard import folder_lock  # noqa: E402
-from selfopd.stats import paired_change, pooled_change  # noqa: E402
+from selfopd.run_folder import RunFolder  # noqa: E402
+from selfopd.stats import paired_change  # noqa: E402
 from selfopd.evaluate import read_eval_outcomes  # noqa: E402
 
 ARMS = ROOT / "experiments" / "cures" / "arms.toml"
@@ -80,9 +81,9 @@ def select(out: Path) -> dict:
                             "--set", f"run.seed={PILOT_SEED}", "--set", "run.eval_every=0", "--set", "loss.lambda_opd=0",
                             "--set", "loss.lambda_rl=1", "--set", f"run.out_dir={run_dir.parent}",
                             "--set", f"run.name={run_dir.name}", "--set", "run.progress=false")
-            change = paired_change(read_eval_outcomes(run_dir / "evals" / "step_00000"),
-                                   read_eval_outcomes(run_dir / "evals" / f"step_{STEPS:05d}"))
-            seen["pilot_gain"] = [change.value, change.low, change.high]
+            folder = RunFolder(run_dir)
+            change = paired_change(read_eval_outcomes(folder.eval_dir(0)), read_eval_outcomes(folder.eval_dir(STEPS)))
+            seen["pilot_gain"] = [change.mean, change.low, change.high]
             _write(path, record)
         if seen["pilot_gain"][0] <= GAIN_LIMIT:
             record["selected"], record["rule"] = name, "first candidate with base <= 0.05 and pilot gain <= +0.10"
@@ -148,21 +149,28 @@ def best_cure(tasks: dict[str, CompareConfig]) -> tuple[str, str] | None:
             if not result.finished or len(result.per_seed) < len(compare_config.seeds):
                 return None
             if result.name in CURES and result.vs_reference is not None:
-                if best is None or result.vs_reference.value > best[0]:
-                    best = (result.vs_reference.value, task, result.name)
+                if best is None or result.vs_reference.mean > best[0]:
+                    best = (result.vs_reference.mean, task, result.name)
     return (best[1], best[2]) if best else None
 
 
-def longer(tasks: dict[str, CompareConfig], spec_of: dict[str, str]) -> None:
-    """The best cure and grpo_only at 3x the steps, evals every 12, on the task where it did best."""
+def longer_config(tasks: dict[str, CompareConfig], spec_of: dict[str, str]) -> CompareConfig | None:
+    """The 3x-steps comparison: the best cure and grpo_only, evals every 12 steps, on the task
+    where the cure did best; None until both tasks' comparisons are finished."""
     if len(tasks) < 2 or (chosen := best_cure(tasks)) is None:
-        print("longer: waits for both tasks' comparisons to finish")
-        return
+        return None
     task, cure = chosen
     overrides = [f"data.spec={spec_of[task]}", f"run.steps={3 * STEPS}", f"run.eval_every={STEPS}"]
     config = load_compare_config(ARMS, overrides, only=["grpo_only", cure])
-    config = dataclasses.replace(config, name=f"cures_{task}_3x", out_dir=tasks[task].out_dir)
-    print(f"longer: {cure} vs grpo_only on the {task} task, {3 * STEPS} steps")
+    return dataclasses.replace(config, name=f"cures_{task}_3x", out_dir=tasks[task].out_dir)
+
+
+def longer(tasks: dict[str, CompareConfig], spec_of: dict[str, str]) -> None:
+    config = longer_config(tasks, spec_of)
+    if config is None:
+        print("longer: waits for both tasks' comparisons to finish")
+        return
+    print(f"longer: {config.name}, arms {[arm.name for arm in config.arms]}, {3 * STEPS} steps")
     compare({"longer": config})
 
 
@@ -188,7 +196,7 @@ def main() -> None:
     out = args.out.resolve()
     selection = select(out) if args.stage in ("all", "select") else _read(out / "selection.json")
     tasks = comparisons(out, selection)
-    spec_of = {"demo": _demo_spec(), **({"sparse": CANDIDATES[selection["selected"]]} if "sparse" in tasks else {})}
+    spec_of = task_specs(selection)
     if args.stage in ("all", "compare"):
         compare(tasks)
     if args.stage in ("all", "fresh"):
@@ -197,6 +205,12 @@ def main() -> None:
         longer(tasks, spec_of)
     if args.stage in ("all", "diagnose"):
         diagnose(tasks)
+
+
+def task_specs(selection: dict | None) -> dict[str, str]:
+    """Each task's data spec: the demo's, and the selected sparse candidate's."""
+    sparse = {"sparse": CANDIDATES[selection["selected"]]} if selection and "selected" in selection else {}
+    return {"demo": _demo_spec(), **sparse}
 
 
 def _read(path: Path) -> dict | None:

@@ -1,0 +1,205 @@
+"""The cures comparison's report, from what `experiments/cures/run.py` left under its --out:
+
+    python experiments/cures/report.py                         # -> runs/cures/report/
+    python experiments/cures/report.py --out experiments/results   # the shipped copy
+
+Writes cures_report.md, cures_summary.json and cures_accuracy_tokens.png. Verdicts follow
+PREREGISTRATION.md's rule: a cure beats GRPO alone on a task when its pooled 95% interval
+against `grpo_only` at the comparison's steps lies above 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+
+from run import CURES, comparisons, longer_config, task_specs  # noqa: E402
+
+from selfopd.compare_report import ArmResult, measure_comparison  # noqa: E402
+from selfopd.evaluate import read_eval_outcomes  # noqa: E402
+from selfopd.plots import STYLE, decorate, new_figure, save_figure  # noqa: E402
+from selfopd.run_folder import RunFolder  # noqa: E402
+from selfopd.stats import PairedDifference, pooled_change  # noqa: E402
+
+REFERENCE = "grpo_only"
+
+
+def verdict(d: PairedDifference | None) -> str:
+    if d is None:
+        return "not run"
+    if d.low > 0:
+        return "**beats GRPO alone**"
+    if d.high < 0:
+        return "**worse than GRPO alone**"
+    return "no significant difference"
+
+
+def fmt(d: PairedDifference | None) -> str:
+    return "" if d is None else f"{d.mean:+.3f} [{d.low:+.3f}, {d.high:+.3f}]"
+
+
+def fresh_change(config, arm: str) -> PairedDifference | None:
+    """The arm's final weights minus grpo_only's on the fresh prompts, paired per seed, pooled."""
+    pairs = []
+    for seed in config.seeds:
+        ref, own = (config.arm_dir(name, seed) / "fresh_eval" for name in (REFERENCE, arm))
+        if (ref / "summary.json").is_file() and (own / "summary.json").is_file():
+            pairs.append((read_eval_outcomes(ref), read_eval_outcomes(own)))
+    return pooled_change(pairs) if pairs else None
+
+
+def fresh_prompts(config) -> int:
+    folder = config.arm_dir(REFERENCE, config.seeds[0]) / "fresh_eval" / "summary.json"
+    return json.loads(folder.read_text())["prompts"] if folder.is_file() else 0
+
+
+def guard_fired(config, arm: str) -> list[str]:
+    """'seed S: condition@step' for every guard event of the arm's runs."""
+    fired = []
+    for seed in config.seeds:
+        path = RunFolder(config.arm_dir(arm, seed)).guard_events
+        if path.is_file():
+            fired += [f"seed {seed}: {e['condition']}@{e['step']}" for e in json.loads(path.read_text())]
+    return fired
+
+
+def diagnosis(config, arm: str) -> dict:
+    """Seed 0's `selfopd diagnose` summary: the answer-token lift at the last step, its warning,
+    the teacher-prefers-correct estimate, the DOPD information share (or why it is not defined)."""
+    path = config.arm_dir(arm, config.seeds[0]) / "diagnostics" / "summary.json"
+    if not path.is_file():
+        return {}
+    summary = json.loads(path.read_text())
+    last = summary["illusion"][str(max(int(step) for step in summary["illusion"]))]
+    signals = summary.get("signals") or {}
+    return {"lift": last.get("lift"), "warning": last.get("warning"),
+            "teacher_prefers_correct": summary.get("teacher_prefers_correct"),
+            "dopd_information_share": signals.get("dopd_information_share"), "dopd_note": signals.get("dopd_note")}
+
+
+def task_section(task: str, config, results: list[ArmResult], fresh: dict, diagnoses: dict, guards: dict) -> list[str]:
+    lines = [f"## Task: {task}", "", f"Data: `{_spec(config)}`; {len(config.seeds)} seeds; held-out prompts: "
+             f"{results[0].final.n if results else 0} distinct, none trained on; fresh prompts: {fresh_prompts(config)} "
+             "distinct, none in the run's data.", "",
+             "| arm | loss | held-out acc. [95% CI] | change vs `grpo_only` [95% CI] | verdict | fresh prompts: change vs "
+             "`grpo_only` | generated tokens | teacher prefers correct | guard fired |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        pref = r.teacher_preference
+        lines.append(f"| `{r.name}` | {r.loss} | {r.final.value:.3f} [{r.final.low:.3f}, {r.final.high:.3f}] | "
+                     f"{fmt(r.vs_reference) or '(reference)'} | {verdict(r.vs_reference) if r.name != REFERENCE else ''} | "
+                     f"{fmt(fresh.get(r.name)) or ('(reference)' if r.name == REFERENCE else '')} | "
+                     f"{r.generated_tokens:,.0f} | {f'{pref.value:+.3f} [{pref.low:+.3f}, {pref.high:+.3f}]' if pref else ''} | "
+                     f"{len(guards[r.name])} event(s)" + " |")
+    lines += ["", "Illusion measures on each arm's seed-0 run, last step (`selfopd diagnose`):", "",
+              "| arm | answer-token lift | illusion warning | DOPD information share |", "|---|---|---|---|"]
+    for r in results:
+        d = diagnoses.get(r.name) or {}
+        share = d.get("dopd_information_share")
+        lines.append(f"| `{r.name}` | {d['lift']:.2f}x | {'yes' if d.get('warning') else 'no'} | "
+                     f"{share if share is not None else 'not separable: ' + (d.get('dopd_note') or 'not run')} |"
+                     if d else f"| `{r.name}` | not run | | |")
+    return lines + [""]
+
+
+def _spec(config) -> str:
+    from selfopd.config import load_config
+
+    run = config.arm_dir(REFERENCE, config.seeds[0])
+    return load_config(RunFolder(run).config).data.spec if RunFolder(run).config.is_file() else "?"
+
+
+def plot_tokens(measured: dict[str, list[ArmResult]], path: Path) -> Path:
+    """Held-out accuracy against cumulative generated tokens, one panel per task."""
+    with matplotlib.rc_context(STYLE):
+        figure = new_figure(len(measured), "Cures vs GRPO alone: accuracy against generated tokens (mean over seeds)")
+        for axes, (task, results) in zip(figure.axes, measured.items()):
+            for index, result in enumerate(results):
+                curve = result.curve
+                axes.plot([p.generated_tokens for p in curve], [p.accuracy for p in curve], marker="o", markersize=4,
+                          color=f"C{index % 10}", linewidth=2.4 if result.name == REFERENCE else 1.4, label=result.name)
+            decorate(axes, f"{task} task", "held-out accuracy (greedy)", xlabel="generated tokens (student samples)")
+        figure.axes[0].legend(loc="best", fontsize=8)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return save_figure(figure, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "cures", help="the runner's --out")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "cures" / "report")
+    args = parser.parse_args()
+    selection_path = args.runs / "selection.json"
+    selection = json.loads(selection_path.read_text()) if selection_path.is_file() else None
+    tasks = comparisons(args.runs.resolve(), selection)
+    measured = {task: measure_comparison(config) for task, config in tasks.items()}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    lines = ["# Cures for the privileged illusion against GRPO alone", "",
+             f"Pre-registered in `experiments/cures/PREREGISTRATION.md`; measured at commit {commit} on a 2-core CPU. "
+             "Every interval is over distinct prompts and the three training seeds (two-way random effects).", ""]
+    if selection:
+        lines += ["## Selecting the sparse task", "", "| candidate | base accuracy | GRPO pilot gain (seed 100) [95% CI] |",
+                  "|---|---|---|"]
+        for name, seen in selection["candidates"].items():
+            gain = seen.get("pilot_gain")
+            lines.append(f"| {name}{' (selected)' if name == selection.get('selected') else ''} | "
+                         f"{seen.get('base_accuracy', float('nan')):.3f} | "
+                         f"{f'{gain[0]:+.3f} [{gain[1]:+.3f}, {gain[2]:+.3f}]' if gain else 'not needed'} |")
+        lines += ["", f"Rule applied: {selection.get('rule', 'not finished')}.", ""]
+    summary: dict = {"commit": commit, "selection": selection, "tasks": {}}
+    beats = []
+    for task, config in tasks.items():
+        results = measured[task]
+        fresh = {r.name: fresh_change(config, r.name) for r in results if r.name != REFERENCE}
+        diagnoses = {r.name: diagnosis(config, r.name) for r in results}
+        guards = {r.name: guard_fired(config, r.name) for r in results}
+        lines += task_section(task, config, results, fresh, diagnoses, guards)
+        summary["tasks"][task] = {r.name: {"loss": r.loss, "accuracy": r.final.value, "finished": r.finished,
+                                           "vs_grpo_only": _json(r.vs_reference), "fresh_vs_grpo_only": _json(fresh.get(r.name)),
+                                           "generated_tokens": r.generated_tokens, "guard": guards[r.name],
+                                           "diagnosis": diagnoses[r.name]} for r in results}
+        beats += [(task, r.name) for r in results if r.name in CURES and r.vs_reference and r.vs_reference.low > 0]
+    figure = plot_tokens(measured, args.out / "cures_accuracy_tokens.png")
+    lines += [f"![accuracy against generated tokens]({figure.name})", ""]
+    longer = longer_config(tasks, task_specs(selection))
+    if longer is not None and (longer_results := measure_comparison(longer)):
+        lines += [f"## 3x the steps: `{longer.name}`", "", "| arm | steps | held-out acc. | change vs `grpo_only` [95% CI] |",
+                  "|---|---|---|---|"]
+        lines += [f"| `{r.name}` | {r.steps} | {r.final.value:.3f} | {fmt(r.vs_reference) or '(reference)'} |"
+                  for r in longer_results]
+        summary["longer"] = {r.name: {"steps": r.steps, "accuracy": r.final.value, "vs_grpo_only": _json(r.vs_reference)}
+                             for r in longer_results}
+        lines.append("")
+    lines += ["## Decision (pre-registered rule)", ""]
+    complete = len(tasks) == 2 and all(len(results) == 7 and all(r.finished and len(r.per_seed) == 3 for r in results)
+                                       for results in measured.values())
+    if not complete:
+        lines.append("The comparison is not finished: no decision yet.")
+    elif not beats:
+        lines.append("No cure beat GRPO alone on either task.")
+    else:
+        lines.append("Beat GRPO alone at the comparison's steps: " + ", ".join(f"`{c}` on the {t} task" for t, c in beats)
+                     + ". A recipe ships only if it also holds on fresh prompts and at 3x the steps.")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "cures_report.md").write_text("\n".join(lines) + "\n")
+    (args.out / "cures_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"wrote {args.out / 'cures_report.md'}")
+
+
+def _json(d: PairedDifference | None) -> dict | None:
+    return None if d is None else {"mean": d.mean, "low": d.low, "high": d.high, "prompts": d.n, "seeds": d.seeds}
+
+
+if __name__ == "__main__":
+    main()
