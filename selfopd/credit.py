@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from selfopd.objectives import grpo_advantage, opd_advantage
+from selfopd.objectives import group_means, grpo_advantage, opd_advantage
 
 
 def rlsd_lambda(step: int, start: float, decay_steps: int) -> float:
@@ -50,13 +50,13 @@ def rlsd_factor(grpo_BT: Tensor, signal_BT: Tensor, lam: float, clip: float) -> 
 def pass_rate_weights(correct_B: Tensor, group_ids_B: Tensor) -> Tensor:
     """sqrt(p (1 - p)) per rollout, p its group's share of correct rollouts (float64):
     0 for a group all right or all wrong, at most 0.5 (p = 1/2)."""
-    correct_B = correct_B.double()
-    _, group_B = torch.unique(group_ids_B, return_inverse=True)
-    count_G = torch.zeros(int(group_B.max()) + 1 if group_B.numel() else 0, dtype=torch.float64)
-    count_G = count_G.index_add(0, group_B, torch.ones_like(correct_B))
-    passed_G = torch.zeros_like(count_G).index_add(0, group_B, correct_B)
-    p_B = (passed_G / count_G)[group_B]
-    return (p_B * (1.0 - p_B)).sqrt()
+    weight_G, group_B = _group_pass_weights(correct_B, group_ids_B)
+    return weight_G[group_B]
+
+
+def _group_pass_weights(correct_B: Tensor, group_ids_B: Tensor) -> tuple[Tensor, Tensor]:
+    p_G, group_B = group_means(correct_B.double(), group_ids_B)
+    return (p_G * (1.0 - p_G)).sqrt(), group_B
 
 
 def opd_rollout_weights(correct_B: Tensor, group_ids_B: Tensor, opd_on: str, pass_rate: bool,
@@ -82,12 +82,8 @@ def opd_rollout_weights(correct_B: Tensor, group_ids_B: Tensor, opd_on: str, pas
 def mean_prompt_weight(correct_B: Tensor, group_ids_B: Tensor) -> tuple[float, int]:
     """(sum over this batch's prompts of sqrt(p (1 - p)), number of prompts): summed over
     ranks, their ratio is `opd_rollout_weights`' `pass_rate_mean`."""
-    weights_B = pass_rate_weights(correct_B, group_ids_B)
-    _, first = torch.unique(group_ids_B, return_inverse=True)
-    seen: dict[int, float] = {}
-    for index, group in enumerate(first.tolist()):
-        seen.setdefault(group, float(weights_B[index]))
-    return sum(seen.values()), len(seen)
+    weight_G, _ = _group_pass_weights(correct_B, group_ids_B)
+    return float(weight_G.sum()), weight_G.numel()
 
 
 def cure_advantage(
@@ -118,6 +114,6 @@ def cure_advantage(
         if rlsd_lam != 0.0:
             grpo_BT = grpo_BT * rlsd_factor(grpo_BT, signal_BT, rlsd_lam, rlsd_clip)
         grpo_BT = lambda_rl * grpo_BT
-    opd_BT = opd_advantage(teacher_lp_BT, baseline_lp_BT, mask_BT, token_clip)
+    opd_BT = opd_advantage(teacher_lp_BT, baseline_lp_BT, mask_BT, token_clip) if token_clip > 0 else signal_BT
     weight_BT = opd_weight_B.to(signal_BT.dtype)[:, None]
     return grpo_BT + lambda_opd * (weight_BT * opd_BT), grpo_BT

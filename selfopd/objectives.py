@@ -82,18 +82,24 @@ def grpo_advantage(rewards_N: Tensor, group_ids_N: Tensor, eps: float = 1e-6) ->
     rewards_N = rewards_N.detach()
     if not rewards_N.is_floating_point():
         rewards_N = rewards_N.float()
-    _, group_N = torch.unique(group_ids_N, return_inverse=True)  # dense 0..G-1
-    num_groups = int(group_N.max().item()) + 1 if group_N.numel() else 0
-    zeros_G = rewards_N.new_zeros(num_groups)
-    count_G = zeros_G.index_add(0, group_N, torch.ones_like(rewards_N))
-    mean_G = zeros_G.index_add(0, group_N, rewards_N) / count_G
+    mean_G, group_N = group_means(rewards_N, group_ids_N)
+    zeros_G = rewards_N.new_zeros(mean_G.numel())
     centred_N = rewards_N - mean_G[group_N]
-    std_G = (zeros_G.index_add(0, group_N, centred_N**2) / count_G).sqrt()
+    std_G = group_means(centred_N**2, group_ids_N)[0].sqrt()
     high_G = zeros_G.scatter_reduce(0, group_N, rewards_N, reduce="amax", include_self=False)
     low_G = zeros_G.scatter_reduce(0, group_N, rewards_N, reduce="amin", include_self=False)
     flat_N = (high_G == low_G)[group_N]
     advantage_N = centred_N / (std_G[group_N] + eps)
     return torch.where(flat_N, torch.zeros_like(advantage_N), advantage_N)
+
+
+def group_means(values_N: Tensor, group_ids_N: Tensor) -> tuple[Tensor, Tensor]:
+    """(the mean of `values_N` per group, (G,); each sample's group as a dense index 0..G-1, (N,)).
+    Groups are named by any integers, in any order, and may differ in size."""
+    _, group_N = torch.unique(group_ids_N, return_inverse=True)
+    zeros_G = values_N.new_zeros(int(group_N.max().item()) + 1 if group_N.numel() else 0)
+    count_G = zeros_G.index_add(0, group_N, torch.ones_like(values_N))
+    return zeros_G.index_add(0, group_N, values_N) / count_G, group_N
 
 
 def combined_advantage(

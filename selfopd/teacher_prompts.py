@@ -33,6 +33,8 @@ def teacher_rows(run: Any, examples: Sequence[Example], student_messages: Sequen
     """The rows of this rank's prompt groups, in order (group `first_group` first)."""
     cfg = run.config
     contrastive = cfg.loss.opd_baseline == "wrong_context"
+    # Feedback against the wrong answer only where a template shows feedback (verifying costs time).
+    shows_feedback = any("feedback" in t.variables for t in (run.teacher_template, run.demonstration_fallback) if t)
     rows = []
     for group, (example, messages, rollouts) in enumerate(zip(examples, student_messages, groups), first_group):
         verdicts = [verify_example(r.text, example, partial_credit=cfg.loss.partial_credit) for r in rollouts]
@@ -52,7 +54,8 @@ def teacher_rows(run: Any, examples: Sequence[Example], student_messages: Sequen
             wrong = wrong_example(example, other, seed=cfg.run.seed, answer=wrong_answer) if contrastive else None
             wrong_ids = None
             if wrong is not None:  # verifier feedback, too, as if the wrong answer were the reference
-                wrong_ids = prompt(wrong, verify_example(rollout.text, wrong).feedback)
+                wrong_ids = prompt(wrong, verify_example(rollout.text, wrong).feedback if shows_feedback
+                                   else verdict.feedback)
             rows.append(TeacherRow(example, group, rollout, verdict, prompt(example, verdict.feedback), demonstration,
                                    wrong_ids))
     return rows

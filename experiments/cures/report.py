@@ -60,8 +60,8 @@ def fresh_change(config, arm: str) -> PairedDifference | None:
 
 
 def fresh_prompts(config) -> int:
-    folder = config.arm_dir(REFERENCE, config.seeds[0]) / "fresh_eval" / "summary.json"
-    return json.loads(folder.read_text())["prompts"] if folder.is_file() else 0
+    summary = config.arm_dir(REFERENCE, config.seeds[0]) / "fresh_eval" / "summary.json"
+    return json.loads(summary.read_text())["prompts"] if summary.is_file() else 0
 
 
 def guard_fired(config, arm: str) -> list[str]:
