@@ -1,0 +1,62 @@
+"""selfopd: on-policy distillation and self-distillation with privileged-information teachers.
+
+The public API, imported lazily so that `import selfopd` (and the CLI's --help) stays
+instant; each name lives in the module listed in `_EXPORTS`:
+
+    import selfopd
+    config = selfopd.load_config("experiments/demo.toml", ["run.steps=4"])
+    run_dir = selfopd.train(config)
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "TrainConfig": "selfopd.config",
+    "load_config": "selfopd.config",
+    "config_to_toml": "selfopd.config",
+    "train": "selfopd.trainer",
+    "resolve_model": "selfopd.models",
+    "Example": "selfopd.example",
+    "load_examples": "selfopd.data",
+    "split_examples": "selfopd.split",
+    "load_template": "selfopd.templates",
+    "list_templates": "selfopd.templates",
+    "render_student": "selfopd.templates",
+    "render_teacher": "selfopd.templates",
+    "load_compare_config": "selfopd.compare",
+    "run_compare": "selfopd.compare",
+    "measure_run": "selfopd.diagnostics.report",
+    "write_report": "selfopd.diagnostics.report",
+    "token_heatmap_html": "selfopd.heatmaps",
+    "plot_token_heatmap": "selfopd.heatmaps",
+}
+__all__ = ["__version__", *_EXPORTS]
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name loads on first use
+    from selfopd.compare import load_compare_config, run_compare
+    from selfopd.config import TrainConfig, config_to_toml, load_config
+    from selfopd.data import load_examples
+    from selfopd.diagnostics.report import measure_run, write_report
+    from selfopd.example import Example
+    from selfopd.heatmaps import plot_token_heatmap, token_heatmap_html
+    from selfopd.models import resolve_model
+    from selfopd.split import split_examples
+    from selfopd.templates import list_templates, load_template, render_student, render_teacher
+    from selfopd.trainer import train
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'selfopd' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

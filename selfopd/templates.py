@@ -38,7 +38,17 @@ from selfopd.example import Example
 
 Message = dict[str, str]
 
-PROMPTS_DIR = Path(os.environ.get("SELFOPD_PROMPTS", Path(__file__).resolve().parents[1] / "prompts"))
+
+def _shipped_prompts_dir() -> Path:
+    """The shipped templates: $SELFOPD_PROMPTS when set, the installed package data
+    (selfopd/prompts/ in a wheel install), else the source tree's top-level prompts/."""
+    if "SELFOPD_PROMPTS" in os.environ:
+        return Path(os.environ["SELFOPD_PROMPTS"])
+    installed = Path(__file__).resolve().parent / "prompts"
+    return installed if installed.is_dir() else Path(__file__).resolve().parents[1] / "prompts"
+
+
+PROMPTS_DIR = _shipped_prompts_dir()
 STUDENT_VARIABLES = ("prompt", "id", "meta")
 TEACHER_VARIABLES = STUDENT_VARIABLES + ("answer", "student_prompt", "solution", "hints", "attempt", "feedback",
                                           "demonstration")

@@ -4,11 +4,19 @@ environments library) keeps both."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 import tomllib
+import zipfile
 from pathlib import Path
+
+import pytest
+
+import selfopd
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -16,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_every_package_folder_is_installed():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(path.parent.relative_to(ROOT).parts) for path in (ROOT / "selfopd").rglob("__init__.py")}
-    assert found | {"selfopd.verifiers"} == listed and "verifiers" not in listed
+    assert found | {"selfopd.verifiers", "selfopd.prompts"} == listed and "verifiers" not in listed
 
 
 def test_another_verifiers_package_does_not_shadow_ours(tmp_path):
@@ -96,3 +104,69 @@ def test_vllm_is_asked_for_at_the_release_selfopd_is_tested_with():
         f"http://h:8000: runs vLLM 0.31.2; selfopd needs {tested} or newer (tested: {tested}), whose weight-transfer "
         f"and dev routes it calls: upgrade the server (pip install 'vllm>={tested},<0.33')")
     assert "not a version number" in vllm_version_problem("http://h:8000", "dev")
+
+
+@pytest.mark.slow
+def test_a_wheel_install_renders_templates_and_trains_outside_the_source_tree(tmp_path, tiny_model_dir):
+    """Built as a user's `pip install selfopd` gets it (no -e): the wheel carries the shipped
+    templates, `py.typed` and the license, and a 1-step run works from an unrelated folder."""
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE", "selfopd", "verifiers", "prompts"):
+        copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy
+        copy(ROOT / name, source / name, **({"ignore": shutil.ignore_patterns("__pycache__")} if copy is shutil.copytree else {}))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp_path / "dist"), str(source)], check=True, capture_output=True, timeout=600)
+    (wheel,) = (tmp_path / "dist").glob("selfopd-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    shipped = sorted(p.relative_to(ROOT / "prompts").as_posix() for p in (ROOT / "prompts").rglob("*.jinja"))
+    assert sorted(n.removeprefix("selfopd/prompts/") for n in names if n.endswith(".jinja")) == shipped
+    assert "selfopd/py.typed" in names and any(n.endswith("licenses/LICENSE") for n in names)
+
+    # A fresh environment with the wheel installed, seeing this environment's dependencies
+    # (torch, transformers, ...) through a .pth line but not its editable selfopd.
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300)
+    python = venv / "bin" / "python"
+    site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--target", str(site),
+                    str(wheel)], check=True, capture_output=True, timeout=300)
+    (site / "zz_dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SELFOPD_PROMPTS")}
+    code = ("import selfopd, pathlib; from selfopd import load_template, list_templates, load_examples, render_teacher\n"
+            f"assert pathlib.Path(selfopd.__file__).is_relative_to({str(site)!r}), selfopd.__file__\n"
+            "assert 'teacher/answer_note' in list_templates(), list_templates()\n"
+            "example = load_examples('rg:chain_sum?min_terms=2&max_terms=2&size=3&seed=1')[0]\n"
+            "messages = render_teacher(load_template('teacher/reference_answer'), example, [{'role': 'user', 'content': example.prompt}])\n"
+            "assert example.answer in messages[-1]['content'], messages\n"
+            "print(selfopd.__version__)\n")
+    result = subprocess.run([python, "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == selfopd.__version__ and wheel.name.startswith(f"selfopd-{selfopd.__version__}-")
+
+    sets = ["data.spec=rg:chain_sum?min_terms=2&max_terms=2&size=40&seed=2", "data.eval_size=4",
+            f"model.student={tiny_model_dir}", "run.steps=1", "run.name=wheel",
+            "run.eval_every=0", "run.progress=false", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
+            "rollout.max_tokens=6", "eval.max_tokens=6", "eval.batch_size=4"]
+    (elsewhere / "run.toml").write_text('[teacher]\ntemplate = "teacher/answer_note"\n')
+    command = [python, "-m", "selfopd", "train", "run.toml", *[a for s in sets for a in ("--set", s)]]
+    result = subprocess.run(command, cwd=elsewhere, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = elsewhere / "runs" / "wheel"
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines if "loss/pg" in line] == [1], lines
+    assert (run_dir / "checkpoints").is_dir()
+
+
+def test_the_public_api_resolves_and_import_stays_light():
+    """Every exported name exists where `_EXPORTS` says; `import selfopd` loads no torch."""
+    for name in selfopd.__all__:
+        assert getattr(selfopd, name) is not None, name
+    code = "import sys, selfopd; print('torch' in sys.modules, selfopd.__version__)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.split() == ["False", selfopd.__version__]
+    with pytest.raises(AttributeError, match="no attribute 'trian'"):
+        selfopd.trian  # noqa: B018
