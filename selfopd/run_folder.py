@@ -85,6 +85,11 @@ class RunFolder:
         return Path(checkpoint) / "trainer_state.pt"
 
     @property
+    def templates(self) -> Path:
+        """The texts of the templates the run renders from (selfopd.run_templates)."""
+        return self.root / "templates"
+
+    @property
     def plots(self) -> Path:
         return self.root / "plots"
 

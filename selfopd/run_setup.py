@@ -26,6 +26,7 @@ from selfopd.run_folder import RunFolder
 from selfopd.run_state import Run
 from selfopd.scoring import check_plain_head
 from selfopd.split import split_examples
+from selfopd.run_templates import load_run_template
 from selfopd.templates import (
     SAMPLE_DEMONSTRATION,
     PromptTemplate,
@@ -62,9 +63,10 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
     folder = RunFolder.of(config.run.out_dir, config.run.name)
     examples = load_examples(config.data.spec)
     train_examples, eval_examples = split_examples(examples, eval_size=config.data.eval_size, seed=config.data.split_seed)
-    student_template = load_template(config.data.student_template)
-    teacher_template = load_template(config.teacher.template)
-    fallback = demonstration_fallback(config, teacher_template)
+    # A resumed run renders from its own copies of the templates (RUN/templates/), a fresh one from the files.
+    student_template = load_run_template(folder.root, config.data.student_template)
+    teacher_template = load_run_template(folder.root, config.teacher.template)
+    fallback = demonstration_fallback(config, teacher_template, folder.root)
     check_templates_render(student_template, teacher_template, train_examples[0], fallback)
     if config.teacher.kind == "external":
         check_external_teacher_split(config.teacher.model, eval_examples)
@@ -135,12 +137,14 @@ def open_ema(config: TrainConfig, teacher_engine: Any, resume_from: Path | None,
     return ema
 
 
-def demonstration_fallback(config: TrainConfig, teacher: PromptTemplate) -> PromptTemplate | None:
+def demonstration_fallback(config: TrainConfig, teacher: PromptTemplate, run_dir: Path | None = None
+                           ) -> PromptTemplate | None:
     """The template for rollouts without a sibling demonstration, when `teacher` uses one;
     it must not use `demonstration` itself."""
     if not uses_demonstration(teacher):
         return None
-    fallback = load_template(config.teacher.demonstration_fallback)
+    name = config.teacher.demonstration_fallback
+    fallback = load_run_template(run_dir, name) if run_dir is not None else load_template(name)
     if uses_demonstration(fallback):
         raise ConfigError("teacher.demonstration_fallback", f"{fallback.name!r} uses 'demonstration' itself; the "
                           "fallback scores rollouts that have none (e.g. teacher/empty)")

@@ -106,17 +106,19 @@ class PromptTemplate:
             raise TemplateError(f"{_template_location(error, self.path)}: {type(error).__name__}: {error}") from None
 
 
-def load_template(name_or_path: str | os.PathLike[str]) -> PromptTemplate:
-    """Load `teacher/hints` (a name under `prompts/`, `.jinja` optional) or a file path."""
-    path = _find_template(str(name_or_path))
-    environment = _environment(path.parent)
+def load_template(name_or_path: str | os.PathLike[str], root: Path | None = None) -> PromptTemplate:
+    """Load `teacher/hints` (a name under `prompts/`, `.jinja` optional) or a file path.
+    `root`: a folder searched before `prompts/`, for the name and for includes (a run's
+    own copies of its templates, RUN/templates/)."""
+    path = _find_template(str(name_or_path), root)
+    environment = _environment(path.parent, root)
     try:
         template = environment.get_template(path.name)
         parsed = environment.parse(path.read_text(), name=path.name, filename=str(path))
     except jinja2.TemplateSyntaxError as error:
         raise TemplateError(f"{path}:{error.lineno}: template syntax error: {error.message}") from None
     variables = frozenset(jinja_meta.find_undeclared_variables(parsed))
-    return PromptTemplate(name=_display_name(path), path=path, template=template, variables=variables)
+    return PromptTemplate(name=_display_name(path, root), path=path, template=template, variables=variables)
 
 
 def list_templates() -> list[str]:
@@ -204,8 +206,9 @@ def _user_content(messages: Sequence[Message]) -> str:
     return users[0]
 
 
-def _find_template(name: str) -> Path:
-    candidates = [Path(name), PROMPTS_DIR / name, PROMPTS_DIR / f"{name}.jinja"]
+def _find_template(name: str, root: Path | None = None) -> Path:
+    searched = ([root / name, root / f"{name}.jinja"] if root is not None else [])
+    candidates = [*searched, Path(name), PROMPTS_DIR / name, PROMPTS_DIR / f"{name}.jinja"]
     for candidate in candidates:
         if candidate.is_file():
             return candidate.resolve()
@@ -239,10 +242,11 @@ def _too_costly(operator: str, left: Any, right: Any) -> bool:
     return False
 
 
-def _environment(template_dir: Path) -> ImmutableSandboxedEnvironment:
+def _environment(template_dir: Path, root: Path | None = None) -> ImmutableSandboxedEnvironment:
     # Both the template's folder and prompts/ are searchable, so shipped templates can be
     # extended or included from templates kept elsewhere.
-    loader = jinja2.FileSystemLoader([str(template_dir), str(PROMPTS_DIR)])
+    roots = [template_dir, *([root] if root is not None else []), PROMPTS_DIR]
+    loader = jinja2.FileSystemLoader([str(folder) for folder in roots])
     environment = _Sandbox(
         loader=loader,
         undefined=jinja2.StrictUndefined,
@@ -255,11 +259,11 @@ def _environment(template_dir: Path) -> ImmutableSandboxedEnvironment:
     return environment
 
 
-def _display_name(path: Path) -> str:
-    try:
-        return str(path.relative_to(PROMPTS_DIR).with_suffix(""))
-    except ValueError:
-        return str(path)
+def _display_name(path: Path, root: Path | None = None) -> str:
+    for folder in (root, PROMPTS_DIR):
+        if folder is not None and path.is_relative_to(folder.resolve()):
+            return str(path.relative_to(folder.resolve()).with_suffix(""))
+    return str(path)
 
 
 def _template_location(error: Exception, path: Path) -> str:

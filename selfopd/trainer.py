@@ -33,6 +33,7 @@ from selfopd.run_folder import RunFolder
 from selfopd.run_outputs import plot_run, prune_checkpoints, reuse_eval, run_eval, save_checkpoint, save_rollouts
 from selfopd.run_setup import build_run
 from selfopd.run_state import Run, Scored
+from selfopd.run_templates import config_template_names, save_run_templates
 from selfopd.scoring import completion_hidden, logprobs_from_hidden, pad_completions, tempered
 from selfopd.split import SplitRecord
 from selfopd.teacher_scoring import score_in_micro_batches
@@ -40,7 +41,6 @@ from selfopd.teacher_prompts import teacher_rows
 from selfopd.templates import prompt_token_ids, render_student
 from selfopd.tracking import MetricsLog, PhaseTimer
 from selfopd.weight_checks import WeightSyncError, check_probe, sync_weights  # noqa: F401  (WeightSyncError: public here)
-
 
 SKIPPED = "nonfinite loss"  # the "skipped" value of a step whose loss or gradient was NaN or inf
 
@@ -309,7 +309,7 @@ def train(config: TrainConfig, resume: bool = False, initial_eval: Path | None =
                                 "checkpoint: delete the folder and start the run again)")
     if not resume:
         refuse_finished(folder)
-    claim = (lambda: _claimed(folder, None if resume else config_to_toml(config), checkpoint)) if main else None
+    claim = (lambda: _claimed(folder, config, resume, checkpoint)) if main else None
     run = build_run(config, checkpoint, claim)
     with contextlib.closing(run):  # stops launched servers on any exit, Ctrl-C included
         split = SplitRecord.of(config.data.spec, config.data.split_seed, run.train_examples, run.eval_examples)
@@ -332,10 +332,11 @@ def train(config: TrainConfig, resume: bool = False, initial_eval: Path | None =
 
 
 @contextlib.contextmanager
-def _claimed(folder: RunFolder, config_toml: str | None, checkpoint: Path | None) -> Iterator[None]:
-    """Hold the run folder's lock (a fresh run: create the folder, write its config); a resumed
-    run then drops what a kill between a checkpoint and its clean-up left behind."""
-    with claimed_run_folder(folder, config_toml):
+def _claimed(folder: RunFolder, config: TrainConfig, resume: bool, checkpoint: Path | None) -> Iterator[None]:
+    """Hold the run folder's lock (a fresh run: create the folder, write its config; keep its templates'
+    texts); a resumed run then drops what a kill between a checkpoint and its clean-up left behind."""
+    with claimed_run_folder(folder, None if resume else config_to_toml(config)):
+        save_run_templates(folder.templates, config_template_names(config))
         if checkpoint is not None:
             prune_checkpoints(folder, checkpoint)
         yield

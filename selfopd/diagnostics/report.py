@@ -113,7 +113,7 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
     from selfopd.split import split_examples
     from selfopd.models import from_pretrained, resolve_model
     from selfopd.run_summary import summarize_run
-    from selfopd.templates import load_template
+    from selfopd.run_templates import load_run_template
 
     if not RunFolder(run_dir).is_run():
         raise FileNotFoundError(f"{run_dir}: not a run folder (no config.toml)")
@@ -123,8 +123,9 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
     _, eval_examples = split_examples(examples, eval_size=config.data.eval_size, seed=config.data.split_seed)
     prompting = Prompting(from_pretrained(AutoTokenizer, resolve_model(config.model.student),
                                           trust_remote_code=config.model.trust_remote_code),
-                          load_template(config.data.student_template), load_template(config.teacher.template),
-                          {e.id: e for e in examples}, load_template(config.teacher.demonstration_fallback))
+                          load_run_template(run_dir, config.data.student_template),
+                          load_run_template(run_dir, config.teacher.template),
+                          {e.id: e for e in examples}, load_run_template(run_dir, config.teacher.demonstration_fallback))
 
     annotated = {step: annotate_records(records, prompting, progress) for step, records in by_step.items()}
     behaviour = [step_behaviour(step, rollouts, config.rollout.max_tokens) for step, rollouts in annotated.items()]

@@ -1,0 +1,75 @@
+"""A run keeps the texts of its templates (RUN/templates/): editing a template file later
+does not change what the run's diagnosis, a notebook or a resumed run renders for it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from selfopd.cli import main
+from selfopd.example import Example
+from selfopd.run_templates import load_run_template, save_run_templates
+from selfopd.templates import load_template, render_teacher
+
+EXAMPLE = Example(id="q1", prompt="What is 2 + 3?", answer="5")
+STUDENT = [{"role": "user", "content": EXAMPLE.prompt}]
+
+
+def _teacher_text(template) -> str:
+    return render_teacher(template, EXAMPLE, STUDENT)[-1]["content"]
+
+
+def test_a_kept_template_renders_as_it_was_with_its_includes(tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "part.jinja").write_text("Hint: the answer is {{ answer }}.")
+    (mine / "teacher.jinja").write_text('{{ prompt }}\n{% include "part.jinja" %}\n{% include "teacher/empty.jinja" %}')
+    names = [str(mine / "teacher.jinja"), "teacher/answer_note"]
+    before = {name: _teacher_text(load_template(name)) for name in names}
+    kept = tmp_path / "run" / "templates"
+    save_run_templates(kept, names)
+
+    (mine / "part.jinja").write_text("Hint: {{ secret }}")  # edited after the run: would now fail
+    (mine / "teacher.jinja").write_text("changed")
+    for name in names:
+        template = load_run_template(tmp_path / "run", name)
+        assert _teacher_text(template) == before[name]
+        assert template.name == load_template(name).name if name.startswith("teacher/") else template.name == str(
+            (mine / "teacher.jinja").resolve())
+    assert _teacher_text(load_template(names[0])) == "changed"
+    index = json.loads((kept / "index.json").read_text())
+    assert index[names[0]]["file"] == "local/teacher.jinja" and (kept / "local" / "part.jinja").is_file()
+    assert (kept / "teacher" / "answer_note.jinja").read_text() == load_template("teacher/answer_note").path.read_text()
+
+    # Saving again (a resumed run) keeps the first texts; a new name is added.
+    save_run_templates(kept, [*names, "teacher/hints"])
+    assert _teacher_text(load_run_template(tmp_path / "run", names[0])) == before[names[0]]
+    assert "teacher/hints" in json.loads((kept / "index.json").read_text())
+
+
+def test_a_run_without_kept_templates_reads_the_current_files(tmp_path):
+    assert _teacher_text(load_run_template(tmp_path, "teacher/answer_note")) == _teacher_text(
+        load_template("teacher/answer_note"))
+
+
+@pytest.mark.slow
+def test_a_run_keeps_its_templates_and_diagnose_uses_them(tmp_path, tiny_model_dir):
+    from selfopd.diagnostics.report import measure_run
+
+    template = tmp_path / "note.jinja"
+    template.write_text("{{ prompt }}\n(Note: the answer is {{ answer }}.)")
+    sets = ["data.spec=rg:chain_sum?min_terms=2&max_terms=2&size=40&seed=2", "data.eval_size=4",
+            f"model.student={tiny_model_dir}", f"teacher.template={template}", "run.steps=1", "run.name=kept",
+            f"run.out_dir={tmp_path / 'runs'}", "run.eval_every=0", "run.progress=false", "rollout.prompts_per_step=2",
+            "rollout.samples_per_prompt=2", "rollout.max_tokens=6", "eval.max_tokens=6", "eval.batch_size=4"]
+    (tmp_path / "run.toml").write_text("")
+    assert main(["train", str(tmp_path / "run.toml"), *[a for s in sets for a in ("--set", s)]]) == 0
+    run_dir = tmp_path / "runs" / "kept"
+    kept = json.loads((run_dir / "templates" / "index.json").read_text())
+    assert set(kept) == {"student/plain", str(template), "teacher/empty"}
+    assert (run_dir / "templates" / "local" / "note.jinja").read_text() == template.read_text()
+
+    template.write_text("{{ prompt }} {{ no_such_variable }}")  # the file changes after the run
+    diagnosis = measure_run(run_dir, with_model=True, gap_items=2, progress=False)
+    assert diagnosis.model_part is not None and diagnosis.annotated
