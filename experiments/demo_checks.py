@@ -9,7 +9,8 @@
    (drawn past every training and held-out prompt, not "another seed"), at both budgets.
 
 Every number is over distinct prompts, paired by prompt. Prints a table; writes JSON to
-experiments/results/demo_checks.json (or --out).
+runs/experiments/demo_checks.json (`--out experiments/results/demo_checks.json` refreshes the
+shipped copy).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def main() -> None:
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--fresh", type=int, default=400, help="fresh prompts of the run's task (default: 400)")
     parser.add_argument("--budget-factor", type=int, default=4, help="the longer budget, x eval.max_tokens (default: 4)")
-    parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "demo_checks.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "experiments" / "demo_checks.json")
     args = parser.parse_args()
 
     config = load_config(RunFolder(args.run_dir).config)

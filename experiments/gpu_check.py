@@ -16,7 +16,7 @@ Never run by CI. What it does, in order:
    tolerance and that the version arrived;
 4. rollout and scoring throughput through `VLLMEngine`.
 
-Prints a table and writes JSON (to $OUT when set, else experiments/benchmarks/results/).
+Prints a table and writes JSON (to $OUT when set, else runs/benchmarks/).
 Exits non-zero when a check fails.
 """
 
@@ -70,7 +70,7 @@ def main() -> int:
                   gpu_memory_utilization=0.35)
     specs = [ServerSpec(name="student", port=free_port(), prefix_caching=False, **common),
              ServerSpec(name="teacher", port=free_port(), prefix_caching=True, **common)]
-    out_dir = Path(os.environ.get("OUT") or ROOT / "experiments/benchmarks/results")
+    out_dir = Path(os.environ.get("OUT") or ROOT / "runs" / "benchmarks")
     report: dict = {"model": args.model, "dtype": args.dtype, "gpu": torch.cuda.get_device_name(0), "checks": {}}
     started = time.perf_counter()
     with launch_servers(specs, out_dir / "gpu_check_logs", timeout_s=420) as servers:

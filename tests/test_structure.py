@@ -79,3 +79,28 @@ def test_engines_do_not_import_the_objectives():
         if name.startswith("selfopd.engines"):
             imported = _imports(name, path, modules)
             assert not imported & {"selfopd.objectives", "selfopd.loss_metrics"}, name
+
+
+def test_experiment_scripts_write_under_runs_unless_told():
+    """Running an experiment script must not overwrite the shipped results: every default
+    output path of a script under experiments/ lies under runs/ (the shipped copies are
+    refreshed with an explicit --out)."""
+    offending = []
+    for path in sorted((ROOT / "experiments").rglob("*.py")):
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument" and any(
+                    isinstance(a, ast.Constant) and str(a.value).startswith("--out") for a in node.args):
+                defaults = [k.value for k in node.keywords if k.arg == "default"]
+                texts = [ast.get_source_segment(source, d) or "" for d in defaults]
+                offending += [f"{path.relative_to(ROOT)}: {t}" for t in texts if "runs" not in t]
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith(
+                    ("experiments/results", "experiments/benchmarks/results")) and _is_default_output(source, node):
+                offending.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value}")
+    assert not offending, offending
+
+
+def _is_default_output(source: str, node: ast.Constant) -> bool:
+    """A path constant in code (not in a docstring or help text) that names a results folder."""
+    line = source.splitlines()[node.lineno - 1]
+    return "default" in line or "OUT" in line

@@ -8,7 +8,8 @@ Each rank loads the model with selfopd's own loader, shards it as `selfopd train
 torchrun (`selfopd.distributed.shard_model`: every decoder layer, then the rest), builds
 AdamW, runs one forward/backward of a completion loss on its share of a fixed batch and one
 optimizer step, then sums the local sizes of its parameter shards, their gradients and the
-optimizer state. Printed as a table; JSON in experiments/results/fsdp_memory.json.
+optimizer state. Printed as a table; JSON in runs/benchmarks/ (the shipped
+copy: `--out experiments/results/fsdp_memory.json`).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "fsdp_memory.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "benchmarks" / "fsdp_memory.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
     single = run(1, args.model)[0]
@@ -92,6 +93,7 @@ def main() -> None:
     result = {"model": args.model, "ranks": args.ranks, "torch": torch.__version__, "backend": "gloo (CPU)",
               "one_process": single, "per_rank": sharded,
               "largest_rank_share": max(sum(r[k] for k in ("weights", "gradients", "adamw_state")) for r in sharded) / whole}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
 

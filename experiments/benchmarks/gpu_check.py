@@ -562,7 +562,7 @@ def print_table(report: dict[str, Any]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prepare", action="store_true", help="copy the SmolLM2 tokenizer to .cache/gpu_check_tokenizer/ and stop")
-    parser.add_argument("--out", type=Path, help="the JSON (default: $OUT/ or experiments/results/, gpu_check.json "
+    parser.add_argument("--out", type=Path, help="the JSON (default: $OUT/ or runs/benchmarks/, gpu_check.json "
                         "for the real check, gpu_check_plumbing.json for --tiny or a CPU run)")
     parser.add_argument("--device", default="cuda", help="cuda (the check) or cpu (plumbing only)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model and 8-token rollouts instead of Qwen3-1.7B")
@@ -577,7 +577,7 @@ def main() -> int:
         print("gpu_check: no CUDA device here; --device cpu --tiny runs the plumbing", file=sys.stderr)
         return 2
     name = "gpu_check.json" if args.device.startswith("cuda") and not args.tiny else "gpu_check_plumbing.json"
-    out = args.out or Path(os.environ.get("OUT") or ROOT / "experiments" / "results") / name
+    out = args.out or Path(os.environ.get("OUT") or ROOT / "runs" / "benchmarks") / name
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as scratch:
         report = run_check(out, args.device, args.tiny, args.tokenizer, args.steps, args.budget_s, Path(scratch))
     print_table(report)

@@ -172,7 +172,7 @@ def main() -> None:
     parser.add_argument("--max-gb", type=float, default=16.0, help="address-space cap of each measurement's process")
     parser.add_argument("--only", default=",".join(LOSSES), help=f"comma-separated subset of {','.join(LOSSES)}")
     parser.add_argument("--quick", action="store_true", help="batch 2, length 256, vocab 8192, hidden 64, chunk 64")
-    parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "benchmarks" / "results" / "loss_memory.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "benchmarks" / "loss_memory.json")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--loss", choices=LOSSES, help=argparse.SUPPRESS)
     parser.add_argument("--impl", choices=("naive", "chunked"), help=argparse.SUPPRESS)

@@ -17,7 +17,8 @@ step), bytes that autograd saved for backward beyond the parameters themselves, 
 share of weights with a non-zero gradient that the step left exactly unchanged. AdamW's
 first step moves every such weight by about lr; a bf16 weight w only changes when that is
 above half its spacing, about |w| * 2^-9, so at lr 1e-6 nearly every weight above 1e-3 in
-size keeps its value. JSON in experiments/results/precision_memory.json.
+size keeps its value. JSON in runs/benchmarks/ (the shipped copy:
+`--out experiments/results/precision_memory.json`).
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--length", type=int, default=64, help="tokens per sequence")
-    parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "precision_memory.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "benchmarks" / "precision_memory.json")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer

@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=ROOT / "experiments" / "demo.toml")
     parser.add_argument("--steps", type=int, default=3, help="measured steps after one warm-up step")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "benchmarks" / "results" / "step_breakdown.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "benchmarks" / "step_breakdown.json")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as scratch:

@@ -134,7 +134,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4, help="n per prompt")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=ROOT / "experiments/benchmarks/results/vllm_throughput.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "benchmarks" / "vllm_throughput.json")
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer

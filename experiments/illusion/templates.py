@@ -9,7 +9,8 @@ of the demo task once. Each teacher template then scores exactly those token ids
 same weights (a `self` teacher at step 0): privileged gain by token class, illusion score,
 wrong-context contrast, and the greedy accuracy gap the context opens on `--gap-items`
 distinct held-out prompts. Intervals are over prompts. Prints a table and writes JSON (and a side-by-side heatmap of one rollout
-under the leakiest and the cleanest template) to experiments/results/.
+under the leakiest and the cleanest template) to runs/experiments/ (`--out
+experiments/results/illusion_templates.json` refreshes the shipped copy).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--gap-items", type=int, default=100)
-    parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "illusion_templates.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "experiments" / "illusion_templates.json")
     args = parser.parse_args()
 
     config = load_config(args.config)
