@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Sequence
 
 from selfopd.cli_common import DEFAULT_DATA, DEFAULT_MODEL, UserError, add_overrides, command
+from selfopd.cli_compare import add_compare_command
 from selfopd.cli_prompts import add_prompts_command
 from selfopd.run_folder import RunFolder
 
@@ -46,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sft(commands)
     _add_serve(commands)
     _add_diagnose(commands)
-    _add_compare(commands)
+    add_compare_command(commands)
     return parser
 
 
@@ -335,40 +336,6 @@ def _diagnose(args: argparse.Namespace) -> None:
         print(f"illusion score at step {step}: {score.share} (interval over {score.share.n} distinct prompts){flag}")
     for warning in diagnosis.warnings:
         print(f"warning: {warning}")
-    print(f"report: {report}")
-
-
-# --- compare ------------------------------------------------------------------------
-
-
-def _add_compare(commands: argparse._SubParsersAction) -> None:
-    compare = command(commands, "compare", _compare,
-                       "train several arms (teachers, losses) under one budget, one after another, and report")
-    compare.add_argument("config", type=Path, help="comparison TOML (see experiments/self_vs_external.toml)")
-    add_overrides(compare, "run.steps=4")
-    compare.add_argument("--arms", default="", help="comma-separated arm names to run (default: all)")
-    compare.add_argument("--seeds", default="", help="comma-separated training seeds to run, of compare.seeds (default: all)")
-    compare.add_argument("--report-only", action="store_true", help="rewrite report.md from the arms' folders, train nothing")
-
-
-def _compare(args: argparse.Namespace) -> None:
-    from selfopd.compare import load_compare_config, run_compare
-    from selfopd.compare_report import write_compare_report
-
-    only = [name.strip() for name in args.arms.split(",") if name.strip()]
-    try:
-        seeds = [int(seed) for seed in args.seeds.split(",") if seed.strip()]
-    except ValueError:
-        raise UserError(f"--seeds: expected comma-separated integers, got {args.seeds!r}") from None
-    compare = load_compare_config(args.config, args.overrides, only, seeds)
-    if not args.report_only:
-        from selfopd.folder_guard import folder_lock
-
-        compare.folder.mkdir(parents=True, exist_ok=True)
-        with folder_lock(compare.folder):  # a second comparison would restart this one's unfinished arms
-            run_compare(compare)
-    report = write_compare_report(compare)
-    print(report.read_text())
     print(f"report: {report}")
 
 

@@ -27,6 +27,7 @@ first. The base model is evaluated once, by the first run; the others reuse that
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from selfopd.atomic import write_json_atomic, write_text_atomic
 from selfopd.config import ConfigError, TrainConfig, flat_config, load_config
 from selfopd.faults import fault_point
 from selfopd.run_folder import RunFolder
-from selfopd.settings import Section, build_sections, check_key, read_toml, setting
+from selfopd.settings import Section, build_sections, check_key, read_toml, section_toml, setting, toml_value
 
 ARM_SECTIONS = ("teacher", "loss", "optim")  # what arms may change; everything else is shared
 SFT_PLACEHOLDER = "{sft}"
@@ -203,6 +204,32 @@ def arm_configs(compare: CompareConfig, sft_model: Path | None) -> dict[tuple[st
             key = next(k for k in part if part[k] != shared[first][k])
             raise ConfigError(key, f"arm {name} differs from arm {first[0]} here; arms must share it", source=str(compare.source))
     return configs
+
+
+def compare_config_toml(compare: CompareConfig) -> str:
+    """What `selfopd compare --show-config` prints, after checking every arm as a run would:
+    the resolved [compare] (and [sft]) tables and each arm with, as comments, the teacher,
+    loss and optimizer values it runs with where they differ from the shared config. Saved
+    next to the original file, it is the same comparison."""
+    sft = sft_config(compare)
+    configs = arm_configs(compare, sft.model_dir if sft else None)
+    shared = flat_config(load_config(compare.base, compare.common))
+    base = os.path.relpath(compare.base, compare.source.resolve().parent)
+    section = CompareSection(base=base, name=compare.name, out_dir=str(compare.out_dir), set=compare.common,
+                             reference=compare.reference, seeds=compare.seeds)
+    lines = [f"# {compare.source}: {len(compare.arms)} arms x {len(compare.seeds)} seeds = {len(configs)} runs, "
+             f"in {compare.folder}", f"# the shared training config: selfopd train {os.path.relpath(compare.base)} --show-config "
+             + " ".join(f"--set '{o}'" for o in compare.common), "", *section_toml("compare", section)]
+    if compare.sft is not None:
+        lines += ["", *section_toml("sft", compare.sft)]
+    for arm in compare.arms:
+        runs_with = flat_config(configs[arm.name, compare.seeds[0]])
+        changed = [f"#   {key} = {toml_value(value)}" for key, value in runs_with.items()
+                   if key.partition(".")[0] in ARM_SECTIONS and value != shared[key]]
+        lines += ["", f"[arms.{arm.name}]", f"description = {toml_value(arm.description)}",
+                  f"set = {toml_value(arm.overrides)}", "# runs with (where it differs from the shared config):",
+                  *(changed or ["#   nothing: the shared config as it is"])]
+    return "\n".join(lines) + "\n"
 
 
 def _shared_part(config: TrainConfig) -> dict[str, Any]:

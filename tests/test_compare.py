@@ -210,3 +210,42 @@ def test_two_arms_two_seeds_share_the_base_eval_skip_when_finished_and_report_po
     path.write_text(path.read_text().replace('"loss.lambda_rl=0"', '"loss.lambda_rl=0", "optim.lr=2e-5"'))
     assert main(["compare", str(path), "--arms", "opd"]) == 1
     assert "arm opd ran with 1e-05, the comparison now says 2e-05" in capsys.readouterr().err
+
+
+def test_show_config_prints_the_resolved_comparison_and_trains_nothing(tmp_path, capsys):
+    import tomllib
+
+    config = ROOT / "experiments" / "self_vs_external.toml"
+    assert main(["compare", str(config), "--show-config", "--set", "run.steps=4", "--set", f"compare.out_dir={tmp_path}"
+                 ]) == 1  # compare.* is not a training setting: refused by name
+    assert "[compare]: unknown section" in capsys.readouterr().err
+    assert main(["compare", str(config), "--show-config", "--set", "run.steps=4"]) == 0
+    printed = capsys.readouterr().out
+    tables = tomllib.loads(printed)
+    original = load_compare_config(config, ["run.steps=4"])
+    assert tables["compare"]["seeds"] == list(original.seeds) and tables["compare"]["set"][-1] == "run.steps=4"
+    assert list(tables["arms"]) == [arm.name for arm in original.arms]
+    # Saved next to the original, it is the same comparison.
+    copy = config.parent / f".show-config-{tmp_path.name}.toml"
+    try:
+        copy.write_text(printed)
+        again = load_compare_config(copy)
+    finally:
+        copy.unlink()
+    assert (again.name, again.base, again.common, again.arms, again.seeds, again.reference) == (
+        original.name, original.base, original.common, original.arms, original.seeds, original.reference)
+    # Each arm lists the values it runs with where they differ from the shared config.
+    block = printed.split("[arms.self_feedback]")[1].split("[arms.")[0]
+    assert '#   teacher.template = "teacher/verifier_feedback"' in block and "#   loss.lambda_rl = 0.0" in block
+    assert "#   teacher.template" not in printed.split("[arms.grpo_opd]")[1]  # the demo's own template
+
+
+def test_show_config_checks_every_arm(tmp_path, capsys):
+    (tmp_path / "base.toml").write_text("")
+    good = '[compare]\nbase = "base.toml"\nout_dir = "out"\n[arms.a]\nset = ["loss.lambda_opd=0.5"]\n'
+    (tmp_path / "c.toml").write_text(good)
+    assert main(["compare", str(tmp_path / "c.toml"), "--show-config"]) == 0
+    assert "#   loss.lambda_opd = 0.5" in capsys.readouterr().out and not (tmp_path / "out").exists()
+    (tmp_path / "c.toml").write_text(good + '[arms.b]\nset = ["loss.divergence=no_such"]\n')
+    assert main(["compare", str(tmp_path / "c.toml"), "--show-config"]) == 1
+    assert "arm b" in capsys.readouterr().err
