@@ -78,7 +78,7 @@ def _add_data(commands: argparse._SubParsersAction) -> None:
     data = commands.add_parser("data", help="inspect datasets")
     sub = data.add_subparsers(title="data commands", metavar="COMMAND")
     show = command(sub, "show", _data_show, "print the first examples of a data spec")
-    show.add_argument("spec", nargs="?", default=DEFAULT_DATA, help="data spec (see README; default: the demo task)")
+    show.add_argument("spec", nargs="?", default=DEFAULT_DATA, help="data spec (grammar: docs/data-and-verifiers.md; default: the demo task)")
     show.add_argument("--limit", type=int, default=3, help="how many examples to print (default: 3)")
     data.set_defaults(run=lambda _args: data.print_help() or 2)
 

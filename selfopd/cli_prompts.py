@@ -13,7 +13,7 @@ from selfopd.cli_common import DEFAULT_DATA, DEFAULT_MODEL, DEFAULT_STUDENT, Use
 if TYPE_CHECKING:
     from selfopd.templates import PromptTemplate
 
-RANK_PROMPTS, RANK_SAMPLES, RANK_GAP_ITEMS = 24, 8, 64  # `prompts rank` defaults: README, "Template tournament"
+RANK_PROMPTS, RANK_SAMPLES, RANK_GAP_ITEMS = 24, 8, 64  # `prompts rank` defaults: docs/diagnostics.md
 
 
 def add_prompts_command(commands: argparse._SubParsersAction) -> None:

@@ -14,8 +14,8 @@ GuardAction = Literal["off", "warn", "stop"]
 @dataclass(frozen=True)
 class GuardConfig(Section):
     """The illusion guard (`selfopd.guard`): conditions over the last `window` training steps,
-    each compared between the window's first and second half. Calibration: README,
-    "Illusion guard"."""
+    each compared between the window's first and second half. Calibration:
+    docs/results/illusion.md, "The illusion guard on real runs"."""
 
     SECTION: ClassVar[str] = "guard"
     action: GuardAction = setting(

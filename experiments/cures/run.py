@@ -1,7 +1,7 @@
 """The pre-registered cures comparison (experiments/cures/PREREGISTRATION.md), stage by stage.
 
     python experiments/cures/run.py                    # every stage, in order; rerun to resume
-    python experiments/cures/run.py --stage select     # or one: select, compare, fresh, longer, diagnose, report
+    python experiments/cures/run.py --stage select     # or one: select, compare, fresh, longer, diagnose
 
 Stages:
   select    the sparse task: base accuracy and a GRPO pilot (seed 100) per candidate, in order

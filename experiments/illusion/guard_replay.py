@@ -1,5 +1,5 @@
 """Replay the illusion guard offline on finished runs and set where it fires next to what
-each run did to held-out accuracy: the guard's calibration evidence (README, "Illusion guard").
+each run did to held-out accuracy: the guard's calibration evidence (docs/results/illusion.md).
 
     python experiments/illusion/guard_replay.py runs/templates_trained/arms [--set guard.window=6 ...]
 

@@ -31,7 +31,7 @@ from selfopd.stats import MeanEstimate, correct_minus_wrong, mean_interval
 # other. Calibrated with experiments/illusion/templates.py (128 base-model rollouts, the
 # teachers' privileged gain): templates that state the answer after the question lift
 # 1.8x on the demo task (intervals from 1.1x) and 5.3-5.5x on chain_sum; clean ones 0.6-0.8x
-# and 1.0-1.1x. README, "Leaky vs clean templates, measured".
+# and 1.0-1.1x. docs/results/illusion.md, "Leaky vs clean templates".
 ILLUSION_LIFT = 1.5
 BOOTSTRAP_SAMPLES = 2000
 

@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from selfopd.config import TrainConfig
     from selfopd.templates import PromptTemplate
 
-# The pre-registered rule, fixed before any training result was seen (README, "Template
-# tournament"): rank by teacher-prefers-correct, higher first. In the repo's comparison of
+# The pre-registered rule, fixed before any training result was seen (docs/diagnostics.md,
+# "Template tournament"): rank by teacher-prefers-correct, higher first. In the repo's comparison of
 # teachers ("Comparing teachers") that column separated the teachers that helped from the one
 # that made the student worse; the KL and the illusion score did not.
 RULE = ("templates are ranked by teacher-prefers-correct (point estimate, higher first); a template whose "
