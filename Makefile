@@ -42,6 +42,11 @@ demo: model
 docs: setup
 	$(BIN)/python -m selfopd.reference
 
+# JupyterLab (the `notebooks` extra) at the project folder; notebooks find runs/ from there.
+lab: setup
+	$(HIDE_EDITABLE_NOTE) $(BIN)/python -m pip install --quiet -e '.[notebooks]'
+	$(BIN)/jupyter lab --notebook-dir=. notebooks/advantage_heatmaps.ipynb
+
 clean-cache:
 	rm -rf $${SELFOPD_HOME:-$$HOME/.cache/selfopd}/models
 

@@ -4,6 +4,7 @@ float64 reference, the wrong-context contrast, `selfopd diagnose`, and the noteb
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import matplotlib.image
@@ -163,18 +164,48 @@ def test_diagnose_names_a_folder_that_is_not_a_run(tmp_path, capsys):
     assert "not a run folder" in capsys.readouterr().err
 
 
+SMALL_NOTEBOOK = {"privileged_illusion.ipynb": "PROMPTS = 4\nGAP_ITEMS = 6"}  # sizes only: every path is its default
+
+
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs_headless(notebook, runs, tmp_path, monkeypatch):
-    monkeypatch.setenv("SELFOPD_RUN_DIR", str(runs["leaky"]))
-    monkeypatch.setenv("SELFOPD_RUNS", f"{runs['leaky']}:{runs['clean']}")
-    monkeypatch.setenv("SELFOPD_NOTEBOOK_OUT", str(tmp_path))
-    monkeypatch.setenv("SELFOPD_NB_PROMPTS", "4")
-    monkeypatch.setenv("SELFOPD_NB_GAP_ITEMS", "6")
+def test_notebook_runs_with_its_defaults(notebook, runs, tmp_path):
+    """Each notebook with its default parameters, run by Jupyter from notebooks/ of a project
+    whose runs/ holds the two small runs: it finds the project folder and the newest run itself."""
+    project = tmp_path / "project"
+    (project / "notebooks").mkdir(parents=True)
+    (project / "experiments").mkdir()
+    shutil.copy(ROOT / "experiments" / "demo.toml", project / "experiments")
+    (project / "runs").mkdir()
+    for label in ("leaky", "clean"):  # clean trained last: the newest run
+        (project / "runs" / label).symlink_to(runs[label])
     nb = nbformat.read(notebook, as_version=4)
-    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(notebook.parent)}}).execute()
+    (index,) = [i for i, cell in enumerate(nb.cells) if "parameters" in cell.metadata.get("tags", [])]
+    if notebook.name in SMALL_NOTEBOOK:  # as papermill injects values: a cell after the parameters cell
+        nb.cells.insert(index + 1, nbformat.v4.new_code_cell(SMALL_NOTEBOOK[notebook.name]))
+    NotebookClient(nb, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(project / "notebooks")}}).execute()
     images = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs if "image/png" in o.get("data", {})]
     assert images, f"{notebook.name} displayed no figure"
-    assert list(tmp_path.glob("*.png"))
+    default_out = {"advantage_heatmaps.ipynb": runs["clean"] / "notebook",
+                   "privileged_illusion.ipynb": project / "runs" / "notebooks" / "privileged_illusion",
+                   "compare_runs.ipynb": project / "runs" / "notebooks" / "compare_runs"}[notebook.name]
+    assert list(default_out.glob("*.png")), f"{notebook.name} wrote no figure into {default_out}"
+
+
+def test_the_heatmap_notebook_says_what_is_missing(tmp_path):
+    from selfopd.run_finder import check_run, newest_run
+
+    with pytest.raises(FileNotFoundError, match="no runs under .*make demo"):
+        newest_run(tmp_path / "runs")
+    (tmp_path / "runs" / "r").mkdir(parents=True)
+    (tmp_path / "runs" / "r" / "config.toml").write_text("")
+    (tmp_path / "runs" / "r" / "metrics.jsonl").write_text("")
+    with pytest.raises(FileNotFoundError, match="none of the 1 runs .* saved rollouts"):
+        newest_run(tmp_path / "runs")
+    with pytest.raises(FileNotFoundError, match="no saved rollouts"):
+        check_run(tmp_path / "runs" / "r")
+    with pytest.raises(FileNotFoundError, match="not a run folder"):
+        check_run(tmp_path)
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
