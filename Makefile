@@ -29,8 +29,14 @@ setup: $(STAMP)
 model: setup
 	$(BIN)/selfopd models prepare smollm2-135m-instruct
 
+# The whole suite (what CI runs). `make check` is the fast tier for iteration: the unit
+# tests plus one real-model step of the demo (tests/test_demo_step.py), no vLLM servers,
+# no torchrun, nothing marked slow (times in CONTRIBUTING.md).
 test: model
 	$(BIN)/python -m pytest
+
+check: model
+	$(BIN)/python -m pytest -m "not (slow or vllm or distributed)" -q
 
 # Each demo run gets its own folder under runs/, so running it again never clobbers results.
 DEMO_NAME ?= demo-$(shell date +%Y%m%d-%H%M%S)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # minutes of real processes: the whole suite only (make test)
+
 SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "benchmarks" / "gpu_check.py"
 
 

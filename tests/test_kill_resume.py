@@ -25,6 +25,8 @@ from safetensors.torch import load_file
 from selfopd.atomic import replace_atomic, write_json_atomic
 from selfopd.tracking import metrics_key
 
+pytestmark = pytest.mark.slow  # minutes of real processes: the whole suite only (make test)
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = [
     "data.spec=rg:chain_sum?min_terms=2&max_terms=2&size=60&seed=2", "data.eval_size=4",

@@ -102,6 +102,7 @@ def test_merged_weights_carry_base_names_and_reproduce_the_adapted_model(tmp_pat
     assert all(torch.equal(weights[name], base.get_parameter(name)) for name in weights)  # the copy holds them
 
 
+@pytest.mark.slow
 def test_checkpoint_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir):
     whole = train(_config(tmp_path, tiny_model_dir, "run.steps=3", "run.name=whole"))
     part = train(_config(tmp_path, tiny_model_dir, "run.steps=2", "run.name=part", "run.checkpoint_every=1"))

@@ -112,6 +112,7 @@ def test_nonfinite_steps_in_a_row_stop_the_run_with_its_checkpoint_intact(tmp_pa
     assert [(m["step"], m.get("skipped")) for m in steps] == [(1, None), (2, SKIPPED), (3, SKIPPED)]
 
 
+@pytest.mark.slow
 def test_a_second_run_in_the_same_folder_is_refused_with_the_first_ones_pid(tmp_path, tiny_model_dir):
     out = tmp_path / "runs"
     first = subprocess.Popen([sys.executable, "-m", "selfopd.cli", *_train_argv(tiny_model_dir, out, "run.steps=100000")],
@@ -178,6 +179,7 @@ def _full_disk(limit_bytes: int):
     return limit
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_the_run_naming_the_file_with_the_last_checkpoint_intact(tmp_path, one_step_run):
     run = tmp_path / "run"
     shutil.copytree(one_step_run, run)

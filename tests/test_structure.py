@@ -104,3 +104,15 @@ def _is_default_output(source: str, node: ast.Constant) -> bool:
     """A path constant in code (not in a docstring or help text) that names a results folder."""
     line = source.splitlines()[node.lineno - 1]
     return "default" in line or "OUT" in line
+
+
+def test_the_training_step_reads_as_short_named_phases():
+    """`train_step` is a dozen lines naming its phases; no phase function is longer than a screen."""
+    source = (ROOT / "selfopd" / "train_step.py").read_text()
+    functions = {node.name: node.end_lineno - node.lineno + 1 for node in ast.parse(source).body
+                 if isinstance(node, ast.FunctionDef)}
+    assert functions["train_step"] <= 25, functions["train_step"]
+    for phase in ("sample", "score", "forward_backward", "optimizer_step", "sync_engines", "step_metrics"):
+        assert phase in functions
+    long = {name: n for name, n in functions.items() if n > 80}
+    assert not long, long

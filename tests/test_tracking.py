@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from selfopd.config import load_config
 from selfopd.trainer import train
 
@@ -16,6 +18,7 @@ SMALL = [
 ]
 
 
+@pytest.mark.slow
 def test_a_short_run_writes_tensorboard_and_wandb_events_that_read_back(tmp_path, tiny_model_dir, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -76,6 +76,7 @@ def test_same_seed_gives_same_metrics(tmp_path, tiny_model_dir):
     assert [_without_times(m) for m in _lines(other)] != [_without_times(m) for m in _lines(first)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("teacher", [(), ("teacher.kind=ema", "teacher.ema_rate=0.3")], ids=["self", "ema"])
 def test_resumed_run_continues_exactly(tmp_path, tiny_model_dir, teacher):
     """Bit for bit; an `ema` teacher's average is restored from the checkpoint."""
