@@ -46,7 +46,7 @@ demo: model
 # docs/reference/config.md and cli.md, generated from the config schema and the CLI's parser
 # (a test fails when they are stale).
 docs: setup
-	$(BIN)/python -m selfopd.reference
+	$(BIN)/python -m selfopd.cli.reference
 
 # JupyterLab (the `notebooks` extra) at the project folder; notebooks find runs/ from there.
 lab: setup

@@ -40,9 +40,7 @@ def digest(code: Path, out: Path, model: Path) -> dict:
     sys.path.insert(0, str(code))  # that checkout's selfopd and tests
     from transformers import AutoTokenizer
 
-    from selfopd.config import load_config
-    from selfopd.models import resolve_model
-    from selfopd.trainer import train
+    from selfopd import load_config, resolve_model, train  # the public API: the same in every checkout
     from tests.conftest import save_tiny_llama
 
     if not model.is_dir():  # one place for both checkouts: its path is written into every checkpoint

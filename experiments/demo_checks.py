@@ -26,13 +26,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from selfopd.config import load_config
 from selfopd.data import load_examples, parse_data_spec
 from selfopd.engines.local import LocalEngine
-from selfopd.evaluate import evaluate, outcomes_by_prompt
-from selfopd.models import resolve_model
-from selfopd.run_folder import RunFolder
-from selfopd.split import SplitRecord, load_split
-from selfopd.stats import paired_change, prompt_accuracy
-from selfopd.templates import load_template
-from selfopd.trainer import latest_checkpoint
+from selfopd.run.evaluate import evaluate, outcomes_by_prompt
+from selfopd.core.models import resolve_model
+from selfopd.core.run_folder import RunFolder
+from selfopd.data.split import SplitRecord, load_split
+from selfopd.core.stats import paired_change, prompt_accuracy
+from selfopd.templating.templates import load_template
+from selfopd.training.trainer import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 

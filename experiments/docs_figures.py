@@ -25,9 +25,9 @@ def heatmap(run_dir: Path, path: Path) -> Path:
     from selfopd.config import load_config
     from selfopd.data import load_examples
     from selfopd.diagnostics import Prompting, annotate_records, read_run_rollouts
-    from selfopd.heatmaps import plot_token_heatmap
-    from selfopd.models import resolve_model
-    from selfopd.run_templates import load_run_template
+    from selfopd.core.heatmaps import plot_token_heatmap
+    from selfopd.core.models import resolve_model
+    from selfopd.run.templates import load_run_template
 
     config = load_config(run_dir / "config.toml")
     prompting = Prompting(AutoTokenizer.from_pretrained(resolve_model(config.model.student)),

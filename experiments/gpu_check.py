@@ -36,7 +36,7 @@ from selfopd.engines.base import SamplingParams
 from selfopd.engines.vllm import VLLMEngine
 from selfopd.engines.vllm_server import ServerSpec, free_port, launch_servers
 from selfopd.engines.weight_sync import NCCLWeightSync, ServerControl
-from selfopd.models import resolve_model
+from selfopd.core.models import resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,35 +19,35 @@ _EXPORTS = {
     "TrainConfig": "selfopd.config",
     "load_config": "selfopd.config",
     "config_to_toml": "selfopd.config",
-    "train": "selfopd.trainer",
-    "resolve_model": "selfopd.models",
-    "Example": "selfopd.example",
+    "train": "selfopd.training.trainer",
+    "resolve_model": "selfopd.core.models",
+    "Example": "selfopd.data.example",
     "load_examples": "selfopd.data",
-    "split_examples": "selfopd.split",
-    "load_template": "selfopd.templates",
-    "list_templates": "selfopd.templates",
-    "render_student": "selfopd.templates",
-    "render_teacher": "selfopd.templates",
-    "load_compare_config": "selfopd.compare",
-    "run_compare": "selfopd.compare",
+    "split_examples": "selfopd.data.split",
+    "load_template": "selfopd.templating.templates",
+    "list_templates": "selfopd.templating.templates",
+    "render_student": "selfopd.templating.templates",
+    "render_teacher": "selfopd.templating.templates",
+    "load_compare_config": "selfopd.comparisons.compare",
+    "run_compare": "selfopd.comparisons.compare",
     "measure_run": "selfopd.diagnostics.report",
     "write_report": "selfopd.diagnostics.report",
-    "token_heatmap_html": "selfopd.heatmaps",
-    "plot_token_heatmap": "selfopd.heatmaps",
+    "token_heatmap_html": "selfopd.core.heatmaps",
+    "plot_token_heatmap": "selfopd.core.heatmaps",
 }
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name loads on first use
-    from selfopd.compare import load_compare_config, run_compare
+    from selfopd.comparisons.compare import load_compare_config, run_compare
     from selfopd.config import TrainConfig, config_to_toml, load_config
     from selfopd.data import load_examples
     from selfopd.diagnostics.report import measure_run, write_report
-    from selfopd.example import Example
-    from selfopd.heatmaps import plot_token_heatmap, token_heatmap_html
-    from selfopd.models import resolve_model
-    from selfopd.split import split_examples
-    from selfopd.templates import list_templates, load_template, render_student, render_teacher
-    from selfopd.trainer import train
+    from selfopd.data.example import Example
+    from selfopd.core.heatmaps import plot_token_heatmap, token_heatmap_html
+    from selfopd.core.models import resolve_model
+    from selfopd.data.split import split_examples
+    from selfopd.templating.templates import list_templates, load_template, render_student, render_teacher
+    from selfopd.training.trainer import train
 
 
 def __getattr__(name: str) -> Any:

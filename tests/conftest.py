@@ -29,7 +29,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """The packaged SmolLM2-135M-Instruct as an fp32 safetensors folder (converted once)."""
-    from selfopd.models import resolve_model
+    from selfopd.core.models import resolve_model
 
     return resolve_model("smollm2-135m-instruct")
 

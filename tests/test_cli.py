@@ -116,7 +116,7 @@ def test_eval_avg_at_k_averages_per_item(tmp_path, smollm2_dir):
 def _recorded_run(tmp_path: Path) -> tuple[Path, "SplitRecord"]:
     """A run folder as `selfopd train` starts it: its config and its split record."""
     from selfopd.config import config_to_toml, load_config
-    from selfopd.split import SplitRecord, load_split
+    from selfopd.data.split import SplitRecord, load_split
 
     config = load_config(None, [f"data.spec={SMALL_DATA}", "data.eval_size=6", "eval.max_tokens=6", "eval.batch_size=8"])
     run_dir = tmp_path / "run"
@@ -145,7 +145,7 @@ def test_eval_of_a_run_uses_its_held_out_prompts_and_fresh_data_avoids_all_of_it
     spec = "rg:chain_sum?min_terms=2&max_terms=3&size=30&seed=3"
     assert main(["eval", "--run", str(run_dir), "--data", spec, "--fresh", "--model", str(tiny_model_dir),
                  "--out", str(fresh)]) == 0
-    from selfopd.example import prompt_key
+    from selfopd.data.example import prompt_key
 
     prompts = {prompt_key(json.loads(line)["prompt"]) for line in (fresh / "eval.jsonl").read_text().splitlines()}
     assert len(prompts) == 30 and not prompts & (set(record.train_prompts) | set(record.eval_prompts))
@@ -153,7 +153,7 @@ def test_eval_of_a_run_uses_its_held_out_prompts_and_fresh_data_avoids_all_of_it
 
 def test_eval_takes_model_data_split_and_eval_settings_from_a_training_config(tmp_path, tiny_model_dir):
     from selfopd.config import load_config
-    from selfopd.split import load_split
+    from selfopd.data.split import load_split
 
     out = tmp_path / "from_config"
     assert main(["eval", str(DEMO_CONFIG), "--model", str(tiny_model_dir), "--set", "data.eval_size=5",

@@ -13,9 +13,9 @@ import matplotlib.image
 import pytest
 
 from selfopd.cli import main
-from selfopd.compare import arm_configs, load_compare_config, sft_config
+from selfopd.comparisons.compare import arm_configs, load_compare_config, sft_config
 from selfopd.config import ConfigError, load_config
-from selfopd.example import prompt_key
+from selfopd.data.example import prompt_key
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = "rg:chain_sum?min_terms=2&max_terms=2&min_digits=1&max_digits=1&size=200&seed=5"

@@ -77,7 +77,7 @@ def test_the_default_data_is_the_demos():
     defaults = load_config(None)
     assert (defaults.data.spec, defaults.data.eval_size, defaults.data.split_seed, defaults.data.student_template) == (
         demo.data.spec, demo.data.eval_size, demo.data.split_seed, demo.data.student_template)
-    from selfopd.sft import load_sft_config
+    from selfopd.comparisons.sft import load_sft_config
 
     # The shipped SFT teacher holds out the demo's prompts, so it never trains on them.
     sft = load_sft_config(Path(__file__).resolve().parents[1] / "experiments" / "sft_teacher.toml")

@@ -1,4 +1,4 @@
-"""selfopd.credit (the cures for the privileged illusion): each advantage against a float64
+"""selfopd.training.credit (the cures for the privileged illusion): each advantage against a float64
 reference written from its paper's formula, the policy-gradient loss's gradient against its
 analytic value, the identities (l = 0 is GRPO, routing with every rollout correct is GRPO, an
 empty-context teacher gives no contrastive signal), and each cure through a real train step."""
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from selfopd.config import ConfigError, load_config
-from selfopd.credit import (cure_advantage, mean_prompt_weight, opd_rollout_weights, pass_rate_weights, rlsd_factor,
+from selfopd.training.credit import (cure_advantage, mean_prompt_weight, opd_rollout_weights, pass_rate_weights, rlsd_factor,
                             rlsd_lambda)
-from selfopd.example import Example
-from selfopd.objectives import combined_advantage, policy_gradient_loss
-from selfopd.wrong_context import failed_sibling_answers, wrong_example
+from selfopd.data.example import Example
+from selfopd.training.objectives import combined_advantage, policy_gradient_loss
+from selfopd.templating.wrong_context import failed_sibling_answers, wrong_example
 
 torch.set_num_threads(1)
 
@@ -224,7 +224,7 @@ SMALL = ["data.spec=rg:chain_sum?min_terms=2&max_terms=2&size=60&seed=2", "data.
     ("contrastive", ["loss.opd_baseline=wrong_context", "loss.lambda_rl=1"], "opd/context_contrast"),
 ])
 def test_each_cure_trains_a_step_and_logs_its_setting(tmp_path, tiny_model_dir, cure, extra, metric):
-    from selfopd.trainer import build_run, train_step
+    from selfopd.training.trainer import build_run, train_step
 
     config = load_config(None, [*SMALL, f"model.student={tiny_model_dir}", f"run.out_dir={tmp_path}",
                                 f"run.name={cure}", *extra])
@@ -242,7 +242,7 @@ def test_each_cure_trains_a_step_and_logs_its_setting(tmp_path, tiny_model_dir, 
 def test_an_empty_context_teacher_gives_exactly_zero_contrastive_signal(tmp_path, tiny_model_dir):
     """teacher/empty renders the same prompt under the true and the wrong context: the two
     scores are the same numbers, so the contrastive advantage and the update are exactly zero."""
-    from selfopd.trainer import build_run, train_step
+    from selfopd.training.trainer import build_run, train_step
 
     config = load_config(None, [*SMALL, f"model.student={tiny_model_dir}", f"run.out_dir={tmp_path}", "run.name=zero",
                                 "teacher.template=teacher/empty", "loss.opd_baseline=wrong_context",

@@ -10,9 +10,9 @@ import pandas as pd
 import pytest
 
 from selfopd.data import DataError, DataSpec, load_examples, parse_data_spec
-from selfopd.example import prompt_key
-from selfopd.split import SplitRecord, split_examples, trained_on
-from selfopd.example import Example
+from selfopd.data.example import prompt_key
+from selfopd.data.split import SplitRecord, split_examples, trained_on
+from selfopd.data.example import Example
 
 
 def write_jsonl(path, rows):
@@ -336,7 +336,7 @@ def test_split_is_deterministic_disjoint_and_complete():
 def test_split_is_the_same_in_another_process():
     examples = make_examples([f"question {i}" for i in range(50)])
     ids_here = [ex.id for ex in split_examples(examples, eval_size=10, seed=5)[1]]
-    code = ("from selfopd.split import split_examples\nfrom selfopd.example import Example\n"
+    code = ("from selfopd.data.split import split_examples\nfrom selfopd.data.example import Example\n"
             "ex = [Example(id=f'e{i}', prompt=f'question {i}', answer='0') for i in range(50)]\n"
             "print(','.join(e.id for e in split_examples(ex, eval_size=10, seed=5)[1]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -8,16 +8,16 @@ import json
 
 import pytest
 
-import selfopd.teacher_prompts as teacher_prompts_module
+import selfopd.templating.teacher_prompts as teacher_prompts_module
 from selfopd.config import ConfigError, load_config
-from selfopd.demonstrations import pick_demonstrations
+from selfopd.templating.demonstrations import pick_demonstrations
 from selfopd.diagnostics.context import Prompting
-from selfopd.diagnostics.records import read_records
-from selfopd.example import Example
-from selfopd.run_setup import check_templates_render
-from selfopd.template_lint import lint_template
-from selfopd.templates import TemplateError, load_template, render_student, render_teacher
-from selfopd.trainer import build_run, train_step
+from selfopd.run.rollouts import read_records
+from selfopd.data.example import Example
+from selfopd.training.setup import check_templates_render
+from selfopd.templating.lint import lint_template
+from selfopd.templating.templates import TemplateError, load_template, render_student, render_teacher
+from selfopd.training.trainer import build_run, train_step
 
 EXAMPLE = Example(id="toy/1", prompt="What is 3 + 4?", answer="7")
 SMALL = [

@@ -8,9 +8,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from selfopd.config import ConfigError, load_config
-from selfopd.devices import attn_implementation, model_device, resolve_device, use_device
+from selfopd.core.devices import attn_implementation, model_device, resolve_device, use_device
 from selfopd.engines.build import load_model, model_options
-from selfopd.scoring import _hidden_in_one_pass, completion_hidden, completion_logprobs, right_pad
+from selfopd.engines.scoring import _hidden_in_one_pass, completion_hidden, completion_logprobs, right_pad
 
 SEQUENCES = [([1, 5, 9, 4], [7, 8, 2]), ([1, 5, 9, 4], [7, 3]), ([1, 6], [9, 9, 9, 2])]
 
@@ -71,7 +71,7 @@ def test_the_model_loads_where_the_config_says(tiny_model_dir):
     frozen, _ = load_model(tiny_model_dir, "bfloat16", frozen=True, **options)
     assert next(frozen.parameters()).dtype == torch.bfloat16 and not frozen.training
     trained, _ = load_model(tiny_model_dir, "bfloat16", **options)
-    assert next(trained.parameters()).dtype == torch.float32  # master weights (selfopd.devices)
+    assert next(trained.parameters()).dtype == torch.float32  # master weights (selfopd.core.devices)
 
 
 def test_one_pass_states_equal_the_shared_prompt_states(tiny_model_dir):

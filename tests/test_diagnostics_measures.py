@@ -15,7 +15,7 @@ from selfopd.diagnostics.measures import (
     ratio_share,
     step_behaviour,
 )
-from selfopd.diagnostics.records import RolloutRecord
+from selfopd.run.rollouts import RolloutRecord
 from selfopd.diagnostics.tokens import TokenPieces
 
 

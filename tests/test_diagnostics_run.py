@@ -26,9 +26,9 @@ from selfopd.diagnostics import (
     wrong_example,
 )
 from selfopd.engines.local import LocalEngine
-from selfopd.example import Example
-from selfopd.templates import load_template
-from selfopd.trainer import train
+from selfopd.data.example import Example
+from selfopd.templating.templates import load_template
+from selfopd.training.trainer import train
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,7 +193,7 @@ def test_notebook_runs_with_its_defaults(notebook, runs, tmp_path):
 
 
 def test_the_heatmap_notebook_says_what_is_missing(tmp_path):
-    from selfopd.run_finder import check_run, newest_run
+    from selfopd.run.finder import check_run, newest_run
 
     with pytest.raises(FileNotFoundError, match="no runs under .*make demo"):
         newest_run(tmp_path / "runs")

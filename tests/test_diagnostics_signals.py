@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from selfopd.diagnostics.context import Prompting
 from selfopd.diagnostics.measures import Annotated
-from selfopd.diagnostics.records import DiagnosticsError, RolloutRecord
+from selfopd.run.rollouts import DiagnosticsError, RolloutRecord
 from selfopd.diagnostics.signals import (
     DopdSplit,
     contrastive_gains,
@@ -29,8 +29,8 @@ from selfopd.diagnostics.signals import (
 )
 from selfopd.diagnostics.tokens import TokenPieces
 from selfopd.engines.local import LocalEngine
-from selfopd.example import Example
-from selfopd.templates import load_template
+from selfopd.data.example import Example
+from selfopd.templating.templates import load_template
 
 ITEMS = [
     Example("a", "What is 2 + 3?", "5", solution="2 + 3 = 5", hints=("add them",)),

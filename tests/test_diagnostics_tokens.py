@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from selfopd.diagnostics.records import DiagnosticsError, RolloutRecord, read_records, read_run_rollouts, write_records
+from selfopd.run.rollouts import DiagnosticsError, RolloutRecord, read_records, read_run_rollouts, write_records
 from selfopd.diagnostics.tokens import (
     answer_occurrences,
     classify_tokens,

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from selfopd.config import ConfigError, load_config
-from selfopd.distributed import World, share
-from selfopd.run_setup import check_world
-from selfopd.trainer import train
+from selfopd.core.distributed import World, share
+from selfopd.training.setup import check_world
+from selfopd.training.trainer import train
 from tests import two_processes
 
 pytestmark = pytest.mark.distributed

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from selfopd.cli import build_parser, main
-from selfopd.reference import generated
+from selfopd.cli.reference import generated
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]

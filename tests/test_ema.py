@@ -12,9 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from selfopd.config import ConfigError, load_config
-from selfopd.ema import EmaWeights
+from selfopd.training.ema import EmaWeights
 from selfopd.engines.local import LocalEngine
-from selfopd.trainer import WeightSyncError, build_run, train, train_step
+from selfopd.training.trainer import WeightSyncError, build_run, train, train_step
 
 SMALL = [
     "data.spec=rg:chain_sum?min_terms=2&max_terms=2&size=60&seed=2", "data.eval_size=4",

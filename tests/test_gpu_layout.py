@@ -14,8 +14,8 @@ import pytest
 from selfopd.cli import main
 from selfopd.config import ConfigError, load_config
 from selfopd.engines.vllm_server import server_command, server_env, visible_devices
-from selfopd.gpu_layout import check_layout, server_slots, single_process_trainer_gpus
-from selfopd.serving import NCCL_FIRST_PORT, open_vllm_engines, planned_servers, weight_sync_plan
+from selfopd.engines.gpu_layout import check_layout, server_slots, single_process_trainer_gpus
+from selfopd.engines.serving import NCCL_FIRST_PORT, open_vllm_engines, planned_servers, weight_sync_plan
 
 # One node, 8 GPUs: trainer on 0-3 (torchrun --nproc_per_node 4), two student servers of
 # TP 1 on 4 and 5, the teacher (TP 2) on 6 and 7.
@@ -193,7 +193,7 @@ def test_open_vllm_engines_refuses_before_any_server_starts(tmp_path):
 
 
 def test_build_run_refuses_the_layout_before_the_model_loads(tmp_path):
-    from selfopd.run_setup import build_run
+    from selfopd.training.setup import build_run
 
     # The student folder does not exist: loading it first would raise ModelError instead.
     bad = load_config(None, ["engine.kind=vllm", "engine.student_gpus=2", f"model.student={tmp_path / 'absent'}",

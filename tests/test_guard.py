@@ -1,4 +1,4 @@
-"""The illusion guard (`selfopd.guard`): each condition fires at its boundary and not below
+"""The illusion guard (`selfopd.training.guard`): each condition fires at its boundary and not below
 it, only at its onset, on the window's pooled teacher-prefers-correct measure (checked
 against a float64 brute force); offline replay of saved rollouts equals the live metrics;
 a tiny-model run warns or stops, keeps the checkpoint, and `--resume` goes on. The real-run
@@ -16,10 +16,10 @@ import pytest
 
 from selfopd.cli import main
 from selfopd.config import ConfigError, GuardConfig, load_config
-from selfopd.diagnostics.records import RolloutRecord, write_records
-from selfopd.guard import FIRED, check, events, replay, training_lines
-from selfopd.loss_metrics import preference_metrics
-from selfopd.run_folder import RunFolder
+from selfopd.run.rollouts import RolloutRecord, write_records
+from selfopd.training.guard import FIRED, check, events, replay, training_lines
+from selfopd.training.loss_metrics import preference_metrics
+from selfopd.core.run_folder import RunFolder
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data" / "guard"

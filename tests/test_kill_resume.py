@@ -1,4 +1,4 @@
-"""`kill -9` at exact moments (`selfopd.faults`), then a rerun: training, comparisons and SFT
+"""`kill -9` at exact moments (`selfopd.core.faults`), then a rerun: training, comparisons and SFT
 continue from their last complete checkpoint and end exactly where an uninterrupted run ends.
 
 Every run is the real CLI in a subprocess that SIGKILLs itself at a named fault point; the
@@ -22,8 +22,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from selfopd.atomic import replace_atomic, write_json_atomic
-from selfopd.tracking import metrics_key
+from selfopd.core.atomic import replace_atomic, write_json_atomic
+from selfopd.run.tracking import metrics_key
 
 pytestmark = pytest.mark.slow  # minutes of real processes: the whole suite only (make test)
 

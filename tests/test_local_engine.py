@@ -9,7 +9,7 @@ import torch
 
 from selfopd.engines.base import SamplingParams
 from selfopd.engines.local import LocalEngine
-from selfopd.templates import prompt_token_ids
+from selfopd.templating.templates import prompt_token_ids
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""LoRA students (selfopd.lora): only the adapters train, a frozen teacher is the same module
+"""LoRA students (selfopd.engines.lora): only the adapters train, a frozen teacher is the same module
 with its adapters off, servers get merged weights under the base checkpoint's names, and
 checkpoints are adapter folders that resume, load and merge."""
 
@@ -16,10 +16,10 @@ from selfopd.cli import main
 from selfopd.config import ConfigError, load_config
 from selfopd.engines.build import load_model
 from selfopd.engines.local import LocalEngine
-from selfopd.lora import add_adapters, served_weights
-from selfopd.models import ModelError
-from selfopd.trainer import build_run, train, train_step
-from selfopd.weight_checks import probe_logprobs
+from selfopd.engines.lora import add_adapters, served_weights
+from selfopd.core.models import ModelError
+from selfopd.training.trainer import build_run, train, train_step
+from selfopd.training.weight_checks import probe_logprobs
 from tests.test_trainer import SMALL as TRAINER_SMALL
 
 # The trainer tests' short runs, at a LoRA learning rate.

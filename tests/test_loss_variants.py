@@ -1,4 +1,4 @@
-"""selfopd.kernels, full-distribution variants: full-vocabulary reverse KL, forward KL and
+"""selfopd.engines.kernels, full-distribution variants: full-vocabulary reverse KL, forward KL and
 JSD(beta), top-k reverse KL with a tail bucket, and the sampled-token estimator they
 generalise. Values and gradients are pinned against float64 references written straight
 from the definitions (log_softmax over the whole vocabulary)."""
@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from selfopd.kernels import full_vocab_divergence, token_logprobs_from_hidden, topk_reverse_kl, topk_tail_logprob
-from selfopd.objectives import masked_mean, opd_advantage, policy_gradient_loss
+from selfopd.engines.kernels import full_vocab_divergence, token_logprobs_from_hidden, topk_reverse_kl, topk_tail_logprob
+from selfopd.training.objectives import masked_mean, opd_advantage, policy_gradient_loss
 
 torch.set_num_threads(1)  # the test machine's cores are shared; these tensors are tiny anyway
 

@@ -1,4 +1,4 @@
-"""selfopd.objectives: the sign, the expected gradient, masking and normalisation of the OPD loss,
+"""selfopd.training.objectives: the sign, the expected gradient, masking and normalisation of the OPD loss,
 each pinned against a float64 reference written straight from the definition."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from selfopd.kernels import token_logprobs_from_hidden
-from selfopd.loss_metrics import opd_metrics
-from selfopd.objectives import (
+from selfopd.engines.kernels import token_logprobs_from_hidden
+from selfopd.training.loss_metrics import opd_metrics
+from selfopd.training.objectives import (
     clipped_divergence,
     clipped_tokens,
     combined_advantage,

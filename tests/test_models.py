@@ -1,4 +1,4 @@
-"""selfopd.models: the packaged model converts faithfully, atomically, and bad specs fail clearly."""
+"""selfopd.core.models: the packaged model converts faithfully, atomically, and bad specs fail clearly."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from selfopd import models
-from selfopd.models import ModelError, load_gguf_model, packaged_gguf_path, resolve_model
+from selfopd.core import models
+from selfopd.core.models import ModelError, load_gguf_model, packaged_gguf_path, resolve_model
 
 
 @pytest.mark.slow

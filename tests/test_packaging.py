@@ -36,7 +36,7 @@ def test_another_verifiers_package_does_not_shadow_ours(tmp_path):
             "from selfopd.data import load_examples\n"
             "example = load_examples('rg:chain_sum?min_terms=2&max_terms=2&size=3&seed=1')[0]\n"
             "assert verify_example(f'The answer is {example.answer}.', example).correct\n"
-            "import selfopd.trainer\n"
+            "import selfopd.training.trainer\n"
             "print('ok')\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -64,7 +64,7 @@ def test_shipped_results_store_no_machine_paths():
 
 
 def test_portable_path(tmp_path, monkeypatch):
-    from selfopd.run_folder import portable_path
+    from selfopd.core.run_folder import portable_path
 
     monkeypatch.chdir(tmp_path)
     assert portable_path(tmp_path / "runs" / "a" / "model") == "runs/a/model"

@@ -1,4 +1,4 @@
-"""selfopd.plots and selfopd.heatmaps: reads metrics.jsonl with gaps, writes valid PNGs, skips plots without data;
+"""selfopd.core.plots and selfopd.core.heatmaps: reads metrics.jsonl with gaps, writes valid PNGs, skips plots without data;
 per-token heatmaps wrap like text, share one colour scale, and escape HTML."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import pytest
 from matplotlib.colors import to_rgba
 from matplotlib.image import imread
 
-from selfopd.heatmaps import (
+from selfopd.core.heatmaps import (
     LINE_IN, NO_VALUE_COLOR, _layout_tokens, plot_token_heatmap, plot_token_heatmaps_side_by_side,
     save_token_heatmap_html, token_heatmap_html,
 )
-from selfopd.plots import DPI, plot_training_curves, read_metrics
+from selfopd.core.plots import DPI, plot_training_curves, read_metrics
 
 
 def synthetic_metrics(steps: int = 20, eval_every: int = 5) -> list[dict]:

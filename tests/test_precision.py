@@ -11,12 +11,12 @@ import torch
 from safetensors.torch import load_file
 
 from selfopd.config import load_config
-from selfopd.devices import autocast
+from selfopd.core.devices import autocast
 from selfopd.engines.build import load_model
 from selfopd.engines.local import LocalEngine
-from selfopd.kernels import full_vocab_divergence, token_logprobs_from_hidden
-from selfopd.run_setup import build_run
-from selfopd.trainer import WeightSyncError, train, train_step
+from selfopd.engines.kernels import full_vocab_divergence, token_logprobs_from_hidden
+from selfopd.training.setup import build_run
+from selfopd.training.trainer import WeightSyncError, train, train_step
 from tests.conftest import save_tiny_llama
 from experiments.benchmarks.precision_step import captured_step, relative_errors
 from tests.two_processes import ROOT, config_file, torchrun
@@ -100,7 +100,7 @@ def test_the_probe_reads_the_weights_after_the_optimizer_step_in_bf16(tmp_path, 
 
 
 def test_a_bf16_region_sees_in_place_weight_updates():
-    """What every trainer region relies on: within one bf16 region of `selfopd.devices.autocast`,
+    """What every trainer region relies on: within one bf16 region of `selfopd.core.devices.autocast`,
     a forward after an optimizer step uses the new weights (autocast's weight cache would not)."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(8, 8)

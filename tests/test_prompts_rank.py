@@ -14,7 +14,7 @@ from selfopd.cli import main
 from selfopd.data import load_examples
 from selfopd.diagnostics.context import ContextGap, Prompting, student_records
 from selfopd.diagnostics.measures import IllusionScore, Share
-from selfopd.diagnostics.tournament import (
+from selfopd.comparisons.tournament import (
     ScoreCache,
     TemplateScore,
     predicted_order,
@@ -23,10 +23,10 @@ from selfopd.diagnostics.tournament import (
 )
 from selfopd.engines.base import SamplingParams
 from selfopd.engines.local import LocalEngine
-from selfopd.example import Example, prompt_key
-from selfopd.stats import MeanEstimate, PairedDifference, wilson_interval
-from selfopd.templates import load_template
-from selfopd.trainer import batch_for_step
+from selfopd.data.example import Example, prompt_key
+from selfopd.core.stats import MeanEstimate, PairedDifference, wilson_interval
+from selfopd.templating.templates import load_template
+from selfopd.training.trainer import batch_for_step
 
 DATA = "rg:chain_sum?min_terms=2&max_terms=2&min_digits=1&max_digits=1&size=60&seed=5"
 TEMPERATURE = 0.7

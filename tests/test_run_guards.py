@@ -23,8 +23,8 @@ from safetensors.torch import load_file, save_file
 
 from selfopd.cli import main
 from selfopd.config import load_config
-from selfopd.folder_guard import folder_lock
-from selfopd.trainer import SKIPPED, build_run, train_step
+from selfopd.run.folder_guard import folder_lock
+from selfopd.training.trainer import SKIPPED, build_run, train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [

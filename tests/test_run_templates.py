@@ -8,9 +8,9 @@ import json
 import pytest
 
 from selfopd.cli import main
-from selfopd.example import Example
-from selfopd.run_templates import load_run_template, save_run_templates
-from selfopd.templates import load_template, render_teacher
+from selfopd.data.example import Example
+from selfopd.run.templates import load_run_template, save_run_templates
+from selfopd.templating.templates import load_template, render_teacher
 
 EXAMPLE = Example(id="q1", prompt="What is 2 + 3?", answer="5")
 STUDENT = [{"role": "user", "content": EXAMPLE.prompt}]

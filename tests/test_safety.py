@@ -15,8 +15,8 @@ import pytest
 from selfopd.config import ConfigError, load_config
 from selfopd.engines.build import load_model, model_options
 from selfopd.engines.vllm_server import server_command, server_env
-from selfopd.models import ModelError
-from selfopd.serving import planned_servers
+from selfopd.core.models import ModelError
+from selfopd.engines.serving import planned_servers
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""selfopd.scoring: prompt-shared completion logprobs equal a plain full-sequence computation,
+"""selfopd.engines.scoring: prompt-shared completion logprobs equal a plain full-sequence computation,
 in value and in gradient."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import transformers.models.llama.modeling_llama as modeling_llama
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from selfopd.scoring import completion_hidden, completion_logprobs, pad_completions, topk_from_hidden
+from selfopd.engines.scoring import completion_hidden, completion_logprobs, pad_completions, topk_from_hidden
 
 # Shared prompts, a duplicate row, prompts of different lengths (left padding), ragged completions.
 SEQUENCES = [
@@ -101,9 +101,9 @@ def test_heads_that_are_not_plain_are_refused(float64_llama, tmp_path, tiny_mode
     from transformers import AutoTokenizer, GraniteConfig, GraniteForCausalLM
 
     from selfopd.config import load_config
-    from selfopd.models import ModelError
-    from selfopd.run_setup import build_run
-    from selfopd.scoring import check_plain_head
+    from selfopd.core.models import ModelError
+    from selfopd.training.setup import build_run
+    from selfopd.engines.scoring import check_plain_head
 
     check_plain_head(float64_llama)  # plain: passes
     float64_llama.lm_head.bias = torch.nn.Parameter(torch.zeros(48, dtype=torch.float64))

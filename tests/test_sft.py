@@ -17,14 +17,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from selfopd.cli import main
 from selfopd.config import ConfigError
 from selfopd.data import load_examples
-from selfopd.split import split_examples
+from selfopd.data.split import split_examples
 from selfopd.engines.base import Rollout
 from selfopd.engines.local import LocalEngine
 from selfopd.engines.base import SamplingParams
-from selfopd.sft import MARKER, SftConfig, load_sft_config, run_sft, sft_config_to_toml, teacher_trained_prompts
-from selfopd.sft_targets import sampled_targets, select_rollouts
-from selfopd.templates import load_template, prompt_token_ids, render_student, render_teacher
-from selfopd.tokenizer_check import check_tokenizers_compatible
+from selfopd.comparisons.sft import SftConfig, load_sft_config, run_sft, sft_config_to_toml
+from selfopd.core.models import MARKER, teacher_trained_prompts
+from selfopd.comparisons.sft_targets import sampled_targets, select_rollouts
+from selfopd.templating.templates import load_template, prompt_token_ids, render_student, render_teacher
+from selfopd.templating.tokenizer_check import check_tokenizers_compatible
 
 TINY_DATA = "rg:chain_sum?min_terms=2&max_terms=2&min_digits=1&max_digits=1&size=40&seed=3"
 
@@ -108,7 +109,7 @@ def test_missing_student_model_names_it(tmp_path, capsys):
 
 
 def test_sft_refuses_to_train_on_prompts_a_student_run_holds_out(tmp_path, capsys):
-    from selfopd.split import SplitRecord
+    from selfopd.data.split import SplitRecord
 
     examples = load_examples(TINY_DATA)
     # A student run that held out 10 prompts, split with another seed than the teacher's.

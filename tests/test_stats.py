@@ -1,4 +1,4 @@
-"""selfopd.stats: intervals checked against independent computations."""
+"""selfopd.core.stats: intervals checked against independent computations."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from selfopd.stats import (
+from selfopd.core.stats import (
     mean_interval,
     paired_change,
     paired_difference,

@@ -78,7 +78,7 @@ def test_engines_do_not_import_the_objectives():
     for name, path in modules.items():
         if name.startswith("selfopd.engines"):
             imported = _imports(name, path, modules)
-            assert not imported & {"selfopd.objectives", "selfopd.loss_metrics"}, name
+            assert not imported & {"selfopd.training.objectives", "selfopd.training.loss_metrics"}, name
 
 
 def test_experiment_scripts_write_under_runs_unless_told():
@@ -108,7 +108,7 @@ def _is_default_output(source: str, node: ast.Constant) -> bool:
 
 def test_the_training_step_reads_as_short_named_phases():
     """`train_step` is a dozen lines naming its phases; no phase function is longer than a screen."""
-    source = (ROOT / "selfopd" / "train_step.py").read_text()
+    source = (ROOT / "selfopd" / "training" / "step.py").read_text()
     functions = {node.name: node.end_lineno - node.lineno + 1 for node in ast.parse(source).body
                  if isinstance(node, ast.FunctionDef)}
     assert functions["train_step"] <= 25, functions["train_step"]
@@ -116,3 +116,28 @@ def test_the_training_step_reads_as_short_named_phases():
         assert phase in functions
     long = {name: n for name, n in functions.items() if n > 80}
     assert not long, long
+
+
+# The subpackages in the order data flows through them; a package imports only itself and
+# those before it (selfopd.verifiers, the answer checkers, sits with the data).
+FLOW = ["config", "core", "data", "verifiers", "templating", "engines", "run", "training", "diagnostics",
+        "comparisons", "cli"]
+
+
+def test_packages_import_only_what_comes_before_them_in_the_flow():
+    modules = _modules()
+    top = {name: name.split(".")[1] for name in modules if name.count(".") >= 1 and name != "selfopd.__main__"}
+    assert set(top.values()) == set(FLOW), set(top.values()) ^ set(FLOW)
+    for package in FLOW:
+        init = ROOT / ("verifiers" if package == "verifiers" else f"selfopd/{package}") / "__init__.py"
+        assert ast.get_docstring(ast.parse(init.read_text())), f"selfopd.{package} says nothing of its job"
+    backwards = []
+    for name, path in modules.items():
+        if name not in top:
+            continue
+        for target in _imports(name, path, modules):
+            if target in top and FLOW.index(top[target]) > FLOW.index(top[name]):
+                backwards.append(f"{name} -> {target}")
+    assert not backwards, backwards
+    flat = [p.name for p in (ROOT / "selfopd").glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+    assert not flat, f"modules outside the subpackages: {flat}"

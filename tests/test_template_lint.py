@@ -1,12 +1,12 @@
-"""selfopd.template_lint: flags leaky, broken and inapplicable templates; passes clean ones."""
+"""selfopd.templating.lint: flags leaky, broken and inapplicable templates; passes clean ones."""
 
 from __future__ import annotations
 
 import pytest
 
-from selfopd.example import Example
-from selfopd.template_lint import answer_follows_question, lint_template, template_role
-from selfopd.templates import load_template
+from selfopd.data.example import Example
+from selfopd.templating.lint import answer_follows_question, lint_template, template_role
+from selfopd.templating.templates import load_template
 
 SAMPLE = [
     Example(id=f"toy/{i}", prompt=f"What is {i} + 3?", answer=str(i + 3), solution=f"{i} + 3 = {i + 3}", hints=("Add.",))

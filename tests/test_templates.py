@@ -1,11 +1,11 @@
-"""selfopd.templates: rendering, sandboxing, clear errors, and token sequences that fit together."""
+"""selfopd.templating.templates: rendering, sandboxing, clear errors, and token sequences that fit together."""
 
 from __future__ import annotations
 
 import pytest
 
-from selfopd.example import Example
-from selfopd.templates import (
+from selfopd.data.example import Example
+from selfopd.templating.templates import (
     TemplateError,
     list_templates,
     load_template,

@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, example, given
 from hypothesis import strategies as st
 
-import selfopd.templates
-from selfopd.example import Example
-from selfopd.templates import TemplateError, list_templates, load_template, render_student, render_teacher
+import selfopd.templating.templates
+from selfopd.data.example import Example
+from selfopd.templating.templates import TemplateError, list_templates, load_template, render_student, render_teacher
 from tests.fuzz_settings import examples
 
 CANARY_TEXT = "CANARY-7f3a-not-for-templates"
@@ -43,7 +43,7 @@ def sandbox_dir(tmp_path, monkeypatch):
     (prompts / "student" / "plain.jinja").write_text("{{ prompt }}")
     (tmp_path / "canary.txt").write_text(CANARY_TEXT)
     (tmp_path / "canary.jinja").write_text(CANARY_TEXT)
-    monkeypatch.setattr(selfopd.templates, "PROMPTS_DIR", prompts)
+    monkeypatch.setattr(selfopd.templating.templates, "PROMPTS_DIR", prompts)
     _opened.clear()
     return tmp_path
 

@@ -1,4 +1,4 @@
-"""selfopd.tokenizer_check: passes the real tokenizer against itself, names every kind of mismatch."""
+"""selfopd.templating.tokenizer_check: passes the real tokenizer against itself, names every kind of mismatch."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from selfopd.tokenizer_check import TokenizerMismatch, check_tokenizers_compatible
+from selfopd.templating.tokenizer_check import TokenizerMismatch, check_tokenizers_compatible
 
 VOCAB_SIZE = 49152  # SmolLM2's embedding rows: ids 0..49151
 

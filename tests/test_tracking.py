@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from selfopd.config import load_config
-from selfopd.trainer import train
+from selfopd.training.trainer import train
 
 SMALL = [
     "data.spec=rg:chain_sum?min_terms=2&max_terms=2&size=60&seed=2", "data.eval_size=4",

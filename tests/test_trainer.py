@@ -13,10 +13,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from selfopd.config import load_config
 from selfopd.engines.local import LocalEngine
 from selfopd.engines.build import load_model
-from selfopd.scoring import completion_hidden
-from selfopd.weight_checks import check_probe
-from selfopd.tokenizer_check import TokenizerMismatch
-from selfopd.trainer import WeightSyncError, build_run, train, train_step
+from selfopd.engines.scoring import completion_hidden
+from selfopd.training.weight_checks import check_probe
+from selfopd.templating.tokenizer_check import TokenizerMismatch
+from selfopd.training.trainer import WeightSyncError, build_run, train, train_step
 
 SMALL = [
     "data.spec=rg:chain_sum?min_terms=2&max_terms=2&size=60&seed=2",
@@ -294,9 +294,9 @@ def test_an_sft_teacher_that_trained_on_the_runs_held_out_prompts_is_refused(tmp
     import shutil
 
     from selfopd.config import ConfigError
-    from selfopd.example import prompt_key
-    from selfopd.sft import MARKER
-    from selfopd.split import load_split
+    from selfopd.data.example import prompt_key
+    from selfopd.core.models import MARKER
+    from selfopd.data.split import load_split
 
     config = _config(tmp_path, tiny_model_dir, "run.name=leaky-teacher")
     train, held_out = load_split(config.data.spec, config.data.eval_size, config.data.split_seed)

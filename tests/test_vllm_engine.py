@@ -182,7 +182,7 @@ def test_a_partial_weight_load_is_refused_naming_what_was_not_loaded(servers, en
 
 def test_the_probe_checks_every_student_server(servers, engines, base_weights_after, tmp_path):
     """Two student servers, one of which never receives the update: the probe names it."""
-    from selfopd.trainer import WeightSyncError, build_run, train_step
+    from selfopd.training.trainer import WeightSyncError, build_run, train_step
 
     run = build_run(train_config(servers, tmp_path, "optim.lr=1e-4", "run.name=two-students", "teacher.kind=frozen",
                                  f"engine.student_urls={servers['student']},{servers['teacher']}"))
@@ -199,7 +199,7 @@ def test_the_probe_checks_every_student_server(servers, engines, base_weights_af
 
 def test_a_frozen_teacher_server_must_serve_the_initial_weights(servers, engines, smollm2_model, base_weights_after,
                                                                  tmp_path):
-    from selfopd.trainer import WeightSyncError, build_run
+    from selfopd.training.trainer import WeightSyncError, build_run
 
     config = train_config(servers, tmp_path, "run.name=frozen", "teacher.kind=frozen")
     build_run(config).close()  # the teacher server holds the packaged (initial) weights: accepted
@@ -211,7 +211,7 @@ def test_a_frozen_teacher_server_must_serve_the_initial_weights(servers, engines
 
 
 def test_training_step_syncs_student_and_teacher_servers(servers, engines, base_weights_after, tmp_path):
-    from selfopd.trainer import build_run, train_step
+    from selfopd.training.trainer import build_run, train_step
 
     # A large learning rate, so a server that missed the update would be far off.
     run = build_run(train_config(servers, tmp_path, "optim.lr=1e-4", "optim.warmup_steps=0", "run.name=sync"))
@@ -236,7 +236,7 @@ def test_training_step_syncs_student_and_teacher_servers(servers, engines, base_
 
 def test_an_ema_teacher_server_is_sent_the_average_not_the_students_weights(servers, engines, base_weights_after,
                                                                            tmp_path):
-    from selfopd.trainer import build_run, train_step
+    from selfopd.training.trainer import build_run, train_step
 
     run = build_run(train_config(servers, tmp_path, "optim.lr=1e-4", "optim.warmup_steps=0", "run.name=ema",
                                  "teacher.kind=ema", "teacher.ema_rate=0.1"))
@@ -258,7 +258,7 @@ def test_an_ema_teacher_server_is_sent_the_average_not_the_students_weights(serv
 def test_lora_step_sends_merged_weights_under_the_checkpoint_names(servers, engines, base_weights_after, tmp_path):
     """A LoRA student: the servers (student, self teacher) get W + scale * B @ A under the base
     model's names, and score like the adapted trainer module."""
-    from selfopd.trainer import build_run, train_step
+    from selfopd.training.trainer import build_run, train_step
 
     run = build_run(train_config(servers, tmp_path, "model.lora_rank=8", "optim.lr=1e-3", "optim.warmup_steps=0",
                                  "run.name=lora"))

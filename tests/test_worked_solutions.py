@@ -9,7 +9,7 @@ import re
 import pytest
 
 from selfopd.data import load_examples
-from selfopd.worked_solutions import arithmetic_solution
+from selfopd.data.worked_solutions import arithmetic_solution
 
 STEP = re.compile(r"(?P<parts>[\d +*]+?) = (?P<total>\d+), write (?P<digit>\d)(?:, carry (?P<carry>\d+))?")
 

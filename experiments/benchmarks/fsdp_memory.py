@@ -5,7 +5,7 @@ per rank, 1 process vs N, measured after one real training step of the packaged 
     python experiments/benchmarks/fsdp_memory.py --ranks 4
 
 Each rank loads the model with selfopd's own loader, shards it as `selfopd train` does under
-torchrun (`selfopd.distributed.shard_model`: every decoder layer, then the rest), builds
+torchrun (`selfopd.core.distributed.shard_model`: every decoder layer, then the rest), builds
 AdamW, runs one forward/backward of a completion loss on its share of a fixed batch and one
 optimizer step, then sums the local sizes of its parameter shards, their gradients and the
 optimizer state. Printed as a table; JSON in runs/benchmarks/ (the shipped
@@ -37,9 +37,9 @@ def local_bytes(tensors) -> int:
 
 
 def measure(rank: int, ranks: int, model: str, rendezvous: str, out: str) -> None:
-    from selfopd.distributed import World, share, shard_model
+    from selfopd.core.distributed import World, share, shard_model
     from selfopd.engines.build import load_model
-    from selfopd.scoring import completion_logprobs
+    from selfopd.engines.scoring import completion_logprobs
 
     world = World(rank=rank, size=ranks, local_rank=rank)
     if ranks > 1:

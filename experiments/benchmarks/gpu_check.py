@@ -21,7 +21,7 @@ What it does, in order:
    `math_verify` only leaves some rewards unchecked, a missing `peft` fails the LoRA cases;
 2. writes a random model folder from `configs/qwen3_1p7b.json` (Qwen3-1.7B's architecture,
    its 151936-token head; the tokenizer is SmolLM2's 49152 tokens, ids past it decode to
-   nothing) and runs the real trainer (`selfopd.run_setup.build_run` + `selfopd.trainer.
+   nothing) and runs the real trainer (`selfopd.training.setup.build_run` + `selfopd.training.trainer.
    train_step`) with model.device = cuda, model.dtype = bfloat16 in four cases: full
    fine-tuning, + gradient checkpointing, LoRA, LoRA + gradient checkpointing. Per case:
    median step time of the steps after the first, completion tokens trained per second,
@@ -78,8 +78,8 @@ TINY = {"model_type": "qwen3", "hidden_size": 128, "intermediate_size": 256, "nu
 
 # Which optional packages the trainer's code paths reach, and what is lost without each.
 DEPENDENCIES = {
-    "jinja2": "required: prompt templates (selfopd.templates)",
-    "tqdm": "required: imported by selfopd.trainer",
+    "jinja2": "required: prompt templates (selfopd.templating.templates)",
+    "tqdm": "required: imported by selfopd.training.trainer",
     "peft": "the LoRA cases (model.lora_rank) fail",
     "math_verify": "answers that are not plain numbers count as unchecked (reward 0)",
     "datasets": "not needed: this check generates its prompts",
@@ -139,7 +139,7 @@ def _git_commit() -> str | None:
 
 def prepare_tokenizer(target: Path = TOKENIZER_DIR) -> Path:
     """Copy the packaged SmolLM2's tokenizer files into `target`, the folder the GPU run carries."""
-    from selfopd.models import resolve_model
+    from selfopd.core.models import resolve_model
 
     source = resolve_model("smollm2-135m-instruct")
     target.mkdir(parents=True, exist_ok=True)
@@ -179,7 +179,7 @@ def write_random_model(folder: Path, tokenizer_dir: Path, config: dict[str, Any]
 
 def generated_examples(count: int) -> list[Any]:
     """Addition prompts with their answers: the data needs no dataset package."""
-    from selfopd.example import Example
+    from selfopd.data.example import Example
 
     return [Example(id=f"gpu_check/{i}", prompt=f"What is {i * 37 % 89 + 10} + {i * 53 % 97 + 3}? "
                     "Explain your steps, then give the final answer.", answer=str(i * 37 % 89 + 10 + i * 53 % 97 + 3))
@@ -286,7 +286,7 @@ def time_case(case: Case, model_dir: Path, work_dir: Path, device: str, dtype: s
               steps: int, deadline: float) -> dict[str, Any]:
     """Build the run as `selfopd train` would and time `steps` train_step calls (the first is
     the warm-up); results, or the exception that stopped the case."""
-    from selfopd.trainer import build_run, train_step
+    from selfopd.training.trainer import build_run, train_step
 
     result: dict[str, Any] = {"overrides": list(case.overrides)}
     run = probe = None
@@ -357,7 +357,7 @@ def device_vs_cpu_step(model_dir: Path, work_dir: Path, device: str, shape: dict
 
     Greedy sampling, because the two devices' random streams differ; a near-tie could still
     flip one argmax, which is reported as 'inconclusive', not as a failure."""
-    from selfopd.trainer import build_run, train_step
+    from selfopd.training.trainer import build_run, train_step
 
     outcomes = {}
     for where in ("cpu", device):
@@ -412,7 +412,7 @@ def bf16_vs_fp32(model_dir: Path, work_dir: Path, device: str, shape: dict[str, 
     agreement over all weights, relative difference). Greedy rollouts: the two precisions may
     still pick different tokens at a near-tie, which the report says."""
     from experiments.benchmarks.precision_step import captured_step, relative_errors
-    from selfopd.trainer import build_run, train_step
+    from selfopd.training.trainer import build_run, train_step
 
     def config(dtype: str, name: str) -> Any:
         return train_config(model_dir, work_dir / f"bf16-{name}", shape, (

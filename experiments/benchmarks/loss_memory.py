@@ -1,4 +1,4 @@
-"""Peak memory and time of each OPD loss, chunked (selfopd.kernels) vs naive.
+"""Peak memory and time of each OPD loss, chunked (selfopd.engines.kernels) vs naive.
 
     python experiments/benchmarks/loss_memory.py            # batch 8, length 1024, vocab 49152, hidden 576
     python experiments/benchmarks/loss_memory.py --quick    # small sizes, to try it out
@@ -40,8 +40,8 @@ from pathlib import Path
 
 import torch
 
-from selfopd.kernels import full_vocab_divergence, token_logprobs_from_hidden, topk_reverse_kl
-from selfopd.objectives import masked_mean, opd_advantage, policy_gradient_loss
+from selfopd.engines.kernels import full_vocab_divergence, token_logprobs_from_hidden, topk_reverse_kl
+from selfopd.training.objectives import masked_mean, opd_advantage, policy_gradient_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 LOSSES = ("sampled", "topk", "reverse_kl", "forward_kl", "jsd")

@@ -142,7 +142,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from selfopd.models import resolve_model
+    from selfopd.core.models import resolve_model
 
     model_dir = resolve_model(args.model)
     text_ids = AutoTokenizer.from_pretrained(model_dir).encode(TEXT)

@@ -1,4 +1,4 @@
-"""One real training step (`selfopd.trainer.train_step`) whose accumulated gradient is
+"""One real training step (`selfopd.training.trainer.train_step`) whose accumulated gradient is
 captured just before the optimizer takes it: alone, under torchrun (FSDP2), or on the
 rollouts of another run with the model's weights in another dtype. What the bf16 checks
 compare: tests/test_precision.py on the CPU, experiments/benchmarks/gpu_check.py on a GPU.
@@ -23,9 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from selfopd.config import TrainConfig, load_config  # noqa: E402
-from selfopd.distributed import all_gather  # noqa: E402
-from selfopd.run_setup import build_run  # noqa: E402
-from selfopd.trainer import train_step  # noqa: E402
+from selfopd.core.distributed import all_gather  # noqa: E402
+from selfopd.training.setup import build_run  # noqa: E402
+from selfopd.training.trainer import train_step  # noqa: E402
 
 
 def captured_step(config: TrainConfig, given_rollouts: list[Any] | None = None,

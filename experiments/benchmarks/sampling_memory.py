@@ -38,7 +38,7 @@ METHODS = ("selfopd", "scores_kept")
 def build(vocabulary: int):
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from selfopd.models import resolve_model
+    from selfopd.core.models import resolve_model
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))

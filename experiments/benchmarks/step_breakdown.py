@@ -19,8 +19,8 @@ import tempfile
 from pathlib import Path
 
 from selfopd.config import load_config
-from selfopd.run_folder import portable_path
-from selfopd.trainer import build_run, train_step
+from selfopd.core.run_folder import portable_path
+from selfopd.training.trainer import build_run, train_step
 
 PHASES = ("sample", "verify", "teacher", "train", "optim", "sync", "probe", "overhead")
 ROOT = Path(__file__).resolve().parents[2]

@@ -86,8 +86,8 @@ def selfopd_config(variant: str, out_dir: Path, name: str) -> Any:
 def step_prompts(steps: int) -> list[str]:
     """The prompts selfopd trains on in steps 0..steps-1 (its split and per-step order), flattened."""
     from selfopd.data import load_examples
-    from selfopd.split import split_examples
-    from selfopd.trainer import batch_for_step
+    from selfopd.data.split import split_examples
+    from selfopd.training.trainer import batch_for_step
 
     config = selfopd_config(COMPARED, Path(tempfile.gettempdir()), "order")
     train, _ = split_examples(load_examples(config.data.spec), eval_size=config.data.eval_size,
@@ -98,8 +98,8 @@ def step_prompts(steps: int) -> list[str]:
 
 def selfopd_child(args: argparse.Namespace) -> None:
     """`--steps` train steps of one selfopd config, one JSON line per step into --out."""
-    from selfopd.run_setup import build_run
-    from selfopd.trainer import train_step
+    from selfopd.training.setup import build_run
+    from selfopd.training.trainer import train_step
 
     with tempfile.TemporaryDirectory(prefix="vs_trl-") as scratch:
         run = build_run(selfopd_config(args.variant, Path(scratch), "bench"))
@@ -200,7 +200,7 @@ def main() -> None:
         return print_tables(report)
     if not args.trl_python.is_file():
         raise SystemExit(f"{args.trl_python}: no such interpreter; `make bench-trl` makes .venv-trl with the pinned TRL")
-    from selfopd.models import resolve_model
+    from selfopd.core.models import resolve_model
 
     model = resolve_model("smollm2-135m-instruct")
     variants = [v for v in args.variants.split(",") if v]

@@ -26,11 +26,11 @@ matplotlib.use("Agg")
 
 from run import CURES, comparisons, longer_config, task_specs  # noqa: E402
 
-from selfopd.compare_report import ArmResult, measure_comparison  # noqa: E402
-from selfopd.evaluate import read_eval_outcomes  # noqa: E402
-from selfopd.plots import STYLE, decorate, new_figure, save_figure  # noqa: E402
-from selfopd.run_folder import RunFolder  # noqa: E402
-from selfopd.stats import PairedDifference, pooled_change  # noqa: E402
+from selfopd.comparisons.compare_report import ArmResult, measure_comparison  # noqa: E402
+from selfopd.run.evaluate import read_eval_outcomes  # noqa: E402
+from selfopd.core.plots import STYLE, decorate, new_figure, save_figure  # noqa: E402
+from selfopd.core.run_folder import RunFolder  # noqa: E402
+from selfopd.core.stats import PairedDifference, pooled_change  # noqa: E402
 
 REFERENCE = "grpo_only"
 

@@ -27,12 +27,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from selfopd.compare import CompareConfig, load_compare_config, run_compare  # noqa: E402
-from selfopd.compare_report import measure_comparison, write_compare_report  # noqa: E402
-from selfopd.folder_guard import folder_lock  # noqa: E402
-from selfopd.run_folder import RunFolder  # noqa: E402
-from selfopd.stats import paired_change  # noqa: E402
-from selfopd.evaluate import read_eval_outcomes  # noqa: E402
+from selfopd.comparisons.compare import CompareConfig, load_compare_config, run_compare  # noqa: E402
+from selfopd.comparisons.compare_report import measure_comparison, write_compare_report  # noqa: E402
+from selfopd.run.folder_guard import folder_lock  # noqa: E402
+from selfopd.core.run_folder import RunFolder  # noqa: E402
+from selfopd.core.stats import paired_change  # noqa: E402
+from selfopd.run.evaluate import read_eval_outcomes  # noqa: E402
 
 ARMS = ROOT / "experiments" / "cures" / "arms.toml"
 DEMO = ROOT / "experiments" / "demo.toml"

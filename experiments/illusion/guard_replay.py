@@ -15,11 +15,11 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from selfopd.atomic import write_json_atomic
+from selfopd.core.atomic import write_json_atomic
 from selfopd.config import load_config, parse_overrides
-from selfopd.guard import replay, training_lines
-from selfopd.plots import read_metrics
-from selfopd.run_folder import RunFolder
+from selfopd.training.guard import replay, training_lines
+from selfopd.core.plots import read_metrics
+from selfopd.core.run_folder import RunFolder
 
 
 def replay_run(run_dir: Path, overrides: list[str]) -> dict:

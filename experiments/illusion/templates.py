@@ -30,11 +30,11 @@ from selfopd.diagnostics.measures import as_jsonable
 from selfopd.diagnostics.report import diagnose_template
 from selfopd.engines.base import SamplingParams
 from selfopd.engines.local import LocalEngine
-from selfopd.heatmaps import plot_token_heatmaps_side_by_side
-from selfopd.models import resolve_model
-from selfopd.run_folder import portable_path
-from selfopd.split import split_examples
-from selfopd.templates import load_template
+from selfopd.core.heatmaps import plot_token_heatmaps_side_by_side
+from selfopd.core.models import resolve_model
+from selfopd.core.run_folder import portable_path
+from selfopd.data.split import split_examples
+from selfopd.templating.templates import load_template
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATES = ("teacher/answer_hint_leaky", "teacher/answer_note", "teacher/reference_answer",

@@ -40,13 +40,13 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import spearmanr
 
-from selfopd.atomic import write_json_atomic
-from selfopd.compare import load_compare_config
-from selfopd.compare_report import measure_seed_run
+from selfopd.core.atomic import write_json_atomic
+from selfopd.comparisons.compare import load_compare_config
+from selfopd.comparisons.compare_report import measure_seed_run
 from selfopd.config import load_config
-from selfopd.plots import new_figure, save_figure
-from selfopd.run_folder import RunFolder
-from selfopd.stats import pooled_change
+from selfopd.core.plots import new_figure, save_figure
+from selfopd.core.run_folder import RunFolder
+from selfopd.core.stats import pooled_change
 
 BOOTSTRAP_DRAWS = 20000
 

@@ -22,7 +22,7 @@ from selfopd.diagnostics.measures import (
     illusion_score,
     step_behaviour,
 )
-from selfopd.diagnostics.records import RolloutRecord, read_records, read_run_rollouts
+from selfopd.run.rollouts import RolloutRecord, read_records, read_run_rollouts
 from selfopd.diagnostics.tokens import CLASSES, classify_tokens, leaked_phrases, token_pieces
 
 __all__ = [

@@ -15,14 +15,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from selfopd.config import TeacherConfig
-from selfopd.demonstrations import pick_demonstrations
+from selfopd.templating.demonstrations import pick_demonstrations
 from selfopd.diagnostics.measures import Annotated, annotate
-from selfopd.diagnostics.records import DiagnosticsError, RolloutRecord
+from selfopd.run.rollouts import DiagnosticsError, RolloutRecord
 from selfopd.diagnostics.tokens import privileged_only_text, token_pieces
 from selfopd.engines.base import Engine, SamplingParams
-from selfopd.example import Example
-from selfopd.stats import PairedDifference, Proportion, paired_difference, wilson_interval
-from selfopd.templates import (
+from selfopd.data.example import Example
+from selfopd.core.stats import PairedDifference, Proportion, paired_difference, wilson_interval
+from selfopd.templating.templates import (
     PromptTemplate,
     load_template,
     prompt_token_ids,
@@ -31,7 +31,7 @@ from selfopd.templates import (
     uses_demonstration,
 )
 from selfopd.verifiers import reference_answer, verify_example
-from selfopd.wrong_context import wrong_example
+from selfopd.templating.wrong_context import wrong_example
 
 DEFAULT_DEMONSTRATION_FALLBACK = TeacherConfig().demonstration_fallback
 
@@ -134,7 +134,7 @@ def student_records(student: Engine, examples: Sequence[Example], prompting: Pro
     the student's own (advantage 0) until `rescored`. `sample_chunk`: sample that many
     prompts per call (a progress bar; each row draws the same randomness when a chunk's rows
     are a multiple of the engine's batch); None: one call. Each record carries the sibling
-    demonstration a `demonstration` template would see (`selfopd.demonstrations`)."""
+    demonstration a `demonstration` template would see (`selfopd.templating.demonstrations`)."""
     prompts = [prompting.student_ids(e) for e in examples]
     chunk = sample_chunk or max(1, len(prompts))
     groups = []

@@ -1,5 +1,5 @@
 """Diagnostic figures: where the advantage sits by token class, and how the student's
-outputs and the illusion score move over training. Same drawing rules as `selfopd.plots`
+outputs and the illusion score move over training. Same drawing rules as `selfopd.core.plots`
 (object API on an Agg canvas, never pyplot)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from selfopd.diagnostics.measures import ClassRow, IllusionScore, StepBehaviour
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from selfopd.plots import DPI, STYLE, decorate, save_figure
+from selfopd.core.plots import DPI, STYLE, decorate, save_figure
 
 def plot_class_shares(decompositions: dict[str, Sequence[ClassRow]], path: Path, title: str = "") -> Path:
     """For each labelled decomposition (e.g. first vs last step, or two templates): each

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from selfopd.diagnostics.records import RolloutRecord
+from selfopd.run.rollouts import RolloutRecord
 from selfopd.diagnostics.tokens import (
     ANSWER_CLASSES,
     CLASSES,
@@ -21,7 +21,7 @@ from selfopd.diagnostics.tokens import (
     epistemic_count,
     leaked_phrases,
 )
-from selfopd.stats import MeanEstimate, correct_minus_wrong, mean_interval
+from selfopd.core.stats import MeanEstimate, correct_minus_wrong, mean_interval
 
 # The illusion score warns when the answer tokens hold clearly more of the teacher's |advantage|
 # than of the tokens: at least ILLUSION_LIFT times their share of tokens, with the score's

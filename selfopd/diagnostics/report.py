@@ -18,18 +18,18 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from selfopd.atomic import write_json_atomic, write_text_atomic
+from selfopd.core.atomic import write_json_atomic, write_text_atomic
 from selfopd.diagnostics.context import ContextGap, Prompting, annotate_records, context_gap, privileged_gains
 from selfopd.diagnostics.measures import (Annotated, ClassRow, ContextContrast, IllusionScore, StepBehaviour,
                                           as_jsonable, collapse_warnings, context_contrast, correct_preference,
                                           decompose, illusion_score, step_behaviour)
-from selfopd.diagnostics.records import RolloutRecord, read_run_rollouts
+from selfopd.run.rollouts import RolloutRecord, read_run_rollouts
 from selfopd.diagnostics.signals_report import (SignalDiagnosis, measure_signals, render_signals, signals_json,
                                                 write_signal_outputs)
 from selfopd.engines.base import Engine
-from selfopd.example import Example
-from selfopd.run_folder import RunFolder
-from selfopd.stats import MeanEstimate
+from selfopd.data.example import Example
+from selfopd.core.run_folder import RunFolder
+from selfopd.core.stats import MeanEstimate
 
 CLASS_NOTES = {
     "answer_copy": "states the reference answer, or copies a phrase of the privileged text",
@@ -110,10 +110,10 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
 
     from selfopd.config import load_config
     from selfopd.data import load_examples
-    from selfopd.split import split_examples
-    from selfopd.models import from_pretrained, resolve_model
-    from selfopd.run_summary import summarize_run
-    from selfopd.run_templates import load_run_template
+    from selfopd.data.split import split_examples
+    from selfopd.core.models import from_pretrained, resolve_model
+    from selfopd.run.summary import summarize_run
+    from selfopd.run.templates import load_run_template
 
     if not RunFolder(run_dir).is_run():
         raise FileNotFoundError(f"{run_dir}: not a run folder (no config.toml)")
@@ -171,7 +171,7 @@ def write_report(diagnosis: RunDiagnosis, out: Path, heatmaps: int = 4) -> Path:
 
 
 def _read_metrics(run_dir: Path) -> list[dict]:
-    from selfopd.plots import read_metrics
+    from selfopd.core.plots import read_metrics
 
     path = RunFolder(run_dir).metrics
     return read_metrics(path) if path.is_file() else []
@@ -184,7 +184,7 @@ def _illusion_json(score: IllusionScore) -> dict[str, Any]:
 def _write_figures(diagnosis: RunDiagnosis, out: Path, heatmaps: int) -> dict[str, str]:
     """Figures under out/figures and heatmaps.html; returns {key: path relative to out}."""
     from selfopd.diagnostics.figures import plot_behaviour, plot_class_shares
-    from selfopd.heatmaps import (
+    from selfopd.core.heatmaps import (
         plot_token_heatmap,
         plot_token_heatmaps_side_by_side,
         save_token_heatmap_html,

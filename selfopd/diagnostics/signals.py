@@ -29,11 +29,11 @@ import torch
 
 from selfopd.diagnostics.context import Prompting, _score
 from selfopd.diagnostics.measures import Annotated, Share, ratio_share
-from selfopd.diagnostics.records import DiagnosticsError, RolloutRecord
+from selfopd.run.rollouts import DiagnosticsError, RolloutRecord
 from selfopd.diagnostics.tokens import CLASSES
 from selfopd.engines.base import Engine
-from selfopd.example import Example
-from selfopd.stats import MeanEstimate, mean_interval
+from selfopd.data.example import Example
+from selfopd.core.stats import MeanEstimate, mean_interval
 from selfopd.verifiers import reference_answer
 
 # A server returns only the top-J logprobs it is asked for; vLLM's default cap is 20.

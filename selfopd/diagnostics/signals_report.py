@@ -13,10 +13,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from selfopd.atomic import write_lines_atomic
+from selfopd.core.atomic import write_lines_atomic
 from selfopd.diagnostics.context import Prompting, annotate_records
 from selfopd.diagnostics.measures import Annotated, ClassRow, Share, as_jsonable, decompose
-from selfopd.diagnostics.records import RolloutRecord
+from selfopd.run.rollouts import RolloutRecord
 from selfopd.diagnostics.signals import (
     DopdSplit,
     Teachability,
@@ -27,7 +27,7 @@ from selfopd.diagnostics.signals import (
     teachability,
 )
 from selfopd.engines.base import Engine
-from selfopd.stats import MeanEstimate
+from selfopd.core.stats import MeanEstimate
 
 TOP_K = 5  # the student's candidates per position for teachability
 HEATMAP_ROLLOUTS = 8  # rollouts in signals.html
@@ -96,7 +96,7 @@ def signals_json(d: SignalDiagnosis) -> dict[str, Any]:
 def write_signal_outputs(d: SignalDiagnosis, out: Path) -> dict[str, str]:
     """out/signals.jsonl (every scored rollout), out/figures/signals.png (one rollout, side by
     side) and out/signals.html; returns the figure's {key: path relative to out}."""
-    from selfopd.heatmaps import plot_token_heatmaps_side_by_side, save_token_heatmap_html, token_heatmap_html
+    from selfopd.core.heatmaps import plot_token_heatmaps_side_by_side, save_token_heatmap_html, token_heatmap_html
 
     write_lines_atomic(out / "signals.jsonl", (_rollout_json(d, i) for i in range(len(d.rollouts))))
     ranked = sorted(range(len(d.rollouts)), key=lambda i: -float(np.abs(d.rollouts[i].advantage).sum()))

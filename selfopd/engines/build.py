@@ -18,14 +18,14 @@ from typing import Any
 import torch
 
 from selfopd.config import ModelConfig, TrainConfig
-from selfopd.devices import DTYPES, attn_implementation, resolve_device
-from selfopd.distributed import World, current_world, shard_model
+from selfopd.core.devices import DTYPES, attn_implementation, resolve_device
+from selfopd.core.distributed import World, current_world, shard_model
 from selfopd.engines.base import Engine
 from selfopd.engines.local import LocalEngine
-from selfopd.lora import adapter_base, adapters_off, is_adapter_folder, load_adapted
-from selfopd.models import from_pretrained, resolve_model
-from selfopd.scoring import check_plain_head
-from selfopd.tokenizer_check import check_tokenizers_compatible
+from selfopd.engines.lora import adapter_base, adapters_off, is_adapter_folder, load_adapted
+from selfopd.core.models import from_pretrained, resolve_model
+from selfopd.engines.scoring import check_plain_head
+from selfopd.templating.tokenizer_check import check_tokenizers_compatible
 
 def load_model(spec: str | Path, dtype: str = "float32", *, weights: Path | None = None, frozen: bool = False,
                device: torch.device | None = None, attn: str = "sdpa", gradient_checkpointing: bool = False,
@@ -33,7 +33,7 @@ def load_model(spec: str | Path, dtype: str = "float32", *, weights: Path | None
     """(model, tokenizer) of a packaged name, folder or hub id, on `device` (default CPU);
     `weights`: load the weights from that folder instead (a checkpoint of this model).
     `frozen`: eval mode, no gradients, weights in `dtype`. A trained model keeps fp32 master
-    weights whatever `dtype` (which is then its autocast compute dtype, `selfopd.devices`),
+    weights whatever `dtype` (which is then its autocast compute dtype, `selfopd.core.devices`),
     unless `master_weights` is False: a LoRA base, which never updates, is held in `dtype`.
 
     A LoRA adapter folder (a LoRA run's checkpoint), as `spec` or `weights`, loads onto its
@@ -103,16 +103,16 @@ def open_training_engines(config: TrainConfig, model: Any, tokenizer: Any, log_d
     """(student engine, teacher engine) for a training run whose trainable student is `model`.
 
     In process, the student engine wraps `model` itself (a `self` teacher is the same engine
-    with another prompt); a frozen, ema (whose copy `selfopd.ema` then averages in place)
+    with another prompt); a frozen, ema (whose copy `selfopd.training.ema` then averages in place)
     or external teacher is loaded on the student's device
     and, under torchrun, sharded like it. With vLLM, launched servers log to `log_dir` and
     are stopped when `resources` closes. Colocated, vLLM runs in this process
     (`selfopd.engines.vllm_colocate`). An external teacher's tokenizer was checked by the caller."""
     if config.engine.kind == "vllm":
-        from selfopd.serving import open_vllm_engines
+        from selfopd.engines.serving import open_vllm_engines
 
         if world.distributed:
-            from selfopd.serving import open_vllm_engines_on_ranks
+            from selfopd.engines.serving import open_vllm_engines_on_ranks
 
             return open_vllm_engines_on_ranks(config, log_dir, resources, world)
         return open_vllm_engines(config, log_dir, resources, progress=config.run.progress)

@@ -13,23 +13,23 @@ from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
 
 import torch
 
-from selfopd.devices import autocast, model_device
-from selfopd.distributed import gathered_for_generation, is_sharded
+from selfopd.core.devices import autocast, model_device
+from selfopd.core.distributed import gathered_for_generation, is_sharded
 from selfopd.engines.base import Rollout, SamplingParams, TokenScores
-from selfopd.scoring import completion_hidden, left_pad, logprobs_from_hidden, tempered, topk_from_hidden
+from selfopd.engines.scoring import completion_hidden, left_pad, logprobs_from_hidden, tempered, topk_from_hidden
 
 
 class LocalEngine:
-    """Samples with `model.generate` (KV cache) and scores with `selfopd.scoring`."""
+    """Samples with `model.generate` (KV cache) and scores with `selfopd.engines.scoring`."""
 
     def __init__(self, model: Any, tokenizer: Any, batch_size: int = 16, chunk_size: int = 256,
                  forward_context: Callable[[], ContextManager[Any]] | None = None,
                  precision: str = "float32") -> None:
         self.model = model
         # Entered around every forward pass: a `frozen` teacher that is the live LoRA student
-        # with its adapters off (selfopd.lora.adapters_off) reads the base weights this way.
+        # with its adapters off (selfopd.engines.lora.adapters_off) reads the base weights this way.
         self.forward_context = forward_context or contextlib.nullcontext
-        # `model.dtype`: 'bfloat16' runs each forward under its own autocast region (selfopd.devices).
+        # `model.dtype`: 'bfloat16' runs each forward under its own autocast region (selfopd.core.devices).
         self.precision = precision
         self.tokenizer = tokenizer
         self.batch_size = batch_size
@@ -88,7 +88,7 @@ class LocalEngine:
                           temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """Every next-token distribution over the completion positions, without the (B, C, V)
         logits: the tempered final hidden states (B, C, H) and the output head (V, H), padded
-        like `selfopd.scoring.completion_hidden`. What the full-vocabulary losses need from a
+        like `selfopd.engines.scoring.completion_hidden`. What the full-vocabulary losses need from a
         teacher; only an in-process engine has it (`supports_full_vocabulary`)."""
         with eval_mode(self.model), self.forward_context(), self._autocast():
             hidden_BCH, _, _ = completion_hidden(self.model, sequences, self.pad_id)

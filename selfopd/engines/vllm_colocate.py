@@ -39,7 +39,7 @@ from selfopd.engines.vllm import (VLLMEngine, check_sample_lengths, check_score_
 from selfopd.engines.vllm_server import ServerError
 from selfopd.engines.vllm_worker import load_in_place
 from selfopd.engines.weight_sync import refuse_partial_load
-from selfopd.models import resolve_model
+from selfopd.core.models import resolve_model
 
 REPLICA = "in-process vLLM"  # how errors and the probe name this engine
 

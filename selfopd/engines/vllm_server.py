@@ -134,7 +134,7 @@ def server_command(spec: ServerSpec) -> list[str]:
         command += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(spec.max_model_len, 8192))]
     if spec.weight_transfer == "nccl":
         command += ["--weight-transfer-config", '{"backend": "nccl"}']
-    if spec.gpu:  # on GPU every server gets its share, so servers sharing a GPU fit (see selfopd.gpu_layout)
+    if spec.gpu:  # on GPU every server gets its share, so servers sharing a GPU fit (see selfopd.engines.gpu_layout)
         command += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
     return command + list(spec.extra_args)
 

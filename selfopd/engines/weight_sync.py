@@ -198,7 +198,7 @@ def _tensor_source() -> Any:
             for name, tensor in self.tensors.items():
                 yield name, tensor.detach().to(device, non_blocking=True).contiguous()
 
-    # The trainer's GPU (`selfopd.devices.use_device` made it current), where its NCCL endpoint is;
+    # The trainer's GPU (`selfopd.core.devices.use_device` made it current), where its NCCL endpoint is;
     # a CPU trainer's endpoint is on GPU 0, CUDA's default.
     device = torch.device("cuda", torch.cuda.current_device())
     return TensorSource()

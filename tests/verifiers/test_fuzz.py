@@ -16,7 +16,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from selfopd.example import Example
+from selfopd.data.example import Example
 from selfopd.verifiers import (
     Verdict,
     VerifyResult,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from selfopd.example import Example
+from selfopd.data.example import Example
 from selfopd.verifiers import verify_example, verify_reasoning_gym
 from selfopd.verifiers.reasoning_gym_adapter import answer_for_scorer
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from selfopd.example import Example
+from selfopd.data.example import Example
 from selfopd.verifiers import VerifyResult, reference_answer, verify, verify_example
 
 CASES = [

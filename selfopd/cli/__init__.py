@@ -1,0 +1,366 @@
+"""The `selfopd` command line: one sub-command per stage, each a thin call into the library."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from pathlib import Path
+from typing import Sequence
+
+from selfopd.cli.common import DEFAULT_DATA, DEFAULT_MODEL, UserError, add_overrides, command
+from selfopd.cli.compare import add_compare_command
+from selfopd.cli.prompts import add_prompts_command
+from selfopd.core.run_folder import RunFolder
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "run"):
+        parser.print_help()
+        return 2
+    try:
+        return args.run(args) or 0
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
+        if _is_user_error(error):
+            one_line = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+            print(f"selfopd: error: {one_line}", file=sys.stderr)
+            return 1
+        raise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="selfopd",
+        description="On-policy distillation and self-distillation with privileged-information teachers.",
+    )
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+    _add_models(commands)
+    _add_data(commands)
+    add_prompts_command(commands)
+    _add_eval(commands)
+    _add_train(commands)
+    _add_merge_lora(commands)
+    _add_sft(commands)
+    _add_serve(commands)
+    _add_diagnose(commands)
+    add_compare_command(commands)
+    return parser
+
+
+# --- models -------------------------------------------------------------------------
+
+
+def _add_models(commands: argparse._SubParsersAction) -> None:
+    models = commands.add_parser("models", help="resolve, convert and cache models")
+    sub = models.add_subparsers(title="models commands", metavar="COMMAND")
+    prepare = command(sub, "prepare", _models_resolve, "convert a packaged model once into the cache (offline)")
+    prepare.add_argument("spec", nargs="?", default=DEFAULT_MODEL, help=f"model spec (default: {DEFAULT_MODEL})")
+    path = command(sub, "path", _models_resolve, "print the local folder for a model spec")
+    path.add_argument("spec", help="packaged model name, local folder or hub id")
+    models.set_defaults(run=lambda _args: models.print_help() or 2)
+
+
+def _models_resolve(args: argparse.Namespace) -> None:
+    """Both `prepare` and `path`: resolving converts or downloads on first use."""
+    from selfopd.core.models import resolve_model
+
+    print(resolve_model(args.spec))
+
+
+# --- data ---------------------------------------------------------------------------
+
+
+def _add_data(commands: argparse._SubParsersAction) -> None:
+    data = commands.add_parser("data", help="inspect datasets")
+    sub = data.add_subparsers(title="data commands", metavar="COMMAND")
+    show = command(sub, "show", _data_show, "print the first examples of a data spec")
+    show.add_argument("spec", nargs="?", default=DEFAULT_DATA, help="data spec (grammar: docs/data-and-verifiers.md; default: the demo task)")
+    show.add_argument("--limit", type=int, default=3, help="how many examples to print (default: 3)")
+    data.set_defaults(run=lambda _args: data.print_help() or 2)
+
+
+def _data_show(args: argparse.Namespace) -> None:
+    from selfopd.data import load_examples
+
+    examples = load_examples(args.spec)
+    print(f"{len(examples)} examples from {args.spec}")
+    for example in examples[: args.limit]:
+        print("-" * 60)
+        print(f"id:       {example.id}")
+        print(f"prompt:   {example.prompt}")
+        print(f"answer:   {example.answer}")
+        if example.solution:
+            print(f"solution: {textwrap.shorten(example.solution, 300)}")
+        for hint in example.hints:
+            print(f"hint:     {textwrap.shorten(hint, 200)}")
+
+
+# --- eval ---------------------------------------------------------------------------
+
+
+def _add_eval(commands: argparse._SubParsersAction) -> None:
+    evaluate = command(commands, "eval", _eval,
+                        "greedy or avg@k accuracy of a model on distinct held-out prompts, with a 95%% interval")
+    evaluate.add_argument("config", nargs="?", type=Path,
+                          help="training config whose model, data, split, template and eval settings are the defaults "
+                               "(default: all defaults; with --run: the run's own)")
+    add_overrides(evaluate, "eval.max_tokens=96")
+    evaluate.add_argument("--run", dest="run_dir", type=Path, metavar="RUN_DIR",
+                          help="evaluate that run's recorded held-out prompts (its split.json), by default with its "
+                               "latest checkpoint; with --data, refuse prompts the run trained on")
+    evaluate.add_argument("--model", help="model spec or checkpoint folder (default: the config's model.student; "
+                                          "with --run: its latest checkpoint)")
+    evaluate.add_argument("--data", help="data spec to evaluate instead of the config's held-out split (all its items)")
+    evaluate.add_argument("--fresh", action="store_true",
+                          help="with --run and --data: draw the data past every prompt the run's data holds "
+                               "(train and held-out) instead of refusing an overlap")
+    evaluate.add_argument("--split", choices=("all", "train", "eval"), default="eval",
+                          help="without --data: which part of the config's split (default: eval)")
+    evaluate.add_argument("--samples", type=int, default=1, help="k for avg@k accuracy (default: 1, greedy)")
+    evaluate.add_argument("--temperature", type=float, default=0.0, help="sampling temperature for avg@k (default: 0)")
+    evaluate.add_argument("--seed", type=int, default=0, help="sampling seed for avg@k (default: 0)")
+    evaluate.add_argument("--out", type=Path, default=Path("runs/eval"), help="output folder (default: runs/eval)")
+
+
+def _eval(args: argparse.Namespace) -> None:
+    from selfopd.config import load_config
+    from selfopd.data import load_examples
+    from selfopd.engines.build import frozen_engine
+    from selfopd.run.evaluate import evaluate
+    from selfopd.data.split import SplitRecord, distinct_prompts, load_split, trained_on
+    from selfopd.templating.templates import load_template
+    from selfopd.training.trainer import latest_checkpoint
+
+    if args.samples > 1 and args.temperature == 0:
+        raise UserError("--samples > 1 (avg@k) needs temperature > 0: greedy samples are identical")
+    if args.run_dir is not None and args.config is not None:
+        raise UserError("give either a CONFIG or --run RUN_DIR (whose config is used), not both")
+    if args.fresh and (args.run_dir is None or args.data is None):
+        raise UserError("--fresh needs --run RUN_DIR and --data SPEC: it draws SPEC past the run's prompts")
+    config = load_config(RunFolder(args.run_dir).config if args.run_dir else args.config, args.overrides)
+    template = load_template(config.data.student_template)
+    record = SplitRecord.read(args.run_dir) if args.run_dir else None
+    model = args.model or (latest_checkpoint(args.run_dir) if args.run_dir else None) or config.model.student
+    if args.data is not None:
+        known = set(record.eval_prompts) | set(record.train_prompts) if args.fresh else ()
+        examples, what = load_examples(args.data, exclude=known), args.data
+        if record is not None and not args.fresh:
+            overlap = trained_on(examples, record)
+            if overlap:
+                raise UserError(f"{len(overlap)} of the {distinct_prompts(examples)} distinct prompts of {args.data} "
+                                f"were trained on by {args.run_dir} (e.g. {overlap[0].prompt!r}); evaluate its held-out "
+                                f"prompts (no --data), or pass --fresh to draw prompts its data never held")
+    else:
+        train, held_out = load_split(config.data.spec, config.data.eval_size, config.data.split_seed)
+        if record is not None:
+            SplitRecord.of(config.data.spec, config.data.split_seed, train, held_out).check_same(record, str(args.run_dir))
+            examples, what = held_out, f"{args.run_dir}'s held-out prompts"
+        else:
+            examples = {"train": train, "eval": held_out, "all": train + held_out}[args.split]
+            what = f"{config.data.spec} [{args.split}]"
+    engine = frozen_engine(model, config)
+    tokenizer = engine.tokenizer
+    accuracy, _ = evaluate(engine, tokenizer, examples, template, config.eval.max_tokens, config.eval.batch_size,
+                           out_dir=args.out, samples=args.samples, temperature=args.temperature, seed=args.seed)
+    print(f"{model} on {what} with {template.name}: accuracy {accuracy} "
+          f"({len(examples)} items, {distinct_prompts(examples)} distinct prompts)")
+    print(f"wrote {args.out / 'eval.jsonl'} and {args.out / 'summary.json'}")
+
+
+# --- train --------------------------------------------------------------------------
+
+
+def _add_train(commands: argparse._SubParsersAction) -> None:
+    train = command(commands, "train", _train, "run on-policy (self-)distillation from a TOML config")
+    train.add_argument("config", nargs="?", type=Path, help="TOML config (see experiments/demo.toml); omit with --resume")
+    add_overrides(train, "optim.lr=3e-6")
+    train.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a run from its latest checkpoint")
+    train.add_argument("--show-config", action="store_true",
+                       help="print the resolved config (every field, with its help) as TOML and exit")
+
+
+def _train(args: argparse.Namespace) -> None:
+    from selfopd.config import load_config
+    from selfopd.core.distributed import current_world
+    from selfopd.engines.vllm_server import ServerError
+    from selfopd.run.summary import summarize_run
+    from selfopd.training.trainer import train
+
+    if args.resume is not None:
+        if args.config is not None:
+            raise UserError("give either a CONFIG or --resume RUN_DIR, not both")
+        # The folder named is the one resumed, wherever it was first written (run.out_dir may be stale).
+        where = [f"run.out_dir={args.resume.parent}", f"run.name={args.resume.name}"]
+        config = load_config(RunFolder(args.resume).config, [*where, *args.overrides])
+    elif args.config is None and not args.show_config:
+        raise UserError("give a CONFIG file (e.g. experiments/demo.toml) or --resume RUN_DIR")
+    else:
+        config = load_config(args.config, args.overrides)
+    if args.show_config:
+        from selfopd.config import config_to_toml
+
+        print(config_to_toml(config), end="")
+        return
+    from selfopd.run.folder_guard import kept_on_write_failure, stopped_run_note
+
+    folder = RunFolder.of(config.run.out_dir, config.run.name)
+    try:
+        run_dir = kept_on_write_failure(folder, lambda: train(config, resume=args.resume is not None))
+    except ServerError as error:  # a server died or garbled an answer: say what is safe and how to go on
+        first, *rest = str(error).split("\n")
+        note = stopped_run_note(folder, "once the server answers again")
+        raise ServerError("\n".join([f"{first}. {note}", *rest])) from None
+    if current_world().is_main:  # under torchrun: once, from rank 0
+        print(summarize_run(run_dir))
+        print(f"run folder: {run_dir} (metrics.jsonl, plots/, eval/, checkpoints/, rollouts/)")
+
+
+# --- merge-lora ---------------------------------------------------------------------
+
+
+def _add_merge_lora(commands: argparse._SubParsersAction) -> None:
+    merge = command(commands, "merge-lora", _merge_lora,
+                    "merge a LoRA run's checkpoint (its adapters) into its base: a full HF model folder")
+    merge.add_argument("checkpoint", type=Path, help="a LoRA checkpoint folder, e.g. runs/NAME/checkpoints/step_00024")
+    merge.add_argument("out", type=Path, help="the model folder to write (transformers and vLLM load it)")
+    merge.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                       help="dtype of the merged weights (default: float32)")
+
+
+def _merge_lora(args: argparse.Namespace) -> None:
+    from selfopd.engines.lora import merge_checkpoint
+
+    if args.out.exists() and any(args.out.iterdir()):
+        raise UserError(f"{args.out} exists and is not empty: choose a new folder")
+    print(f"wrote {merge_checkpoint(args.checkpoint, args.out, args.dtype)}")
+
+
+# --- sft ----------------------------------------------------------------------------
+
+
+def _add_sft(commands: argparse._SubParsersAction) -> None:
+    sft = command(commands, "sft", _sft,
+                   "fine-tune the student on worked solutions or its own verified privileged answers: "
+                   "a stronger teacher with the same tokenizer (the off-policy warm-up before OPD)")
+    sft.add_argument("config", nargs="?", type=Path,
+                     help="TOML file: the training sections it reads ([run], [model], [data], [optim], [eval]) and an "
+                          "[sft] section (see experiments/sft_teacher.toml; a training config such as "
+                          "experiments/demo.toml works too; default: all defaults)")
+    add_overrides(sft, "sft.lr=3e-5")
+    sft.add_argument("--student-run", type=Path, metavar="RUN_DIR",
+                     help="a training run whose held-out prompts the teacher must not train on (refused if it would)")
+    sft.add_argument("--show-config", action="store_true",
+                     help="print the resolved config (every field it reads, with its help) and exit")
+
+
+def _sft(args: argparse.Namespace) -> None:
+    from selfopd.comparisons.sft import load_sft_config, run_sft, sft_config_to_toml
+
+    config = load_sft_config(args.config, args.overrides)
+    if args.show_config:
+        print(sft_config_to_toml(config), end="")
+        return
+    model_dir = run_sft(config, student_run=args.student_run)
+    print(f"run folder: {model_dir.parent} (summary.json, README.md, eval/, targets.jsonl, model/)")
+
+
+# --- serve --------------------------------------------------------------------------
+
+
+def _add_serve(commands: argparse._SubParsersAction) -> None:
+    serve = command(commands, "serve", _serve,
+                     "launch the vLLM student and teacher servers a config needs, until Ctrl-C")
+    serve.add_argument("config", nargs="?", type=Path, help="TOML config; its [engine] section says how (default: all defaults)")
+    add_overrides(serve, "engine.port=8200")
+    serve.add_argument("--log-dir", type=Path, default=Path("runs/servers"), help="where server logs go (default: runs/servers)")
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import time
+
+    from selfopd.config import load_config
+    from selfopd.engines.vllm_server import launch_servers
+    from selfopd.engines.gpu_layout import check_layout
+    from selfopd.engines.serving import gpu_count, log_layout, planned_servers
+
+    config = load_config(args.config, args.overrides)
+    layout = check_layout(config, trainer_gpus=None, gpu_count=gpu_count())  # the trainer runs elsewhere
+    if not layout.servers:
+        raise UserError("engine.student_urls and engine.teacher_url are both set: there is nothing to launch")
+    log_layout(layout, args.log_dir, progress=True)
+    specs = planned_servers(config)
+    with launch_servers(specs, args.log_dir, config.engine.startup_timeout_s) as servers:
+        students = ",".join(server.spec.url for server in servers if server.spec.name != "teacher")
+        teachers = [server.spec.url for server in servers if server.spec.name == "teacher"]
+        sets = ([f"--set engine.student_urls={students}"] if students else []) + \
+               [f"--set engine.teacher_url={url}" for url in teachers]
+        for server in servers:
+            print(f"{server.spec.name}: {server.spec.url} serving {server.spec.model} (log: {server.log_path})")
+        print(f"train against them with: selfopd train CONFIG --set engine.kind=vllm {' '.join(sets)}")
+        print("Ctrl-C stops the servers.", flush=True)
+        while all(server.process.poll() is None for server in servers):
+            time.sleep(1)
+        dead = next(server for server in servers if server.process.poll() is not None)
+        raise UserError(f"the {dead.spec.name} server on {dead.spec.url} exited.\n{dead.log_tail()}")
+
+
+# --- diagnose -----------------------------------------------------------------------
+
+
+def _add_diagnose(commands: argparse._SubParsersAction) -> None:
+    diagnose = command(commands, "diagnose", _diagnose,
+                        "privileged-illusion report of a run: advantage by token class, illusion score, "
+                        "wrong-context contrast, leakage, gap before training")
+    diagnose.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder (runs/NAME) with saved rollouts")
+    diagnose.add_argument("--no-model", action="store_true",
+                          help="only what the saved rollouts show: skip the wrong-context contrast and the gap")
+    diagnose.add_argument("--gap-items", type=int, default=100,
+                          help="held-out items for the accuracy gap with vs without context (default: 100)")
+    diagnose.add_argument("--heatmaps", type=int, default=4, help="heatmap PNGs per reported step (default: 4)")
+
+
+def _diagnose(args: argparse.Namespace) -> None:
+    from selfopd.diagnostics.report import measure_run, write_report
+
+    if args.gap_items < 0 or args.heatmaps < 0:
+        raise UserError("--gap-items and --heatmaps must be >= 0")
+    diagnosis = measure_run(args.run_dir, with_model=not args.no_model, gap_items=args.gap_items, progress=True)
+    report = write_report(diagnosis, RunFolder(args.run_dir).diagnostics, args.heatmaps)
+    for step in sorted({diagnosis.first, diagnosis.last}):
+        score = diagnosis.illusion[step]
+        flag = "  WARNING" if score.warning else ""
+        print(f"illusion score at step {step}: {score.share} (interval over {score.share.n} distinct prompts){flag}")
+    for warning in diagnosis.warnings:
+        print(f"warning: {warning}")
+    print(f"report: {report}")
+
+
+# --- errors -------------------------------------------------------------------------
+
+
+def _is_user_error(error: Exception) -> bool:
+    """Errors that describe a bad spec, file or template: print the message, not a traceback."""
+    from selfopd.config import ConfigError
+    from selfopd.data import DataError
+    from selfopd.run.rollouts import DiagnosticsError
+    from selfopd.run.folder_guard import FolderInUse, FolderNotWritable
+    from selfopd.core.models import ModelError
+    from selfopd.templating.templates import TemplateError
+    from selfopd.templating.tokenizer_check import TokenizerMismatch
+
+    from selfopd.engines.vllm_server import ServerError
+    from selfopd.training.trainer import GuardStop, NonFiniteLoss
+    from selfopd.training.weight_checks import WeightSyncError
+
+    user_errors = (UserError, ConfigError, DataError, ModelError, TemplateError, TokenizerMismatch, WeightSyncError,
+                   ServerError, DiagnosticsError, FileNotFoundError, FileExistsError, FolderInUse, FolderNotWritable,
+                   NonFiniteLoss, GuardStop)
+    return isinstance(error, user_errors)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""`selfopd compare`: train several arms under one budget and report them, or print the
+resolved comparison (`--show-config`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from selfopd.cli.common import UserError, add_overrides, command
+
+
+def add_compare_command(commands: argparse._SubParsersAction) -> None:
+    compare = command(commands, "compare", _compare,
+                      "train several arms (teachers, losses) under one budget, one after another, and report")
+    compare.add_argument("config", type=Path, help="comparison TOML (see experiments/self_vs_external.toml)")
+    add_overrides(compare, "run.steps=4")
+    compare.add_argument("--arms", default="", help="comma-separated arm names to run (default: all)")
+    compare.add_argument("--seeds", default="", help="comma-separated training seeds to run, of compare.seeds (default: all)")
+    compare.add_argument("--report-only", action="store_true", help="rewrite report.md from the arms' folders, train nothing")
+    compare.add_argument("--show-config", action="store_true",
+                         help="check every arm and print the resolved comparison (each arm with the teacher, loss and "
+                              "optimizer values it runs with) as TOML, and exit")
+
+
+def _compare(args: argparse.Namespace) -> None:
+    from selfopd.comparisons.compare import compare_config_toml, load_compare_config, run_compare
+    from selfopd.comparisons.compare_report import write_compare_report
+
+    only = [name.strip() for name in args.arms.split(",") if name.strip()]
+    try:
+        seeds = [int(seed) for seed in args.seeds.split(",") if seed.strip()]
+    except ValueError:
+        raise UserError(f"--seeds: expected comma-separated integers, got {args.seeds!r}") from None
+    compare = load_compare_config(args.config, args.overrides, only, seeds)
+    if args.show_config:
+        print(compare_config_toml(compare), end="")
+        return
+    if not args.report_only:
+        from selfopd.run.folder_guard import folder_lock
+
+        compare.folder.mkdir(parents=True, exist_ok=True)
+        with folder_lock(compare.folder):  # a second comparison would restart this one's unfinished arms
+            run_compare(compare)
+    report = write_compare_report(compare)
+    print(report.read_text())
+    print(f"report: {report}")

@@ -1,0 +1,1 @@
+"""Several runs under one budget: `selfopd compare`, the SFT teacher (`selfopd sft`), the template tournament."""

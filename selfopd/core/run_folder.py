@@ -1,0 +1,135 @@
+"""Where everything of a training run lives: the one definition of the run-folder layout.
+
+    RUN/config.toml                  the full config (loads to the run's TrainConfig)
+    RUN/split.json                   held-out prompt ids and keys, every training prompt's key
+    RUN/metrics.jsonl                one JSON line per step and per eval
+    RUN/eval/step_NNNNN/             eval.jsonl (per prompt), then summary.json (present: finished)
+    RUN/rollouts/step_NNNNN.jsonl    saved rollouts with per-token logprobs
+    RUN/checkpoints/step_NNNNN/      HF weights (LoRA: adapters) + tokenizer + trainer_state.pt
+                                     (written as .step_NNNNN.partial, then renamed)
+    RUN/plots/  RUN/diagnostics/  RUN/logs/ (launched servers)  RUN/tensorboard/ RUN/wandb/
+    RUN/guard.json  RUN/guard.md     the illusion guard's events (selfopd.training.guard), when it fired
+    RUN/finished.json                written by `selfopd compare` when the run is done
+    RUN/.lock                        flock + PID of the process writing the run (selfopd.run.folder_guard)
+
+Every module asks here for a path instead of spelling it. Every file is written whole or not
+at all (`selfopd.core.atomic`; metrics.jsonl one whole line per write), so a run killed at any
+moment resumes from its last checkpoint (`selfopd train --resume`) with nothing torn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    @classmethod
+    def of(cls, out_dir: str | Path, name: str) -> RunFolder:
+        return cls(Path(out_dir) / name)
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.toml"
+
+    @property
+    def split(self) -> Path:
+        return self.root / "split.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def evals(self) -> Path:
+        return self.root / "eval"
+
+    def eval_dir(self, step: int) -> Path:
+        return self.evals / f"step_{step:05d}"
+
+    def eval_steps(self) -> list[int]:
+        """Steps with a finished eval (its summary.json, written last), in order."""
+        return sorted(int(path.parent.name.removeprefix("step_")) for path in self.evals.glob("step_*/summary.json"))
+
+    @property
+    def rollouts(self) -> Path:
+        return self.root / "rollouts"
+
+    def rollouts_file(self, step: int) -> Path:
+        return self.rollouts / f"step_{step:05d}.jsonl"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints / f"step_{step:05d}"
+
+    def checkpoint_staging(self, step: int) -> Path:
+        """Where a checkpoint is written before it is renamed into place (never read)."""
+        return self.checkpoints / f".step_{step:05d}.partial"
+
+    def latest_checkpoint(self) -> Path | None:
+        """The newest complete checkpoint (staging folders never match)."""
+        found = sorted(self.checkpoints.glob("step_*"))
+        return found[-1] if found else None
+
+    @staticmethod
+    def trainer_state(checkpoint: Path) -> Path:
+        return Path(checkpoint) / "trainer_state.pt"
+
+    @property
+    def templates(self) -> Path:
+        """The texts of the templates the run renders from (selfopd.run.templates)."""
+        return self.root / "templates"
+
+    @property
+    def plots(self) -> Path:
+        return self.root / "plots"
+
+    @property
+    def diagnostics(self) -> Path:
+        return self.root / "diagnostics"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    @property
+    def wandb(self) -> Path:
+        return self.root / "wandb"
+
+    @property
+    def guard_events(self) -> Path:
+        return self.root / "guard.json"
+
+    @property
+    def guard_notes(self) -> Path:
+        return self.root / "guard.md"
+
+    @property
+    def finished(self) -> Path:
+        return self.root / "finished.json"
+
+    def is_run(self) -> bool:
+        return self.config.is_file()
+
+
+def portable_path(path: str | Path) -> str:
+    """A path as result files store it: relative to the current directory when it lies inside
+    it (results then read the same on every machine and checkout), else unchanged."""
+    path = Path(path)
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)

@@ -1,0 +1,95 @@
+"""Load task items from any source into `Example`s, and split them into train / eval.
+
+One spec string names a data source everywhere (CLI, configs, logs):
+
+    SPEC   := SOURCE [ "?" KEY "=" VALUE ( "&" KEY "=" VALUE )* ]
+    SOURCE := "rg:" TASK       a reasoning-gym task, generated offline from a seed
+            | "champ"          the CHAMP competition-math set (270 problems, solutions, hints)
+            | "hf:" NAME       a Hugging Face Hub dataset (needs network or a filled HF cache)
+            | PATH             a local .jsonl / .json / .parquet / .csv file ("file:PATH" also works)
+
+    rg:chain_sum?min_terms=2&max_terms=3&size=500&seed=1
+    champ?concepts=true
+    hf:openai/gsm8k?split=test               (preset: config main, answer after "####")
+    data/my.jsonl?prompt=question&answer=target&hints=tips&limit=100
+    data/gsm8k_test.jsonl?preset=openai/gsm8k
+
+Options, by source (each is a `DataSpec` field of the same name; `id`, `prompt`,
+`answer`, `solution`, `hints` are the `*_col` fields):
+
+    all       distinct     true: keep each prompt once (default for rg, false elsewhere)
+    hf, file  id, prompt, answer, solution, hints   column names for the Example fields
+                (defaults: prompt="prompt", answer="answer", no id / solution / hints column;
+                 a preset supplies its own defaults, explicit options win)
+              answer_sep   split the answer column at the last separator: the text after it is
+                           the answer, the text before it the solution (gsm8k's "####")
+              preset       a named mapping from PRESETS (hf: chosen by dataset name by default)
+              limit        keep only the first N examples
+    hf        config, split  the Hub config name and split (default: the preset's, else "train")
+    rg        seed (default 0), size (default 500): the number of items, distinct prompts
+              unless distinct=false (the generator is drawn from until it gives that many, and
+              says so when its problem space holds fewer); any other key is passed to the
+              task's generator config (e.g. min_terms); unknown keys fail with the allowed
+              list (no limit: use size)
+    champ     concepts=true  put the problem's concepts before its hints (most general first)
+              limit
+
+Values are read as bool (true/false), int, float or str, as the field's type says; generator
+options (unknown types) are guessed in that order. `&` and `=` cannot appear inside values.
+
+Small procedural tasks repeat prompts a lot (chain_sum with 2-3 one-digit terms: 1763
+distinct prompts in 4000 items), and a repeated prompt is one observation, not several:
+procedural sources are deduplicated by default. Fresh items for a procedural task come
+from excluding known prompts (`load_examples(spec, exclude=...)`), never from another seed:
+reasoning-gym's item i of seed s is item i - 1 of seed s + 1. Splitting into train and eval
+is `selfopd.data.split`'s job.
+"""
+
+from __future__ import annotations
+
+from typing import Collection
+
+from selfopd.data import sources as data_sources
+from selfopd.data.spec import (  # noqa: F401  (the public names of selfopd.data)
+    FILE_BUILDERS,
+    PRESETS,
+    DataError,
+    DataSpec,
+    Preset,
+    parse_data_spec,
+)
+from selfopd.data.example import Example, prompt_key
+
+
+# --------------------------------------------------------------------------- loading
+
+def load_examples(spec: DataSpec | str, exclude: Collection[str] = ()) -> list[Example]:
+    """Load every example a spec names. Ids are unique (checked); order is the source's.
+
+    `exclude` holds prompt keys (`selfopd.data.example.prompt_key`) that must not appear: fresh
+    items for a procedural task are drawn past them, other sources just drop those rows.
+    With `distinct` (the default for procedural sources) each prompt is kept once."""
+    spec = parse_data_spec(spec) if isinstance(spec, str) else spec
+    excluded = frozenset(exclude)
+    if spec.source == "rg":
+        return data_sources.load_reasoning_gym(spec, excluded)
+    loader = {"hf": data_sources.load_hub, "file": data_sources.load_file, "champ": data_sources.load_champ}
+    examples = loader[spec.source](spec)
+    check_unique_ids(examples, spec.label)
+    kept, seen = [], set(excluded)
+    for example in examples:
+        key = prompt_key(example.prompt)
+        if key in seen:
+            continue
+        if spec.dedup:
+            seen.add(key)
+        kept.append(example)
+    return kept if spec.limit is None else kept[: spec.limit]
+
+
+def check_unique_ids(examples: list[Example], label: str) -> None:
+    first: dict[str, int] = {}
+    for i, ex in enumerate(examples):
+        if ex.id in first:
+            raise DataError(f"{label}: duplicate id {ex.id!r} at rows {first[ex.id]} and {i}")
+        first[ex.id] = i

@@ -1,0 +1,195 @@
+"""From a training config to vLLM servers and the engines that talk to them.
+
+Which servers a run needs: `engine.student_servers` for the student (or several given as
+URLs), and one for the teacher: a second instance of the student's weights for a `self`
+teacher (synced with the student after every step), the initial student for `frozen`,
+the teacher model for `external`. Servers given as URLs are used as they are; the others
+are placed on their GPUs (`selfopd.engines.gpu_layout`, checked before any starts), launched
+here and stopped when the run's `ExitStack` closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from selfopd.config import TrainConfig
+from selfopd.core.distributed import World, all_gather
+from selfopd.engines.vllm import VLLMEngine
+from selfopd.engines.vllm_server import ServerError, ServerSpec, cuda_available, launch_servers, visible_devices
+from selfopd.engines.weight_sync import FileWeightSync, NCCLWeightSync, ServerControl, WeightSync
+from selfopd.engines.gpu_layout import GPULayout, check_layout, resolved_sync, server_slots, single_process_trainer_gpus
+from selfopd.core.models import resolve_model
+
+NCCL_FIRST_PORT = 29600  # weight-sync group i listens on trainer rank 0's host at NCCL_FIRST_PORT + i
+
+
+def gpu_count() -> int:
+    """The GPUs this process sees (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if cuda_available() else 0
+
+
+def weight_sync_kind(config: TrainConfig) -> str:
+    """'file' or 'nccl': what engine.weight_sync = 'auto' means on this machine."""
+    return resolved_sync(config, gpu_count())
+
+
+def model_folders(config: TrainConfig) -> tuple[str, str]:
+    """(student folder, teacher folder) that launched servers load."""
+    student = str(resolve_model(config.model.student))
+    teacher = str(resolve_model(config.teacher.weights(config.model.student)))
+    return student, teacher
+
+
+def planned_servers(config: TrainConfig) -> list[ServerSpec]:
+    """The servers selfopd must launch for `config` (those not given as URLs), students first.
+
+    Each is pinned to its GPUs (`selfopd.engines.gpu_layout.server_slots`) through
+    CUDA_VISIBLE_DEVICES and runs with its tensor-parallel size."""
+    engine = config.engine
+    student_dir, teacher_dir = model_folders(config)
+    on_gpu = cuda_available()
+    common = dict(
+        host=engine.host, dtype=config.model.dtype, max_model_len=engine.max_model_len,
+        eager=not (engine.compile == "on" or (engine.compile == "auto" and on_gpu)),
+        weight_transfer=weight_sync_kind(config), gpu=on_gpu, gpu_memory_utilization=engine.gpu_memory_utilization,
+        cpu_kv_cache_gb=engine.cpu_kv_cache_gb, extra_args=tuple(shlex.split(engine.extra_server_args)),
+        trust_remote_code=config.model.trust_remote_code, api_key=engine.api_key(),
+    )
+    return [ServerSpec(name=slot.name, model=teacher_dir if slot.name == "teacher" else student_dir, port=slot.port,
+                       prefix_caching=slot.name == "teacher", tensor_parallel_size=slot.tensor_parallel_size,
+                       env=visible_devices(slot.gpus), **common)
+            for slot in server_slots(config)]
+
+
+@dataclass(frozen=True)
+class SyncTarget:
+    """One server the weight sync reaches, and the port of its own NCCL group (on trainer rank 0's host).
+
+    The group's world size is 1 + the server's workers (TP x PP x DP, what its /get_world_size
+    says): vLLM ranks its workers 1.. after the trainer's rank 0."""
+
+    role: str  # "student" or "teacher"
+    url: str
+    nccl_port: int
+
+
+def weight_sync_plan(config: TrainConfig, student_urls: Sequence[str], teacher_urls: Sequence[str]) -> list[SyncTarget]:
+    """Every server that is sent weights: each student server, and a `self` teacher's server
+    (the student's weights) or an `ema` teacher's (their average); a frozen or external
+    teacher keeps its weights. Distinct NCCL ports."""
+    urls = [("student", url) for url in student_urls]
+    if config.teacher.receives_weights:
+        urls += [("teacher", url) for url in teacher_urls]
+    return [SyncTarget(role, url, NCCL_FIRST_PORT + i) for i, (role, url) in enumerate(urls)]
+
+
+def open_weight_syncs(config: TrainConfig, student_urls: Sequence[str],
+                      teacher_urls: Sequence[str]) -> tuple[WeightSync, WeightSync | None]:
+    """(the student servers' sync, a `self` or `ema` teacher's sync or None), one group per server.
+
+    With NCCL the calling process becomes rank 0 of every server's group, on its current
+    CUDA device: under torchrun call it on trainer rank 0 only (rank 0 gathers the weights
+    and pushes them); other ranks open their engines with `weight_sync=False`."""
+    kind = weight_sync_kind(config)
+    plan = weight_sync_plan(config, student_urls, teacher_urls)
+    syncs: dict[str, WeightSync] = {}
+    for role in ("student", "teacher"):
+        targets = [target for target in plan if target.role == role]
+        if not targets:
+            continue
+        controls = [ServerControl(target.url, config.engine.request_timeout_s, config.engine.api_key())
+                    for target in targets]
+        # A role's ports are consecutive in the plan: NCCLWeightSync numbers its groups from the first.
+        syncs[role] = (NCCLWeightSync(controls, master_address=config.engine.trainer_address,
+                                      first_port=targets[0].nccl_port)
+                       if kind == "nccl" else FileWeightSync(controls))
+    return syncs["student"], syncs.get("teacher")
+
+
+def run_layout(config: TrainConfig, trainer_gpus: Sequence[int] | None = None) -> GPULayout:
+    """The checked GPU layout of a training run on this machine (ConfigError if refused).
+
+    `trainer_gpus`: the GPUs of this node's trainer ranks (the distributed trainer passes
+    them); default: model.device's GPU for one process, [] on CPU."""
+    count = gpu_count()
+    if trainer_gpus is None:
+        trainer_gpus = single_process_trainer_gpus(config.model.device, count)
+    return check_layout(config, trainer_gpus, count)
+
+
+def log_layout(layout: GPULayout, log_dir: Path, progress: bool) -> None:
+    """The layout table into the run's logs (gpu_layout.txt) and, with progress on, to stderr."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    (log_dir / "gpu_layout.txt").write_text(layout.table() + "\n")
+    if progress or layout.warnings:
+        print(f"selfopd: {layout.table()}", file=sys.stderr, flush=True)
+
+
+def open_vllm_engines(config: TrainConfig, log_dir: Path, stack: contextlib.ExitStack, progress: bool = True,
+                      trainer_gpus: Sequence[int] | None = None,
+                      weight_sync: bool = True) -> tuple[VLLMEngine, VLLMEngine]:
+    """(student engine, teacher engine), launching missing servers; `stack` closes them all.
+
+    The GPU layout is checked first, before any server starts (`run_layout`; build_run
+    checks it before the model loads, too). `weight_sync=False` opens the engines without a
+    sync (torchrun ranks other than 0; see `open_weight_syncs`)."""
+    log_layout(run_layout(config, trainer_gpus), log_dir, progress)
+    specs = planned_servers(config)
+    launched: list[ServerSpec] = []
+    if specs:
+        servers = stack.enter_context(launch_servers(specs, log_dir, config.engine.startup_timeout_s, progress))
+        launched = [server.spec for server in servers]
+    student_urls = config.engine.urls("student_urls") or [s.url for s in launched if s.name != "teacher"]
+    teacher_urls = config.engine.urls("teacher_url") or [s.url for s in launched if s.name == "teacher"]
+    student_sync, teacher_sync = open_weight_syncs(config, student_urls, teacher_urls) if weight_sync else (None, None)
+    return client_engines(config, student_urls, teacher_urls, stack, student_sync, teacher_sync)
+
+
+def client_engines(config: TrainConfig, student_urls: Sequence[str], teacher_urls: Sequence[str],
+                   stack: contextlib.ExitStack, student_sync: WeightSync | None = None,
+                   teacher_sync: WeightSync | None = None) -> tuple[VLLMEngine, VLLMEngine]:
+    """(student engine, teacher engine) over running servers; `stack` closes the clients."""
+    options = dict(max_concurrency=config.engine.max_concurrency, timeout_s=config.engine.request_timeout_s,
+                   retries=config.engine.retries, api_key=config.engine.api_key())
+    student = VLLMEngine(student_urls, weight_sync=student_sync, **options)
+    stack.callback(student.close)
+    teacher = VLLMEngine(teacher_urls, weight_sync=teacher_sync, **options)
+    stack.callback(teacher.close)
+    return student, teacher
+
+
+def node_trainer_gpus(world: World) -> list[int] | None:
+    """The GPUs of this node's trainer ranks under torchrun (rank i on GPU LOCAL_RANK i);
+    None for one process (`run_layout` then reads model.device)."""
+    if not world.distributed:
+        return None
+    return list(range(int(os.environ.get("LOCAL_WORLD_SIZE", world.size)))) if gpu_count() else []
+
+
+def open_vllm_engines_on_ranks(config: TrainConfig, log_dir: Path, stack: contextlib.ExitStack,
+                               world: World) -> tuple[VLLMEngine, VLLMEngine]:
+    """Under torchrun: rank 0 checks the layout (this node's trainer GPUs: one per local
+    rank), launches the missing servers and holds the weight syncs; every other rank opens
+    clients of the same servers, whose URLs rank 0 sends. Servers launched here listen on
+    rank 0's node (engine.host); trainers on several nodes use servers given by URL."""
+    trainer_gpus = node_trainer_gpus(world)
+    opened, error = None, None
+    if world.is_main:
+        try:
+            opened = open_vllm_engines(config, log_dir, stack, config.run.progress, trainer_gpus=trainer_gpus)
+        except BaseException as exc:  # the other ranks must hear of it, not wait forever
+            error = exc
+    urls = all_gather(None if opened is None else (opened[0].urls, opened[1].urls), world)[0]
+    if error is not None:
+        raise error
+    if urls is None:
+        raise ServerError("rank 0 could not start or reach the vLLM servers (its own error says why)")
+    return opened if opened is not None else client_engines(config, urls[0], urls[1], stack)

@@ -1,0 +1,1 @@
+"""A run's folder: its lock, metrics, kept templates, saved rollouts, evaluations and summary."""

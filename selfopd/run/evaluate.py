@@ -1,0 +1,127 @@
+"""Held-out accuracy of a model on a split, through the verifiers, with a 95% interval over
+distinct prompts (each prompt counts once, whatever its copies or samples)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from selfopd.core.atomic import write_json_atomic, write_lines_atomic
+from selfopd.data.example import Example, prompt_key
+from selfopd.engines.base import Engine, SamplingParams
+from selfopd.core.faults import fault_point
+from selfopd.core.stats import MeanEstimate, Proportion, prompt_accuracy
+from selfopd.templating.templates import PromptTemplate, prompt_token_ids, render_student
+from selfopd.verifiers import verify_example
+
+
+@dataclass(frozen=True)
+class EvalRecord:
+    """One sampled answer's outcome, written as a JSON line so a run can be inspected later."""
+
+    id: str
+    sample: int  # 0..k-1 for avg@k; always 0 for greedy
+    prompt: str
+    completion: str
+    extracted: str | None
+    reference: str
+    correct: bool
+    finish_reason: str
+    completion_tokens: int
+
+
+def evaluate(
+    engine: Engine,
+    tokenizer: Any,
+    examples: Sequence[Example],
+    template: PromptTemplate,
+    max_new_tokens: int = 64,
+    batch_size: int = 16,
+    out_dir: Path | None = None,
+    progress: bool = True,
+    samples: int = 1,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> tuple[Proportion | MeanEstimate, list[EvalRecord]]:
+    """Accuracy on `examples`: greedy (the default), or avg@k with `samples` > 1 at
+    `temperature`. With `out_dir`, writes eval.jsonl and summary.json."""
+    if samples > 1 and temperature == 0:
+        raise ValueError("avg@k with k > 1 needs temperature > 0: greedy samples are identical")
+    records: list[EvalRecord] = []
+    batches = range(0, len(examples), batch_size)
+    for number, start in enumerate(tqdm(batches, desc="eval", unit="batch", disable=not progress)):
+        batch = examples[start : start + batch_size]
+        params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, n=samples, seed=seed + number)
+        prompts = [prompt_token_ids(tokenizer, render_student(template, e)) for e in batch]
+        for example, completions in zip(batch, engine.sample(prompts, params)):
+            for index, completion in enumerate(completions):
+                result = verify_example(completion.text, example)
+                records.append(
+                    EvalRecord(
+                        id=example.id,
+                        sample=index,
+                        prompt=example.prompt,
+                        completion=completion.text,
+                        extracted=result.extracted,
+                        reference=example.answer,
+                        correct=result.correct,
+                        finish_reason=completion.finish_reason,
+                        completion_tokens=len(completion.completion_ids),
+                    )
+                )
+    accuracy = accuracy_of(records, samples)
+    if out_dir is not None:
+        write_eval(out_dir, accuracy, records, template.name, samples, temperature)
+    return accuracy, records
+
+
+def accuracy_of(records: Sequence[EvalRecord], samples: int = 1) -> Proportion | MeanEstimate:
+    """Accuracy over distinct prompts: greedy on distinct prompts is a Wilson interval on
+    k/n prompts; avg@k (or repeated prompts) the per-prompt mean with an interval over prompts."""
+    return prompt_accuracy(outcomes_by_prompt(records))
+
+
+def outcomes_by_prompt(records: Sequence[EvalRecord | dict]) -> dict[str, list[bool]]:
+    """Prompt key -> the correctness of each of its records (samples, or repeated items)."""
+    outcomes: dict[str, list[bool]] = {}
+    for record in records:
+        row = record if isinstance(record, dict) else asdict(record)
+        outcomes.setdefault(prompt_key(row["prompt"]), []).append(bool(row["correct"]))
+    return outcomes
+
+
+def read_eval_outcomes(eval_dir: Path) -> dict[str, list[bool]]:
+    """`outcomes_by_prompt` of an eval folder's eval.jsonl (a run's eval/step_N, `selfopd eval --out`)."""
+    path = Path(eval_dir) / "eval.jsonl"
+    return outcomes_by_prompt([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+
+
+def write_eval(
+    out_dir: Path,
+    accuracy: Proportion | MeanEstimate,
+    records: Sequence[EvalRecord],
+    template_name: str,
+    samples: int = 1,
+    temperature: float = 0.0,
+) -> None:
+    """eval.jsonl, then summary.json (its presence marks the eval finished), each whole or absent."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_lines_atomic(out_dir / "eval.jsonl", (asdict(record) for record in records))
+    fault_point("eval.written")
+    summary = {
+        "template": template_name,
+        "metric": "greedy accuracy" if samples == 1 else f"avg@{samples} accuracy at temperature {temperature}",
+        "n": accuracy.n,  # distinct prompts
+        "prompts": accuracy.n,
+        "items": len({r.id for r in records}),
+        "samples_per_item": samples,
+        "accuracy": accuracy.value,
+        "ci95": [accuracy.low, accuracy.high],
+        "truncated": sum(r.finish_reason == "length" for r in records),
+        "mean_completion_tokens": sum(r.completion_tokens for r in records) / max(len(records), 1),
+    }
+    write_json_atomic(out_dir / "summary.json", summary)

@@ -1,0 +1,49 @@
+"""Where notebooks find their inputs: the project folder (the one holding `runs/`), every run
+under it, and the newest run, with messages that say what is missing and how to make it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from selfopd.core.run_folder import RunFolder
+
+
+def project_root(start: Path | None = None) -> Path:
+    """The nearest folder at or above `start` (default: the working directory, which is
+    notebooks/ when Jupyter runs one) that holds `pyproject.toml` or `runs/`; else `start`."""
+    start = Path.cwd() if start is None else Path(start)
+    for folder in (start.resolve(), *start.resolve().parents):
+        if (folder / "pyproject.toml").is_file() or (folder / "runs").is_dir():
+            return folder
+    return start
+
+
+def find_runs(runs_dir: Path) -> list[Path]:
+    """Every run folder under `runs_dir` (plain runs and `selfopd compare` arms,
+    NAME/arms/ARM/seedS) that has logged a step, oldest first."""
+    logs = [p for pattern in ("*/metrics.jsonl", "*/arms/*/seed*/metrics.jsonl") for p in Path(runs_dir).glob(pattern)]
+    return [log.parent for log in sorted(logs, key=lambda log: (log.stat().st_mtime, str(log)))]
+
+
+def newest_run(runs_dir: Path, with_rollouts: bool = True) -> Path:
+    """The run under `runs_dir` that logged last (with saved rollouts, when asked)."""
+    runs = find_runs(runs_dir)
+    kept = [run for run in runs if not with_rollouts or list(RunFolder(run).rollouts.glob("step_*.jsonl"))]
+    if kept:
+        return kept[-1]
+    if runs:
+        raise FileNotFoundError(f"none of the {len(runs)} runs under {runs_dir} saved rollouts (run.rollouts_to_save = "
+                                "0): train one with run.rollouts_to_save > 0, or set RUN_DIR")
+    raise FileNotFoundError(f"no runs under {runs_dir}: train one (`make demo` saves 32 rollouts per step), or set "
+                            "RUN_DIR to a run folder")
+
+
+def check_run(run_dir: Path, with_rollouts: bool = True) -> Path:
+    """`run_dir` if it is a run folder (with saved rollouts, when asked); else say what it lacks."""
+    folder = RunFolder(Path(run_dir))
+    if not folder.is_run():
+        raise FileNotFoundError(f"{run_dir}: not a run folder (no config.toml)")
+    if with_rollouts and not list(folder.rollouts.glob("step_*.jsonl")):
+        raise FileNotFoundError(f"{run_dir}: no saved rollouts in {folder.rollouts} (it ran with run.rollouts_to_save "
+                                "= 0, or stopped before its first step)")
+    return folder.root

@@ -1,0 +1,100 @@
+"""The rollouts a run keeps per step (`runs/NAME/rollouts/step_N.jsonl`), written by the
+trainer and read back by diagnostics and notebooks: one format, in one place."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from selfopd.core.atomic import write_lines_atomic
+from selfopd.core.run_folder import RunFolder
+
+
+class DiagnosticsError(ValueError):
+    """Saved rollouts that cannot be read or matched to the run's data; names the file or item."""
+
+
+@dataclass(frozen=True)
+class RolloutRecord:
+    """One student rollout and how the teacher judged each of its tokens.
+
+    Lists are per completion token. `student_logprobs` are the trainer's (the weights that
+    were updated), `sampler_logprobs` the sampling engine's; `advantage` is the per-token
+    advantage the loss used (OPD term plus any verifier-reward term). For a `self` teacher,
+    `teacher_logprobs - student_logprobs` is exactly the privileged gain of that step.
+    """
+
+    step: int
+    id: str
+    group: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    text: str
+    sampler_logprobs: list[float]
+    student_logprobs: list[float]
+    teacher_logprobs: list[float]
+    advantage: list[float]
+    reward: float
+    correct: bool
+    answer: str
+    demonstration: str | None = None  # the sibling demonstration the teacher saw; None: none (or files saved before)
+
+    def __post_init__(self) -> None:
+        length = len(self.completion_ids)
+        for name in ("sampler_logprobs", "student_logprobs", "teacher_logprobs", "advantage"):
+            if len(getattr(self, name)) != length:
+                raise ValueError(
+                    f"rollout {self.id!r} at step {self.step}: {name} has {len(getattr(self, name))} values "
+                    f"for {length} completion tokens"
+                )
+
+    @property
+    def prompt(self) -> str:
+        """The prompt's identity, for intervals over prompts: a key of the exact prompt ids
+        the student saw (the same prompt in two steps, or under two ids, is one prompt)."""
+        import hashlib
+
+        return hashlib.sha256(",".join(map(str, self.prompt_ids)).encode()).hexdigest()[:16]
+
+    @property
+    def opd_advantage(self) -> list[float]:
+        """teacher - student logprob per token: the distillation signal alone."""
+        return [t - s for t, s in zip(self.teacher_logprobs, self.student_logprobs)]
+
+
+def write_records(path: Path, records: Iterable[RolloutRecord]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_lines_atomic(path, (asdict(record) for record in records))
+
+
+def read_records(path: Path) -> list[RolloutRecord]:
+    """Records of one step file; a bad line is an error naming the file and line."""
+    records = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(RolloutRecord(**json.loads(line)))
+        except (json.JSONDecodeError, TypeError, ValueError) as error:
+            raise DiagnosticsError(
+                f"{path}:{number}: not a rollout record ({error}); runs saved before selfopd kept "
+                "student logprobs and advantages cannot be diagnosed from their files"
+            ) from None
+    return records
+
+
+def read_run_rollouts(run_dir: Path, steps: Sequence[int] | None = None) -> dict[int, list[RolloutRecord]]:
+    """{step: records} of every saved step of a run (or only `steps`), in step order."""
+    folder = RunFolder(run_dir).rollouts
+    files = sorted(folder.glob("step_*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no saved rollouts (the run needs run.rollouts_to_save > 0)")
+    found = {int(path.stem.split("_")[1]): path for path in files}
+    if steps is not None:
+        missing = sorted(set(steps) - set(found))
+        if missing:
+            raise FileNotFoundError(f"{folder}: no rollouts saved for step(s) {missing}; saved: {sorted(found)}")
+        found = {step: found[step] for step in steps}
+    return {step: read_records(path) for step, path in sorted(found.items())}

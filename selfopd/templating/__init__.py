@@ -1,0 +1,1 @@
+"""Prompts: Jinja templates rendered for the student and the privileged teacher, checked against the models' contexts."""

@@ -1,0 +1,124 @@
+"""Checks a template before a run spends compute on it.
+
+For each template: it renders on a sample of the dataset, the variables it uses exist
+for those rows, a student template never touches privileged variables, and a teacher
+template does not put the reference answer where copying it is the shortcut.
+
+The copying heuristic: the reference answer appears verbatim (as a whole token) after the
+student's question in the teacher's prompt, i.e. it sits right before the generation
+point (when the template rewrites the question, after its last `tail_chars` characters).
+A teacher prompted that way gains its advantage on the answer tokens by copying, which
+the student can never do: the privileged illusion. A reference placed before the
+question, with an instruction to reason, is not flagged.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+from selfopd.data.example import Example
+from selfopd.templating.templates import (
+    PROMPTS_DIR,
+    SAMPLE_DEMONSTRATION,
+    STUDENT_VARIABLES,
+    TEACHER_VARIABLES,
+    PromptTemplate,
+    TemplateError,
+    render_student,
+    render_teacher,
+    uses_demonstration,
+)
+
+Level = Literal["error", "warning"]
+PRIVILEGED_VARIABLES = frozenset(TEACHER_VARIABLES) - frozenset(STUDENT_VARIABLES)
+ATTEMPT_PLACEHOLDER = "I think the answer is \\boxed{0}."  # a stand-in student attempt for feedback templates
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: Level
+    template: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.level}: {self.template}: {self.message}"
+
+
+def template_role(template: PromptTemplate) -> Literal["student", "teacher"]:
+    """Templates under prompts/teacher, or using privileged variables, are teacher templates."""
+    if template.path.is_relative_to(PROMPTS_DIR / "teacher") or template.variables & PRIVILEGED_VARIABLES:
+        return "teacher"
+    return "student"
+
+
+def lint_template(
+    template: PromptTemplate,
+    student_template: PromptTemplate,
+    examples: Sequence[Example],
+    tail_chars: int = 80,
+) -> list[Finding]:
+    """All findings for one template on a sample of examples (empty list: clean)."""
+    role = template_role(template)
+    if role == "student":
+        leaked = sorted(template.variables - set(STUDENT_VARIABLES))
+        if leaked:
+            return [Finding("error", template.name, f"student template uses privileged or unknown variables: {', '.join(leaked)}")]
+    findings = [Finding("error", template.name, problem) for problem in missing_fields(template, examples)]
+    if findings:
+        return findings
+    for example in examples:
+        try:
+            student_messages = render_student(student_template, example)
+            if role == "student":
+                continue
+            attempt, feedback = _feedback_for(example) if {"attempt", "feedback"} & template.variables else (None, None)
+            demonstration = SAMPLE_DEMONSTRATION if uses_demonstration(template) else None
+            teacher_messages = render_teacher(template, example, student_messages, attempt, feedback, demonstration)
+        except TemplateError as error:
+            findings.append(Finding("error", template.name, f"row {example.id}: {error}"))
+            continue
+        question = student_messages[-1]["content"]
+        if answer_follows_question(teacher_messages[-1]["content"], question, example.answer, tail_chars):
+            findings.append(
+                Finding(
+                    "warning",
+                    template.name,
+                    f"row {example.id}: the reference answer {example.answer!r} appears verbatim after the question, "
+                    "right before the generation point; copying it is the teacher's shortcut (privileged illusion)",
+                )
+            )
+            break  # one warning per template is enough to act on
+    return findings
+
+
+def answer_follows_question(teacher_text: str, question: str, answer: str, tail_chars: int = 80) -> bool:
+    """True when `answer` occurs as a whole token after the end of `question` in
+    `teacher_text` (or, if the question is not there verbatim, in its last `tail_chars`)."""
+    answer = answer.strip()
+    if not answer:
+        return False
+    start = teacher_text.rfind(question) + len(question) if question and question in teacher_text else len(teacher_text) - tail_chars
+    pattern = rf"(?<![\w.]){re.escape(answer)}(?!\w)"
+    return re.search(pattern, teacher_text[max(start, 0):]) is not None
+
+
+def missing_fields(template: PromptTemplate, examples: Sequence[Example]) -> list[str]:
+    """Privileged fields the template uses that some sampled rows lack."""
+    problems = []
+    if "solution" in template.variables:
+        rows = [e.id for e in examples if not e.solution]
+        if rows:
+            problems.append(f"uses 'solution' but {len(rows)} of {len(examples)} sampled rows have none (e.g. {rows[0]})")
+    if "hints" in template.variables:
+        rows = [e.id for e in examples if not e.hints]
+        if rows:
+            problems.append(f"uses 'hints' but {len(rows)} of {len(examples)} sampled rows have none (e.g. {rows[0]})")
+    return problems
+
+
+def _feedback_for(example: Example) -> tuple[str, str]:
+    from selfopd.verifiers import verify_example
+
+    return ATTEMPT_PLACEHOLDER, verify_example(ATTEMPT_PLACEHOLDER, example).feedback

@@ -1,0 +1,132 @@
+"""What a training run writes besides its metrics: held-out evals, checkpoints, saved
+rollouts and the training-curve plots, at the paths `selfopd.core.run_folder` defines."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from selfopd.core.atomic import write_text_atomic
+from selfopd.run.rollouts import RolloutRecord, write_records
+from selfopd.core.distributed import ShardedSampling, full_optimizer_state, full_state_dict, is_sharded
+from selfopd.run.evaluate import evaluate
+from selfopd.core.faults import fault_point
+from selfopd.core.run_folder import RunFolder
+from selfopd.training.state import Run, Scored
+
+
+def run_eval(run: Run) -> dict[str, float] | None:
+    """Greedy held-out accuracy of the current student, with its 95% interval. Under torchrun
+    every rank generates its share of each batch; rank 0 writes and gets the metrics (None
+    elsewhere)."""
+    cfg = run.config
+    out_dir = run.folder.eval_dir(run.step)
+    main = run.world.is_main
+    evaluate(ShardedSampling(run.student_engine, run.world), run.tokenizer, run.eval_examples,
+             run.student_template, cfg.eval.max_tokens, cfg.eval.batch_size, out_dir=out_dir if main else None,
+             progress=cfg.run.progress and main)
+    return eval_metrics(run.step, out_dir) if main else None
+
+
+def eval_metrics(step: int, eval_dir: Path) -> dict[str, float]:
+    """The metrics.jsonl row of one eval folder, read from its summary.json, so that a
+    fresh eval and a reused one log exactly the same fields."""
+    summary = json.loads((eval_dir / "summary.json").read_text())
+    return {
+        "step": step,
+        "eval/accuracy": summary["accuracy"],
+        "eval/ci_low": summary["ci95"][0],
+        "eval/ci_high": summary["ci95"][1],
+        "eval/n": summary["n"],
+        "eval/length_mean": summary["mean_completion_tokens"],
+    }
+
+
+def reuse_eval(run: Run, source: Path) -> dict[str, float]:
+    """Copy an existing eval of the current weights in as this step's eval; its metrics.
+
+    Refused unless it covers exactly this run's held-out ids: a stale or foreign eval
+    would silently shift every paired comparison against it."""
+    ids = {json.loads(line)["id"] for line in (source / "eval.jsonl").read_text().splitlines()}
+    expected = {example.id for example in run.eval_examples}
+    if ids != expected:
+        raise ValueError(f"{source}: its eval items are not this run's held-out split "
+                         f"({len(ids ^ expected)} ids differ); evaluate again")
+    target = run.folder.eval_dir(run.step)
+    target.mkdir(parents=True, exist_ok=True)
+    for name in ("eval.jsonl", "summary.json"):  # summary.json last: it marks the eval finished
+        write_text_atomic(target / name, (source / name).read_text())
+    return eval_metrics(run.step, target)
+
+
+def save_checkpoint(run: Run) -> Path:
+    """HF-format weights (loadable by transformers and vLLM), or with LoRA the adapters alone
+    (peft's adapter_config.json + adapter_model.safetensors: `selfopd merge-lora` makes them a
+    full model), plus the tokenizer and the trainer state; only the latest checkpoint is kept
+    (and those the illusion guard fired at).
+    Under torchrun the full weights and optimizer state are gathered to rank 0 (every rank
+    takes part), which writes them in the one-process layout. An `ema` teacher's average is
+    part of the trainer state, so a resumed run continues it exactly."""
+    target, staging = run.folder.checkpoint(run.step), run.folder.checkpoint_staging(run.step)
+    sharded = is_sharded(run.model)
+    weights = full_state_dict(run.model) if sharded else None
+    optimizer = full_optimizer_state(run.model, run.optimizer, run.world)
+    if not run.world.is_main:
+        return target
+    shutil.rmtree(staging, ignore_errors=True)
+    run.model.save_pretrained(staging, **({"state_dict": weights} if sharded else {}))
+    run.tokenizer.save_pretrained(staging)
+    fault_point("checkpoint.weights")
+    ema = {"ema": run.ema.state_dict()} if run.ema is not None else {}  # an `ema` teacher's average
+    torch.save({"optimizer": optimizer, "scheduler": run.scheduler.state_dict(), "step": run.step, **ema},
+               RunFolder.trainer_state(staging))
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    fault_point("checkpoint.renamed")
+    prune_checkpoints(run.folder, target)
+    return target
+
+
+def prune_checkpoints(folder: RunFolder, keep: Path) -> None:
+    """Only the latest checkpoint is kept, and those of steps where the illusion guard fired
+    (RUN/guard.json: the user may go back to them): older ones go, and so do the staging
+    folders of writes a kill cut short."""
+    from selfopd.training.guard import fired_steps
+
+    kept = {keep} | {folder.checkpoint(step) for step in fired_steps(folder.root)}
+    for old in folder.checkpoints.iterdir():
+        if old not in kept:
+            shutil.rmtree(old)
+
+
+def save_rollouts(run: Run, scored: Sequence[Scored], student_lp_N: torch.Tensor, advantage_N: torch.Tensor,
+                  limit: int) -> None:
+    """A bounded sample of this step's rollouts (the first `limit`, whole prompt groups
+    first), for diagnostics and notebooks after the run. `student_lp_N` and `advantage_N`
+    are the step's completion tokens, rollout after rollout, as the loss saw them."""
+    if limit <= 0:
+        return
+    lengths = [len(s.rollout.completion_ids) for s in scored]
+    per_rollout = zip(student_lp_N.split(lengths), advantage_N.split(lengths))
+    records = [
+        RolloutRecord(
+            step=run.step, id=s.example.id, group=s.group, prompt_ids=s.rollout.prompt_ids,
+            completion_ids=s.rollout.completion_ids, text=s.rollout.text,
+            sampler_logprobs=list(s.rollout.sampler_logprobs), student_logprobs=student.tolist(),
+            teacher_logprobs=s.teacher_logprobs.tolist(), advantage=advantage.tolist(), reward=s.reward,
+            correct=s.correct, answer=s.example.answer, demonstration=s.demonstration,
+        )
+        for s, (student, advantage) in zip(scored[:limit], per_rollout)
+    ]
+    write_records(run.folder.rollouts_file(run.step), records)
+
+
+def plot_run(folder: RunFolder) -> None:
+    """The training curves of a run (RUN/plots/), from its metrics.jsonl."""
+    from selfopd.core.plots import plot_training_curves, read_metrics
+
+    plot_training_curves(read_metrics(folder.metrics), folder.plots, title=folder.root.name)

@@ -1,0 +1,249 @@
+"""From a config to a ready `Run`: data, split, templates, the student and its optimizer
+(restored from a checkpoint when resuming), the engines, and the checks that must pass
+before the first step. Data and templates load first, so a mistake in them fails before
+any model loads or server starts."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from selfopd.config import VLLM_KINDS, ConfigError, TrainConfig
+from selfopd.templating.context_limits import check_context
+from selfopd.data import load_examples
+from selfopd.core.devices import use_device
+from selfopd.core.distributed import World, current_world, init_process_group, load_optimizer_state, shard_model
+from selfopd.training.ema import EmaWeights
+from selfopd.engines.build import check_external_teacher, load_model, model_options, open_training_engines
+from selfopd.data.example import Example, prompt_key
+from selfopd.engines.lora import adapters_off, prepare_student, trainable_parameters
+from selfopd.core.models import resolve_model
+from selfopd.core.run_folder import RunFolder
+from selfopd.training.state import Run
+from selfopd.engines.scoring import check_plain_head
+from selfopd.data.split import split_examples
+from selfopd.run.templates import load_run_template
+from selfopd.templating.templates import (
+    SAMPLE_DEMONSTRATION,
+    PromptTemplate,
+    check_student_template,
+    load_template,
+    prompt_token_ids,
+    render_student,
+    render_teacher,
+    uses_demonstration,
+)
+from selfopd.training.weight_checks import check_frozen_teacher, check_probe, probe_logprobs, sync_weights
+
+PROBE_COMPLETION = "Let me think step by step. The answer is 42."
+
+
+def build_run(config: TrainConfig, resume_from: Path | None = None,
+              claim: Callable[[], contextlib.AbstractContextManager] | None = None) -> Run:
+    """Load data, templates and models, then start the engines; restore a checkpoint when resuming.
+
+    Data and templates load first, so a mistake in them fails before any server starts.
+    `claim` (the trainer's: create and lock the run folder) is entered once every input
+    has passed its checks, before any engine starts, and held until the run closes: a bad
+    input leaves no run folder behind."""
+    if config.model.threads:
+        torch.set_num_threads(config.model.threads)
+    torch.manual_seed(config.run.seed)
+    world = current_world()
+    check_world(config, world)
+    options = model_options(config.model, world)
+    use_device(options["device"])  # before any NCCL endpoint or CUDA tensor is made
+    # Collectives wait at most as long as rank 0 may take to start vLLM servers, plus 30 minutes.
+    init_process_group(world, options["device"], timeout_s=config.engine.startup_timeout_s + 1800)
+
+    folder = RunFolder.of(config.run.out_dir, config.run.name)
+    examples = load_examples(config.data.spec)
+    train_examples, eval_examples = split_examples(examples, eval_size=config.data.eval_size, seed=config.data.split_seed)
+    # A resumed run renders from its own copies of the templates (RUN/templates/), a fresh one from the files.
+    student_template = load_run_template(folder.root, config.data.student_template)
+    teacher_template = load_run_template(folder.root, config.teacher.template)
+    fallback = demonstration_fallback(config, teacher_template, folder.root)
+    check_templates_render(student_template, teacher_template, train_examples[0], fallback)
+    if config.teacher.kind == "external":
+        check_external_teacher_split(config.teacher.model, eval_examples)
+
+    if config.engine.kind == "vllm":  # a refused GPU layout stops the run before the model loads
+        from selfopd.engines.serving import node_trainer_gpus, run_layout
+
+        run_layout(config, node_trainer_gpus(world))
+    model, tokenizer = load_model(config.model.student, config.model.dtype, weights=resume_from,
+                                  gradient_checkpointing=config.model.gradient_checkpointing,
+                                  master_weights=not config.model.lora, **options)
+    check_plain_head(model, f"model.student {config.model.student}")
+    check_context(config, model.config, teacher_model_config(config, model.config), tokenizer, student_template,
+                  teacher_template, fallback, train_examples, eval_examples)
+    if config.teacher.kind == "external":  # another tokenizer is refused before the run folder is claimed
+        check_external_teacher(config, tokenizer)
+    model = prepare_student(model, config.model, resume_from)  # LoRA adapters, when model.lora_rank > 0
+    shard_model(model, world)  # before the optimizer: it must hold the sharded parameters
+    optimizer = adamw(trainable_parameters(model), config)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
+    step, state = 0, {}
+    if resume_from is not None:
+        state = torch.load(RunFolder.trainer_state(resume_from), weights_only=False, map_location="cpu")
+        load_optimizer_state(model, optimizer, state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step = state["step"]
+    probe_prompt = prompt_token_ids(tokenizer, render_student(student_template, eval_examples[0]))
+    probe = (probe_prompt, tokenizer.encode(PROBE_COMPLETION, add_special_tokens=False))
+
+    resources = contextlib.ExitStack()
+    try:
+        if claim is not None:
+            resources.enter_context(claim())
+        student_engine, teacher_engine = open_training_engines(config, model, tokenizer, folder.logs, resources, world)
+        run = Run(config, folder, model, tokenizer, optimizer, scheduler, student_engine, teacher_engine,
+                  student_template, teacher_template, train_examples, eval_examples, probe, step, resources,
+                  device=options["device"], world=world, demonstration_fallback=fallback,
+                  ema=open_ema(config, teacher_engine, resume_from, state.get("ema"), options))
+        if config.engine.kind in VLLM_KINDS:
+            # vLLM starts from the model folder (or was running already): give it the
+            # trainer's weights (a resumed checkpoint's, say) before the first rollout.
+            sync_weights(run)
+            check_probe(run)
+        if config.teacher.kind == "frozen":
+            check_frozen_teacher(run, initial_probe_logprobs(run, resume_from, options))
+    except BaseException:
+        resources.close()
+        raise
+    return run
+
+
+def open_ema(config: TrainConfig, teacher_engine: Any, resume_from: Path | None, saved: dict | None,
+             options: dict) -> EmaWeights | None:
+    """teacher.kind = 'ema': the average, from the initial weights or a checkpoint's average. In
+    process it is the teacher engine's own copy; a vLLM teacher is sent it (a float32 copy here)."""
+    if config.teacher.kind != "ema":
+        return None
+    if resume_from is not None and saved is None:
+        raise ConfigError("teacher.kind", f"{resume_from} holds no EMA weights: the run was not started with "
+                          "teacher.kind = 'ema'")
+    if config.engine.kind == "local":
+        model = teacher_engine.model
+    else:
+        model = load_model(config.model.student, "float32", frozen=True, **options)[0]
+    ema = EmaWeights(model, config.teacher.ema_rate)
+    if saved is not None:
+        ema.load_state_dict(saved)
+    return ema
+
+
+def demonstration_fallback(config: TrainConfig, teacher: PromptTemplate, run_dir: Path | None = None
+                           ) -> PromptTemplate | None:
+    """The template for rollouts without a sibling demonstration, when `teacher` uses one;
+    it must not use `demonstration` itself."""
+    if not uses_demonstration(teacher):
+        return None
+    name = config.teacher.demonstration_fallback
+    fallback = load_run_template(run_dir, name) if run_dir is not None else load_template(name)
+    if uses_demonstration(fallback):
+        raise ConfigError("teacher.demonstration_fallback", f"{fallback.name!r} uses 'demonstration' itself; the "
+                          "fallback scores rollouts that have none (e.g. teacher/empty)")
+    return fallback
+
+
+def check_templates_render(student: PromptTemplate, teacher: PromptTemplate, example: Example,
+                           fallback: PromptTemplate | None = None) -> None:
+    """Render the templates once, as a step does (a teacher that uses `demonstration` with a
+    sample one, and its fallback), so that an undefined variable or a refused operation
+    fails before any model loads rather than at the first step."""
+    check_student_template(student)
+    student_messages = render_student(student, example)
+    render_teacher(teacher, example, student_messages, attempt="", feedback="",
+                   demonstration=SAMPLE_DEMONSTRATION if uses_demonstration(teacher) else None)
+    if fallback is not None:
+        render_teacher(fallback, example, student_messages, attempt="", feedback="")
+
+
+def initial_probe_logprobs(run: Run, resume_from: Path | None, options: dict) -> torch.Tensor:
+    """The probe's logprobs under the run's initial weights, which a frozen teacher must serve:
+    the student itself at the start, the base model (adapters off) with LoRA, else a fresh load."""
+    config, model, precision = run.config, run.model, run.config.model.dtype
+    if config.model.lora:  # the initial weights are the base ones: the adapters off, no second load
+        with adapters_off(model):
+            return probe_logprobs(model, run.probe, run.pad_id, precision)
+    if resume_from is None:
+        return probe_logprobs(model, run.probe, run.pad_id, precision)
+    initial = load_model(config.model.student, config.model.dtype, **options)[0]
+    shard_model(initial, run.world)
+    return probe_logprobs(initial, run.probe, run.pad_id, precision)
+
+
+def check_world(config: TrainConfig, world: World) -> None:
+    """Under torchrun each rank takes an equal share of a step's prompts, whole micro-batches."""
+    if not world.distributed:
+        return
+    if config.engine.kind == "vllm_colocate":
+        raise ConfigError("engine.kind", f"'vllm_colocate' is the one-GPU mode; under torchrun ({world.size} "
+                          "processes) use engine.kind = 'vllm' (servers on their own GPUs) or 'local'")
+    if config.model.device.startswith("cuda:"):
+        raise ConfigError("model.device", f"{config.model.device!r} would put every rank on one GPU; under torchrun "
+                          "use 'auto' or 'cuda': each rank takes the GPU of its LOCAL_RANK")
+    if config.teacher.kind == "ema":
+        raise ConfigError("teacher.kind", f"'ema' under torchrun ({world.size} processes) is not supported: the "
+                          "average is kept on one process; train an 'ema' teacher on one process")
+    if config.engine.kind == "vllm" and config.model.lora:
+        raise ConfigError("model.lora_rank", "LoRA with vLLM servers under torchrun is not supported: the merged "
+                          "weights are built on one process; train LoRA on one process or with engine.kind = 'local'")
+    per_rank = config.optim.micro_batch_prompts * world.size
+    if config.rollout.prompts_per_step % per_rank:
+        raise ConfigError("rollout.prompts_per_step", f"must be a multiple of optim.micro_batch_prompts "
+                          f"({config.optim.micro_batch_prompts}) x {world.size} processes = {per_rank}, got "
+                          f"{config.rollout.prompts_per_step}: each rank takes an equal share of whole micro-batches")
+
+
+def teacher_model_config(config: TrainConfig, student_config: Any) -> Any:
+    """The teacher's transformers config: the student's, or an external teacher's own."""
+    if config.teacher.kind != "external":
+        return student_config
+    from transformers import AutoConfig
+
+    from selfopd.core.models import from_pretrained
+
+    return from_pretrained(AutoConfig, resolve_model(config.teacher.model), trust_remote_code=config.model.trust_remote_code)
+
+
+def check_external_teacher_split(teacher: str, eval_examples: Sequence[Example]) -> None:
+    """An external teacher made by `selfopd sft` must not have trained on this run's held-out
+    prompts (it records what it trained on); other teachers cannot be checked."""
+    from selfopd.core.models import teacher_trained_prompts
+
+    trained = teacher_trained_prompts(resolve_model(teacher))
+    shared = [e for e in eval_examples if trained and prompt_key(e.prompt) in trained]
+    if shared:
+        raise ConfigError("teacher.model", f"{teacher} was fine-tuned (selfopd sft) on {len(shared)} of this run's "
+                          f"{len(eval_examples)} held-out prompts (e.g. {shared[0].prompt!r}): train the teacher with "
+                          "this run's data, data.eval_size and data.split_seed")
+
+
+def adamw(params: Any, config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with torch's fused kernel: one pass over every parameter (CPU and CUDA), where the
+    default for-loop implementation took about 10x TRL's optimizer time on the CPU. It rounds
+    differently from the for-loop one (measured and bounded in tests/test_speedups.py)."""
+    return torch.optim.AdamW(params, lr=config.optim.lr, betas=(config.optim.beta1, config.optim.beta2),
+                             weight_decay=config.optim.weight_decay, fused=True)
+
+
+def _lr_lambda(config: TrainConfig):
+    warmup, steps, schedule = config.optim.warmup_steps, config.run.steps, config.optim.schedule
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        if schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        if schedule == "linear":
+            return max(0.0, 1 - progress)
+        return 1.0
+
+    return factor

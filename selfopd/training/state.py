@@ -1,0 +1,86 @@
+"""The state of one training run, and one scored rollout: plain data that the trainer,
+its set-up and its checks share."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from selfopd.config import TrainConfig
+from selfopd.core.devices import autocast
+from selfopd.core.distributed import World
+from selfopd.training.ema import EmaWeights
+from selfopd.engines.base import Engine, Rollout
+from selfopd.engines.local import pad_token_id
+from selfopd.data.example import Example
+from selfopd.core.run_folder import RunFolder
+from selfopd.templating.templates import PromptTemplate
+
+
+@dataclass
+class Run:
+    """The stateful pieces of one training run; `train_step` reads and advances them."""
+
+    config: TrainConfig
+    folder: RunFolder
+    model: Any  # the student, trained in place
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    student_engine: Engine
+    teacher_engine: Engine
+    student_template: PromptTemplate
+    teacher_template: PromptTemplate
+    train_examples: list[Example]
+    eval_examples: list[Example]
+    probe: tuple[list[int], list[int]]
+    step: int = 0
+    resources: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # servers, clients
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # the trainer's
+    world: World = field(default_factory=World)  # this process among torchrun's (one: rank 0 of 1)
+    # Set iff the teacher template uses `demonstration`: it scores rollouts that have none.
+    demonstration_fallback: PromptTemplate | None = None
+    ema: EmaWeights | None = None  # teacher.kind = 'ema': the averaged weights the teacher serves
+
+    def close(self) -> None:
+        """Close engine clients and stop the servers this run launched."""
+        self.resources.close()
+
+    @property
+    def run_dir(self) -> Path:
+        return self.folder.root
+
+    @property
+    def pad_id(self) -> int:
+        return pad_token_id(self.tokenizer, self.model)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The compute precision (`model.dtype`) of one forward of the student: a region per
+        forward, never around a step (`selfopd.core.devices.autocast` says why)."""
+        return autocast(self.device, self.config.model.dtype)
+
+    @property
+    def temperature(self) -> float:
+        """The policy that is trained: the distribution the student samples from, its logits
+        divided by the rollout temperature (as TRL does); greedy rollouts train at 1."""
+        return self.config.rollout.temperature or 1.0
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One rollout with everything the loss needs."""
+
+    example: Example
+    group: int  # index of its prompt in the step: GRPO groups
+    rollout: Rollout
+    reward: float
+    correct: bool
+    teacher_logprobs: torch.Tensor  # (T,) over the completion tokens
+    teacher_prompt: list[int]
+    teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None  # (T, k) ids and logprobs, when the loss needs them
+    demonstration: str | None = None  # the sibling's text the teacher saw (None: none, or not used)
+    wrong_context_logprobs: torch.Tensor | None = None  # (T,) the teacher under a wrong context (contrastive loss)

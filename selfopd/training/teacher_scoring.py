@@ -1,0 +1,50 @@
+"""The teacher's side of a step: every (teacher prompt, student completion) pair scored in the
+trainer's micro-batches. With the empty-context control the teacher then computes exactly
+what the student does, bit for bit (same batch, same padding).
+
+A full-vocabulary loss needs the teacher's whole next-token distributions in the training
+phase too: the teacher's final hidden states are computed once per micro-batch here, kept
+for the loss, and the sampled tokens' logprobs read off them, instead of a second teacher
+forward in the training phase (the same numbers: same weights, same batches)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from selfopd.engines.base import TokenScores
+from selfopd.engines.kernels import token_logprobs_from_hidden
+from selfopd.engines.scoring import right_pad
+
+Pairs = Sequence[tuple[list[int], list[int]]]
+States = tuple[torch.Tensor, torch.Tensor]  # the teacher's tempered final hidden states (B, C, H) and head (V, H)
+
+
+def score_in_micro_batches(engine: Any, pairs: Pairs, per_micro: int, top_k: int, temperature: float,
+                           keep_states: bool) -> tuple[list[TokenScores], list[States]]:
+    """(a TokenScores per pair, and per micro-batch the teacher's states when `keep_states`)."""
+    scores: list[TokenScores] = []
+    states: list[States] = []
+    for start in range(0, len(pairs), per_micro):
+        micro = pairs[start : start + per_micro]
+        if not keep_states:
+            scores.extend(engine.score(micro, top_k=top_k, temperature=temperature))
+            continue
+        hidden_BCH, head_VH = engine.completion_states(micro, temperature)
+        states.append((hidden_BCH, head_VH))
+        scores.extend(scores_from_states(hidden_BCH, head_VH, [completion for _, completion in micro]))
+    return scores, states
+
+
+@torch.no_grad()
+def scores_from_states(hidden_BCH: torch.Tensor, head_VH: torch.Tensor,
+                       completions: Sequence[list[int]]) -> list[TokenScores]:
+    """The logprob of each completion token under the distributions `completion_states` gave,
+    as an engine's `score` computes it (fp32 head, on the CPU)."""
+    ids_BC, mask_BC = right_pad(completions, pad_id=0)
+    device = hidden_BCH.device
+    logprobs_BC = token_logprobs_from_hidden(hidden_BCH, head_VH, ids_BC.to(device), mask_BT=mask_BC.to(device))
+    logprobs_BC = logprobs_BC.float().cpu()
+    return [TokenScores(logprobs=logprobs_BC[row, : len(completion)].clone())
+            for row, completion in enumerate(completions)]

@@ -1,0 +1,143 @@
+"""The OPD training loop: evals, checkpoints, metrics and the illusion guard around
+`selfopd.training.step.train_step` (one step, as named phases). Set-up is
+`selfopd.training.setup`, the weight checks `selfopd.training.weight_checks`, what a run writes
+`selfopd.training.outputs` and `selfopd.run.tracking`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Iterator
+
+from tqdm.auto import tqdm
+
+from selfopd.training import guard
+from selfopd.config import TrainConfig, config_to_toml
+from selfopd.core.distributed import all_sum, barrier, current_world
+from selfopd.run.folder_guard import check_not_in_use, check_writable, claimed_run_folder, refuse_finished, writing
+from selfopd.core.run_folder import RunFolder
+from selfopd.training.outputs import plot_run, prune_checkpoints, reuse_eval, run_eval, save_checkpoint
+from selfopd.training.setup import build_run  # noqa: F401  (public here: tests and benchmarks build a run, then step it)
+from selfopd.training.state import Run
+from selfopd.run.templates import config_template_names, save_run_templates
+from selfopd.data.split import SplitRecord
+from selfopd.run.tracking import MetricsLog
+from selfopd.training.step import SKIPPED, batch_for_step, train_step  # noqa: F401  (public here)
+from selfopd.training.weight_checks import WeightSyncError  # noqa: F401  (public here)
+
+class NonFiniteLoss(RuntimeError):
+    """optim.max_nonfinite_steps steps in a row had a NaN or inf loss or gradient."""
+
+
+class GuardStop(RuntimeError):
+    """The illusion guard fired with guard.action = 'stop' (the step is checkpointed and evaluated)."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of a run folder (None: none yet)."""
+    return RunFolder(run_dir).latest_checkpoint()
+
+
+def train(config: TrainConfig, resume: bool = False, initial_eval: Path | None = None) -> Path:
+    """Run (or continue) training; returns the run folder.
+
+    `initial_eval`: an eval folder (eval.jsonl + summary.json) of these very starting weights
+    on this eval split, used as the step-0 eval instead of evaluating again. `selfopd
+    compare` evaluates the shared base model once for all its arms. Under torchrun every
+    rank runs this; rank 0 alone writes the run folder."""
+    main = current_world().is_main
+    folder = RunFolder.of(config.run.out_dir, config.run.name)
+    if main:  # refused before any model loads; the folder itself is made once the inputs pass their checks
+        check_writable(folder.root)
+        check_not_in_use(folder.root)
+    checkpoint = folder.latest_checkpoint() if resume else None
+    if resume and checkpoint is None:
+        raise FileNotFoundError(f"{folder.root}: no checkpoint to resume from (the run stopped before its first "
+                                "checkpoint: delete the folder and start the run again)")
+    if not resume:
+        refuse_finished(folder)
+    claim = (lambda: _claimed(folder, config, resume, checkpoint)) if main else None
+    run = build_run(config, checkpoint, claim)
+    with contextlib.closing(run):  # stops launched servers on any exit, Ctrl-C included
+        split = SplitRecord.of(config.data.spec, config.data.split_seed, run.train_examples, run.eval_examples)
+        if resume:
+            SplitRecord.read(folder.root).check_same(split, str(folder.root))
+        elif main:
+            split.write(folder.root)
+        log = MetricsLog(folder, config) if main else None
+        try:
+            with contextlib.closing(log) if log else contextlib.nullcontext():
+                _train_loop(run, log, resume, initial_eval)
+        except GuardStop:  # every rank stops at the same step, its checkpoint written: plot what ran
+            if main:
+                plot_run(folder)
+            raise
+        barrier(run.world)  # the last checkpoint is written before any rank returns
+    if main:
+        plot_run(folder)
+    return folder.root
+
+
+@contextlib.contextmanager
+def _claimed(folder: RunFolder, config: TrainConfig, resume: bool, checkpoint: Path | None) -> Iterator[None]:
+    """Hold the run folder's lock (a fresh run: create the folder, write its config; keep its templates'
+    texts); a resumed run then drops what a kill between a checkpoint and its clean-up left behind."""
+    with claimed_run_folder(folder, None if resume else config_to_toml(config)):
+        save_run_templates(folder.templates, config_template_names(config))
+        if checkpoint is not None:
+            prune_checkpoints(folder, checkpoint)
+        yield
+
+
+def _train_loop(run: Run, log: MetricsLog | None, resume: bool, initial_eval: Path | None) -> None:
+    """Every rank runs every step, eval and checkpoint (collectives); `log` is rank 0's."""
+    config = run.config
+
+    def record(metrics: dict[str, float] | None) -> None:
+        if log is not None and metrics is not None:
+            log.log(metrics)
+
+    history: list[dict] = []  # the training-step lines so far (rank 0), what the guard decides on
+    if resume:
+        if log is not None:
+            history = guard.training_lines(log.truncate_after(run.step))
+    elif initial_eval is not None:
+        record(reuse_eval(run, initial_eval) if run.world.is_main else None)
+    else:
+        record(run_eval(run))
+    bar = tqdm(total=config.run.steps, initial=run.step, desc=config.run.name, unit="step",
+               disable=not (config.run.progress and run.world.is_main))
+    skipped_in_row = 0
+    while run.step < config.run.steps:
+        metrics = train_step(run)
+        fired = guard.watch(run.folder, config, history, metrics) if run.world.is_main else []  # marks `metrics`
+        record(metrics)
+        skipped_in_row = skipped_in_row + 1 if metrics.get("skipped") else 0
+        if skipped_in_row >= config.optim.max_nonfinite_steps:
+            raise NonFiniteLoss(_nonfinite_message(run, skipped_in_row))
+        bar.set_postfix(kl=f"{metrics['opd/reverse_kl']:.3f}", acc=f"{metrics['reward/accuracy']:.2f}")
+        bar.update(1)
+        fired_any = all_sum(float(bool(fired)), run.world) > 0  # rank 0 decided; every rank checkpoints
+        stop = fired_any and config.guard.action == "stop"
+        last = run.step == config.run.steps or stop
+        if (config.run.eval_every and run.step % config.run.eval_every == 0) or last:
+            record(run_eval(run))
+        if (config.run.checkpoint_every and run.step % config.run.checkpoint_every == 0) or last or fired_any:
+            with writing(run.folder.checkpoint(run.step)):
+                save_checkpoint(run)
+        if stop:
+            raise GuardStop(guard.stop_message(run.folder, run.step, fired), run.step)
+    bar.close()
+
+
+def _nonfinite_message(run: Run, count: int) -> str:
+    checkpoint = run.folder.latest_checkpoint()
+    return (f"steps {run.step - count + 1} to {run.step}: {count} steps in a row had a NaN or inf loss or gradient "
+            f"(optim.max_nonfinite_steps = {run.config.optim.max_nonfinite_steps}); they were skipped, the weights "
+            f"are those of step {run.step - count}; last checkpoint: {checkpoint or 'none'}. Check the teacher's "
+            f"logprobs and the learning rate in {run.folder.metrics}")

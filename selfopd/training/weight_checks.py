@@ -1,0 +1,136 @@
+"""Proof that every engine serves the weights it should: the weight sync after each step
+and the probe that checks it on every replica (the student's weights, or an `ema`
+teacher's average), and the one-time check of a frozen teacher."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from selfopd.core.devices import autocast, model_device
+from selfopd.core.distributed import full_state_dict, is_sharded
+from selfopd.engines.base import Engine
+from selfopd.engines.local import eval_mode
+from selfopd.engines.lora import served_weights
+from selfopd.training.state import Run
+from selfopd.engines.scoring import completion_logprobs
+
+
+class WeightSyncError(RuntimeError):
+    """An engine's logprobs disagree with the trainer's after a weight update."""
+
+
+def engines_serving_student_weights(run: Run) -> list[tuple[str, Engine]]:
+    """The student engine, and a `self` teacher's engine when it is a separate one."""
+    engines: list[tuple[str, Engine]] = [("student", run.student_engine)]
+    if run.config.teacher.follows_student and run.teacher_engine is not run.student_engine:
+        engines.append(("teacher", run.teacher_engine))
+    return engines
+
+
+def serves_live_model(engine: Engine, run: Run) -> bool:
+    """An in-process engine over the trainer's own module: it sees every step at once."""
+    return getattr(engine, "model", None) is run.model
+
+
+def sync_weights(run: Run) -> None:
+    """Push the trainer's weights to every engine that serves the student's weights: full
+    weights under the base checkpoint's names (LoRA adapters merged in, `served_weights`).
+    An in-process engine over the trainer's own module already has them: it gets no tensors,
+    only the version (with LoRA its parameter names are not the checkpoint's). Under torchrun
+    every rank helps gather the full weights; rank 0 sends them. An `ema` teacher then gets
+    the average (`sync_ema_teacher`)."""
+    copies = []
+    for _, engine in engines_serving_student_weights(run):
+        if serves_live_model(engine, run):
+            engine.update_weights({}, version=run.step)
+        else:
+            copies.append(engine)
+    if copies:
+        named = full_state_dict(run.model) if is_sharded(run.model) else served_weights(run.model)
+        if run.world.is_main:
+            for engine in copies:
+                engine.update_weights(named, version=run.step)
+    sync_ema_teacher(run)
+
+
+def sync_ema_teacher(run: Run) -> None:
+    """An `ema` teacher's engine gets the average: only the version when it scores with the
+    average's own module (in process), the averaged weights when it is a server."""
+    if run.ema is None:
+        return
+    engine = run.teacher_engine
+    if getattr(engine, "model", None) is run.ema.model:
+        engine.update_weights({}, version=run.step)
+    elif run.world.is_main:
+        engine.update_weights(served_weights(run.ema.model), version=run.step)
+
+
+@torch.no_grad()
+def probe_logprobs(model: Any, probe: tuple[list[int], list[int]], pad_id: int,
+                   precision: str = "float32") -> torch.Tensor:
+    """The trainer-side logprobs of the probe sequence (eval mode, no dropout), in the run's
+    precision (`model.dtype`), from the weights as they are now: its own autocast region,
+    which no earlier forward's bf16 casts outlive."""
+    with eval_mode(model), autocast(model_device(model), precision):
+        return completion_logprobs(model, [probe], pad_id)[0][0].float().cpu()  # where engines' scores are
+
+
+def probe_gaps(engine_lp: torch.Tensor, reference_lp: torch.Tensor) -> dict[str, float]:
+    """Max and mean |engine - reference| logprob over the probe's tokens (the logged metrics)."""
+    diff = (engine_lp.float() - reference_lp.float()).abs()
+    return {"probe/max_abs_diff": diff.max().item(), "probe/mean_abs_diff": diff.mean().item()}
+
+
+def probe_rule(run: Run) -> tuple[str, float, str]:
+    """(which gap, its tolerance, what they are) the checks hold engines to. fp32: the max
+    |difference| (kernels agree to ~1e-4). bf16: the mean over the probe's tokens, since bf16
+    kernels alone differ by up to ~0.5 nats on a token."""
+    if run.config.model.dtype == "bfloat16":
+        return "probe/mean_abs_diff", run.config.probe.bf16_tolerance, "mean |difference| (probe.bf16_tolerance"
+    return "probe/max_abs_diff", run.config.probe.tolerance, "max |difference| (probe.tolerance"
+
+
+@torch.no_grad()
+def check_probe(run: Run) -> dict[str, float]:
+    """The largest max and mean |engine - trainer| logprob on a fixed sequence, over every
+    replica of every engine that serves the student's weights (each student server, a
+    `self` teacher's server) and of an `ema` teacher's engine (against the average's
+    logprobs, not the student's); raises past the tolerance (`probe_rule`), naming the replica.
+    An in-process engine over the very module it would be compared with (the live student,
+    the EMA's own copy) received nothing that could go wrong and is not probed; with nothing
+    left to probe there are no probe metrics (and no probe forward)."""
+    precision = run.config.model.dtype
+    checks = [(name, engine, run.model, "the trainer's") for name, engine in engines_serving_student_weights(run)]
+    if run.ema is not None:
+        checks.append(("ema teacher", run.teacher_engine, run.ema.model, "the trainer's EMA weights'"))
+    checks = [check for check in checks if getattr(check[1], "model", None) is not check[2]]
+    if not checks:
+        return {}
+    references = {id(model): probe_logprobs(model, run.probe, run.pad_id, precision) for _, _, model, _ in checks}
+    key, tolerance, what = probe_rule(run)
+    worst = {"probe/max_abs_diff": 0.0, "probe/mean_abs_diff": 0.0}
+    for name, engine, model, whose in checks:
+        for replica, score in engine.score_replicas(run.probe):
+            gaps = probe_gaps(score.logprobs, references[id(model)])
+            if not gaps[key] <= tolerance:
+                raise WeightSyncError(
+                    f"after step {run.step} the {name} engine's logprobs ({replica}) differ from {whose}: "
+                    f"{what} = {tolerance}) is {gaps[key]:.3g}: the weight update did not arrive")
+            worst = {metric: max(worst[metric], gaps[metric]) for metric in worst}
+    return worst
+
+
+@torch.no_grad()
+def check_frozen_teacher(run: Run, initial_lp: torch.Tensor) -> None:
+    """A `frozen` teacher must serve the initial student weights; a server given by URL may
+    hold anything, so every replica is probed once at start (and on resume)."""
+    key, tolerance, what = probe_rule(run)
+    for replica, score in run.teacher_engine.score_replicas(run.probe):
+        gap = probe_gaps(score.logprobs, initial_lp)[key]
+        if not gap <= tolerance:
+            raise WeightSyncError(
+                f"the frozen teacher ({replica}) does not serve the initial student weights "
+                f"({run.config.model.student}): its probe logprobs' {what} = {tolerance}) is {gap:.3g}; give it a "
+                "server of the student's initial model")
