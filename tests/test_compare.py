@@ -246,6 +246,8 @@ def test_show_config_checks_every_arm(tmp_path, capsys):
     (tmp_path / "c.toml").write_text(good)
     assert main(["compare", str(tmp_path / "c.toml"), "--show-config"]) == 0
     assert "#   loss.lambda_opd = 0.5" in capsys.readouterr().out and not (tmp_path / "out").exists()
+    assert main(["compare", str(tmp_path / "c.toml"), "--show-config", "--name", "smoke"]) == 0
+    assert 'name = "smoke"' in capsys.readouterr().out
     (tmp_path / "c.toml").write_text(good + '[arms.b]\nset = ["loss.divergence=no_such"]\n')
     assert main(["compare", str(tmp_path / "c.toml"), "--show-config"]) == 1
     assert "arm b" in capsys.readouterr().err

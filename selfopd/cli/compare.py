@@ -4,6 +4,7 @@ resolved comparison (`--show-config`)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from selfopd.cli.common import UserError, add_overrides, command
@@ -16,6 +17,8 @@ def add_compare_command(commands: argparse._SubParsersAction) -> None:
     add_overrides(compare, "run.steps=4")
     compare.add_argument("--arms", default="", help="comma-separated arm names to run (default: all)")
     compare.add_argument("--seeds", default="", help="comma-separated training seeds to run, of compare.seeds (default: all)")
+    compare.add_argument("--name", default="", help="the comparison's folder name instead of compare.name (e.g. a "
+                         "short smoke run beside the full one)")
     compare.add_argument("--report-only", action="store_true", help="rewrite report.md from the arms' folders, train nothing")
     compare.add_argument("--show-config", action="store_true",
                          help="check every arm and print the resolved comparison (each arm with the teacher, loss and "
@@ -32,6 +35,8 @@ def _compare(args: argparse.Namespace) -> None:
     except ValueError:
         raise UserError(f"--seeds: expected comma-separated integers, got {args.seeds!r}") from None
     compare = load_compare_config(args.config, args.overrides, only, seeds)
+    if args.name:
+        compare = dataclasses.replace(compare, name=args.name)
     if args.show_config:
         print(compare_config_toml(compare), end="")
         return
