@@ -42,9 +42,9 @@ def _sets(settings: list[str]) -> list[str]:
 
 
 def _cli(args: list[str], kill_at: str = "", timeout: int = 300) -> subprocess.CompletedProcess:
-    """`python -m selfopd.cli ARGS` in a fresh process, SIGKILLed at `kill_at` when given."""
+    """`python -m selfopd ARGS` in a fresh process, SIGKILLed at `kill_at` when given."""
     env = {**os.environ, "SELFOPD_KILL_AT": kill_at}
-    return subprocess.run([sys.executable, "-m", "selfopd.cli", *args], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "selfopd", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 

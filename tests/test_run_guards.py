@@ -52,9 +52,9 @@ def _metrics(run: Path) -> list[dict]:
 
 
 def _cli(argv: list[str], **options) -> subprocess.CompletedProcess:
-    """`python -m selfopd.cli ARGV` in a fresh process (this checkout's selfopd)."""
+    """`python -m selfopd ARGV` in a fresh process (this checkout's selfopd)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", **options.pop("env", {})}
-    return subprocess.run([sys.executable, "-m", "selfopd.cli", *argv], capture_output=True, text=True, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "selfopd", *argv], capture_output=True, text=True, cwd=ROOT,
                           env=env, **options)
 
 
@@ -115,7 +115,7 @@ def test_nonfinite_steps_in_a_row_stop_the_run_with_its_checkpoint_intact(tmp_pa
 @pytest.mark.slow
 def test_a_second_run_in_the_same_folder_is_refused_with_the_first_ones_pid(tmp_path, tiny_model_dir):
     out = tmp_path / "runs"
-    first = subprocess.Popen([sys.executable, "-m", "selfopd.cli", *_train_argv(tiny_model_dir, out, "run.steps=100000")],
+    first = subprocess.Popen([sys.executable, "-m", "selfopd", *_train_argv(tiny_model_dir, out, "run.steps=100000")],
                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     lock = out / "run" / ".lock"

@@ -300,7 +300,7 @@ def test_torchrun_trainer_with_vllm_servers_runs_two_steps(servers, base_weights
 
 def test_serve_launches_a_server_and_leaves_no_process_behind(servers, tmp_path):
     port = free_port()
-    command = [sys.executable, "-m", "selfopd.cli", "serve", f"--set=engine.student_urls={servers['student']}",
+    command = [sys.executable, "-m", "selfopd", "serve", f"--set=engine.student_urls={servers['student']}",
                f"--set=engine.port={port - 1}", "--set=engine.cpu_kv_cache_gb=1", f"--log-dir={tmp_path}"]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)

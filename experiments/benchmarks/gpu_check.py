@@ -189,7 +189,7 @@ def generated_examples(count: int) -> list[Any]:
 @contextlib.contextmanager
 def generated_data(count: int) -> Iterator[None]:
     """build_run loads `data.spec` through `load_examples`; here it gets the generated prompts."""
-    from selfopd import run_setup
+    from selfopd.training import setup as run_setup
 
     original = run_setup.load_examples
     run_setup.load_examples = lambda spec, *args, **kwargs: generated_examples(count)

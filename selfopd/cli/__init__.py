@@ -361,6 +361,3 @@ def _is_user_error(error: Exception) -> bool:
                    NonFiniteLoss, GuardStop)
     return isinstance(error, user_errors)
 
-
-if __name__ == "__main__":
-    sys.exit(main())
