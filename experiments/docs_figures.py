@@ -20,20 +20,13 @@ sys.path.insert(0, str(ROOT))
 
 
 def heatmap(run_dir: Path, path: Path) -> Path:
-    from transformers import AutoTokenizer
-
     from selfopd.config import load_config
-    from selfopd.data import load_examples
-    from selfopd.diagnostics import Prompting, annotate_records, read_run_rollouts
     from selfopd.core.heatmaps import plot_token_heatmap
-    from selfopd.core.models import resolve_model
-    from selfopd.run.templates import load_run_template
+    from selfopd.data import load_examples
+    from selfopd.diagnostics import annotate_records, read_run_rollouts, run_prompting
 
     config = load_config(run_dir / "config.toml")
-    prompting = Prompting(AutoTokenizer.from_pretrained(resolve_model(config.model.student)),
-                          load_run_template(run_dir, config.data.student_template),
-                          load_run_template(run_dir, config.teacher.template),
-                          {e.id: e for e in load_examples(config.data.spec)})
+    prompting = run_prompting(run_dir, config, load_examples(config.data.spec))
     by_step = read_run_rollouts(run_dir)
     step = min(by_step)
     rollouts = annotate_records(by_step[step], prompting)

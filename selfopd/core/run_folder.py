@@ -64,6 +64,10 @@ class RunFolder:
     def rollouts_file(self, step: int) -> Path:
         return self.rollouts / f"step_{step:05d}.jsonl"
 
+    def rollout_steps(self) -> list[int]:
+        """Steps with saved rollouts, in order."""
+        return sorted(int(path.stem.removeprefix("step_")) for path in self.rollouts.glob("step_*.jsonl"))
+
     @property
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"

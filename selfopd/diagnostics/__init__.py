@@ -13,7 +13,8 @@ over training, and measure the accuracy gap a context opens before training.
     report    measure_run, write_report              `selfopd diagnose RUN_DIR`
 """
 
-from selfopd.diagnostics.context import Prompting, annotate_records, context_gap, fresh_records, privileged_gains, wrong_example
+from selfopd.diagnostics.context import (Prompting, annotate_records, context_gap, fresh_records, privileged_gains,
+                                         run_prompting, wrong_example)
 from selfopd.diagnostics.measures import (
     ILLUSION_LIFT,
     Annotated,
@@ -40,6 +41,7 @@ __all__ = [
     "illusion_score",
     "leaked_phrases",
     "privileged_gains",
+    "run_prompting",
     "read_records",
     "read_run_rollouts",
     "step_behaviour",

@@ -9,12 +9,13 @@ from __future__ import annotations
 import dataclasses
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from selfopd.config import TeacherConfig
+from selfopd.config import TeacherConfig, TrainConfig
 from selfopd.templating.demonstrations import pick_demonstrations
 from selfopd.diagnostics.measures import Annotated, annotate
 from selfopd.run.rollouts import DiagnosticsError, RolloutRecord
@@ -78,6 +79,21 @@ class Prompting:
     def teacher_ids(self, example: Example, attempt: str, feedback: str | None = None,
                     demonstration: str | None = None) -> list[int]:
         return prompt_token_ids(self.tokenizer, self.teacher_messages(example, attempt, feedback, demonstration))
+
+
+def run_prompting(run_dir: Path, config: TrainConfig, examples: Sequence[Example]) -> Prompting:
+    """Prompts as the run at `run_dir` made them: its student's tokenizer, the template texts
+    it kept (RUN/templates/) and its teacher's demonstration fallback."""
+    from transformers import AutoTokenizer
+
+    from selfopd.core.models import from_pretrained, resolve_model
+    from selfopd.run.templates import load_run_template
+
+    tokenizer = from_pretrained(AutoTokenizer, resolve_model(config.model.student),
+                                trust_remote_code=config.model.trust_remote_code)
+    return Prompting(tokenizer, load_run_template(run_dir, config.data.student_template),
+                     load_run_template(run_dir, config.teacher.template), {e.id: e for e in examples},
+                     load_run_template(run_dir, config.teacher.demonstration_fallback))
 
 
 def annotate_records(records: Sequence[RolloutRecord], prompting: Prompting, progress: bool = False) -> list[Annotated]:

@@ -19,7 +19,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from selfopd.core.atomic import write_json_atomic, write_text_atomic
-from selfopd.diagnostics.context import ContextGap, Prompting, annotate_records, context_gap, privileged_gains
+from selfopd.diagnostics.context import (ContextGap, Prompting, annotate_records, context_gap, privileged_gains,
+                                         run_prompting)
 from selfopd.diagnostics.measures import (Annotated, ClassRow, ContextContrast, IllusionScore, StepBehaviour,
                                           as_jsonable, collapse_warnings, context_contrast, correct_preference,
                                           decompose, illusion_score, step_behaviour)
@@ -106,14 +107,10 @@ class RunDiagnosis:
 def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, progress: bool = True) -> RunDiagnosis:
     """Everything the report shows, from RUN_DIR's config, saved rollouts and evaluations;
     `with_model` adds the wrong-context contrast and the gap (the run's starting weights)."""
-    from transformers import AutoTokenizer
-
     from selfopd.config import load_config
     from selfopd.data import load_examples
     from selfopd.data.split import split_examples
-    from selfopd.core.models import from_pretrained, resolve_model
     from selfopd.run.summary import summarize_run
-    from selfopd.run.templates import load_run_template
 
     if not RunFolder(run_dir).is_run():
         raise FileNotFoundError(f"{run_dir}: not a run folder (no config.toml)")
@@ -121,11 +118,7 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
     by_step = read_run_rollouts(run_dir)
     examples = load_examples(config.data.spec)
     _, eval_examples = split_examples(examples, eval_size=config.data.eval_size, seed=config.data.split_seed)
-    prompting = Prompting(from_pretrained(AutoTokenizer, resolve_model(config.model.student),
-                                          trust_remote_code=config.model.trust_remote_code),
-                          load_run_template(run_dir, config.data.student_template),
-                          load_run_template(run_dir, config.teacher.template),
-                          {e.id: e for e in examples}, load_run_template(run_dir, config.teacher.demonstration_fallback))
+    prompting = run_prompting(run_dir, config, examples)
 
     annotated = {step: annotate_records(records, prompting, progress) for step, records in by_step.items()}
     behaviour = [step_behaviour(step, rollouts, config.rollout.max_tokens) for step, rollouts in annotated.items()]

@@ -28,7 +28,7 @@ def find_runs(runs_dir: Path) -> list[Path]:
 def newest_run(runs_dir: Path, with_rollouts: bool = True) -> Path:
     """The run under `runs_dir` that logged last (with saved rollouts, when asked)."""
     runs = find_runs(runs_dir)
-    kept = [run for run in runs if not with_rollouts or list(RunFolder(run).rollouts.glob("step_*.jsonl"))]
+    kept = [run for run in runs if not with_rollouts or RunFolder(run).rollout_steps()]
     if kept:
         return kept[-1]
     if runs:
@@ -43,7 +43,7 @@ def check_run(run_dir: Path, with_rollouts: bool = True) -> Path:
     folder = RunFolder(Path(run_dir))
     if not folder.is_run():
         raise FileNotFoundError(f"{run_dir}: not a run folder (no config.toml)")
-    if with_rollouts and not list(folder.rollouts.glob("step_*.jsonl")):
+    if with_rollouts and not folder.rollout_steps():
         raise FileNotFoundError(f"{run_dir}: no saved rollouts in {folder.rollouts} (it ran with run.rollouts_to_save "
                                 "= 0, or stopped before its first step)")
     return folder.root

@@ -87,11 +87,11 @@ def read_records(path: Path) -> list[RolloutRecord]:
 
 def read_run_rollouts(run_dir: Path, steps: Sequence[int] | None = None) -> dict[int, list[RolloutRecord]]:
     """{step: records} of every saved step of a run (or only `steps`), in step order."""
-    folder = RunFolder(run_dir).rollouts
-    files = sorted(folder.glob("step_*.jsonl"))
-    if not files:
+    run = RunFolder(run_dir)
+    folder = run.rollouts
+    found = {step: run.rollouts_file(step) for step in run.rollout_steps()}
+    if not found:
         raise FileNotFoundError(f"{folder}: no saved rollouts (the run needs run.rollouts_to_save > 0)")
-    found = {int(path.stem.split("_")[1]): path for path in files}
     if steps is not None:
         missing = sorted(set(steps) - set(found))
         if missing:

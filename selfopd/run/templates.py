@@ -40,7 +40,7 @@ def save_run_templates(folder: Path, names: Iterable[str]) -> None:
         if name in index:
             continue
         template = load_template(name)
-        for target, text in _sources(template.path).items():
+        for target, text in _sources(template).items():
             (folder / target).parent.mkdir(parents=True, exist_ok=True)
             write_text_atomic(folder / target, text)
         index[name] = {"file": _target(template.path, template.path.parent).as_posix(), "name": template.name}
@@ -65,20 +65,23 @@ def _target(path: Path, local_dir: Path) -> Path:
     return path.relative_to(shipped) if path.is_relative_to(shipped) else Path("local") / path.relative_to(local_dir)
 
 
-def _sources(path: Path) -> dict[Path, str]:
-    """The text of `path` and of every template it includes, imports or extends (found next
-    to it or under `prompts/`, as the loader searches), keyed by where the copy goes."""
+def _sources(template: PromptTemplate) -> dict[Path, str]:
+    """The text of `template` and of every template it includes, imports or extends, found
+    by the template's own loader (as rendering finds them), keyed by where the copy goes."""
+    environment = template.template.environment
     sources: dict[Path, str] = {}
-    pending, environment = [path], jinja2.Environment()
+    pending = [template.path]
     while pending:
         current = pending.pop()
-        target = _target(current, path.parent)
+        target = _target(current, template.path.parent)
         if target in sources:
             continue
         sources[target] = current.read_text()
         for reference in jinja_meta.find_referenced_templates(environment.parse(sources[target])):
-            candidates = (current.parent / reference, path.parent / reference, PROMPTS_DIR / reference) if reference else ()
-            found = next((p.resolve() for p in candidates if p.is_file()), None)
-            if found is not None:
-                pending.append(found)
+            if reference is None:  # a name computed while rendering: nothing to copy ahead
+                continue
+            try:
+                pending.append(Path(environment.loader.get_source(environment, reference)[1]).resolve())
+            except jinja2.TemplateNotFound:  # rendering reports it, naming the template
+                continue
     return sources
