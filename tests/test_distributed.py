@@ -74,10 +74,14 @@ def test_two_processes_take_the_step_of_one(tmp_path, tiny_model_dir, teacher):
     assert json.loads((two / "eval" / "step_00002" / "summary.json").read_text())["n"] == 5  # 5 prompts over 2 ranks
 
 
-def test_a_two_process_checkpoint_resumes_on_two_or_one_processes(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_two_process_checkpoint_resumes_on_two_or_one_processes(tmp_path, tiny_model_dir, staleness):
+    """With rollout.max_staleness = 1 the checkpoint holds both ranks' rollouts of step 2, sampled by the
+    initial weights, and either resume trains on them."""
     config_file = two_processes.config_file(tmp_path, tiny_model_dir)
-    whole = train(load_config(config_file, ["run.name=whole"]))
-    _torchrun(str(config_file), "--set", "run.name=part", "--set", "run.steps=1")
+    stale = f"rollout.max_staleness={staleness}"
+    whole = train(load_config(config_file, ["run.name=whole", stale]))
+    _torchrun(str(config_file), "--set", "run.name=part", "--set", "run.steps=1", "--set", stale)
     part = tmp_path / "runs" / "part"
     subprocess.run(["cp", "-r", str(part), str(tmp_path / "runs" / "part_one")], check=True)
     _torchrun("--resume", str(part), "--set", "run.steps=2")
@@ -85,6 +89,8 @@ def test_a_two_process_checkpoint_resumes_on_two_or_one_processes(tmp_path, tiny
     resumed_alone = train(load_config(tmp_path / "runs" / "part_one" / "config.toml",
                                       ["run.steps=2", "run.name=part_one"]), resume=True)
     _assert_same_run(whole, resumed_alone, 2)
+    if staleness:
+        assert [m["rollout/staleness"] for m in _step_metrics(part).values()] == [0, 1]
 
 
 def test_lora_student_shards_and_takes_the_step_of_one(tmp_path, tiny_model_dir):

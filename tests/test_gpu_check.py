@@ -43,6 +43,7 @@ def test_cpu_plumbing_reports_every_case(gpu_check, smollm2_dir, tmp_path):
         assert case["phase_s_median"]["time/train"] > 0 and case["phase_s_median"]["time/sample"] > 0
         assert case["trainer"]["device"] == "cpu" and case["compute_dtypes"]["train"]
     assert "full" in report["cases"] and "error" not in report["cases"]["full"]
+    assert report["cases"]["full+staleness1"]["staleness"] == [0]  # the first step samples its own prompts
     assert "model.lora_rank" in report["cases"]["broken"]["error"]
 
     check = report["device_vs_cpu"]

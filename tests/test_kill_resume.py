@@ -116,6 +116,32 @@ def test_a_run_killed_at_any_moment_resumes_to_the_same_metrics(tmp_path, tiny_m
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00004"]  # no stale or partial one
 
 
+STALE = ("rollout.max_staleness=1",)
+
+
+@pytest.fixture(scope="module")
+def stale_reference(tmp_path_factory, tiny_model_dir) -> list[dict]:
+    """An uninterrupted run that trains each step on rollouts sampled one step earlier."""
+    run_dir = tmp_path_factory.mktemp("reference") / "stale"
+    _ok(_train(run_dir, tiny_model_dir, extra=STALE))
+    return _metrics(run_dir)
+
+
+@pytest.mark.parametrize("kill_at", [
+    "train.sampled:3",       # step 3 took the rollouts step 2's checkpoint saved; step 4's not yet asked for
+    "train.backward:5",      # step 3, between its micro-batches: step 4's rollouts sampled, not saved
+    "checkpoint.weights:2",  # step 4's checkpoint: weights written, trainer state and rollouts ahead not yet
+])
+def test_a_run_that_samples_ahead_resumes_to_the_same_metrics(tmp_path, tiny_model_dir, stale_reference, kill_at):
+    """rollout.max_staleness = 1: what was sampled ahead of a checkpoint is saved with it, and what
+    was sampled after it is sampled again by the same weights."""
+    run_dir = tmp_path / "run"
+    _killed(_train(run_dir, tiny_model_dir, kill_at, extra=STALE))
+    _ok(_resume(run_dir))
+    assert _metrics(run_dir) == stale_reference
+    assert [m["rollout/staleness"] for m in stale_reference if "loss/pg" in m] == [0, 1, 1, 1]
+
+
 def test_repeated_kills_at_random_moments_leave_whole_unique_metrics(tmp_path, tiny_model_dir, reference):
     """Seeded random kills one after another (fresh runs and resumes alike; this seed kills a
     fresh run before its first checkpoint, one mid-checkpoint, then two resumes), then a clean

@@ -107,13 +107,15 @@ def _is_default_output(source: str, node: ast.Constant) -> bool:
 
 
 def test_the_training_step_reads_as_short_named_phases():
-    """`train_step` is a dozen lines naming its phases; no phase function is longer than a screen."""
+    """`train_step` is a dozen lines naming its phases (the rollouts come from the pipeline); no phase
+    function is longer than a screen."""
     source = (ROOT / "selfopd" / "training" / "step.py").read_text()
     functions = {node.name: node.end_lineno - node.lineno + 1 for node in ast.parse(source).body
                  if isinstance(node, ast.FunctionDef)}
     assert functions["train_step"] <= 25, functions["train_step"]
-    for phase in ("sample", "score", "forward_backward", "optimizer_step", "sync_engines", "step_metrics"):
+    for phase in ("score", "forward_backward", "optimizer_step", "sync_engines", "step_metrics"):
         assert phase in functions
+    assert "run.rollouts.take(run, timer)" in source
     long = {name: n for name, n in functions.items() if n > 80}
     assert not long, long
 

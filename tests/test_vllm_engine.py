@@ -234,6 +234,44 @@ def test_training_step_syncs_student_and_teacher_servers(servers, engines, base_
         run.close()
 
 
+def test_sampling_ahead_runs_on_the_servers_while_the_trainer_trains(servers, engines, base_weights_after, tmp_path,
+                                                                    monkeypatch):
+    """rollout.max_staleness = 1: step s + 1's request goes to the student server from the sampler
+    thread before step s's forward/backward starts; the weights are synced after it ends (every
+    probe passes); each step trains on rollouts tagged with the previous step's weights."""
+    import threading
+    import time as clock
+
+    import selfopd.training.step as step_module
+    from selfopd.training.trainer import build_run, train_step
+
+    run = build_run(train_config(servers, tmp_path, "optim.lr=1e-4", "optim.warmup_steps=0", "run.name=ahead",
+                                 "rollout.max_staleness=1"))
+    events: list[tuple[str, float, float, str]] = []
+
+    def timed(name, call):
+        def wrapper(*args, **kwargs):
+            start = clock.perf_counter()
+            result = call(*args, **kwargs)
+            events.append((name, start, clock.perf_counter(), threading.current_thread().name))
+            return result
+        return wrapper
+
+    monkeypatch.setattr(run.student_engine, "sample", timed("sample", run.student_engine.sample))
+    monkeypatch.setattr(step_module, "forward_backward", timed("train", step_module.forward_backward))
+    try:
+        metrics = [train_step(run) for _ in range(3)]
+    finally:
+        run.close()
+    assert [m["rollout/staleness"] for m in metrics] == [0, 1, 1]
+    assert all(m["probe/max_abs_diff"] <= TOLERANCE for m in metrics)
+    samples = sorted((e for e in events if e[0] == "sample"), key=lambda e: e[1])
+    trains = [e for e in events if e[0] == "train"]
+    assert [e[3] for e in samples] == ["MainThread"] + ["selfopd-sampler_0"] * 3  # steps 0 | 1, 2, 3 (ahead)
+    for step in range(3):
+        assert samples[step + 1][1] < trains[step][1], f"step {step + 1}'s request waited for step {step}'s training"
+
+
 def test_an_ema_teacher_server_is_sent_the_average_not_the_students_weights(servers, engines, base_weights_after,
                                                                            tmp_path):
     from selfopd.training.trainer import build_run, train_step

@@ -22,8 +22,9 @@ What it does, in order:
 2. writes a random model folder from `configs/qwen3_1p7b.json` (Qwen3-1.7B's architecture,
    its 151936-token head; the tokenizer is SmolLM2's 49152 tokens, ids past it decode to
    nothing) and runs the real trainer (`selfopd.training.setup.build_run` + `selfopd.training.trainer.
-   train_step`) with model.device = cuda, model.dtype = bfloat16 in four cases: full
-   fine-tuning, + gradient checkpointing, LoRA, LoRA + gradient checkpointing. Per case:
+   train_step`) with model.device = cuda, model.dtype = bfloat16 in five cases: full
+   fine-tuning, + gradient checkpointing, LoRA, LoRA + gradient checkpointing, full with
+   rollout.max_staleness = 1 (its staleness and importance ratios per step). Per case:
    median step time of the steps after the first, completion tokens trained per second,
    peak GPU memory, the trainer's phase times, and what the trainer actually did (device,
    weight dtype, the dtype the decoder's linears computed in, checkpointing, trainable
@@ -101,6 +102,8 @@ CASES = (
     Case("full+checkpointing", ("model.gradient_checkpointing=true",)),
     Case("lora", ("model.lora_rank=16",)),
     Case("lora+checkpointing", ("model.lora_rank=16", "model.gradient_checkpointing=true")),
+    # Sampling ahead in process (no overlap without servers): each step trains on the previous step's rollouts.
+    Case("full+staleness1", ("rollout.max_staleness=1",)),
 )
 
 
@@ -347,6 +350,8 @@ def summarise_steps(metrics: list[dict[str, float]]) -> dict[str, Any]:
         "phase_s_median": {key: median(key) for key in sorted(timed[0]) if key.startswith("time/")},
         "loss_pg": [m["loss/pg"] for m in metrics],
         "reverse_kl": [m["opd/reverse_kl"] for m in metrics],
+        **({"staleness": [m["rollout/staleness"] for m in metrics],
+            "is_ratio_max": [m["is/ratio_max"] for m in metrics]} if "rollout/staleness" in metrics[0] else {}),
     }
 
 

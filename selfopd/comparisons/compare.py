@@ -41,6 +41,13 @@ from selfopd.core.run_folder import RunFolder
 from selfopd.config.settings import Section, build_sections, check_key, read_toml, section_toml, setting, toml_value
 
 ARM_SECTIONS = ("teacher", "loss", "optim")  # what arms may change; everything else is shared
+# ... and these keys of other sections: they change how the same prompts are sampled, not which.
+ARM_KEYS = ("rollout.max_staleness",)
+
+
+def arm_may_change(key: str) -> bool:
+    """Whether an arm may set `key` (section.key): the rest is what every arm shares."""
+    return key.partition(".")[0] in ARM_SECTIONS or key in ARM_KEYS
 SFT_PLACEHOLDER = "{sft}"
 
 
@@ -70,7 +77,8 @@ class ArmTable(Section):
     """One `[arms.NAME]` table."""
 
     SECTION: ClassVar[str] = "arms"
-    set: tuple[str, ...] = setting((), "`section.key=value` settings of this arm: only teacher.*, loss.*, optim.*.")
+    set: tuple[str, ...] = setting(
+        (), "`section.key=value` settings of this arm: only teacher.*, loss.*, optim.* and rollout.max_staleness.")
     description: str = setting("", "One line on what the arm is, for the report.")
 
 
@@ -178,10 +186,10 @@ def _arm(name: str, table: Any, error) -> Arm:
         raise error(failure.key.replace("arms.", f"arms.{name}.", 1) if failure.key.count(".") == 1 else failure.key,
                     failure.message) from None
     for override in arm.set:
-        section = override.partition("=")[0].strip().partition(".")[0]
-        if section not in ARM_SECTIONS:
+        if not arm_may_change(override.partition("=")[0].strip()):
             raise error(f"arms.{name}.set", f"{override!r}: arms may only change "
-                        f"{', '.join(s + '.*' for s in ARM_SECTIONS)}; put settings every arm shares in compare.set")
+                        f"{', '.join([*(s + '.*' for s in ARM_SECTIONS), *ARM_KEYS])}; put settings every arm shares "
+                        "in compare.set")
     return Arm(name, arm.set, arm.description)
 
 
@@ -225,7 +233,7 @@ def compare_config_toml(compare: CompareConfig) -> str:
     for arm in compare.arms:
         runs_with = flat_config(configs[arm.name, compare.seeds[0]])
         changed = [f"#   {key} = {toml_value(value)}" for key, value in runs_with.items()
-                   if key.partition(".")[0] in ARM_SECTIONS and value != shared[key]]
+                   if arm_may_change(key) and value != shared[key]]
         lines += ["", f"[arms.{arm.name}]", f"description = {toml_value(arm.description)}",
                   f"set = {toml_value(arm.overrides)}", "# runs with (where it differs from the shared config):",
                   *(changed or ["#   nothing: the shared config as it is"])]
@@ -234,7 +242,7 @@ def compare_config_toml(compare: CompareConfig) -> str:
 
 def _shared_part(config: TrainConfig) -> dict[str, Any]:
     """The settings that must be equal across arms and seeds, flattened to section.key."""
-    flat = {key: value for key, value in flat_config(config).items() if key.partition(".")[0] not in ARM_SECTIONS}
+    flat = {key: value for key, value in flat_config(config).items() if not arm_may_change(key)}
     for per_run in ("run.name", "run.out_dir", "run.seed"):
         flat.pop(per_run)
     return flat

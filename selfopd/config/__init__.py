@@ -167,10 +167,16 @@ class RolloutConfig(Section):
         1.0, "Sampling temperature (0: greedy). The trained policy is this tempered distribution: student and "
         "in-process teacher logprobs are taken at it, so a teacher equal to the student has advantage 0.")
     top_p: float = setting(1.0, "Nucleus sampling mass, in (0, 1] (1: off); below 1 needs loss.is_cap = 0.")
+    max_staleness: int = setting(
+        0, "Sample ahead: k >= 1 samples step s + k's prompts with step s's weights while step s trains, so every "
+        "trained rollout is exactly k optimizer steps old (the first k steps' rollouts: the initial weights). 0: "
+        "the synchronous loop. Overlaps only with vLLM servers; elsewhere the same rollouts, one after another. "
+        "docs/async.md")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._at_least("prompts_per_step", 1)
+        self._at_least("max_staleness", 0)
         self._at_least("samples_per_prompt", 1)
         self._at_least("max_tokens", 1)
         self._at_least("temperature", 0.0)

@@ -62,6 +62,9 @@ class Rollout:
     sampler_logprobs: list[float]
     finish_reason: Literal["stop", "length"]
     text: str
+    # The trainer step whose weights sampled it (the engine's weight version when the trainer
+    # asked); None when the caller did not say (evals, tools). Set by `selfopd.training.rollout_pipeline`.
+    weight_version: int | None = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,9 @@ class Engine(Protocol):
     supports_full_vocabulary: bool
     # The most tokens (prompt + completion) `score` can take; None when no limit is known.
     max_scored_tokens: int | None
+    # True when sampling runs in other processes (vLLM servers), so a request may run while
+    # the trainer computes: what `rollout.max_staleness` overlaps. False in the trainer's process.
+    samples_in_background: bool
 
     def sample(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[list[Rollout]]:
         """`params.n` rollouts per prompt, in prompt order."""

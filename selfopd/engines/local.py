@@ -95,6 +95,7 @@ class LocalEngine:
         return tempered(hidden_BCH, temperature), self.model.get_output_embeddings().weight
 
     supports_full_vocabulary = True
+    samples_in_background = False  # the trainer's own process and module
 
     @property
     def max_scored_tokens(self) -> int | None:

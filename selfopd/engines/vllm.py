@@ -66,6 +66,7 @@ class VLLMEngine:
 
     # --- sampling -----------------------------------------------------------------------
     supports_full_vocabulary = False
+    samples_in_background = True  # the servers are other processes: a request runs while the trainer computes
 
     @property
     def max_scored_tokens(self) -> int:

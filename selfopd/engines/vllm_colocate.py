@@ -48,6 +48,7 @@ class ColocatedVLLMEngine:
     """Samples, scores and loads weights with one `vllm.LLM` in this process."""
 
     supports_full_vocabulary = False
+    samples_in_background = False  # the trainer's process; asleep (GPU memory freed) while it trains
 
     @property
     def max_scored_tokens(self) -> int:

@@ -40,6 +40,7 @@ class RolloutRecord:
     correct: bool
     answer: str
     demonstration: str | None = None  # the sibling demonstration the teacher saw; None: none (or files saved before)
+    weight_version: int | None = None  # the step whose weights sampled it (rollout.max_staleness); None: files saved before
 
     def __post_init__(self) -> None:
         length = len(self.completion_ids)

@@ -16,6 +16,7 @@ from selfopd.core.distributed import ShardedSampling, full_optimizer_state, full
 from selfopd.run.evaluate import evaluate
 from selfopd.core.faults import fault_point
 from selfopd.core.run_folder import RunFolder
+from selfopd.training.rollout_pipeline import PENDING_FILE, pending_json
 from selfopd.training.state import Run, Scored
 
 
@@ -70,11 +71,13 @@ def save_checkpoint(run: Run) -> Path:
     (and those the illusion guard fired at).
     Under torchrun the full weights and optimizer state are gathered to rank 0 (every rank
     takes part), which writes them in the one-process layout. An `ema` teacher's average is
-    part of the trainer state, so a resumed run continues it exactly."""
+    part of the trainer state, so a resumed run continues it exactly; so are rollouts sampled
+    ahead of the step (`rollout.max_staleness`)."""
     target, staging = run.folder.checkpoint(run.step), run.folder.checkpoint_staging(run.step)
     sharded = is_sharded(run.model)
     weights = full_state_dict(run.model) if sharded else None
     optimizer = full_optimizer_state(run.model, run.optimizer, run.world)
+    pending = pending_json(run)  # rollouts sampled ahead (rollout.max_staleness): a resume trains on these
     if not run.world.is_main:
         return target
     shutil.rmtree(staging, ignore_errors=True)
@@ -84,6 +87,8 @@ def save_checkpoint(run: Run) -> Path:
     ema = {"ema": run.ema.state_dict()} if run.ema is not None else {}  # an `ema` teacher's average
     torch.save({"optimizer": optimizer, "scheduler": run.scheduler.state_dict(), "step": run.step, **ema},
                RunFolder.trainer_state(staging))
+    if pending is not None:
+        (staging / PENDING_FILE).write_text(pending)
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
     fault_point("checkpoint.renamed")
@@ -119,6 +124,7 @@ def save_rollouts(run: Run, scored: Sequence[Scored], student_lp_N: torch.Tensor
             sampler_logprobs=list(s.rollout.sampler_logprobs), student_logprobs=student.tolist(),
             teacher_logprobs=s.teacher_logprobs.tolist(), advantage=advantage.tolist(), reward=s.reward,
             correct=s.correct, answer=s.example.answer, demonstration=s.demonstration,
+            weight_version=s.rollout.weight_version,
         )
         for s, (student, advantage) in zip(scored[:limit], per_rollout)
     ]

@@ -37,6 +37,7 @@ from selfopd.templating.templates import (
     render_teacher,
     uses_demonstration,
 )
+from selfopd.training.rollout_pipeline import open_pipeline
 from selfopd.training.weight_checks import check_frozen_teacher, check_probe, probe_logprobs, sync_weights
 
 PROBE_COMPLETION = "Let me think step by step. The answer is 42."
@@ -105,6 +106,8 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
                   student_template, teacher_template, train_examples, eval_examples, probe, step, resources,
                   device=options["device"], world=world, demonstration_fallback=fallback,
                   ema=open_ema(config, teacher_engine, resume_from, state.get("ema"), options))
+        run.rollouts = open_pipeline(run, resume_from)  # with the rollouts a checkpoint had sampled ahead
+        resources.callback(run.rollouts.close)  # before the servers stop: no request outlives them
         if config.engine.kind in VLLM_KINDS:
             # vLLM starts from the model folder (or was running already): give it the
             # trainer's weights (a resumed checkpoint's, say) before the first rollout.

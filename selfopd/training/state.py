@@ -19,6 +19,7 @@ from selfopd.engines.local import pad_token_id
 from selfopd.data.example import Example
 from selfopd.core.run_folder import RunFolder
 from selfopd.templating.templates import PromptTemplate
+from selfopd.training.rollout_pipeline import RolloutPipeline
 
 
 @dataclass
@@ -45,6 +46,8 @@ class Run:
     # Set iff the teacher template uses `demonstration`: it scores rollouts that have none.
     demonstration_fallback: PromptTemplate | None = None
     ema: EmaWeights | None = None  # teacher.kind = 'ema': the averaged weights the teacher serves
+    # The student's rollouts of this and the coming steps (rollout.max_staleness); synchronous by default.
+    rollouts: RolloutPipeline = field(default_factory=lambda: RolloutPipeline(0, background=False))
 
     def close(self) -> None:
         """Close engine clients and stop the servers this run launched."""

@@ -1,6 +1,7 @@
 """One OPD step, as named phases in data-flow order: sample the student, verify and score
 the teacher, the student's forward/backward, the optimizer step, the weight sync, the step's
-metrics. `train_step` reads top to bottom; each phase is a short function below it.
+metrics. `train_step` reads top to bottom; each phase is a short function below it. The
+rollouts come from `selfopd.training.rollout_pipeline` (sampled ahead with rollout.max_staleness).
 
 Under model.dtype = 'bfloat16' each forward enters its own autocast region (`run.autocast`,
 the engines'), never the whole step: see `selfopd.core.devices.autocast`. Under torchrun each
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import random
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -21,33 +21,22 @@ import torch
 from selfopd.config import FULL_VOCABULARY
 from selfopd.templating.context_limits import check_teacher_rows
 from selfopd.training.credit import cure_advantage, mean_prompt_weight, opd_rollout_weights, rlsd_lambda
-from selfopd.core.distributed import all_gather, all_sum, is_sharded, share
-from selfopd.engines.base import Rollout, SamplingParams, rest_engines
-from selfopd.data.example import Example
+from selfopd.core.distributed import all_gather, all_sum, is_sharded
+from selfopd.engines.base import rest_engines
 from selfopd.core.faults import fault_point
 from selfopd.engines.kernels import full_vocab_divergence, topk_reverse_kl
 from selfopd.training.loss_metrics import opd_metrics, preference_metrics
 from selfopd.training.objectives import clipped_divergence, clipped_tokens, masked_mean, policy_gradient_loss, truncated_is_ratio
 from selfopd.training.outputs import save_rollouts
+from selfopd.training.rollout_pipeline import Sampled, batch_for_step  # noqa: F401  (batch_for_step: public here)
 from selfopd.training.state import Run, Scored
 from selfopd.engines.scoring import completion_hidden, logprobs_from_hidden, pad_completions, tempered
 from selfopd.templating.teacher_prompts import teacher_rows
 from selfopd.training.teacher_scoring import score_in_micro_batches
-from selfopd.templating.templates import Message, prompt_token_ids, render_student
 from selfopd.run.tracking import PhaseTimer
 from selfopd.training.weight_checks import check_probe, sync_weights
 
 SKIPPED = "nonfinite loss"  # the "skipped" value of a step whose loss or gradient was NaN or inf
-
-
-@dataclass
-class Sampled:
-    """This rank's prompts of the step and the student's rollouts of them."""
-
-    examples: list[Example]
-    student_messages: list[list[Message]]
-    groups: list[list[Rollout]]
-    first_group: int  # the step-wide index of this rank's first prompt
 
 
 @dataclass
@@ -65,37 +54,22 @@ class Backward:
 def train_step(run: Run) -> dict[str, float]:
     """One OPD step; returns its metrics (the same on every rank)."""
     timer = PhaseTimer()
-    sampled = sample(run, timer)
+    sampled = run.rollouts.take(run, timer)  # this step's rollouts; with k >= 1, step + k's are asked for
     scored, teacher_states = score(run, sampled, timer)
     rest_engines(run.student_engine, run.teacher_engine)  # a colocated vLLM frees the GPU until its next call
     backward = forward_backward(run, scored, teacher_states, timer)
     finite, grad_norm = optimizer_step(run, backward.loss_total, timer)
+    if run.config.rollout.max_staleness:
+        with timer("sample_wait"):  # the weights change only between sampling requests
+            run.rollouts.settle()
     probe_gaps = sync_engines(run, timer) if finite else {}  # a skipped step changed no weight: nothing to sync
     scored = [s for part in all_gather(scored, run.world) for s in part]  # the whole step's, in rank order
     flat = {key: torch.cat([t for part in all_gather(values, run.world) for t in part])[None]
             for key, values in backward.collected.items() if values}
-    metrics = step_metrics(run, scored, flat, backward, finite, grad_norm, probe_gaps, timer)
+    metrics = step_metrics(run, sampled, scored, flat, backward, finite, grad_norm, probe_gaps, timer)
     if run.world.is_main:
         save_rollouts(run, scored, flat["student"][0], flat["advantage"][0], run.config.run.rollouts_to_save)
     return metrics
-
-
-def sample(run: Run, timer: PhaseTimer) -> Sampled:
-    """1. This rank's share of the step's prompts, and the student's rollouts (exact ids,
-    sampler logprobs)."""
-    cfg = run.config
-    examples = share(batch_for_step(run.train_examples, run.step, cfg.rollout.prompts_per_step, cfg.run.seed), run.world)
-    first_group = run.world.rank * len(examples)
-    student_messages = [render_student(run.student_template, e) for e in examples]
-    prompts = [prompt_token_ids(run.tokenizer, m) for m in student_messages]
-    params = SamplingParams(max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
-                            top_p=cfg.rollout.top_p, n=cfg.rollout.samples_per_prompt,
-                            seed=cfg.run.seed * 1_000_003 + run.step,
-                            first_row=first_group * cfg.rollout.samples_per_prompt)
-    with timer("sample"):
-        groups = run.student_engine.sample(prompts, params)
-    fault_point("train.sampled")
-    return Sampled(examples, student_messages, groups, first_group)
 
 
 def score(run: Run, sampled: Sampled, timer: PhaseTimer) -> tuple[list[Scored], list | None]:
@@ -104,7 +78,8 @@ def score(run: Run, sampled: Sampled, timer: PhaseTimer) -> tuple[list[Scored], 
     the trainer's micro-batches. A full-vocabulary loss keeps the teacher's hidden states."""
     cfg = run.config
     with timer("verify"):
-        rows = teacher_rows(run, sampled.examples, sampled.student_messages, sampled.groups, sampled.first_group)
+        request = sampled.request
+        rows = teacher_rows(run, request.examples, request.student_messages, sampled.groups, request.first_group)
         check_teacher_rows([(r.example.id, ids, r.rollout.completion_ids) for r in rows
                             for ids in (r.prompt_ids, r.wrong_prompt_ids) if ids is not None], run.teacher_engine,
                            run.step + 1)
@@ -223,8 +198,8 @@ def sync_engines(run: Run, timer: PhaseTimer) -> dict[str, float]:
         return check_probe(run)
 
 
-def step_metrics(run: Run, scored: list[Scored], flat: dict[str, torch.Tensor], backward: Backward, finite: bool,
-                 grad_norm: float, probe_gaps: dict[str, float], timer: PhaseTimer) -> dict[str, float]:
+def step_metrics(run: Run, batch: Sampled, scored: list[Scored], flat: dict[str, torch.Tensor], backward: Backward,
+                 finite: bool, grad_norm: float, probe_gaps: dict[str, float], timer: PhaseTimer) -> dict[str, float]:
     """6. The whole step's metrics: every rank's rollouts and tokens, in rank order."""
     cfg, world = run.config, run.world
     sampled = cfg.loss.divergence == "sampled"
@@ -253,6 +228,7 @@ def step_metrics(run: Run, scored: list[Scored], flat: dict[str, torch.Tensor], 
            if run.demonstration_fallback is not None else {}),
         "rollout/length_mean": backward.total_tokens / len(scored),
         "rollout/truncated_share": sum(s.rollout.finish_reason == "length" for s in scored) / len(scored),
+        **_staleness_metrics(run, batch),
         **timer.as_metrics(),
     }
 
@@ -278,6 +254,15 @@ def distribution_divergence(run: Run, micro: Sequence[Scored], hidden_BCH: torch
                                  teacher_weight_VH=teacher_head_VH, divergence=cfg.divergence, beta=cfg.jsd_beta)
 
 
+def _staleness_metrics(run: Run, sampled: Sampled) -> dict[str, float]:
+    """With rollout.max_staleness >= 1: the steps between the sampling weights and the trained ones,
+    and the engine's own time on the rollouts (overlapped with training, with servers)."""
+    if not run.config.rollout.max_staleness:
+        return {}
+    return {"rollout/weight_version": sampled.version, "rollout/staleness": run.step - 1 - sampled.version,
+            "time/sample_engine": sampled.sample_seconds}
+
+
 def _opd_weights(run: Run, scored: Sequence[Scored]) -> torch.Tensor:
     """Each rollout's weight on the teacher term (routing, pass-rate weighting; float64),
     the pass-rate weights normalised by their mean over the whole step's prompts, all ranks."""
@@ -301,18 +286,6 @@ def _cure_metrics(loss: Any, rlsd_lam: float, opd_weight_N: torch.Tensor, scored
         gaps = [(s.teacher_logprobs - s.wrong_context_logprobs).double() for s in scored]
         metrics["opd/context_contrast"] = float(torch.cat(gaps).mean()) if gaps else 0.0
     return metrics
-
-
-def batch_for_step(examples: Sequence[Example], step: int, size: int, seed: int) -> list[Example]:
-    """The prompts of step `step`: epochs of seeded permutations, so the order depends only
-    on (seed, step) and a resumed run sees the same data."""
-    chosen = []
-    for index in range(step * size, (step + 1) * size):
-        epoch, offset = divmod(index, len(examples))
-        order = list(range(len(examples)))
-        random.Random(f"{seed}/{epoch}").shuffle(order)
-        chosen.append(examples[order[offset]])
-    return chosen
 
 
 def clip_gradients(model: Any, max_norm: float) -> float:

@@ -1,0 +1,206 @@
+"""Phase 1 of a step, the student's rollouts, sampled ahead when `rollout.max_staleness` = k >= 1.
+
+With k = 0 each step samples its own prompts with the weights it is about to train: the
+synchronous loop. With k >= 1 step s, once it has taken its own rollouts, asks the engine for
+step s + k's with the weights it holds now (version s), and trains while the engine samples;
+before the next weight sync the trainer waits for that request to finish. So each request
+runs under one version only, every rollout of step b >= k was sampled by the weights of step
+b - k (those of steps b < k by the initial weights), and a run is the same whatever the
+timing: a resumed run regenerates nothing, since the rollouts sampled ahead are saved with
+each checkpoint (`save_pending` / `load_pending`).
+
+One request is in flight at a time, so k >= 2 adds staleness, not speed: one step's sampling
+overlaps one step's training. The overlap happens only where sampling runs in other processes
+(`Engine.samples_in_background`: vLLM servers). An in-process engine (the transformers one,
+the colocated vLLM that sleeps while the trainer trains) samples the same rollouts at the
+moment they are asked for: the staleness of a k-step pipeline, without its speed, which is
+what a laptop needs to study staleness.
+
+The loss stays correct off-policy because nothing but the sampling is stale: the trainer
+recomputes the student's logprobs with its current weights, the teacher scores at the
+current step (a `self` or `ema` teacher on the weights or average of the step that trains),
+and the importance ratio student / sampler (`loss.is_cap`) corrects for the old sampler.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+from selfopd.core.distributed import all_gather, share
+from selfopd.core.faults import fault_point
+from selfopd.data.example import Example
+from selfopd.engines.base import Rollout, SamplingParams
+from selfopd.run.tracking import PhaseTimer
+from selfopd.templating.templates import Message, prompt_token_ids, render_student
+
+PENDING_FILE = "pending_rollouts.json"  # in a checkpoint folder: the rollouts sampled ahead of it
+
+
+@dataclass
+class Request:
+    """One step's prompts, rendered and tokenised, as the engine is asked for them."""
+
+    step: int
+    examples: list[Example]
+    student_messages: list[list[Message]]
+    prompts: list[list[int]]
+    params: SamplingParams
+    first_group: int  # the step-wide index of this rank's first prompt
+
+
+@dataclass
+class Sampled:
+    """The student's rollouts of one request: `groups[i]` are the samples of `request.prompts[i]`."""
+
+    request: Request
+    groups: list[list[Rollout]]
+    version: int  # the trainer step whose weights sampled the rollouts
+    sample_seconds: float = 0.0  # the engine's time on them (in the background, with k >= 1 and servers)
+
+
+def request_for_step(run: Any, step: int) -> Request:
+    """This rank's share of step `step`'s prompts and their sampling parameters: a function of
+    (seed, step) alone, so a step's request is the same whenever it is made."""
+    cfg = run.config
+    examples = share(batch_for_step(run.train_examples, step, cfg.rollout.prompts_per_step, cfg.run.seed), run.world)
+    first_group = run.world.rank * len(examples)
+    messages = [render_student(run.student_template, e) for e in examples]
+    params = SamplingParams(max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
+                            top_p=cfg.rollout.top_p, n=cfg.rollout.samples_per_prompt,
+                            seed=cfg.run.seed * 1_000_003 + step,
+                            first_row=first_group * cfg.rollout.samples_per_prompt)
+    prompts = [prompt_token_ids(run.tokenizer, m) for m in messages]
+    return Request(step, examples, messages, prompts, params, first_group)
+
+
+def sample_request(engine: Any, request: Request, version: int) -> Sampled:
+    """The engine's rollouts for `request`, each stamped with the weight version that sampled it."""
+    started = time.perf_counter()
+    groups = engine.sample(request.prompts, request.params)
+    seconds = time.perf_counter() - started
+    stamped = [[replace(rollout, weight_version=version) for rollout in group] for group in groups]
+    return Sampled(request, stamped, version, seconds)
+
+
+def batch_for_step(examples: Sequence[Example], step: int, size: int, seed: int) -> list[Example]:
+    """The prompts of step `step`: epochs of seeded permutations, so the order depends only
+    on (seed, step) and a resumed run sees the same data."""
+    chosen = []
+    for index in range(step * size, (step + 1) * size):
+        epoch, offset = divmod(index, len(examples))
+        order = list(range(len(examples)))
+        random.Random(f"{seed}/{epoch}").shuffle(order)
+        chosen.append(examples[order[offset]])
+    return chosen
+
+
+class RolloutPipeline:
+    """The rollouts of the coming steps: taken by the step that trains on them, asked for up to
+    `max_staleness` steps ahead. Each step calls `take`, then `settle` before its weight sync."""
+
+    def __init__(self, max_staleness: int, background: bool, pending: dict[int, Sampled] | None = None) -> None:
+        self.max_staleness = max_staleness
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="selfopd-sampler") if background else None
+        self._ahead: dict[int, Sampled | Future[Sampled]] = dict(pending or {})
+
+    def take(self, run: Any, timer: PhaseTimer) -> Sampled:
+        """Step `run.step`'s rollouts (sampled now when none were asked for: k = 0, the first
+        step), then the request for step `run.step + k`, sampled with the weights held now."""
+        step = run.step
+        with timer("sample"):  # with k >= 1 and servers: the wait for a request already running
+            ahead = self._ahead.pop(step, None)
+            sampled = (ahead.result() if isinstance(ahead, Future) else ahead) if ahead is not None \
+                else sample_request(run.student_engine, request_for_step(run, step), run.step)
+        fault_point("train.sampled")
+        with timer("sample"):  # in process, the rollouts ahead are sampled here; with servers, only asked for
+            # Past run.steps too: the last checkpoint keeps them, so a run extended later continues exactly.
+            for later in range(step + 1, step + self.max_staleness + 1):
+                if later not in self._ahead:
+                    self._ask(run, later)
+        return sampled
+
+    def _ask(self, run: Any, step: int) -> None:
+        request = request_for_step(run, step)  # rendered here: the tokenizer stays on the trainer's thread
+        if self._executor is None:
+            self._ahead[step] = sample_request(run.student_engine, request, run.step)
+        else:
+            self._ahead[step] = self._executor.submit(sample_request, run.student_engine, request, run.step)
+
+    def settle(self) -> None:
+        """Wait until no request runs: the weights may change only between requests (an
+        engine error is raised here, on the trainer's thread)."""
+        for step, ahead in list(self._ahead.items()):
+            if isinstance(ahead, Future):
+                self._ahead[step] = ahead.result()
+
+    def pending(self) -> list[Sampled]:
+        """The rollouts sampled ahead, in step order (call `settle` first)."""
+        self.settle()
+        return [self._ahead[step] for step in sorted(self._ahead)]  # type: ignore[misc]
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def open_pipeline(run: Any, checkpoint: Path | None) -> RolloutPipeline:
+    """The run's pipeline, holding the rollouts a resumed checkpoint had sampled ahead; said
+    once on stderr when k >= 1 cannot overlap (an in-process engine)."""
+    cfg = run.config
+    k = cfg.rollout.max_staleness
+    background = k > 0 and bool(getattr(run.student_engine, "samples_in_background", False))
+    if k > 0 and not background and run.world.is_main:
+        print(f"selfopd: rollout.max_staleness = {k} with engine.kind = {cfg.engine.kind!r}: each step trains on "
+              f"rollouts sampled {k} step{'s' if k > 1 else ''} earlier, in the trainer's process, so sampling does "
+              "not overlap training", file=sys.stderr)
+    pending = load_pending(run, checkpoint) if checkpoint is not None else {}
+    return RolloutPipeline(k, background, pending)
+
+
+def pending_json(run: Any) -> str | None:
+    """The rollouts sampled ahead of this step, every rank's, as `PENDING_FILE`'s text (rank 0;
+    None elsewhere, or when none are). Every rank must call it: the shares are gathered."""
+    batches = run.rollouts.pending()
+    gathered = all_gather([[_rollout_json(r) for group in b.groups for r in group] for b in batches], run.world)
+    if not run.world.is_main or not batches:
+        return None
+    saved = [{"step": b.request.step, "version": b.version, "rollouts": [r for part in gathered for r in part[index]]}
+             for index, b in enumerate(batches)]
+    return json.dumps({"max_staleness": run.config.rollout.max_staleness, "batches": saved})
+
+
+def load_pending(run: Any, checkpoint: Path) -> dict[int, Sampled]:
+    """This rank's share of the rollouts `checkpoint` had sampled ahead, checked against the
+    prompts its steps ask for now (another data split or template would train on rollouts of
+    other prompts)."""
+    path = checkpoint / PENDING_FILE
+    if not path.exists():
+        return {}
+    saved = json.loads(path.read_text())
+    pending: dict[int, Sampled] = {}
+    n = run.config.rollout.samples_per_prompt
+    for batch in saved["batches"]:
+        request = request_for_step(run, batch["step"])
+        start = request.first_group * n
+        rollouts = [Rollout(**r) for r in batch["rollouts"][start : start + len(request.prompts) * n]]
+        groups = [rollouts[i * n : (i + 1) * n] for i in range(len(request.prompts))]
+        for prompt, group in zip(request.prompts, groups):
+            if len(group) != n or any(r.prompt_ids != prompt for r in group):
+                raise ValueError(f"{path}: the rollouts sampled ahead for step {batch['step']} are not of the prompts "
+                                 "that step asks for now (the data, template or rollout settings changed since the "
+                                 "checkpoint): resume with the run's own config.toml and templates")
+        pending[batch["step"]] = Sampled(request, groups, batch["version"])
+    return pending
+
+
+def _rollout_json(rollout: Rollout) -> dict[str, Any]:
+    return {"prompt_ids": rollout.prompt_ids, "completion_ids": rollout.completion_ids,
+            "sampler_logprobs": rollout.sampler_logprobs, "finish_reason": rollout.finish_reason,
+            "text": rollout.text, "weight_version": rollout.weight_version}

@@ -1,0 +1,164 @@
+"""rollout.max_staleness: k = 0 is the synchronous loop; k >= 1 trains step b on rollouts that the
+weights of step b - k sampled, which the version tags say and a fresh sampling confirms."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from selfopd.config import load_config
+from selfopd.engines.base import SamplingParams
+from selfopd.engines.build import load_model
+from selfopd.engines.local import LocalEngine
+from selfopd.run.rollouts import read_records
+from selfopd.run.tracking import PhaseTimer
+from selfopd.templating.templates import prompt_token_ids, render_student
+from selfopd.training.rollout_pipeline import PENDING_FILE, Request, Sampled
+from selfopd.training.trainer import batch_for_step, build_run, train, train_step
+
+SMALL = [
+    "data.spec=rg:chain_sum?min_terms=2&max_terms=2&size=60&seed=2", "data.eval_size=4",
+    "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_tokens=6",
+    "optim.micro_batch_prompts=1", "optim.lr=1e-3", "eval.max_tokens=6", "eval.batch_size=4",
+    "run.progress=false", "run.eval_every=0", "run.rollouts_to_save=64",
+]
+
+
+def _config(tmp_path: Path, model: Path, *extra: str):
+    return load_config(None, [*SMALL, f"model.student={model}", f"run.out_dir={tmp_path}", *extra])
+
+
+def _steps(run_dir: Path) -> list[dict]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in line.items() if not k.startswith("time/")} for line in lines if "loss/pg" in line]
+
+
+def _rollouts(run_dir: Path, step: int) -> list:
+    return read_records(run_dir / "rollouts" / f"step_{step:05d}.jsonl")
+
+
+def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "checkpoints" / f"step_{step:05d}" / "model.safetensors")
+
+
+def _sample_by_hand(run, step: int, engine) -> list:
+    """Step `step`'s rollouts as the synchronous loop samples them: its prompts, its seed, `engine`'s weights."""
+    cfg = run.config
+    examples = batch_for_step(run.train_examples, step, cfg.rollout.prompts_per_step, cfg.run.seed)
+    prompts = [prompt_token_ids(run.tokenizer, render_student(run.student_template, e)) for e in examples]
+    params = SamplingParams(max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
+                            top_p=cfg.rollout.top_p, n=cfg.rollout.samples_per_prompt,
+                            seed=cfg.run.seed * 1_000_003 + step)
+    messages = [render_student(run.student_template, e) for e in examples]
+    return Request(step, examples, messages, prompts, params, 0), engine.sample(prompts, params)
+
+
+class SampleAtStepStart:
+    """The synchronous loop's sampling, written out by hand: each step samples its own prompts
+    with the weights it is about to train."""
+
+    def take(self, run, timer: PhaseTimer) -> Sampled:
+        with timer("sample"):
+            request, groups = _sample_by_hand(run, run.step, run.student_engine)
+        return Sampled(request, groups, run.step)
+
+    def settle(self) -> None:
+        pass
+
+
+def test_staleness_zero_is_the_synchronous_loop(tmp_path, tiny_model_dir):
+    """Metrics, saved rollouts and weights of a k = 0 run equal those of a loop that samples by hand."""
+    piped = train(_config(tmp_path, tiny_model_dir, "run.steps=3", "run.name=piped", "rollout.max_staleness=0"))
+    run = build_run(_config(tmp_path, tiny_model_dir, "run.steps=3", "run.name=by_hand"))
+    run.rollouts = SampleAtStepStart()
+    by_hand = [train_step(run) for _ in range(3)]
+    assert _steps(piped) == [{k: v for k, v in m.items() if not k.startswith("time/")} for m in by_hand]
+    assert "rollout/staleness" not in by_hand[0]
+    for step in (1, 2, 3):  # the same rollouts, the pipeline's tagged with the weights that sampled them
+        assert [replace(r, weight_version=None) for r in _rollouts(piped, step)] == _rollouts(run.run_dir, step)
+        assert {r.weight_version for r in _rollouts(piped, step)} == {step - 1}
+    trained = dict(run.model.named_parameters())
+    for name, tensor in _weights(piped, 3).items():
+        assert torch.equal(tensor, trained[name]), name
+
+
+def test_staleness_one_trains_on_rollouts_one_step_old(tmp_path, tiny_model_dir):
+    """Version tags and metrics say step b trained on step b - 1's weights' rollouts; sampling those
+    prompts again with those very weights (the initial ones; a one-step k = 0 run's, whose step is
+    the same) gives the same tokens."""
+    stale = train(_config(tmp_path, tiny_model_dir, "run.steps=3", "run.name=stale", "rollout.max_staleness=1"))
+    fresh = train(_config(tmp_path, tiny_model_dir, "run.steps=1", "run.name=fresh"))
+    metrics = _steps(stale)
+    assert [m["rollout/staleness"] for m in metrics] == [0, 1, 1]
+    assert [m["rollout/weight_version"] for m in metrics] == [0, 0, 1]
+    for step, version in ((1, 0), (2, 0), (3, 1)):  # rollout files are named by the step that trained on them
+        assert {r.weight_version for r in _rollouts(stale, step)} == {version}
+    first = {k: v for k, v in metrics[0].items() if not k.startswith("rollout/") or k in _steps(fresh)[0]}
+    assert first == _steps(fresh)[0]  # the first step is the synchronous one
+
+    run = build_run(_config(tmp_path, tiny_model_dir, "run.name=check"))
+    for step, weights in ((1, None), (2, fresh / "checkpoints" / "step_00001")):
+        engine = run.student_engine
+        if weights is not None:
+            model, _ = load_model(str(weights), "float32")
+            engine = LocalEngine(model, run.tokenizer)
+        _, groups = _sample_by_hand(run, step, engine)
+        assert [r.completion_ids for g in groups for r in g] == [r.completion_ids for r in _rollouts(stale, step + 1)]
+    # The run's end keeps what it sampled past it (a longer run continues from there exactly).
+    saved = json.loads((stale / "checkpoints" / "step_00003" / PENDING_FILE).read_text())
+    assert [(b["step"], b["version"]) for b in saved["batches"]] == [(3, 2)]
+
+
+class Crash(RuntimeError):
+    pass
+
+
+def test_a_checkpoint_keeps_the_rollouts_sampled_ahead_and_a_resume_trains_on_them(tmp_path, tiny_model_dir,
+                                                                                  monkeypatch):
+    """k = 2: a run that dies after step 2's checkpoint resumes on the rollouts that checkpoint saved
+    (steps 3 and 4's, sampled by the weights of steps 0 and 1), to the metrics of an uninterrupted run."""
+    import selfopd.training.trainer as trainer
+
+    settings = ("run.steps=4", "rollout.max_staleness=2", "run.checkpoint_every=2")
+    whole = train(_config(tmp_path, tiny_model_dir, "run.name=whole", *settings))
+    assert [m["rollout/staleness"] for m in _steps(whole)] == [0, 1, 2, 2]
+
+    real_step = trainer.train_step
+
+    def dies_at_step_3(run):
+        if run.step == 2:
+            raise Crash("killed")
+        return real_step(run)
+
+    monkeypatch.setattr(trainer, "train_step", dies_at_step_3)
+    with pytest.raises(Crash):
+        train(_config(tmp_path, tiny_model_dir, "run.name=cut", *settings))
+    monkeypatch.setattr(trainer, "train_step", real_step)
+    cut = tmp_path / "cut"
+    saved = json.loads((cut / "checkpoints" / "step_00002" / PENDING_FILE).read_text())
+    assert [(b["step"], b["version"]) for b in saved["batches"]] == [(2, 0), (3, 1)]
+    train(load_config(cut / "config.toml"), resume=True)
+    assert _steps(cut) == _steps(whole)
+    assert _rollouts(cut, 4) == _rollouts(whole, 4)
+
+
+def test_a_resume_refuses_rollouts_sampled_ahead_for_other_prompts(tmp_path, tiny_model_dir, monkeypatch):
+    settings = ("run.steps=4", "rollout.max_staleness=1", "run.checkpoint_every=1")
+    import selfopd.training.trainer as trainer
+
+    real_step = trainer.train_step
+    monkeypatch.setattr(trainer, "train_step", lambda run: real_step(run) if run.step < 1 else (_ for _ in ()).throw(Crash()))
+    with pytest.raises(Crash):
+        train(_config(tmp_path, tiny_model_dir, "run.name=cut", *settings))
+    monkeypatch.setattr(trainer, "train_step", real_step)
+    pending = tmp_path / "cut" / "checkpoints" / "step_00001" / PENDING_FILE
+    saved = json.loads(pending.read_text())
+    saved["batches"][0]["rollouts"][0]["prompt_ids"][-1] += 1
+    pending.write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=f"{PENDING_FILE}.*step 1 are not of the prompts"):
+        train(load_config(tmp_path / "cut" / "config.toml"), resume=True)
