@@ -162,3 +162,23 @@ def test_a_resume_refuses_rollouts_sampled_ahead_for_other_prompts(tmp_path, tin
     pending.write_text(json.dumps(saved))
     with pytest.raises(ValueError, match=f"{PENDING_FILE}.*step 1 are not of the prompts"):
         train(load_config(tmp_path / "cut" / "config.toml"), resume=True)
+
+
+def test_the_overlap_benchmark_computes_speed_ups_and_bounds_from_the_synchronous_phases():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "benchmarks" / "staleness_overlap.py"
+    spec = importlib.util.spec_from_file_location("staleness_overlap", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def step(total: float, sample: float, train: float, staleness: int) -> dict:
+        return {"time/step": total, "time/sample": sample, "time/train": train, "time/teacher": total - sample - train,
+                "rollout/staleness": staleness, "is/ratio_mean": 1.0, "is/ratio_max": 1.5, "is/clipped_share": 0.0}
+
+    summary = bench.summarise({0: [step(10.0, 4.0, 5.0, 0), step(12.0, 4.0, 7.0, 0)], 1: [step(8.0, 0.0, 6.0, 1)]})
+    synchronous, ahead = summary["rows"]
+    assert synchronous["step_seconds"] == 11.0 and ahead["speedup"] == pytest.approx(11.0 / 8.0)
+    # Only sampling (4 s of 11) overlaps: the best step is max(4, 7) = 7 s; the largest phase is train's 6 s of 11.
+    assert summary["bounds"]["overlap_bound_speedup"] == pytest.approx(11.0 / 7.0)
+    assert summary["bounds"]["max_phase_over_sum"] == pytest.approx(6.0 / 11.0)
