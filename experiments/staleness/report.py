@@ -69,7 +69,7 @@ def main() -> None:
                         help="the comparison's --set values, as given to selfopd compare")
     parser.add_argument("--seeds", default="", help="comma-separated seeds, as given to selfopd compare")
     parser.add_argument("--name", default="", help="the comparison's folder name, as given to selfopd compare")
-    parser.add_argument("--out", type=Path, default=None, help="folder for staleness_report.md/.json/.png "
+    parser.add_argument("--out", type=Path, help="folder for staleness_report.md/.json/.png "
                         "(default: the comparison's folder)")
     args = parser.parse_args()
     compare = load_compare_config(args.compare, args.overrides, (), [int(s) for s in args.seeds.split(",") if s])
