@@ -67,6 +67,11 @@ class Run:
         return autocast(self.device, self.config.model.dtype)
 
     @property
+    def rollouts_per_micro_batch(self) -> int:
+        """Whole GRPO groups per forward/backward (and per teacher-scoring batch)."""
+        return self.config.optim.micro_batch_prompts * self.config.rollout.samples_per_prompt
+
+    @property
     def temperature(self) -> float:
         """The policy that is trained: the distribution the student samples from, its logits
         divided by the rollout temperature (as TRL does); greedy rollouts train at 1."""

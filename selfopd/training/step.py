@@ -83,8 +83,8 @@ def score(run: Run, sampled: Sampled, timer: PhaseTimer) -> tuple[list[Scored], 
         check_teacher_rows([(r.example.id, ids, r.rollout.completion_ids) for r in rows
                             for ids in (r.prompt_ids, r.wrong_prompt_ids) if ids is not None], run.teacher_engine,
                            run.step + 1)
-    per_micro = cfg.optim.micro_batch_prompts * cfg.rollout.samples_per_prompt
     top_k = cfg.loss.top_k if cfg.loss.divergence == "topk_reverse_kl" else 0
+    per_micro = run.rollouts_per_micro_batch
     with timer("teacher"):
         scores, teacher_states = score_in_micro_batches(
             run.teacher_engine, [(r.prompt_ids, r.rollout.completion_ids) for r in rows], per_micro, top_k,
@@ -110,8 +110,8 @@ def forward_backward(run: Run, scored: list[Scored], teacher_states: list | None
     total_rollouts = len(scored) * world.size
     backward = Backward(0.0, total_tokens, _opd_weights(run, scored),
                         rlsd_lambda(run.step, cfg.loss.rlsd_weight, cfg.loss.rlsd_decay_steps))
-    per_micro = cfg.optim.micro_batch_prompts * cfg.rollout.samples_per_prompt
     with timer("train"):
+        per_micro = run.rollouts_per_micro_batch
         for index, start in enumerate(range(0, len(scored), per_micro)):
             micro = scored[start : start + per_micro]
             loss, tokens, mask_BC = micro_batch_loss(run, micro, backward, start,
