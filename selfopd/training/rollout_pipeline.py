@@ -116,8 +116,10 @@ class RolloutPipeline:
         step = run.step
         with timer("sample"):  # with k >= 1 and servers: the wait for a request already running
             ahead = self._ahead.pop(step, None)
-            sampled = (ahead.result() if isinstance(ahead, Future) else ahead) if ahead is not None \
-                else sample_request(run.student_engine, request_for_step(run, step), run.step)
+            if ahead is None:
+                sampled = sample_request(run.student_engine, request_for_step(run, step), run.step)
+            else:
+                sampled = ahead.result() if isinstance(ahead, Future) else ahead
         fault_point("train.sampled")
         with timer("sample"):  # in process, the rollouts ahead are sampled here; with servers, only asked for
             # Past run.steps too: the last checkpoint keeps them, so a run extended later continues exactly.
@@ -141,7 +143,7 @@ class RolloutPipeline:
                 self._ahead[step] = ahead.result()
 
     def pending(self) -> list[Sampled]:
-        """The rollouts sampled ahead, in step order (call `settle` first)."""
+        """The rollouts sampled ahead, in step order, once no request runs."""
         self.settle()
         return [self._ahead[step] for step in sorted(self._ahead)]  # type: ignore[misc]
 
