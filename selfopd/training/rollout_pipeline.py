@@ -7,7 +7,7 @@ before the next weight sync the trainer waits for that request to finish. So eac
 runs under one version only, every rollout of step b >= k was sampled by the weights of step
 b - k (those of steps b < k by the initial weights), and a run is the same whatever the
 timing: a resumed run regenerates nothing, since the rollouts sampled ahead are saved with
-each checkpoint (`save_pending` / `load_pending`).
+each checkpoint (`pending_json` / `load_pending`).
 
 One request is in flight at a time, so k >= 2 adds staleness, not speed: one step's sampling
 overlaps one step's training. The overlap happens only where sampling runs in other processes
@@ -29,7 +29,7 @@ import random
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -157,7 +157,7 @@ def open_pipeline(run: Any, checkpoint: Path | None) -> RolloutPipeline:
     once on stderr when k >= 1 cannot overlap (an in-process engine)."""
     cfg = run.config
     k = cfg.rollout.max_staleness
-    background = k > 0 and bool(getattr(run.student_engine, "samples_in_background", False))
+    background = k > 0 and run.student_engine.samples_in_background
     if k > 0 and not background and run.world.is_main:
         print(f"selfopd: rollout.max_staleness = {k} with engine.kind = {cfg.engine.kind!r}: each step trains on "
               f"rollouts sampled {k} step{'s' if k > 1 else ''} earlier, in the trainer's process, so sampling does "
@@ -170,7 +170,7 @@ def pending_json(run: Any) -> str | None:
     """The rollouts sampled ahead of this step, every rank's, as `PENDING_FILE`'s text (rank 0;
     None elsewhere, or when none are). Every rank must call it: the shares are gathered."""
     batches = run.rollouts.pending()
-    gathered = all_gather([[_rollout_json(r) for group in b.groups for r in group] for b in batches], run.world)
+    gathered = all_gather([[asdict(r) for group in b.groups for r in group] for b in batches], run.world)
     if not run.world.is_main or not batches:
         return None
     saved = [{"step": b.request.step, "version": b.version, "rollouts": [r for part in gathered for r in part[index]]}
@@ -201,8 +201,3 @@ def load_pending(run: Any, checkpoint: Path) -> dict[int, Sampled]:
         pending[batch["step"]] = Sampled(request, groups, batch["version"])
     return pending
 
-
-def _rollout_json(rollout: Rollout) -> dict[str, Any]:
-    return {"prompt_ids": rollout.prompt_ids, "completion_ids": rollout.completion_ids,
-            "sampler_logprobs": rollout.sampler_logprobs, "finish_reason": rollout.finish_reason,
-            "text": rollout.text, "weight_version": rollout.weight_version}
