@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from selfopd.config import TrainConfig, load_config  # noqa: E402
-from selfopd.core.distributed import all_gather  # noqa: E402
+from selfopd.core.distributed import all_gather, close_process_group, current_world  # noqa: E402
 from selfopd.training.setup import build_run  # noqa: E402
 from selfopd.training.trainer import train_step  # noqa: E402
 
@@ -90,10 +90,9 @@ def main() -> None:
     args = parser.parse_args()
     given = torch.load(args.float64_on, weights_only=False)["rollouts"] if args.float64_on else None
     result = captured_step(load_config(args.config, args.set), given, torch.float64 if given is not None else None)
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if current_world().is_main:
         torch.save(result, args.out)
+    close_process_group()
 
 
 if __name__ == "__main__":

@@ -93,6 +93,17 @@ def barrier(world: World) -> None:
         dist.barrier()
 
 
+def close_process_group() -> None:
+    """Leave the process group once every rank is done with it (a no-op without one). Call it
+    on success only, at the end of a torchrun entry point: a rank that exits with its gloo
+    group alive can abort in the group's worker threads ("terminate called without an
+    active exception") while its peers still finish; after an error a rank may never reach
+    the barrier, and torchrun stops the others anyway."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def shard_model(model: Any, world: World) -> None:
     """FSDP2 in place: every decoder layer its own unit, the rest (embeddings, final norm,
     output head) the root; after a root forward the root stays gathered until backward,

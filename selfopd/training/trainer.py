@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from selfopd.training import guard
 from selfopd.config import TrainConfig, config_to_toml
-from selfopd.core.distributed import all_sum, barrier, current_world
+from selfopd.core.distributed import all_sum, barrier, close_process_group, current_world
 from selfopd.run.folder_guard import check_not_in_use, check_writable, claimed_run_folder, refuse_finished, writing
 from selfopd.core.run_folder import RunFolder
 from selfopd.training.outputs import plot_run, prune_checkpoints, reuse_eval, run_eval, save_checkpoint
@@ -78,6 +78,7 @@ def train(config: TrainConfig, resume: bool = False, initial_eval: Path | None =
                 plot_run(folder)
             raise
         barrier(run.world)  # the last checkpoint is written before any rank returns
+    close_process_group()
     if main:
         plot_run(folder)
     return folder.root
