@@ -13,8 +13,9 @@ import matplotlib.image
 import pytest
 
 from selfopd.cli import main
-from selfopd.comparisons.compare import arm_configs, load_compare_config, sft_config
+from selfopd.comparisons.compare import arm_configs, load_compare_config, run_compare, sft_config
 from selfopd.config import ConfigError, load_config
+from selfopd.core.run_folder import RunFolder
 from selfopd.data.example import prompt_key
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,6 +199,15 @@ def test_two_arms_two_seeds_share_the_base_eval_skip_when_finished_and_report_po
     assert "arm opd, seed 1: finished earlier" in out and "arm grpo, seed 1: interrupted before its first checkpoint" in out
     assert ", seed 0:" not in out  # only the seed asked for is visited (the report still pools both)
     assert (runs["opd", 1] / "metrics.jsonl").read_bytes() == before["opd", 1]
+
+    # A run stopped between its last checkpoint and its mark is marked on the next call, and
+    # `after_run` hears of it then, with its final weights still on disk.
+    (runs["grpo", 1] / "finished.json").unlink()
+    heard = []
+    run_compare(load_compare_config(path, only_seeds=[1]), progress=False,
+                after_run=lambda arm, seed, run_dir: heard.append(
+                    (arm, seed, run_dir, (run_dir / "finished.json").is_file(), RunFolder(run_dir).latest_checkpoint().name)))
+    assert heard == [("grpo", 1, runs["grpo", 1], True, "step_00001")]
 
     def untimed(text: str) -> list[dict]:
         return [{k: v for k, v in json.loads(line).items() if not k.startswith("time/")} for line in text.splitlines()]

@@ -3,6 +3,8 @@
     python experiments/cures/run.py                    # every stage, in order; rerun to resume
     python experiments/cures/run.py --stage select     # or one: select, compare, fresh, longer, diagnose
 
+    python experiments/cures/run.py --task sparse      # only one task's comparison (demo or sparse)
+
 Stages:
   select    the sparse task: base accuracy and a GRPO pilot (seed 100) per candidate, in order
   compare   both tasks x 7 arms x seeds 0-2 (`selfopd compare`'s runner: finished runs are skipped)
@@ -10,9 +12,12 @@ Stages:
   longer    the best cure and grpo_only at 3x the steps, on the task where the cure did best
   diagnose  `selfopd diagnose` on each arm's seed-0 run (answer-token lift, wrong-context contrast)
 
-Everything is written under --out (default runs/cures), never into experiments/results/;
-every stage skips what an earlier call finished. Each comparison's report.md is rewritten
-after its runs.
+Runs are written under --out (default runs/cures). The fresh eval and the seed-0 diagnosis
+of a run happen as soon as it finishes (they need its final weights, which the next runs'
+disk space may not keep), then its records, everything but its weights, are copied to
+experiments/results/cures_runs/ (ARCHIVE), which is committed: a new checkout copies them
+back into --out and goes on with the runs that are missing. Every stage skips what an
+earlier call finished. Each comparison's report.md is rewritten after its runs.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +52,10 @@ CANDIDATES = {  # the pre-registered order
 }
 BASE_LIMIT, GAIN_LIMIT, PILOT_SEED, STEPS = 0.05, 0.10, 100, 12
 FRESH_SIZE, FRESH_SEED = 200, 7
+# Each finished run's records (metrics, evals, saved rollouts, diagnostics; no weights) and
+# each comparison's timing log, at their paths relative to --out.
+ARCHIVE = RESULTS / "cures_runs"
+SELECTION = RESULTS / "cures_selection.json"  # the shipped copy of select's record
 
 
 def selfopd(*args: str) -> None:
@@ -112,12 +122,51 @@ def comparisons(out: Path, selection: dict | None) -> dict[str, CompareConfig]:
     return tasks
 
 
-def compare(tasks: dict[str, CompareConfig]) -> None:
-    for compare_config in tasks.values():
+def compare(tasks: dict[str, CompareConfig], spec_of: dict[str, str]) -> None:
+    for task, compare_config in tasks.items():
         compare_config.folder.mkdir(parents=True, exist_ok=True)
+
+        def finished(arm: str, seed: int, run_dir: Path, task: str = task, config: CompareConfig = compare_config) -> None:
+            if task in spec_of:  # a main-grid run (the 3x-steps check is compared on its held-out evals only)
+                fresh_eval(run_dir, spec_of[task])
+                if seed == config.seeds[0]:
+                    diagnose_run(run_dir)
+            archive(config, run_dir)
+
         with folder_lock(compare_config.folder):
-            run_compare(compare_config)
+            run_compare(compare_config, after_run=finished)
+            for arm, seed in compare_config.runs():  # finished by a call stopped before its archive
+                run_dir = compare_config.arm_dir(arm, seed)
+                if not (ARCHIVE / run_dir.relative_to(compare_config.out_dir) / "finished.json").is_file():
+                    finished(arm, seed, run_dir)
         write_compare_report(compare_config)
+
+
+def archive(compare_config: CompareConfig, run_dir: Path) -> None:
+    """Copy a run's records (not its checkpoints) and the comparison's timing log to ARCHIVE."""
+    out = compare_config.out_dir
+    shutil.copytree(run_dir, ARCHIVE / run_dir.relative_to(out), dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("checkpoints", ".lock"))
+    timing = compare_config.folder / "timing.jsonl"
+    if timing.is_file():
+        shutil.copy2(timing, ARCHIVE / timing.relative_to(out))
+    print(f"archived {run_dir.relative_to(out)} in {ARCHIVE}", flush=True)
+
+
+def restore(out: Path) -> None:
+    """Copy archived runs that --out lacks back into it (a new checkout): the comparison then
+    skips them as finished. A timing log is restored only with its comparison's folder."""
+    if not (out / "selection.json").is_file() and SELECTION.is_file():
+        _write(out / "selection.json", json.loads(SELECTION.read_text()))
+    for finished in sorted(ARCHIVE.rglob("finished.json")):
+        run_dir = out / finished.parent.relative_to(ARCHIVE)
+        if not run_dir.exists():
+            shutil.copytree(finished.parent, run_dir)
+            print(f"restored {run_dir.relative_to(out)} from {ARCHIVE}", flush=True)
+    for timing in ARCHIVE.glob("*/timing.jsonl"):
+        target = out / timing.relative_to(ARCHIVE)
+        if not target.is_file():
+            shutil.copy2(timing, target)
 
 
 def fresh_spec(spec: str) -> str:
@@ -132,9 +181,19 @@ def fresh(tasks: dict[str, CompareConfig], spec_of: dict[str, str]) -> None:
     for task, compare_config in tasks.items():
         for arm, seed in compare_config.runs():
             run_dir = compare_config.arm_dir(arm, seed)
-            target = run_dir / "fresh_eval"
-            if (run_dir / "finished.json").is_file() and not (target / "summary.json").is_file():
-                selfopd("eval", "--run", str(run_dir), "--data", fresh_spec(spec_of[task]), "--fresh", "--out", str(target))
+            if (run_dir / "finished.json").is_file():
+                fresh_eval(run_dir, spec_of[task])
+
+
+def fresh_eval(run_dir: Path, spec: str) -> None:
+    """The run's final weights on the task's fresh prompts, once; said when its weights are gone."""
+    target = run_dir / "fresh_eval"
+    if (target / "summary.json").is_file():
+        return
+    if not RunFolder(run_dir).latest_checkpoint():
+        print(f"fresh: {run_dir} has no weights left (a restored or pruned run): not evaluated", flush=True)
+        return
+    selfopd("eval", "--run", str(run_dir), "--data", fresh_spec(spec), "--fresh", "--out", str(target))
 
 
 CURES = ("rlsd", "routing", "contrastive", "pass_rate", "worked_solution")
@@ -171,15 +230,20 @@ def longer(tasks: dict[str, CompareConfig], spec_of: dict[str, str]) -> None:
         print("longer: waits for both tasks' comparisons to finish")
         return
     print(f"longer: {config.name}, arms {[arm.name for arm in config.arms]}, {3 * STEPS} steps")
-    compare({"longer": config})
+    compare({"longer": config}, spec_of={})
 
 
 def diagnose(tasks: dict[str, CompareConfig]) -> None:
     for compare_config in tasks.values():
         for arm in compare_config.arms:
             run_dir = compare_config.arm_dir(arm.name, compare_config.seeds[0])
-            if (run_dir / "finished.json").is_file() and not (run_dir / "diagnostics" / "report.md").is_file():
-                selfopd("diagnose", str(run_dir), "--gap-items", "50", "--heatmaps", "0")
+            if (run_dir / "finished.json").is_file():
+                diagnose_run(run_dir)
+
+
+def diagnose_run(run_dir: Path) -> None:
+    if not (run_dir / "diagnostics" / "report.md").is_file():
+        selfopd("diagnose", str(run_dir), "--gap-items", "50", "--heatmaps", "0")
 
 
 def _write(path: Path, value: dict) -> None:
@@ -191,14 +255,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stage", choices=("all", "select", "compare", "fresh", "longer", "diagnose"),
                         default="all")
+    parser.add_argument("--task", choices=("all", "demo", "sparse"), default="all",
+                        help="the comparisons to run (select always concerns the sparse task)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "cures")
     args = parser.parse_args()
     out = args.out.resolve()
+    restore(out)
     selection = select(out) if args.stage in ("all", "select") else _read(out / "selection.json")
     tasks = comparisons(out, selection)
+    if args.task != "all":
+        tasks = {task: config for task, config in tasks.items() if task == args.task}
     spec_of = task_specs(selection)
     if args.stage in ("all", "compare"):
-        compare(tasks)
+        compare(tasks, spec_of)
     if args.stage in ("all", "fresh"):
         fresh(tasks, spec_of)
     if args.stage in ("all", "longer"):

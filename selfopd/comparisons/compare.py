@@ -32,7 +32,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 from selfopd.core.atomic import write_json_atomic, write_text_atomic
 from selfopd.config import ConfigError, TrainConfig, flat_config, load_config
@@ -264,8 +264,11 @@ def sft_config(compare: CompareConfig):
     return SftConfig(train, compare.sft)
 
 
-def run_compare(compare: CompareConfig, progress: bool = True) -> None:
-    """Run every unfinished arm (then `selfopd.comparisons.compare_report.write_compare_report` reports them)."""
+def run_compare(compare: CompareConfig, progress: bool = True,
+                after_run: Callable[[str, int, Path], None] | None = None) -> None:
+    """Run every unfinished arm (then `selfopd.comparisons.compare_report.write_compare_report` reports them).
+    `after_run(arm, seed, run_dir)` is called as each run finishes, while its final weights
+    are still the newest on disk (an evaluation of them, say, before the next run starts)."""
     from selfopd.training.trainer import GuardStop, latest_checkpoint, train
 
     # Every arm and the teacher's config are checked before any work starts.
@@ -308,6 +311,8 @@ def run_compare(compare: CompareConfig, progress: bool = True) -> None:
         write_json_atomic(RunFolder(run_dir).finished,
                           {"arm": name, "seed": seed, "wall_seconds_last_session": seconds, **stopped})
         _note(compare, f"{name} seed {seed}", seconds)
+        if after_run is not None:
+            after_run(name, seed, run_dir)
 
 
 def base_eval(compare: CompareConfig, exclude: Path) -> Path | None:

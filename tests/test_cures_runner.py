@@ -1,0 +1,84 @@
+"""experiments/cures/run.py keeps the comparison across checkouts: a finished run's records
+(not its weights) are archived, and a new checkout's runner copies them back so the
+comparison skips them."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from selfopd.comparisons.compare import load_compare_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def runner(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("cures_run", ROOT / "experiments" / "cures" / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "ARCHIVE", tmp_path / "archive")
+    monkeypatch.setattr(module, "SELECTION", tmp_path / "selection_shipped.json")
+    return module
+
+
+def _finished_run(run_dir: Path) -> dict[str, bytes]:
+    """A run folder as training leaves it; returns the files that are records (not weights)."""
+    records = {
+        "finished.json": b'{"arm": "rlsd", "seed": 1}',
+        "metrics.jsonl": b'{"step": 1}\n',
+        "eval/step_00012/eval.jsonl": b'{"correct": true}\n',
+        "fresh_eval/summary.json": b'{"accuracy": 0.5}',
+        "rollouts/step_00012.jsonl": b'{"completion_ids": [1, 2]}\n',
+    }
+    for name, data in {**records, "checkpoints/step_00012/model.safetensors": b"weights", ".lock": b"123"}.items():
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_bytes(data)
+    return records
+
+
+def test_a_finished_run_is_archived_without_weights_and_restored_into_a_new_checkout(runner, tmp_path):
+    out = tmp_path / "runs"
+    config = dataclasses.replace(load_compare_config(ROOT / "experiments" / "cures" / "arms.toml"), out_dir=out)
+    run_dir = config.arm_dir("rlsd", 1)
+    records = _finished_run(run_dir)
+    (config.folder / "timing.jsonl").write_text('{"what": "rlsd seed 1"}\n')
+    runner.archive(config, run_dir)
+
+    archived = runner.ARCHIVE / "cures_demo" / "arms" / "rlsd" / "seed1"
+    assert {str(p.relative_to(archived)) for p in archived.rglob("*") if p.is_file()} == set(records)
+    assert (runner.ARCHIVE / "cures_demo" / "timing.jsonl").read_text() == '{"what": "rlsd seed 1"}\n'
+
+    fresh_out = tmp_path / "new_checkout" / "runs"
+    runner.SELECTION.write_text(json.dumps({"selected": "three_sums"}))
+    runner.restore(fresh_out)
+    restored = fresh_out / "cures_demo" / "arms" / "rlsd" / "seed1"
+    assert {name: (restored / name).read_bytes() for name in records} == records
+    assert not (restored / "checkpoints").exists()
+    assert json.loads((fresh_out / "selection.json").read_text()) == {"selected": "three_sums"}
+    assert (fresh_out / "cures_demo" / "timing.jsonl").is_file()
+
+    # A run the checkout already holds is never overwritten by its archived copy.
+    (restored / "metrics.jsonl").write_bytes(b"newer\n")
+    runner.restore(fresh_out)
+    assert (restored / "metrics.jsonl").read_bytes() == b"newer\n"
+
+
+def test_an_unfinished_run_is_not_restored(runner, tmp_path):
+    unfinished = runner.ARCHIVE / "cures_demo" / "arms" / "routing" / "seed0"
+    unfinished.mkdir(parents=True)
+    (unfinished / "metrics.jsonl").write_text("{}\n")
+    runner.restore(tmp_path / "runs")
+    assert not (tmp_path / "runs" / "cures_demo" / "arms" / "routing").exists()
+
+
+def test_a_restored_run_without_weights_is_said_and_not_evaluated(runner, tmp_path, capsys):
+    run_dir = tmp_path / "runs" / "cures_demo" / "arms" / "rlsd" / "seed1"
+    run_dir.mkdir(parents=True)
+    runner.fresh_eval(run_dir, "rg:chain_sum?size=10")
+    assert "has no weights left" in capsys.readouterr().out
+    assert not (run_dir / "fresh_eval").exists()
