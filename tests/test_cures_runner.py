@@ -27,7 +27,7 @@ def runner(tmp_path, monkeypatch):
 
 
 def _finished_run(run_dir: Path) -> dict[str, bytes]:
-    """A run folder as training leaves it; returns the files that are records (not weights)."""
+    """A run folder as training leaves it; returns the files that are records (not weights, not plots)."""
     records = {
         "finished.json": b'{"arm": "rlsd", "seed": 1}',
         "metrics.jsonl": b'{"step": 1}\n',
@@ -35,7 +35,8 @@ def _finished_run(run_dir: Path) -> dict[str, bytes]:
         "fresh_eval/summary.json": b'{"accuracy": 0.5}',
         "rollouts/step_00012.jsonl": b'{"completion_ids": [1, 2]}\n',
     }
-    for name, data in {**records, "checkpoints/step_00012/model.safetensors": b"weights", ".lock": b"123"}.items():
+    for name, data in {**records, "checkpoints/step_00012/model.safetensors": b"weights", "plots/curves.png": b"png",
+                       ".lock": b"123"}.items():
         (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
         (run_dir / name).write_bytes(data)
     return records
