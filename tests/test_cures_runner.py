@@ -34,9 +34,10 @@ def _finished_run(run_dir: Path) -> dict[str, bytes]:
         "eval/step_00012/eval.jsonl": b'{"correct": true}\n',
         "fresh_eval/summary.json": b'{"accuracy": 0.5}',
         "rollouts/step_00012.jsonl": b'{"completion_ids": [1, 2]}\n',
+        "diagnostics/summary.json": b'{"illusion": {}}',
     }
     for name, data in {**records, "checkpoints/step_00012/model.safetensors": b"weights", "plots/curves.png": b"png",
-                       ".lock": b"123"}.items():
+                       "diagnostics/figures/lift.png": b"png", "diagnostics/signals.html": b"<html>", ".lock": b"123"}.items():
         (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
         (run_dir / name).write_bytes(data)
     return records

@@ -143,11 +143,11 @@ def compare(tasks: dict[str, CompareConfig], spec_of: dict[str, str]) -> None:
 
 
 def archive(compare_config: CompareConfig, run_dir: Path) -> None:
-    """Copy a run's records (not its checkpoints, nor its plots: the report draws its own) and the
-    comparison's timing log to ARCHIVE."""
+    """Copy a run's records and the comparison's timing log to ARCHIVE: not its checkpoints, nor
+    its plots, figures and HTML pages (the report reads numbers and draws its own)."""
     out = compare_config.out_dir
     shutil.copytree(run_dir, ARCHIVE / run_dir.relative_to(out), dirs_exist_ok=True,
-                    ignore=shutil.ignore_patterns("checkpoints", "plots", ".lock"))
+                    ignore=shutil.ignore_patterns("checkpoints", "plots", "figures", "*.html", ".lock"))
     timing = compare_config.folder / "timing.jsonl"
     if timing.is_file():
         shutil.copy2(timing, ARCHIVE / timing.relative_to(out))
