@@ -84,3 +84,16 @@ def test_a_restored_run_without_weights_is_said_and_not_evaluated(runner, tmp_pa
     runner.fresh_eval(run_dir, "rg:chain_sum?size=10")
     assert "has no weights left" in capsys.readouterr().out
     assert not (run_dir / "fresh_eval").exists()
+
+
+def test_a_task_whose_runs_were_not_kept_is_read_from_its_shipped_summary_until_a_run_exists(runner, tmp_path):
+    config = dataclasses.replace(load_compare_config(ROOT / "experiments" / "cures" / "arms.toml"), out_dir=tmp_path)
+    rows = json.loads((ROOT / "experiments" / "results" / "cures_demo_summary.json").read_text())
+    assert runner.shipped_rows("demo", config) == rows
+    changes = runner.primary_changes("demo", config)
+    assert changes == {row["name"]: row["vs_reference"]["mean"] for row in rows if row["name"] != "grpo_only"}
+    assert len(changes) == 6
+    assert runner.shipped_rows("sparse", config) is None  # nothing shipped for it
+
+    _finished_run(config.arm_dir("rlsd", 1))  # a rerun has begun: its own runs decide from now on
+    assert runner.shipped_rows("demo", config) is None

@@ -24,7 +24,7 @@ import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 
-from run import CURES, comparisons, longer_config, task_specs  # noqa: E402
+from run import CURES, SHIPPED, comparisons, longer_config, shipped_rows, task_specs  # noqa: E402
 
 from selfopd.comparisons.compare_report import ArmResult, measure_comparison  # noqa: E402
 from selfopd.run.evaluate import read_eval_outcomes  # noqa: E402
@@ -120,15 +120,43 @@ def _spec(config) -> str:
     return load_config(RunFolder(run).config).data.spec if RunFolder(run).config.is_file() else "?"
 
 
-def plot_tokens(measured: dict[str, list[ArmResult]], path: Path) -> Path:
-    """Held-out accuracy against cumulative generated tokens, one panel per task."""
+def shipped_task_section(task: str, rows: list[dict]) -> list[str]:
+    """A task known only by its shipped summary (run.SHIPPED): the primary metric, tokens and
+    teacher preference; fresh prompts, guard events and diagnoses were never measured."""
+    held_out = rows[0]["final"]["n"] if rows else 0
+    lines = [f"## Task: {task}", "", f"From `{SHIPPED[task].relative_to(ROOT)}`, the summary of this grid's runs, "
+             f"whose folders were not kept: held-out prompts: {held_out} distinct, none trained on. Its fresh-prompt "
+             "evals, guard events and seed-0 diagnoses were never made (they need each run's folder or final weights).",
+             "", "| arm | loss | held-out acc. [95% CI] | change vs `grpo_only` [95% CI] | verdict | fresh prompts: change vs "
+             "`grpo_only` | generated tokens | teacher prefers correct | guard fired |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        change, final = row["vs_reference"], row["final"]
+        d = PairedDifference(change["mean"], change["low"], change["high"], change["n"], change["seeds"]) if change else None
+        lines.append(f"| `{row['name']}` | {row['loss']} | {final['value']:.3f} [{final['low']:.3f}, {final['high']:.3f}] | "
+                     f"{fmt(d) or '(reference)'} | {verdict(d) if row['name'] != REFERENCE else ''} | not measured | "
+                     f"{row['generated_tokens']:,.0f} | {_estimate(row['teacher_preference'])} | not kept |")
+    return lines + [""]
+
+
+def mean_curve(per_seed: list[dict]) -> list[tuple[float, float]]:
+    """(generated tokens, accuracy) per eval step, each the mean over the seeds that reached it."""
+    by_step: dict[int, list[dict]] = {}
+    for run in per_seed:
+        for point in run["curve"]:
+            by_step.setdefault(point["step"], []).append(point)
+    return [(sum(p["generated_tokens"] for p in points) / len(points), sum(p["accuracy"] for p in points) / len(points))
+            for _, points in sorted(by_step.items())]
+
+
+def plot_tokens(curves: dict[str, dict[str, list[tuple[float, float]]]], path: Path) -> Path:
+    """Held-out accuracy against cumulative generated tokens, one panel per task; `curves`:
+    task -> arm -> (generated tokens, accuracy) per eval, means over seeds."""
     with matplotlib.rc_context(STYLE):
-        figure = new_figure(len(measured), "Cures vs GRPO alone: accuracy against generated tokens (mean over seeds)")
-        for axes, (task, results) in zip(figure.axes, measured.items()):
-            for index, result in enumerate(results):
-                curve = result.curve
-                axes.plot([p.generated_tokens for p in curve], [p.accuracy for p in curve], marker="o", markersize=4,
-                          color=f"C{index % 10}", linewidth=2.4 if result.name == REFERENCE else 1.4, label=result.name)
+        figure = new_figure(len(curves), "Cures vs GRPO alone: accuracy against generated tokens (mean over seeds)")
+        for axes, (task, arms) in zip(figure.axes, curves.items()):
+            for index, (name, curve) in enumerate(arms.items()):
+                axes.plot([tokens for tokens, _ in curve], [accuracy for _, accuracy in curve], marker="o", markersize=4,
+                          color=f"C{index % 10}", linewidth=2.4 if name == REFERENCE else 1.4, label=name)
             decorate(axes, f"{task} task", "held-out accuracy (greedy)", xlabel="generated tokens (student samples)")
         figure.axes[0].legend(loc="best", fontsize=8)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -143,7 +171,8 @@ def main() -> None:
     selection_path = args.runs / "selection.json"
     selection = json.loads(selection_path.read_text()) if selection_path.is_file() else None
     tasks = comparisons(args.runs.resolve(), selection)
-    measured = {task: measure_comparison(config) for task, config in tasks.items()}
+    shipped = {task: rows for task, config in tasks.items() if (rows := shipped_rows(task, config)) is not None}
+    measured = {task: measure_comparison(config) for task, config in tasks.items() if task not in shipped}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     lines = ["# Cures for the privileged illusion against GRPO alone", "",
              f"Pre-registered in `experiments/cures/PREREGISTRATION.md`; measured at commit {commit} on a 2-core CPU. "
@@ -158,8 +187,20 @@ def main() -> None:
                          f"{f'{gain[0]:+.3f} [{gain[1]:+.3f}, {gain[2]:+.3f}]' if gain else 'not needed'} |")
         lines += ["", f"Rule applied: {selection.get('rule', 'not finished')}.", ""]
     summary: dict = {"commit": commit, "selection": selection, "tasks": {}}
-    beats = []
+    beats, curves, complete = [], {}, len(tasks) == 2
     for task, config in tasks.items():
+        if task in shipped:
+            rows = shipped[task]
+            lines += shipped_task_section(task, rows)
+            summary["tasks"][task] = {"from": str(SHIPPED[task].relative_to(ROOT)), "arms": {
+                row["name"]: {"loss": row["loss"], "accuracy": row["final"]["value"], "finished": row["finished"],
+                              "vs_grpo_only": row["vs_reference"], "fresh_vs_grpo_only": None,
+                              "generated_tokens": row["generated_tokens"]} for row in rows}}
+            curves[task] = {row["name"]: mean_curve(row["per_seed"]) for row in rows}
+            beats += [(task, row["name"]) for row in rows if row["name"] in CURES and row["vs_reference"]
+                      and row["vs_reference"]["low"] > 0]
+            complete = complete and len(rows) == 7 and all(row["finished"] for row in rows)
+            continue
         results = measured[task]
         fresh = {r.name: fresh_change(config, r.name) for r in results if r.name != REFERENCE}
         diagnoses = {r.name: diagnosis(config, r.name) for r in results}
@@ -170,7 +211,9 @@ def main() -> None:
                                            "generated_tokens": r.generated_tokens, "guard": guards[r.name],
                                            "diagnosis": diagnoses[r.name]} for r in results}
         beats += [(task, r.name) for r in results if r.name in CURES and r.vs_reference and r.vs_reference.low > 0]
-    figure = plot_tokens(measured, args.out / "cures_accuracy_tokens.png")
+        curves[task] = {r.name: [(p.generated_tokens, p.accuracy) for p in r.curve] for r in results}
+        complete = complete and len(results) == 7 and all(r.finished and len(r.per_seed) == 3 for r in results)
+    figure = plot_tokens(curves, args.out / "cures_accuracy_tokens.png")
     lines += [f"![accuracy against generated tokens]({figure.name})", ""]
     longer = longer_config(tasks, task_specs(selection))
     if longer is not None and (longer_results := measure_comparison(longer)):
@@ -182,8 +225,6 @@ def main() -> None:
                              for r in longer_results}
         lines.append("")
     lines += ["## Decision (pre-registered rule)", ""]
-    complete = len(tasks) == 2 and all(len(results) == 7 and all(r.finished and len(r.per_seed) == 3 for r in results)
-                                       for results in measured.values())
     if not complete:
         lines.append("The comparison is not finished: no decision yet.")
     elif not beats:
@@ -195,6 +236,10 @@ def main() -> None:
     (args.out / "cures_report.md").write_text("\n".join(lines) + "\n")
     (args.out / "cures_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"wrote {args.out / 'cures_report.md'}")
+
+
+def _estimate(value: dict | None) -> str:
+    return f"{value['value']:+.3f} [{value['low']:+.3f}, {value['high']:+.3f}]" if value else ""
 
 
 def _json(d: PairedDifference | None) -> dict | None:

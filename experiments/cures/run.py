@@ -56,6 +56,10 @@ FRESH_SIZE, FRESH_SEED = 200, 7
 # each comparison's timing log, at their paths relative to --out.
 ARCHIVE = RESULTS / "cures_runs"
 SELECTION = RESULTS / "cures_selection.json"  # the shipped copy of select's record
+# A task whose grid ran before the archive existed and whose run folders were not kept: the
+# summary `selfopd compare` wrote of it. Its primary metric and curves are read from there;
+# its fresh-prompt evals and seed-0 diagnoses were never made.
+SHIPPED = {"demo": RESULTS / "cures_demo_summary.json"}
 
 
 def selfopd(*args: str) -> None:
@@ -200,17 +204,36 @@ def fresh_eval(run_dir: Path, spec: str) -> None:
 CURES = ("rlsd", "routing", "contrastive", "pass_rate", "worked_solution")
 
 
+def shipped_rows(task: str, compare_config: CompareConfig) -> list[dict] | None:
+    """The task's shipped summary rows when none of its runs is on disk (see SHIPPED)."""
+    on_disk = any(RunFolder(compare_config.arm_dir(arm, seed)).finished.is_file() for arm, seed in compare_config.runs())
+    return json.loads(SHIPPED[task].read_text()) if task in SHIPPED and not on_disk else None
+
+
+def primary_changes(task: str, compare_config: CompareConfig) -> dict[str, float] | None:
+    """Each arm's pooled point change vs grpo_only at the comparison's steps (the primary
+    metric), from its runs or its shipped summary; None until every run has finished."""
+    if (rows := shipped_rows(task, compare_config)) is not None:
+        finished = len(rows) == len(compare_config.arms) and all(row["finished"] for row in rows)
+        return {row["name"]: row["vs_reference"]["mean"] for row in rows if row["vs_reference"]} if finished else None
+    results = measure_comparison(compare_config)
+    if len(results) < len(compare_config.arms) or any(
+            not r.finished or len(r.per_seed) < len(compare_config.seeds) for r in results):
+        return None
+    return {r.name: r.vs_reference.mean for r in results if r.vs_reference is not None}
+
+
 def best_cure(tasks: dict[str, CompareConfig]) -> tuple[str, str] | None:
     """(task, cure) with the largest pooled point change vs grpo_only at the comparison's
     steps; None until every task's every run is finished."""
     best = None
     for task, compare_config in tasks.items():
-        for result in measure_comparison(compare_config):
-            if not result.finished or len(result.per_seed) < len(compare_config.seeds):
-                return None
-            if result.name in CURES and result.vs_reference is not None:
-                if best is None or result.vs_reference.mean > best[0]:
-                    best = (result.vs_reference.mean, task, result.name)
+        changes = primary_changes(task, compare_config)
+        if changes is None:
+            return None
+        for name, change in changes.items():
+            if name in CURES and (best is None or change > best[0]):
+                best = (change, task, name)
     return (best[1], best[2]) if best else None
 
 
@@ -263,18 +286,22 @@ def main() -> None:
     out = args.out.resolve()
     restore(out)
     selection = select(out) if args.stage in ("all", "select") else _read(out / "selection.json")
-    tasks = comparisons(out, selection)
-    if args.task != "all":
-        tasks = {task: config for task, config in tasks.items() if task == args.task}
+    tasks = comparisons(out, selection)  # both, for choosing the 3x-steps arm
     spec_of = task_specs(selection)
+    if args.task != "all":
+        to_run = {task: config for task, config in tasks.items() if task == args.task}
+    else:  # a task measured before the archive existed is not rerun unless asked for by name
+        to_run = {task: config for task, config in tasks.items() if shipped_rows(task, config) is None}
+        for task in tasks.keys() - to_run.keys():
+            print(f"{task}: measured earlier ({SHIPPED[task].relative_to(ROOT)}), not rerun (--task {task} reruns it)")
     if args.stage in ("all", "compare"):
-        compare(tasks, spec_of)
+        compare(to_run, spec_of)
     if args.stage in ("all", "fresh"):
-        fresh(tasks, spec_of)
+        fresh(to_run, spec_of)
     if args.stage in ("all", "longer"):
         longer(tasks, spec_of)
     if args.stage in ("all", "diagnose"):
-        diagnose(tasks)
+        diagnose(to_run)
 
 
 def task_specs(selection: dict | None) -> dict[str, str]:
