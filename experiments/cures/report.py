@@ -45,6 +45,15 @@ def verdict(d: PairedDifference | None) -> str:
     return "no significant difference"
 
 
+def _verdict_so_far(result: ArmResult, config) -> str:
+    """The pre-registered verdict once every seed of the arm has finished; before, which seeds are in."""
+    if result.name == REFERENCE:
+        return ""
+    if not result.finished or len(result.per_seed) < len(config.seeds):
+        return f"none yet (seed {', '.join(str(seed) for seed in result.seeds)} so far)"
+    return verdict(result.vs_reference)
+
+
 def fmt(d: PairedDifference | None) -> str:
     return "" if d is None else f"{d.mean:+.3f} [{d.low:+.3f}, {d.high:+.3f}]"
 
@@ -98,7 +107,7 @@ def task_section(task: str, config, results: list[ArmResult], fresh: dict, diagn
     for r in results:
         pref = r.teacher_preference
         lines.append(f"| `{r.name}` | {r.loss} | {r.final.value:.3f} [{r.final.low:.3f}, {r.final.high:.3f}] | "
-                     f"{fmt(r.vs_reference) or '(reference)'} | {verdict(r.vs_reference) if r.name != REFERENCE else ''} | "
+                     f"{fmt(r.vs_reference) or '(reference)'} | {_verdict_so_far(r, config)} | "
                      f"{fmt(fresh.get(r.name)) or ('(reference)' if r.name == REFERENCE else '')} | "
                      f"{r.generated_tokens:,.0f} | {f'{pref.value:+.3f} [{pref.low:+.3f}, {pref.high:+.3f}]' if pref else ''} | "
                      f"{len(guards[r.name])} event(s)" + " |")
