@@ -24,7 +24,8 @@ import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 
-from run import CURES, SHIPPED, comparisons, longer_config, shipped_rows, task_specs  # noqa: E402
+from run import (CURES, SHIPPED, arm_complete, comparisons, grid_complete, longer_config,  # noqa: E402
+                 shipped_complete, shipped_rows, task_specs)
 
 from selfopd.comparisons.compare_report import ArmResult, measure_comparison  # noqa: E402
 from selfopd.run.evaluate import read_eval_outcomes  # noqa: E402
@@ -49,13 +50,17 @@ def _verdict_so_far(result: ArmResult, config) -> str:
     """The pre-registered verdict once every seed of the arm has finished; before, which seeds are in."""
     if result.name == REFERENCE:
         return ""
-    if not result.finished or len(result.per_seed) < len(config.seeds):
+    if not arm_complete(result, config):
         return f"none yet (seed {', '.join(str(seed) for seed in result.seeds)} so far)"
     return verdict(result.vs_reference)
 
 
+def interval(value: float, low: float, high: float) -> str:
+    return f"{value:+.3f} [{low:+.3f}, {high:+.3f}]"
+
+
 def fmt(d: PairedDifference | None) -> str:
-    return "" if d is None else f"{d.mean:+.3f} [{d.low:+.3f}, {d.high:+.3f}]"
+    return "" if d is None else interval(d.mean, d.low, d.high)
 
 
 def fresh_change(config, arm: str) -> PairedDifference | None:
@@ -109,7 +114,7 @@ def task_section(task: str, config, results: list[ArmResult], fresh: dict, diagn
         lines.append(f"| `{r.name}` | {r.loss} | {r.final.value:.3f} [{r.final.low:.3f}, {r.final.high:.3f}] | "
                      f"{fmt(r.vs_reference) or '(reference)'} | {_verdict_so_far(r, config)} | "
                      f"{fmt(fresh.get(r.name)) or ('(reference)' if r.name == REFERENCE else '')} | "
-                     f"{r.generated_tokens:,.0f} | {f'{pref.value:+.3f} [{pref.low:+.3f}, {pref.high:+.3f}]' if pref else ''} | "
+                     f"{r.generated_tokens:,.0f} | {interval(pref.value, pref.low, pref.high) if pref else ''} | "
                      f"{len(guards[r.name])} event(s)" + " |")
     lines += ["", "Illusion measures on each arm's seed-0 run, last step (`selfopd diagnose`):", "",
               "| arm | answer-token lift | illusion warning | DOPD information share |", "|---|---|---|---|"]
@@ -193,7 +198,7 @@ def main() -> None:
             gain = seen.get("pilot_gain")
             lines.append(f"| {name}{' (selected)' if name == selection.get('selected') else ''} | "
                          f"{seen.get('base_accuracy', float('nan')):.3f} | "
-                         f"{f'{gain[0]:+.3f} [{gain[1]:+.3f}, {gain[2]:+.3f}]' if gain else 'not needed'} |")
+                         f"{interval(*gain) if gain else 'not needed'} |")
         lines += ["", f"Rule applied: {selection.get('rule', 'not finished')}.", ""]
     summary: dict = {"commit": commit, "selection": selection, "tasks": {}}
     beats, curves, complete = [], {}, len(tasks) == 2
@@ -208,7 +213,7 @@ def main() -> None:
             curves[task] = {row["name"]: mean_curve(row["per_seed"]) for row in rows}
             beats += [(task, row["name"]) for row in rows if row["name"] in CURES and row["vs_reference"]
                       and row["vs_reference"]["low"] > 0]
-            complete = complete and len(rows) == 7 and all(row["finished"] for row in rows)
+            complete = complete and shipped_complete(rows, config)
             continue
         results = measured[task]
         fresh = {r.name: fresh_change(config, r.name) for r in results if r.name != REFERENCE}
@@ -221,7 +226,7 @@ def main() -> None:
                                            "diagnosis": diagnoses[r.name]} for r in results}
         beats += [(task, r.name) for r in results if r.name in CURES and r.vs_reference and r.vs_reference.low > 0]
         curves[task] = {r.name: [(p.generated_tokens, p.accuracy) for p in r.curve] for r in results}
-        complete = complete and len(results) == 7 and all(r.finished and len(r.per_seed) == 3 for r in results)
+        complete = complete and grid_complete(results, config)
     figure = plot_tokens(curves, args.out / "cures_accuracy_tokens.png")
     lines += [f"![accuracy against generated tokens]({figure.name})", ""]
     longer = longer_config(tasks, task_specs(selection))
@@ -248,7 +253,7 @@ def main() -> None:
 
 
 def _estimate(value: dict | None) -> str:
-    return f"{value['value']:+.3f} [{value['low']:+.3f}, {value['high']:+.3f}]" if value else ""
+    return interval(value["value"], value["low"], value["high"]) if value else ""
 
 
 def _json(d: PairedDifference | None) -> dict | None:

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from selfopd.comparisons.compare import CompareConfig, load_compare_config, run_compare  # noqa: E402
-from selfopd.comparisons.compare_report import measure_comparison, write_compare_report  # noqa: E402
+from selfopd.comparisons.compare_report import ArmResult, measure_comparison, write_compare_report  # noqa: E402
 from selfopd.run.folder_guard import folder_lock  # noqa: E402
 from selfopd.core.run_folder import RunFolder  # noqa: E402
 from selfopd.core.stats import paired_change  # noqa: E402
@@ -210,15 +210,30 @@ def shipped_rows(task: str, compare_config: CompareConfig) -> list[dict] | None:
     return json.loads(SHIPPED[task].read_text()) if task in SHIPPED and not on_disk else None
 
 
+def arm_complete(result: ArmResult, compare_config: CompareConfig) -> bool:
+    """Every seed of the arm has finished its run."""
+    return result.finished and len(result.per_seed) == len(compare_config.seeds)
+
+
+def grid_complete(results: list[ArmResult], compare_config: CompareConfig) -> bool:
+    """Every arm of the comparison has every seed finished."""
+    return len(results) == len(compare_config.arms) and all(arm_complete(r, compare_config) for r in results)
+
+
+def shipped_complete(rows: list[dict], compare_config: CompareConfig) -> bool:
+    """`grid_complete` for a task read from its shipped summary."""
+    return len(rows) == len(compare_config.arms) and all(row["finished"] for row in rows)
+
+
 def primary_changes(task: str, compare_config: CompareConfig) -> dict[str, float] | None:
     """Each arm's pooled point change vs grpo_only at the comparison's steps (the primary
     metric), from its runs or its shipped summary; None until every run has finished."""
     if (rows := shipped_rows(task, compare_config)) is not None:
-        finished = len(rows) == len(compare_config.arms) and all(row["finished"] for row in rows)
-        return {row["name"]: row["vs_reference"]["mean"] for row in rows if row["vs_reference"]} if finished else None
+        if not shipped_complete(rows, compare_config):
+            return None
+        return {row["name"]: row["vs_reference"]["mean"] for row in rows if row["vs_reference"]}
     results = measure_comparison(compare_config)
-    if len(results) < len(compare_config.arms) or any(
-            not r.finished or len(r.per_seed) < len(compare_config.seeds) for r in results):
+    if not grid_complete(results, compare_config):
         return None
     return {r.name: r.vs_reference.mean for r in results if r.vs_reference is not None}
 
