@@ -197,7 +197,8 @@ def test_two_arms_two_seeds_share_the_base_eval_skip_when_finished_and_report_po
     assert main(["compare", str(path), "--seeds", "1"]) == 0
     out = capsys.readouterr().out
     assert "arm opd, seed 1: finished earlier" in out and "arm grpo, seed 1: interrupted before its first checkpoint" in out
-    assert ", seed 0:" not in out  # only the seed asked for is visited (the report still pools both)
+    assert ", seed 0:" not in out  # only the seed asked for is visited; the report still pools both
+    assert all(len(row["per_seed"]) == 2 for row in json.loads((folder / "summary.json").read_text()))
     assert (runs["opd", 1] / "metrics.jsonl").read_bytes() == before["opd", 1]
 
     # A run stopped between its last checkpoint and its mark is marked on the next call, and
@@ -215,6 +216,31 @@ def test_two_arms_two_seeds_share_the_base_eval_skip_when_finished_and_report_po
     rerun = (runs["grpo", 1] / "metrics.jsonl").read_text()
     assert untimed(rerun) == untimed(before["grpo", 1].decode())  # same seed, same numbers
     assert untimed(rerun) != untimed(before["grpo", 0].decode())  # another seed, other numbers
+
+    # --keep-records: finished runs are copied out without weights; a checkout that lost the
+    # comparison's folder gets them back and reports the same numbers without training them.
+    keep = tmp_path / "kept"
+    summary_before = (folder / "summary.json").read_text()
+    capsys.readouterr()
+    assert main(["compare", str(path), "--keep-records", str(keep)]) == 0
+    for key, run in runs.items():
+        kept = keep / run.relative_to(folder)
+        assert (kept / "finished.json").is_file() and not (kept / "checkpoints").exists()
+        assert (kept / "metrics.jsonl").read_bytes() == (run / "metrics.jsonl").read_bytes()
+    shutil.rmtree(folder)
+    shutil.rmtree(keep / "arms" / "grpo" / "seed1")  # a run the records never got: trained again
+    capsys.readouterr()
+    assert main(["compare", str(path), "--keep-records", str(keep)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("restored ") == 3 and out.count("finished earlier, not rerun") == 3
+    assert f"kept the records of grpo seed 1 in {keep / 'arms' / 'grpo' / 'seed1'}" in out
+    assert (keep / "arms" / "grpo" / "seed1" / "finished.json").is_file()
+    assert not (runs["opd", 0] / "checkpoints").exists()  # restored: records only
+
+    def accuracies(text: str) -> dict:  # grpo seed 1 trained again: same numbers, other wall times
+        return {row["name"]: (row["final_accuracy"], row["vs_base"], row["vs_reference"]) for row in json.loads(text)}
+
+    assert accuracies((folder / "summary.json").read_text()) == accuracies(summary_before)
 
     # A finished arm whose settings changed is not silently reported as the new one.
     path.write_text(path.read_text().replace('"loss.lambda_rl=0"', '"loss.lambda_rl=0", "optim.lr=2e-5"'))

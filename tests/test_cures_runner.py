@@ -57,7 +57,8 @@ def test_a_finished_run_is_archived_without_weights_and_restored_into_a_new_chec
 
     fresh_out = tmp_path / "new_checkout" / "runs"
     runner.SELECTION.write_text(json.dumps({"selected": "three_sums"}))
-    runner.restore(fresh_out)
+    new_config = dataclasses.replace(config, out_dir=fresh_out)
+    runner.restore(fresh_out, [new_config])
     restored = fresh_out / "cures_demo" / "arms" / "rlsd" / "seed1"
     assert {name: (restored / name).read_bytes() for name in records} == records
     assert not (restored / "checkpoints").exists()
@@ -66,7 +67,7 @@ def test_a_finished_run_is_archived_without_weights_and_restored_into_a_new_chec
 
     # A run the checkout already holds is never overwritten by its archived copy.
     (restored / "metrics.jsonl").write_bytes(b"newer\n")
-    runner.restore(fresh_out)
+    runner.restore(fresh_out, [new_config])
     assert (restored / "metrics.jsonl").read_bytes() == b"newer\n"
 
 
@@ -74,7 +75,8 @@ def test_an_unfinished_run_is_not_restored(runner, tmp_path):
     unfinished = runner.ARCHIVE / "cures_demo" / "arms" / "routing" / "seed0"
     unfinished.mkdir(parents=True)
     (unfinished / "metrics.jsonl").write_text("{}\n")
-    runner.restore(tmp_path / "runs")
+    config = dataclasses.replace(load_compare_config(ROOT / "experiments" / "cures" / "arms.toml"), out_dir=tmp_path / "runs")
+    runner.restore(tmp_path / "runs", [config])
     assert not (tmp_path / "runs" / "cures_demo" / "arms" / "routing").exists()
 
 

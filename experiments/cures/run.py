@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from selfopd.comparisons.compare import CompareConfig, load_compare_config, run_compare  # noqa: E402
 from selfopd.comparisons.compare_report import ArmResult, measure_comparison, write_compare_report  # noqa: E402
+from selfopd.comparisons.records import keep_run, restore_runs  # noqa: E402
 from selfopd.run.folder_guard import folder_lock  # noqa: E402
 from selfopd.core.run_folder import RunFolder  # noqa: E402
 from selfopd.core.stats import paired_change  # noqa: E402
@@ -137,41 +137,30 @@ def compare(tasks: dict[str, CompareConfig], spec_of: dict[str, str]) -> None:
                     diagnose_run(run_dir)
             archive(config, run_dir)
 
+        restore(compare_config.out_dir, [compare_config])
         with folder_lock(compare_config.folder):
             run_compare(compare_config, after_run=finished)
             for arm, seed in compare_config.runs():  # finished by a call stopped before its archive
                 run_dir = compare_config.arm_dir(arm, seed)
-                if not (ARCHIVE / run_dir.relative_to(compare_config.out_dir) / "finished.json").is_file():
+                if not (ARCHIVE / compare_config.name / run_dir.relative_to(compare_config.folder) / "finished.json").is_file():
                     finished(arm, seed, run_dir)
         write_compare_report(compare_config)
 
 
 def archive(compare_config: CompareConfig, run_dir: Path) -> None:
-    """Copy a run's records and the comparison's timing log to ARCHIVE: not its checkpoints, nor
-    its plots, figures and HTML pages (the report reads numbers and draws its own)."""
-    out = compare_config.out_dir
-    shutil.copytree(run_dir, ARCHIVE / run_dir.relative_to(out), dirs_exist_ok=True,
-                    ignore=shutil.ignore_patterns("checkpoints", "plots", "figures", "*.html", ".lock"))
-    timing = compare_config.folder / "timing.jsonl"
-    if timing.is_file():
-        shutil.copy2(timing, ARCHIVE / timing.relative_to(out))
-    print(f"archived {run_dir.relative_to(out)} in {ARCHIVE}", flush=True)
+    """Copy a run's records and the comparison's timing log to ARCHIVE (selfopd.comparisons.records)."""
+    kept = keep_run(compare_config, run_dir, ARCHIVE / compare_config.name)
+    print(f"archived {kept.relative_to(ARCHIVE)} in {ARCHIVE}", flush=True)
 
 
-def restore(out: Path) -> None:
-    """Copy archived runs that --out lacks back into it (a new checkout): the comparison then
-    skips them as finished. A timing log is restored only with its comparison's folder."""
+def restore(out: Path, configs: list[CompareConfig]) -> None:
+    """Copy the archived finished runs of these comparisons that --out lacks back into it (a new
+    checkout; the comparison then skips them), and the shipped selection record."""
     if not (out / "selection.json").is_file() and SELECTION.is_file():
         _write(out / "selection.json", json.loads(SELECTION.read_text()))
-    for finished in sorted(ARCHIVE.rglob("finished.json")):
-        run_dir = out / finished.parent.relative_to(ARCHIVE)
-        if not run_dir.exists():
-            shutil.copytree(finished.parent, run_dir)
+    for config in configs:
+        for run_dir in restore_runs(config, ARCHIVE / config.name):
             print(f"restored {run_dir.relative_to(out)} from {ARCHIVE}", flush=True)
-    for timing in ARCHIVE.glob("*/timing.jsonl"):
-        target = out / timing.relative_to(ARCHIVE)
-        if not target.is_file():
-            shutil.copy2(timing, target)
 
 
 def fresh_spec(spec: str) -> str:
@@ -299,9 +288,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "cures")
     args = parser.parse_args()
     out = args.out.resolve()
-    restore(out)
+    restore(out, [])
     selection = select(out) if args.stage in ("all", "select") else _read(out / "selection.json")
     tasks = comparisons(out, selection)  # both, for choosing the 3x-steps arm
+    restore(out, list(tasks.values()))
     spec_of = task_specs(selection)
     if args.task != "all":
         to_run = {task: config for task, config in tasks.items() if task == args.task}

@@ -1,6 +1,6 @@
 """Learning with rollouts one step old: `rollout.max_staleness = 1` against the synchronous loop.
 
-    selfopd compare experiments/staleness/compare.toml                # 2 arms x 3 seeds on the demo task
+    selfopd compare experiments/staleness/compare.toml --keep-records experiments/results/staleness_runs   # 2 arms x 3 seeds
     python experiments/staleness/report.py                             # -> runs/staleness_demo/staleness_report.md
     python experiments/staleness/report.py --out experiments/results   # the shipped copy
 

@@ -15,10 +15,16 @@ def add_compare_command(commands: argparse._SubParsersAction) -> None:
                       "train several arms (teachers, losses) under one budget, one after another, and report")
     compare.add_argument("config", type=Path, help="comparison TOML (see experiments/self_vs_external.toml)")
     add_overrides(compare, "run.steps=4")
-    compare.add_argument("--arms", default="", help="comma-separated arm names to run (default: all)")
-    compare.add_argument("--seeds", default="", help="comma-separated training seeds to run, of compare.seeds (default: all)")
+    compare.add_argument("--arms", default="", help="comma-separated arm names to run (default: all); the report "
+                         "still covers every arm with results")
+    compare.add_argument("--seeds", default="", help="comma-separated training seeds to run, of compare.seeds (default: all); the "
+                         "report still pools every seed with results")
     compare.add_argument("--name", default="", help="the comparison's folder name instead of compare.name (e.g. a "
                          "short smoke run beside the full one)")
+    compare.add_argument("--keep-records", type=Path, metavar="DIR",
+                         help="copy each finished run's records (no weights) to DIR as it finishes, and first copy "
+                              "back the finished runs DIR holds that the comparison's folder lacks: a comparison "
+                              "longer than one sitting goes on in a new checkout (DIR can be committed)")
     compare.add_argument("--report-only", action="store_true", help="rewrite report.md from the arms' folders, train nothing")
     compare.add_argument("--show-config", action="store_true",
                          help="check every arm and print the resolved comparison (each arm with the teacher, loss and "
@@ -35,8 +41,10 @@ def _compare(args: argparse.Namespace) -> None:
     except ValueError:
         raise UserError(f"--seeds: expected comma-separated integers, got {args.seeds!r}") from None
     compare = load_compare_config(args.config, args.overrides, only, seeds)
+    # --arms and --seeds choose what trains; the report covers every arm and seed with results.
+    whole = load_compare_config(args.config, args.overrides) if only or seeds else compare
     if args.name:
-        compare = dataclasses.replace(compare, name=args.name)
+        compare, whole = dataclasses.replace(compare, name=args.name), dataclasses.replace(whole, name=args.name)
     if args.show_config:
         print(compare_config_toml(compare), end="")
         return
@@ -45,7 +53,25 @@ def _compare(args: argparse.Namespace) -> None:
 
         compare.folder.mkdir(parents=True, exist_ok=True)
         with folder_lock(compare.folder):  # a second comparison would restart this one's unfinished arms
-            run_compare(compare)
-    report = write_compare_report(compare)
+            if args.keep_records is None:
+                run_compare(compare)
+            else:
+                _run_keeping_records(compare, args.keep_records)
+    report = write_compare_report(whole)
     print(report.read_text())
     print(f"report: {report}")
+
+
+def _run_keeping_records(compare, keep: Path) -> None:
+    from selfopd.comparisons.compare import run_compare
+    from selfopd.comparisons.records import keep_finished, keep_run, restore_runs
+
+    for run_dir in restore_runs(compare, keep):
+        print(f"restored {run_dir} from {keep}")
+
+    def kept(arm: str, seed: int, run_dir: Path) -> None:
+        print(f"kept the records of {arm} seed {seed} in {keep_run(compare, run_dir, keep)}")
+
+    run_compare(compare, after_run=kept)
+    for target in keep_finished(compare, keep):  # finished by a call stopped before it kept them
+        print(f"kept the records of {target}")
