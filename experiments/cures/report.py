@@ -24,7 +24,7 @@ import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 
-from run import (CURES, SHIPPED, arm_complete, comparisons, grid_complete, longer_config,  # noqa: E402
+from run import (CURES, SHIPPED, STEPS, arm_complete, comparisons, grid_complete, longer_config,  # noqa: E402
                  shipped_complete, shipped_rows, task_specs)
 
 from selfopd.comparisons.compare_report import ArmResult, measure_comparison  # noqa: E402
@@ -124,6 +124,29 @@ def task_section(task: str, config, results: list[ArmResult], fresh: dict, diagn
         lines.append(f"| `{r.name}` | {d['lift']:.2f}x | {'yes' if d.get('warning') else 'no'} | "
                      f"{share if share is not None else 'not separable: ' + (d.get('dopd_note') or 'not run')} |"
                      if d else f"| `{r.name}` | not run | | |")
+    return lines + [""]
+
+
+def longer_section(longer, results: list[ArmResult]) -> list[str]:
+    """The 3x-steps check: accuracy at every eval step, and the change vs grpo_only at the last
+    step once every seed of both arms has finished (a run still going would be paired at
+    another step)."""
+    steps = sorted({p.step for r in results for p in r.curve if p.step > 0})
+    complete = grid_complete(results, longer)
+    lines = [f"## 3x the steps: `{longer.name}`", "",
+             f"The cure with the largest point change at step {STEPS} and `grpo_only`, {3 * STEPS} steps, "
+             f"seeds {', '.join(map(str, longer.seeds))}, on the task where that change was made; held-out accuracy "
+             "pooled over the seeds that reached each step.", "",
+             "| arm | seeds finished | " + " | ".join(f"acc. at step {step}" for step in steps)
+             + f" | change vs `{REFERENCE}` at step {3 * STEPS} [95% CI] | holds? |",
+             "|---|---|" + "---|" * len(steps) + "---|---|"]
+    for r in results:
+        at = {p.step: p.accuracy for p in r.curve}
+        finished = [run.seed for run in r.per_seed if run.finished]
+        change = fmt(r.vs_reference) if complete and r.vs_reference else ("(reference)" if r.name == REFERENCE else "waits for every seed")
+        holds = "" if r.name == REFERENCE or not complete else ("yes" if r.vs_reference.low > 0 else "no")
+        lines.append(f"| `{r.name}` | {', '.join(map(str, finished)) or 'none'} | "
+                     + " | ".join(f"{at[step]:.3f}" if step in at else "" for step in steps) + f" | {change} | {holds} |")
     return lines + [""]
 
 
@@ -231,13 +254,10 @@ def main() -> None:
     lines += [f"![accuracy against generated tokens]({figure.name})", ""]
     longer = longer_config(tasks, task_specs(selection))
     if longer is not None and (longer_results := measure_comparison(longer)):
-        lines += [f"## 3x the steps: `{longer.name}`", "", "| arm | steps | held-out acc. | change vs `grpo_only` [95% CI] |",
-                  "|---|---|---|---|"]
-        lines += [f"| `{r.name}` | {r.steps} | {r.final.value:.3f} | {fmt(r.vs_reference) or '(reference)'} |"
-                  for r in longer_results]
-        summary["longer"] = {r.name: {"steps": r.steps, "accuracy": r.final.value, "vs_grpo_only": _json(r.vs_reference)}
-                             for r in longer_results}
-        lines.append("")
+        lines += longer_section(longer, longer_results)
+        summary["longer"] = {r.name: {"steps": r.steps, "seeds": r.seeds, "finished": arm_complete(r, longer),
+                                      "accuracy_by_step": {p.step: p.accuracy for p in r.curve},
+                                      "vs_grpo_only": _json(r.vs_reference)} for r in longer_results}
     lines += ["## Decision (pre-registered rule)", ""]
     if not complete:
         lines.append("The comparison is not finished: no decision yet.")
