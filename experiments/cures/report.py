@@ -136,15 +136,16 @@ def longer_section(longer, results: list[ArmResult]) -> list[str]:
     lines = [f"## 3x the steps: `{longer.name}`", "",
              f"The cure with the largest point change at step {STEPS} and `grpo_only`, {3 * STEPS} steps, "
              f"seeds {', '.join(map(str, longer.seeds))}, on the task where that change was made; held-out accuracy "
-             "pooled over the seeds that reached each step.", "",
+             "pooled over the seeds that reached each step, on the same held-out prompts as the task's grid "
+             "(same seeds and data order as the grid's runs).", "",
              "| arm | seeds finished | " + " | ".join(f"acc. at step {step}" for step in steps)
-             + f" | change vs `{REFERENCE}` at step {3 * STEPS} [95% CI] | holds? |",
+             + f" | change vs `{REFERENCE}` at step {3 * STEPS} [95% CI] | verdict at step {3 * STEPS} |",
              "|---|---|" + "---|" * len(steps) + "---|---|"]
     for r in results:
         at = {p.step: p.accuracy for p in r.curve}
         finished = [run.seed for run in r.per_seed if run.finished]
         change = fmt(r.vs_reference) if complete and r.vs_reference else ("(reference)" if r.name == REFERENCE else "waits for every seed")
-        holds = "" if r.name == REFERENCE or not complete else ("yes" if r.vs_reference.low > 0 else "no")
+        holds = "" if r.name == REFERENCE or not complete else verdict(r.vs_reference)
         lines.append(f"| `{r.name}` | {', '.join(map(str, finished)) or 'none'} | "
                      + " | ".join(f"{at[step]:.3f}" if step in at else "" for step in steps) + f" | {change} | {holds} |")
     return lines + [""]
