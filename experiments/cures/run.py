@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from selfopd.comparisons.compare import CompareConfig, load_compare_config, run_compare  # noqa: E402
 from selfopd.comparisons.compare_report import ArmResult, measure_comparison, write_compare_report  # noqa: E402
-from selfopd.comparisons.records import keep_run, restore_runs  # noqa: E402
+from selfopd.comparisons.records import keep_run, restore_runs, unkept_runs  # noqa: E402
 from selfopd.run.folder_guard import folder_lock  # noqa: E402
 from selfopd.core.run_folder import RunFolder  # noqa: E402
 from selfopd.core.stats import paired_change  # noqa: E402
@@ -140,10 +140,8 @@ def compare(tasks: dict[str, CompareConfig], spec_of: dict[str, str]) -> None:
         restore(compare_config.out_dir, [compare_config])
         with folder_lock(compare_config.folder):
             run_compare(compare_config, after_run=finished)
-            for arm, seed in compare_config.runs():  # finished by a call stopped before its archive
-                run_dir = compare_config.arm_dir(arm, seed)
-                if not (ARCHIVE / compare_config.name / run_dir.relative_to(compare_config.folder) / "finished.json").is_file():
-                    finished(arm, seed, run_dir)
+            for arm, seed, run_dir in unkept_runs(compare_config, ARCHIVE / compare_config.name):
+                finished(arm, seed, run_dir)  # finished by a call stopped before its archive
         write_compare_report(compare_config)
 
 

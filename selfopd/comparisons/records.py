@@ -34,14 +34,17 @@ def keep_run(compare: CompareConfig, run_dir: Path, keep: Path) -> Path:
     return target
 
 
+def unkept_runs(compare: CompareConfig, keep: Path) -> list[tuple[str, int, Path]]:
+    """(arm, seed, run folder) of each finished run whose records `keep` lacks (one finished by a
+    call stopped before it kept them)."""
+    return [(arm, seed, run_dir) for arm, seed in compare.runs()
+            if RunFolder(run_dir := compare.arm_dir(arm, seed)).finished.is_file()
+            and not (keep / run_dir.relative_to(compare.folder) / "finished.json").is_file()]
+
+
 def keep_finished(compare: CompareConfig, keep: Path) -> list[Path]:
-    """Keep every finished run that `keep` lacks (one finished by a call stopped before it kept it)."""
-    kept = []
-    for arm, seed in compare.runs():
-        run_dir = compare.arm_dir(arm, seed)
-        if RunFolder(run_dir).finished.is_file() and not (keep / run_dir.relative_to(compare.folder) / "finished.json").is_file():
-            kept.append(keep_run(compare, run_dir, keep))
-    return kept
+    """Keep every finished run that `keep` lacks."""
+    return [keep_run(compare, run_dir, keep) for _, _, run_dir in unkept_runs(compare, keep)]
 
 
 def restore_runs(compare: CompareConfig, keep: Path) -> list[Path]:
