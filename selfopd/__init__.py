@@ -50,6 +50,36 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name load
     from selfopd.training.trainer import train
 
 
+class _SourceTreeFinder:
+    """`selfopd.verifiers` and `selfopd.prompts` are the checkout's top-level verifiers/ and prompts/
+    folders, which an install (wheel or editable) maps into the package. Run from a checkout that
+    is not installed (`PYTHONPATH=.` on a GPU machine with no pip install), this finder, last in
+    `sys.meta_path`, maps them the same way; an installed selfopd never reaches it."""
+
+    FOLDERS = {"selfopd.verifiers": "verifiers", "selfopd.prompts": "prompts"}
+
+    @classmethod
+    def find_spec(cls, name: str, path: Any = None, target: Any = None) -> Any:
+        import importlib.util
+        from pathlib import Path
+
+        folder = Path(__file__).resolve().parents[1] / cls.FOLDERS.get(name, "")
+        if name not in cls.FOLDERS or not (folder / "__init__.py").is_file():
+            return None
+        return importlib.util.spec_from_file_location(name, folder / "__init__.py",
+                                                      submodule_search_locations=[str(folder)])
+
+
+def _map_source_tree() -> None:
+    import sys
+
+    if not any(finder is _SourceTreeFinder for finder in sys.meta_path):
+        sys.meta_path.append(_SourceTreeFinder)  # type: ignore[arg-type]
+
+
+_map_source_tree()
+
+
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'selfopd' has no attribute {name!r}")

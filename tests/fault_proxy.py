@@ -11,9 +11,11 @@ completion route, misbehaves as the last `POST /__fault__ {"mode": ..., ...}` sa
 - "short" / "extra": drop the last / repeat the last entry of every choice's
   prompt_logprobs (scoring) or token logprobs (sampling);
 - "fewer_choices": drop the last of an answer's n completions;
-- "kill": SIGKILL itself on the `after`-th completion request once it has passed on a
-  weight update to version `after_version` (from now, without one): a server that dies
-  at a chosen point of a training step, its connections cut.
+- "kill": SIGKILL itself on the `after`-th completion request once the server holds
+  weight version `after_version` (from now, without one): a server that dies at a chosen
+  point of a training step, its connections cut;
+- "cache_busy": answer `/reset_prefix_cache` with success false (HTTP 200), as vLLM does
+  while blocks are still held.
 """
 
 from __future__ import annotations
@@ -50,9 +52,12 @@ class FaultProxy(BaseHTTPRequestHandler):
             type(self).fault, type(self).seen = json.loads(body), 0
             type(self).armed = self.fault.get("after_version") is None
             return self._answer(200, b"{}")
-        if self.path == "/update_weight_version" and json.loads(body)["new_version"] == self.fault.get("after_version"):
-            type(self).armed = True
+        if self.path == "/reset_prefix_cache" and self.fault["mode"] == "cache_busy":
+            return self._answer(200, b'{"success": false}')
         mode = self.fault["mode"] if self.path.startswith(COMPLETIONS) else "pass"
+        if mode == "kill" and not self.armed:  # the server's own version: a push may reach it by another URL
+            version = self.client.get(self.target + "/weight_info").json().get("weight_version")
+            type(self).armed = version == self.fault.get("after_version")
         if mode == "kill" and self.armed:
             type(self).seen += 1
             if self.seen >= self.fault.get("after", 1):

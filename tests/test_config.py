@@ -50,7 +50,8 @@ EXPECTED_DEFAULTS = {
     "eval": dict(max_tokens=48, batch_size=32),
     "probe": dict(tolerance=3e-4, bf16_tolerance=0.25),
     "engine": dict(kind="local", batch_size=64, student_urls="", teacher_url="", host="127.0.0.1", port=8100, max_model_len=2048,
-                   weight_sync="auto", trainer_address="127.0.0.1", compile="auto", gpu_memory_utilization=0.4,
+                   weight_sync="auto", sync_port=0, sync_timeout_s=60.0, sync_buffer_mb=512,
+                   trainer_address="127.0.0.1", compile="auto", gpu_memory_utilization=0.4,
                    cpu_kv_cache_gb=1, extra_server_args="", startup_timeout_s=900.0, request_timeout_s=600.0,
                    retries=3, max_concurrency=64, student_servers=1, student_gpus="", teacher_gpus="",
                    tensor_parallel_size=1, teacher_tensor_parallel_size=0, sleep_mode=True, api_key_env=""),
@@ -111,7 +112,7 @@ def test_round_trip_of_every_field_changed(tmp_path):
                       trackers=("wandb", "tensorboard"), wandb_project="p", wandb_mode="online"),
         model=dataclasses.replace(TrainConfig().model, student="/models/x", dtype="bfloat16", threads=3,
                                   device="cuda:1", attn_implementation="eager", gradient_checkpointing=True,
-                                  lora_rank=8, lora_alpha=16, lora_dropout=0.1, lora_targets=("q_proj", "v_proj"),
+                                  lora_rank=0, lora_alpha=16, lora_dropout=0.1, lora_targets=("q_proj", "v_proj"),
                                   trust_remote_code=True),
         teacher=dataclasses.replace(TrainConfig().teacher, kind="external", model="org/teacher", template="teacher/hints",
                                     ema_rate=0.25, skip_self_success=False, demonstration_fallback="teacher/answer_note"),
@@ -127,7 +128,8 @@ def test_round_trip_of_every_field_changed(tmp_path):
         eval=dataclasses.replace(TrainConfig().eval, max_tokens=7, batch_size=5),
         probe=dataclasses.replace(TrainConfig().probe, tolerance=2.5e-5, bf16_tolerance=0.5),
         engine=EngineConfig(kind="vllm", batch_size=8, student_urls="http://a:1,http://b:2", teacher_url="https://c:3", host="0.0.0.0",
-                            port=9000, max_model_len=4096, weight_sync="nccl", trainer_address="10.0.0.2", compile="on",
+                            port=9000, max_model_len=4096, weight_sync="nccl", sync_port=29700, sync_timeout_s=30.0,
+                            sync_buffer_mb=64, trainer_address="10.0.0.2", compile="on",
                             gpu_memory_utilization=0.8, cpu_kv_cache_gb=4, extra_server_args="--seed 1 --x 'a b'",
                             startup_timeout_s=60.0, request_timeout_s=30.0, retries=0, max_concurrency=8,
                             student_servers=2, student_gpus="1,2,3,4", teacher_gpus="5,6,7", tensor_parallel_size=2,
@@ -138,12 +140,14 @@ def test_round_trip_of_every_field_changed(tmp_path):
     changed = config_to_dict(config)
     for section, defaults in EXPECTED_DEFAULTS.items():
         for key, default in defaults.items():
-            # vLLM needs temperature 1, top-k a sampled baseline: both round-tripped below
-            if (section, key) not in (("rollout", "temperature"), ("loss", "opd_baseline")):
+            # vLLM needs temperature 1, top-k a sampled baseline, LoRA with vLLM fp32: round-tripped below
+            if (section, key) not in (("rollout", "temperature"), ("loss", "opd_baseline"), ("model", "lora_rank")):
                 assert changed[section][key] != default, f"{section}.{key} not changed: the round trip would not test it"
     assert load_config(write(tmp_path, config_to_toml(config))) == config
     contrastive = dataclasses.replace(TrainConfig(), loss=dataclasses.replace(TrainConfig().loss, opd_baseline="wrong_context"))
     assert load_config(write(tmp_path, config_to_toml(contrastive))) == contrastive
+    lora = dataclasses.replace(config, model=dataclasses.replace(config.model, lora_rank=8, dtype="float32"))
+    assert load_config(write(tmp_path, config_to_toml(lora))) == lora
     tempered = dataclasses.replace(config, engine=EngineConfig(), rollout=dataclasses.replace(config.rollout, temperature=0.7))
     assert load_config(write(tmp_path, config_to_toml(tempered))) == tempered
 
@@ -189,6 +193,23 @@ def test_partial_file_fills_defaults_and_int_is_accepted_for_float(tmp_path):
         ("[loss]\nlambda_opd = 0\n", "loss.lambda_opd", "both 0"),
         ("[loss]\nlambda_rl = 1\n[rollout]\nsamples_per_prompt = 1\n", "rollout.samples_per_prompt", "must be >= 2 when loss.lambda_rl > 0"),
         ("[probe]\ntolerance = 0\n", "probe.tolerance", "must be > 0"),
+        # The vLLM pipe's refusals at start.
+        ('[engine]\nkind = "vllm"\n[rollout]\ntemperature = 1.0\n[model]\nlora_rank = 8\ndtype = "bfloat16"\n',
+         "model.lora_rank", "vLLM would serve W + dW rounded to bf16"),
+        ('[engine]\nkind = "vllm_colocate"\n[rollout]\ntemperature = 1.0\n[model]\nlora_rank = 8\ndtype = "bfloat16"\n',
+         "model.lora_rank", "refused"),
+        ('[engine]\nkind = "vllm_colocate"\n[rollout]\ntemperature = 1.0\n[model]\ndevice = "cuda:1"\n',
+         "model.device", "run with CUDA_VISIBLE_DEVICES=N and model.device = 'cuda'"),
+        ('[engine]\nstudent_urls = "http://localhost:8000,http://127.0.0.1:8000/"\n', "engine.student_urls",
+         "lists one server twice"),
+        ('[engine]\nstudent_urls = "http://a:8000"\nteacher_url = "http://A:8000"\n[teacher]\nkind = "frozen"\n',
+         "engine.teacher_url", "a 'frozen' teacher needs a server of its own"),
+        ('[loss]\nopd_baseline = "same_engine"\n[teacher]\nkind = "frozen"\n', "loss.opd_baseline",
+         "only with teacher.kind = 'self'"),
+        ('[loss]\nopd_baseline = "same_engine"\ndivergence = "topk_reverse_kl"\n', "loss.opd_baseline",
+         "sampled-token signal"),
+        ('[engine]\nweight_sync = "file"\n', "engine.weight_sync", "must be one of 'auto', 'gloo', 'nccl'"),
+        ("[engine]\nsync_timeout_s = 0\n", "engine.sync_timeout_s", "must be > 0"),
     ],
 )
 def test_file_errors_name_the_file_and_the_key(tmp_path, text, key, fragment):

@@ -6,6 +6,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -67,3 +70,52 @@ def test_ignored_settings_are_named(gpu_check):
         gpu_check.check_honoured(config, state)
     gpu_check.check_honoured(config, {"device": "cuda:0", "gradient_checkpointing": True, "trainable_params": 1,
                                       "total_params": 10})
+
+
+def test_the_check_runs_from_a_bare_copy_of_the_tree_with_selfopd_not_installed(smollm2_dir, tmp_path):
+    """The GPU machine gets a copy of the tree and no `pip install`: its dry run (imports, a tiny
+    model, every case's config, the weight push's wire) must pass from such a copy, with the
+    editable install's import hook removed, `selfopd.verifiers` and `selfopd.prompts` included."""
+    root = SCRIPT.parents[2]
+    tree = tmp_path / "tree"
+    for folder in ("selfopd", "verifiers", "prompts", "experiments/benchmarks"):
+        shutil.copytree(root / folder, tree / folder, ignore=shutil.ignore_patterns("__pycache__", "results"))
+    unhooked = ("import runpy, sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
+                "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", unhooked, "experiments/benchmarks/gpu_check.py", "--dry-run",
+                             "--device", "cpu", "--tokenizer", str(smollm2_dir), "--out", str(tmp_path / "dry.json")],
+                            cwd=tree, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "PYTHONPATH": ""})
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "dry.json").read_text())
+    assert report["selfopd"] == str(tree / "selfopd")  # this copy, not the installed checkout
+    assert report["transfer"]["verdict"] == "pass" and report["transfer"]["post_step_bytes_sent"]
+    assert report["cases"] == sorted(case.name for case in gpu_check_module().CASES)
+
+
+def gpu_check_module():
+    spec = importlib.util.spec_from_file_location("gpu_check_cases", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check_cases"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+VLLM_CHECK = SCRIPT.parents[1] / "gpu_check.py"
+
+
+@pytest.mark.parametrize("gpus, teacher_gpu", [(2, 1), (3, 2), (8, 2)])
+def test_the_vllm_check_plans_a_layout_that_passes_the_layout_rules(gpus, teacher_gpu, capsys, monkeypatch):
+    """experiments/gpu_check.py places itself as a run would: the trainer on GPU 0, the servers on
+    others; its plan passes `check_layout` (a trainer and a server on one GPU never would)."""
+    spec = importlib.util.spec_from_file_location("vllm_gpu_check", VLLM_CHECK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--plan", f"--gpus={gpus}"])
+    assert module.main() == 0
+    table = capsys.readouterr().out
+    assert "trainer local rank 0 (weight-sync NCCL rank 0)" in table and "student server :8100" in table
+    assert f"  {teacher_gpu}    " in table and "teacher server :8101" in table.split(f"  {teacher_gpu}    ")[1].split("\n")[0]
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--plan", "--gpus=1"])
+    assert module.main() == 2
+    assert "needs 2 GPUs or more" in capsys.readouterr().err

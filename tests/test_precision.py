@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from selfopd.config import load_config
 from selfopd.core.devices import autocast
 from selfopd.engines.build import load_model
+from selfopd.engines.base import as_source
 from selfopd.engines.local import LocalEngine
 from selfopd.engines.kernels import full_vocab_divergence, token_logprobs_from_hidden
 from selfopd.training.setup import build_run
@@ -89,8 +90,8 @@ def test_the_probe_reads_the_weights_after_the_optimizer_step_in_bf16(tmp_path, 
                                                                   "optim.lr=1e-3"]))
 
     class LinearsMissed(LocalEngine):
-        def update_weights(self, named_tensors, version):
-            super().update_weights({n: t for n, t in named_tensors.items() if "proj" not in n and "lm_head" not in n},
+        def update_weights(self, weights, version):
+            super().update_weights({n: t for n, t in as_source(weights) if "proj" not in n and "lm_head" not in n},
                                    version)
 
     run.student_engine = LinearsMissed(load_model(untied)[0], run.tokenizer, precision="bfloat16")

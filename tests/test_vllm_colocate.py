@@ -20,7 +20,7 @@ from tests.engine_contract import (
     check_scoring,
     check_tempered_logprobs,
     hf_logprobs,
-    train_two_demo_steps,
+    train_demo_steps,
 )
 
 from selfopd.config import ConfigError, load_config
@@ -192,7 +192,7 @@ def test_the_default_colocated_setup_is_accepted():
 def test_selfopd_train_with_the_colocated_engine_runs_two_steps(tmp_path):
     """A self teacher on the same instance; a large learning rate, so a missed update would
     fail the probe (the run stops with WeightSyncError otherwise)."""
-    steps = train_two_demo_steps(tmp_path, "two", ["engine.kind=vllm_colocate", "engine.max_model_len=1024",
+    steps = train_demo_steps(tmp_path, "two", ["engine.kind=vllm_colocate", "engine.max_model_len=1024",
                                                    "optim.lr=1e-4", "optim.warmup_steps=0"])
     assert all(m["tokens/completion"] > 0 for m in steps)
     assert all(abs(m["opd/reverse_kl"]) > 0 for m in steps)  # the privileged note makes the teacher differ

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from tests.conftest import push_weights
 from tests.engine_contract import (
     QUESTIONS,
     TOLERANCE,
@@ -26,7 +27,7 @@ from tests.engine_contract import (
     check_scoring,
     check_tempered_logprobs,
     hf_logprobs,
-    train_two_demo_steps,
+    train_demo_steps,
 )
 
 from selfopd.config import load_config
@@ -34,37 +35,31 @@ from selfopd.engines.base import SamplingParams
 from selfopd.engines.local import LocalEngine
 from selfopd.engines.vllm import VLLMEngine, parse_prompt_logprobs
 from selfopd.engines.vllm_server import ServerError, ServerSpec, free_port, launch_servers, port_in_use
-from selfopd.engines.weight_sync import FileWeightSync, ServerControl
+from selfopd.engines.weight_sync import ServerControl, WeightTransfer
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def servers(smollm2_dir, tmp_path_factory):
-    """{'student': url, 'teacher': url}, launched once and stopped after the module."""
-    specs = [
-        ServerSpec(name="student", model=str(smollm2_dir), port=free_port(), max_model_len=1024, prefix_caching=False),
-        ServerSpec(name="teacher", model=str(smollm2_dir), port=free_port(), max_model_len=1024, prefix_caching=True),
-    ]
-    with launch_servers(specs, tmp_path_factory.mktemp("server-logs"), timeout_s=900, progress=False) as launched:
-        yield {server.spec.name: server.spec.url for server in launched}
+def servers(vllm_servers):
+    """{'student': url, 'teacher': url}: the session's two SmolLM2 servers (tests/conftest.py)."""
+    return vllm_servers
 
 
 @pytest.fixture(scope="module")
 def engines(servers):
-    made = {name: VLLMEngine([url], weight_sync=FileWeightSync([ServerControl(url)])) for name, url in servers.items()}
+    made = {name: VLLMEngine([url]) for name, url in servers.items()}
     yield made
     for engine in made.values():
         engine.close()
 
 
 @pytest.fixture
-def base_weights_after(engines, smollm2_model):
+def base_weights_after(servers, smollm2_model):
     """Tests that train push the packaged weights back when they end."""
     yield
-    for engine in engines.values():
-        engine.update_weights(dict(smollm2_model.named_parameters()), version=0)
+    push_weights(list(servers.values()), dict(smollm2_model.named_parameters()), version=0)
 
 
 
@@ -171,30 +166,49 @@ def train_config(servers, out_dir, *extra):
     ])
 
 
-def test_a_partial_weight_load_is_refused_naming_what_was_not_loaded(servers, engines, smollm2_model, base_weights_after):
-    """The worker answers with the parameters its loader really wrote, not the count sent."""
+def test_a_push_that_lacks_a_served_tensor_is_refused_before_anything_is_sent(servers, smollm2_model):
+    """The names a push sends must cover every tensor the servers serve: checked against what each
+    worker reports it is made of, before a server is paused."""
     everything = dict(smollm2_model.named_parameters())
     some = {name: tensor for name, tensor in everything.items() if ".layers.0." not in name}
-    with pytest.raises(ServerError, match=rf"{servers['student']}: the server's loader wrote \d+ of its \d+ parameters "
-                                          rf"from the {len(some)} tensors sent; not loaded: model\.layers\.0\."):
-        engines["student"].update_weights(some, version=7)
+    transfer = WeightTransfer([[ServerControl(servers["student"])]])
+    try:
+        with pytest.raises(ServerError, match=rf"^{servers['student']}: serves model\.layers\.0\.\S+ made of "
+                                              rf"model\.layers\.0\.\S+, which the trainer does not send \(9 tensors"):
+            transfer.push(some, version=7)
+        assert ServerControl(servers["student"]).version() != "7"
+    finally:
+        transfer.close()
 
 
 def test_the_probe_checks_every_student_server(servers, engines, base_weights_after, tmp_path):
-    """Two student servers, one of which never receives the update: the probe names it."""
+    """Two student servers (the self teacher shares the second), and an engine whose weight push
+    reaches only the first: the probe, the numeric monitor, names the other. (Selfopd's own
+    engines push to every server they sample from, digest-verified; this one is built wrong on purpose.)"""
     from selfopd.training.trainer import WeightSyncError, build_run, train_step
 
-    run = build_run(train_config(servers, tmp_path, "optim.lr=1e-4", "run.name=two-students", "teacher.kind=frozen",
+    run = build_run(train_config(servers, tmp_path, "optim.lr=1e-4", "run.name=two-students",
                                  f"engine.student_urls={servers['student']},{servers['teacher']}"))
     try:
         stale = VLLMEngine([servers["student"], servers["teacher"]],
-                           weight_sync=FileWeightSync([ServerControl(servers["student"])]))
+                           weight_sync=WeightTransfer([[ServerControl(servers["student"])]]))
         run.resources.callback(stale.close)
-        run.student_engine = stale
+        run.student_engine = run.teacher_engine = stale
         with pytest.raises(WeightSyncError, match=rf"the student engine's logprobs \({servers['teacher']}\) differ"):
             train_step(run)
     finally:
         run.close()
+
+
+def test_a_top_k_the_teacher_server_refuses_is_refused_at_start(servers, tmp_path):
+    """The session's servers answer 20 logprobs (--max-logprobs); loss.top_k = 25 fails before the
+    first step, naming the setting, not at the first scoring request."""
+    from selfopd.config import ConfigError
+    from selfopd.training.trainer import build_run
+
+    with pytest.raises(ConfigError, match=r"^loss.top_k: is 25, which the teacher engine refuses \(http://"):
+        build_run(train_config(servers, tmp_path, "run.name=topk", "loss.divergence=topk_reverse_kl",
+                               "loss.top_k=25"))
 
 
 def test_a_frozen_teacher_server_must_serve_the_initial_weights(servers, engines, smollm2_model, base_weights_after,
@@ -205,7 +219,7 @@ def test_a_frozen_teacher_server_must_serve_the_initial_weights(servers, engines
     build_run(config).close()  # the teacher server holds the packaged (initial) weights: accepted
     changed = {name: tensor * 1.01 if name == "model.norm.weight" else tensor
                for name, tensor in smollm2_model.named_parameters()}
-    engines["teacher"].update_weights(changed, version=5)
+    push_weights([servers["teacher"]], changed, version=5)
     with pytest.raises(WeightSyncError, match=rf"the frozen teacher \({servers['teacher']}\) does not serve the initial"):
         build_run(config)
 
@@ -317,18 +331,11 @@ def test_lora_step_sends_merged_weights_under_the_checkpoint_names(servers, engi
         run.close()
 
 
-def test_selfopd_train_with_the_vllm_engine_runs_two_steps(servers, base_weights_after, tmp_path):
-    urls = [f"engine.student_urls={servers['student']}", f"engine.teacher_url={servers['teacher']}"]
-    steps = train_two_demo_steps(tmp_path, "two", ["engine.kind=vllm", *urls])
-    assert all(m["tokens/completion"] > 0 for m in steps)
-    assert (tmp_path / "two/checkpoints/step_00002/model.safetensors").exists()
-
-
 def test_torchrun_trainer_with_vllm_servers_runs_two_steps(servers, base_weights_after, tmp_path):
     """Two trainer processes (FSDP2, gloo) share the servers: each samples and scores its
     prompt there, rank 0 gathers the weights and syncs both servers, every rank probes."""
     urls = [f"engine.student_urls={servers['student']}", f"engine.teacher_url={servers['teacher']}"]
-    train_two_demo_steps(tmp_path, "ranks", ["engine.kind=vllm", *urls, "data.eval_size=5", "model.threads=1",
+    train_demo_steps(tmp_path, "ranks", ["engine.kind=vllm", *urls, "data.eval_size=5", "model.threads=1",
                                              "optim.micro_batch_prompts=1"],
                          launcher=("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "selfopd"))
     rollouts = [json.loads(line) for line in (tmp_path / "ranks/rollouts/step_00002.jsonl").read_text().splitlines()]

@@ -18,6 +18,7 @@ import os
 import secrets
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -208,8 +209,12 @@ def test_a_server_killed_mid_step_stops_the_run_keeping_its_checkpoint_and_resum
     direct = server[0].spec.url
     proxy.fault("kill", after_version="1", after=2)
     urls = (proxy.url, direct) if role == "student" else (direct, proxy.url)
+    killed_at: list[float] = []
+    watcher = threading.Thread(target=lambda: (proxy.process.wait(), killed_at.append(time.monotonic())), daemon=True)
+    watcher.start()
     stopped = selfopd(train_command(servable_tiny_model_dir, tmp_path, "killed", *urls))
     assert proxy.killed() and stopped.returncode == 1, stopped.stderr[-5000:]
+    assert killed_at and time.monotonic() - killed_at[0] < 60  # the step fails within a minute of the death
     run = tmp_path / "killed"
     (message,) = [line for line in stopped.stderr.splitlines() if line.startswith("selfopd: error:")]
     assert message.startswith(f"selfopd: error: {proxy.url}: APIConnectionError after 1 retries: ")

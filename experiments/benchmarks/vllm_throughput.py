@@ -11,9 +11,9 @@ all three generate the same tokens):
 - raw HTTP: the same JSON bodies posted with a bare `httpx.AsyncClient`, all at once;
 - offline: vLLM's in-process `LLM.generate`, no server at all: vLLM's own throughput.
 
-Target: selfopd / offline >= 0.9. Then the CPU weight sync (safetensors file in shared
-memory + the worker extension's reload): seconds per GB, with the probe-style check that
-the server really serves the pushed weights. Runs alternate and the median is reported;
+Target: selfopd / offline >= 0.9. Then the weight push (vLLM's weight-transfer routes, gloo,
+digest-verified): seconds per GB, with the probe-style check that the server serves the
+pushed weights. Runs alternate and the median is reported;
 run nothing else on the machine meanwhile.
 """
 
@@ -34,7 +34,8 @@ import torch
 from selfopd.engines.base import SamplingParams
 from selfopd.engines.vllm import VLLMEngine
 from selfopd.engines.vllm_server import ServerSpec, free_port, launch_servers
-from selfopd.engines.weight_sync import FileWeightSync, ServerControl
+from selfopd.engines.server_control import ServerControl
+from selfopd.engines.weight_sync import WeightTransfer
 from selfopd.core.models import resolve_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,8 +97,7 @@ def run_offline(model_dir: str, prompts, params, repeats: int, max_model_len: in
 
 def sync_speed(url: str, model, repeats: int) -> list[dict]:
     """Push perturbed weights, check the server serves them, then push the originals back."""
-    control = ServerControl(url)
-    sync = FileWeightSync([control])
+    sync = WeightTransfer([[ServerControl(url)]])
     engine = VLLMEngine([url])
     originals = {name: p.detach().clone() for name, p in model.named_parameters()}
     probe = (list(range(100, 140)), list(range(200, 220)))
@@ -109,8 +109,10 @@ def sync_speed(url: str, model, repeats: int) -> list[dict]:
                 for name, param in model.named_parameters():
                     param.copy_(originals[name] + 1e-3 * torch.randn_like(param))
             started = time.perf_counter()
-            timings = sync.push(dict(model.named_parameters()), version=repeat + 1)
+            stats = sync.push(dict(model.named_parameters()), version=repeat + 1)
             total = time.perf_counter() - started
+            timings = {"gigabytes": stats["sync/gigabytes"], "broadcast_s": stats["time/push_broadcast"],
+                       "verify_s": stats["time/push_verify"]}
             with torch.no_grad():
                 logits = model(torch.tensor([probe[0] + probe[1]])).logits[0, len(probe[0]) - 1 : -1]
             trainer = logits.log_softmax(-1).gather(-1, torch.tensor(probe[1])[:, None])[:, 0]
@@ -173,9 +175,9 @@ def main() -> None:
         print(f"{name:<10}{row['tokens'][0]:>8}{row['tokens_per_s_median']:>9.1f}"
               f"{row['tokens_per_s_median'] / offline_rate:>12.2f}")
     sync_median = statistics.median(r["seconds_per_gb"] for r in sync_rows)
-    print(f"\nweight sync (file, 1 server): {sync_rows[0]['gigabytes']:.3f} GB, median {sync_median:.2f} s/GB "
-          f"(write {statistics.median(r['write_s'] for r in sync_rows):.2f} s, "
-          f"load {statistics.median(r['load_s'] for r in sync_rows):.2f} s); "
+    print(f"\nweight push (gloo, 1 server, digest-verified): {sync_rows[0]['gigabytes']:.3f} GB, median "
+          f"{sync_median:.2f} s/GB (broadcast and load {statistics.median(r['broadcast_s'] for r in sync_rows):.2f} s, "
+          f"verify {statistics.median(r['verify_s'] for r in sync_rows):.2f} s); "
           f"max |served - trainer| logprob after sync {max(r['max_abs_logprob_diff'] for r in sync_rows):.2g}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({

@@ -18,12 +18,14 @@ naming the key as `section.key`, prefixed by the file or the `--set` it came fro
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Sequence
 
 from selfopd.config import settings
+from selfopd.config.compute import server_key
 from selfopd.config.compute import (  # noqa: F401  (sections of TrainConfig, public here too)
     VLLM_KINDS,
     AttnImplementation,
@@ -290,6 +292,24 @@ class TrainConfig:
         if self.teacher.kind == "ema" and self.engine.kind == "vllm_colocate":
             fail("teacher.kind", "'ema' with engine.kind = 'vllm_colocate' is not supported: use engine.kind = "
                  "'local' or 'vllm'")
+        if self.model.lora and self.model.dtype == "bfloat16" and self.engine.kind in VLLM_KINDS:
+            fail("model.lora_rank", f"LoRA with model.dtype = 'bfloat16' and engine.kind = {self.engine.kind!r} is "
+                 "refused: vLLM would serve W + dW rounded to bf16, and an update far below bf16's resolution of W "
+                 "(dW of std 1e-5 on weights of std 0.02) mostly rounds away, so the servers would sample and score "
+                 "close to the base model; use model.dtype = 'float32' or engine.kind = 'local' with LoRA")
+        if self.engine.kind == "vllm_colocate" and re.fullmatch(r"cuda:[1-9]\d*", self.model.device):
+            fail("model.device", f"{self.model.device!r} with engine.kind = 'vllm_colocate': the in-process vLLM "
+                 "always takes GPU 0 of what the process sees; run with CUDA_VISIBLE_DEVICES=N and model.device = "
+                 "'cuda' instead")
+        teacher_on_student = [url for url in self.engine.urls("teacher_url")
+                              if server_key(url) in {server_key(other) for other in self.engine.urls("student_urls")}]
+        if teacher_on_student and self.teacher.kind != "self":
+            fail("engine.teacher_url", f"{teacher_on_student[0]} is also a student server, which serves the student's "
+                 f"current weights; a {self.teacher.kind!r} teacher needs a server of its own (a 'self' teacher may "
+                 "share one: it is sent the weights once)")
+        if self.loss.opd_baseline == "same_engine" and self.teacher.kind != "self":
+            fail("loss.opd_baseline", f"'same_engine' takes the student's logprobs from the teacher's engine, which "
+                 f"serves the student's weights only with teacher.kind = 'self' (got {self.teacher.kind!r})")
         if self.loss.lambda_rl > 0 and self.rollout.samples_per_prompt < 2:
             fail(
                 "rollout.samples_per_prompt",

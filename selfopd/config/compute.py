@@ -16,7 +16,7 @@ DType = Literal["float32", "bfloat16"]
 EngineKind = Literal["local", "vllm", "vllm_colocate"]
 VLLM_KINDS = ("vllm", "vllm_colocate")
 AttnImplementation = Literal["auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3"]
-WeightSyncKind = Literal["auto", "file", "nccl"]
+WeightSyncKind = Literal["auto", "gloo", "nccl"]
 Switch = Literal["auto", "on", "off"]
 
 
@@ -85,7 +85,17 @@ class EngineConfig(Section):
         "port + student_servers.")
     max_model_len: int = setting(2048, "vllm: launched servers' context length; must hold prompt + completion + 1.")
     weight_sync: WeightSyncKind = setting(
-        "auto", "vllm: 'file' (CPU, same host, via shared memory), 'nccl' (GPU), 'auto': nccl when CUDA is there.")
+        "auto", "vllm: the collective that carries the weight push to the servers (vLLM's weight-transfer routes, "
+        "selfopd's engine in the servers): 'gloo' (CPU memory, any machine), 'nccl' (GPU to GPU), 'auto': nccl "
+        "when CUDA is there. Every push is verified by per-tensor digests either way.")
+    sync_port: int = setting(
+        0, "vllm: TCP port of the weight push's rendezvous on the trainer (engine.trainer_address); several groups "
+        "take the ports after it. 0: a free port (set one to open it in a firewall).")
+    sync_timeout_s: float = setting(
+        60.0, "vllm: seconds the weight push may wait for one step of it (joining the group, a broadcast, a "
+        "server's load) before the run stops, naming the server.")
+    sync_buffer_mb: int = setting(
+        512, "vllm: size of the packed chunks the weight push broadcasts (each server holds about one while loading).")
     student_servers: int = setting(1, "vllm: student servers to launch (each on its own GPUs when student_gpus is set).")
     student_gpus: str = setting(
         "", "vllm on GPU: comma-separated GPU indices for the launched student servers, tensor_parallel_size per "
@@ -98,7 +108,8 @@ class EngineConfig(Section):
         True, "vllm_colocate: put vLLM to sleep (weights and KV cache off the GPU) while the trainer runs its "
         "backward and optimizer step.")
     trainer_address: str = setting(
-        "127.0.0.1", "vllm with nccl: the address at which the servers reach this trainer's NCCL endpoint.")
+        "127.0.0.1", "vllm: the address at which the servers reach this trainer's weight-push group (its TCP "
+        "rendezvous on engine.sync_port).")
     compile: Switch = setting(
         "auto", "vllm: torch.compile and CUDA graphs in launched servers; 'auto' is on with a GPU, off on CPU (minutes to start).")
     gpu_memory_utilization: float = setting(0.4, "vllm on GPU: share of GPU memory each launched server may take.")
@@ -130,6 +141,12 @@ class EngineConfig(Section):
         self._at_least("request_timeout_s", 1)
         self._at_least("retries", 0)
         self._at_least("max_concurrency", 1)
+        if self.sync_port and not 0 < self.sync_port < 65535:
+            fail(self._key("sync_port"), f"must be 0 (a free port) or a port number below 65535, got {self.sync_port}")
+        if not self.sync_timeout_s > 0:
+            fail(self._key("sync_timeout_s"), f"must be > 0, got {self.sync_timeout_s}")
+        self._at_least("sync_buffer_mb", 1)
+        self._check_distinct_servers()
         if self.api_key_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.api_key_env):
             # The value is not echoed: it may be the key itself, pasted by mistake.
             fail(self._key("api_key_env"), "must be the NAME of an environment variable holding the key (letters, "
@@ -150,6 +167,15 @@ class EngineConfig(Section):
             size_key = "teacher_tensor_parallel_size" if self.teacher_tensor_parallel_size else "tensor_parallel_size"
             fail(self._key("teacher_gpus"), f"names {len(self.gpus('teacher_gpus'))} GPUs; one server of "
                  f"engine.{size_key} = {self.teacher_parallel_size()} needs that many")
+
+    def _check_distinct_servers(self) -> None:
+        """A student server listed twice would take twice the prompts and be sent the weights once."""
+        seen: dict[str, str] = {}
+        for url in self.urls("student_urls"):
+            key = server_key(url)
+            if key in seen:
+                fail(self._key("student_urls"), f"lists one server twice ({seen[key]} and {url}): list it once")
+            seen[key] = url
 
     def api_key(self) -> str | None:
         """The servers' API key, read from the variable `api_key_env` names (None without one)."""
@@ -172,3 +198,13 @@ class EngineConfig(Section):
     def urls(self, name: str) -> list[str]:
         """The URLs in `student_urls` or `teacher_url`, without trailing slashes."""
         return [url.strip().rstrip("/") for url in getattr(self, name).split(",") if url.strip()]
+
+
+def server_key(url: str) -> str:
+    """host:port of a server URL, with localhost and the default port spelled one way."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower()
+    host = "127.0.0.1" if host in ("localhost", "::1") else host
+    return f"{host}:{parts.port or (443 if parts.scheme == 'https' else 80)}"

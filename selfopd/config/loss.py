@@ -12,7 +12,7 @@ from selfopd.config.settings import Section, fail, setting
 Normalisation = Literal["token", "sequence"]
 Divergence = Literal["sampled", "topk_reverse_kl", "reverse_kl", "forward_kl", "jsd"]
 FULL_VOCABULARY = ("reverse_kl", "forward_kl", "jsd")  # divergences that need the teacher in process
-OpdBaseline = Literal["student", "wrong_context"]
+OpdBaseline = Literal["student", "wrong_context", "same_engine"]
 OpdOn = Literal["all", "failed"]
 
 
@@ -57,7 +57,11 @@ class LossConfig(Section):
         "'wrong_context': teacher_lp under the true context minus teacher_lp under a wrong one, a failed sibling's "
         "final answer, else a nearby wrong number, with another prompt's solution and hints (the contrastive signal "
         "of RLCSD, arXiv 2606.11709, and CEPO, arXiv 2605.19436, used as-is: no tanh squashing; bound it with "
-        "token_clip). Costs a second teacher pass; divergence = 'sampled' only.")
+        "token_clip). Costs a second teacher pass; divergence = 'sampled' only. 'same_engine' (teacher.kind = "
+        "'self'): teacher_lp minus the teacher engine's logprob of the same tokens after the student's own prompt, "
+        "both from one engine, one batch: with vLLM the trainer's kernels and precision (fp32 head) then never "
+        "enter the signal, and an empty teacher context gives zero; 'student' compares the server's kernels with "
+        "the trainer's (measured in docs/distributed-and-vllm.md). Costs a second teacher pass; 'sampled' only.")
     pass_rate_weighting: bool = setting(
         False, "Weight each prompt's teacher term by sqrt(p (1 - p)), p its group's pass rate, over the step's mean "
         "weight (SC-SDPO, arXiv 2605.27765): the teacher speaks where the group is mixed, not on prompts all right "
@@ -86,6 +90,6 @@ class LossConfig(Section):
                              ("opd_baseline", self.opd_baseline != "student")):
             if active and self.lambda_opd == 0 and not (name == "opd_baseline" and self.rlsd_weight > 0):
                 fail(self._key(name), "shapes the teacher term, which is off (loss.lambda_opd = 0)")
-        if self.opd_baseline == "wrong_context" and self.divergence != "sampled":
-            fail(self._key("opd_baseline"), f"'wrong_context' is a sampled-token signal; loss.divergence is "
+        if self.opd_baseline != "student" and self.divergence != "sampled":
+            fail(self._key("opd_baseline"), f"{self.opd_baseline!r} is a sampled-token signal; loss.divergence is "
                  f"{self.divergence!r} (use 'sampled')")

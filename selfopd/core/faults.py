@@ -8,6 +8,13 @@ checkpoint, while metrics are written, ...).
 Without the variable a point costs one comparison (the variable is read once per process).
 The process kills itself with SIGKILL, so nothing runs after: no `finally`, no atexit, no
 flush, exactly as when the machine or the OOM killer takes it.
+
+A second fault, for the weight-transfer tests, runs in a vLLM server's workers:
+
+    SELFOPD_DROP_WEIGHTS=model.layers.1.    # the server receives these tensors but never loads them
+
+which is what vLLM's layerwise reload does, with one log line, to a layer that receives nothing:
+it keeps the old weights. The digest check after the push must catch it.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import os
 import signal
 
 ENV = "SELFOPD_KILL_AT"
+DROP_ENV = "SELFOPD_DROP_WEIGHTS"
+_DROPPED = os.environ.get(DROP_ENV, "")
 
 
 def _parse(value: str) -> tuple[str, int] | None:
@@ -36,3 +45,8 @@ def fault_point(name: str) -> None:
     _reached[name] = _reached.get(name, 0) + 1
     if _reached[name] == _TARGET[1]:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def dropped_weights(name: str) -> bool:
+    """Whether a server worker must leave the received tensor `name` unloaded (`SELFOPD_DROP_WEIGHTS`)."""
+    return bool(_DROPPED) and name.startswith(_DROPPED)

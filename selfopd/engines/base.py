@@ -7,7 +7,7 @@ given, so a teacher grades the student's own tokens with no retokenisation.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Protocol, Sequence
+from typing import Any, Iterator, Literal, Mapping, Protocol, Sequence
 
 import torch
 
@@ -81,6 +81,32 @@ class TokenScores:
     extra: dict[str, float] = field(default_factory=dict)
 
 
+class WeightSource(Protocol):
+    """What a push sends: names, dtypes and shapes first (nothing materialised), then the tensors in
+    that order. Re-iterable: each push iterates it once (a sharded model gathers each tensor then)."""
+
+    def metadata(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]: ...
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+class TensorsSource:
+    """A `WeightSource` over a mapping of whole tensors (HF names)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def metadata(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        return [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in self.tensors.items()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.tensors.items())
+
+
+def as_source(weights: Mapping[str, torch.Tensor] | WeightSource) -> WeightSource:
+    return weights if hasattr(weights, "metadata") else TensorsSource(weights)  # type: ignore[arg-type]
+
+
 class Engine(Protocol):
     """What the trainer needs from a model server, local or remote."""
 
@@ -92,6 +118,13 @@ class Engine(Protocol):
     # True when sampling runs in other processes (vLLM servers), so a request may run while
     # the trainer computes: what `rollout.max_staleness` overlaps. False in the trainer's process.
     samples_in_background: bool
+    # True when every weight update is proven exactly (per-tensor digests, `selfopd.engines.weight_digest`):
+    # the probe is then a numeric monitor of the engine's kernels, not the proof that weights arrived.
+    pushes_verified: bool
+    # True when the engine schedules its own batches (vLLM, served or colocated): the trainer sends a
+    # step's scoring at once. False in process, where the caller's micro-batches are the batches
+    # (the empty-context control is then bit-exact: same batch, same padding).
+    batches_itself: bool
 
     def sample(self, prompts: Sequence[list[int]], params: SamplingParams) -> list[list[Rollout]]:
         """`params.n` rollouts per prompt, in prompt order."""
@@ -116,7 +149,7 @@ class Engine(Protocol):
         engines with `supports_full_vocabulary`."""
         ...
 
-    def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | WeightSource, version: int) -> None:
         """Load new weights (HF checkpoint names); later calls see them."""
         ...
 

@@ -7,16 +7,18 @@ vLLM servers: `engine.student_servers` student servers on `engine.student_gpus`
 
 - With `engine.weight_sync = "nccl"`, the trainer's rank 0 and the workers of every
   server that serves the student's weights (the student servers, a `self` teacher's)
-  join one NCCL group per server, and NCCL refuses two ranks of one group on one GPU
-  ("Duplicate GPU detected"). Such a server must not sit on a trainer GPU, and must be
-  placed explicitly on a GPU machine: vLLM's default placement (GPUs 0..TP-1) knows
-  nothing of the trainer. A CPU trainer's NCCL endpoint is CUDA's current device, GPU 0.
+  join one NCCL group (servers sharing a GPU go to separate groups,
+  `selfopd.engines.serving.transfer_groups`), and NCCL refuses two ranks of one group on
+  one GPU ("Duplicate GPU detected"). Such a server must not sit on a trainer GPU, and
+  must be placed explicitly on a GPU machine: vLLM's default placement (GPUs 0..TP-1)
+  knows nothing of the trainer. A CPU trainer's NCCL endpoint is CUDA's current device, GPU 0.
 - Every GPU named must be visible, and one server names a GPU once.
 - Servers may share a GPU (vLLM's `gpu_memory_utilization` is a per-instance budget):
-  refused when the servers on one GPU ask for more than all of it together.
+  refused when the servers on one GPU ask for more than 0.95 of it together (the rest
+  holds the weight push's receive chunks, `engine.sync_buffer_mb`, and the communicator).
 
 Not refused, only warned: a server that is not in the weight sync (a `frozen` or
-`external` teacher) on a trainer GPU (memory, not NCCL), a file sync to a server on a
+`external` teacher) on a trainer GPU (memory, not NCCL), a gloo push to a server on a
 trainer GPU, and GPU keys that mean nothing because the servers are given by URL (one
 config serves `selfopd serve` on the server node and `selfopd train --set
 engine.student_urls=...` on the trainer node).
@@ -32,6 +34,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from selfopd.config import TrainConfig, fail
+
+MAX_SERVER_SHARE = 0.95  # of one GPU, for the vLLM servers on it together
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ class GPULayout:
     gpu_count: int
     trainer_gpus: tuple[int, ...] | None  # None: no trainer on this machine (`selfopd serve`)
     servers: tuple[ServerSlot, ...]
-    sync: str  # "nccl" or "file"
+    sync: str  # "nccl" or "gloo"
     url_servers: tuple[tuple[str, str], ...] = ()  # (role, URL) of servers given by URL
     warnings: tuple[str, ...] = ()
 
@@ -101,10 +105,10 @@ class GPULayout:
 
 
 def resolved_sync(config: TrainConfig, gpu_count: int) -> str:
-    """'file' or 'nccl': what engine.weight_sync = 'auto' means on a machine with `gpu_count` GPUs."""
+    """'gloo' or 'nccl': what engine.weight_sync = 'auto' means on a machine with `gpu_count` GPUs."""
     if config.engine.weight_sync != "auto":
         return config.engine.weight_sync
-    return "nccl" if gpu_count > 0 else "file"
+    return "nccl" if gpu_count > 0 else "gloo"
 
 
 def single_process_trainer_gpus(device: str, gpu_count: int) -> list[int]:
@@ -216,13 +220,14 @@ def _check_memory(slots: Sequence[ServerSlot], utilization: float) -> None:
         for gpu in slot.gpus or range(slot.tensor_parallel_size):
             on_gpu[gpu].append(slot)
     for gpu, shared in sorted(on_gpu.items()):
-        if len(shared) * utilization > 1 + 1e-9:
+        if len(shared) * utilization > MAX_SERVER_SHARE + 1e-9:
             names = ", ".join(f"{slot.name} on {slot.gpu_key}" if slot.gpus else f"{slot.name} by vLLM's default"
                               for slot in shared)
             fail("engine.gpu_memory_utilization",
-                 f"GPU {gpu} holds {len(shared)} servers ({names}) at {utilization} each, "
-                 f"{len(shared) * utilization:.2f} of the GPU; give them GPUs of their own or lower "
-                 f"engine.gpu_memory_utilization to {1 / len(shared):.2f} or less")
+                 f"GPU {gpu} holds {len(shared)} server(s) ({names}) at {utilization} each, "
+                 f"{len(shared) * utilization:.2f} of the GPU, more than {MAX_SERVER_SHARE} (the rest holds the CUDA "
+                 f"context, the weight push's receive chunks and the communicator); give them GPUs of their own or "
+                 f"lower engine.gpu_memory_utilization to {MAX_SERVER_SHARE / len(shared):.2f} or less")
 
 
 def _url_warnings(config: TrainConfig) -> list[str]:

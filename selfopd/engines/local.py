@@ -15,7 +15,7 @@ import torch
 
 from selfopd.core.devices import autocast, model_device
 from selfopd.core.distributed import gathered_for_generation, is_sharded
-from selfopd.engines.base import Rollout, SamplingParams, TokenScores
+from selfopd.engines.base import Rollout, SamplingParams, TokenScores, WeightSource, as_source
 from selfopd.engines.scoring import completion_hidden, left_pad, logprobs_from_hidden, tempered, topk_from_hidden
 
 
@@ -96,6 +96,8 @@ class LocalEngine:
 
     supports_full_vocabulary = True
     samples_in_background = False  # the trainer's own process and module
+    batches_itself = False  # the caller's micro-batches are its batches
+    pushes_verified = False  # a copy in process: the probe is what checks it
 
     @property
     def max_scored_tokens(self) -> int | None:
@@ -106,8 +108,9 @@ class LocalEngine:
         return [("in-process model", self.score([sequence])[0])]
 
     @torch.no_grad()
-    def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | WeightSource, version: int) -> None:
         """Copy weights in by name; tensors that already are this model's storage are skipped."""
+        named_tensors = dict(as_source(weights))
         params = dict(self.model.named_parameters())
         unknown = sorted(set(named_tensors) - set(params))
         if unknown:

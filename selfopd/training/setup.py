@@ -113,12 +113,26 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
             # trainer's weights (a resumed checkpoint's, say) before the first rollout.
             sync_weights(run)
             check_probe(run)
+            if config.loss.divergence == "topk_reverse_kl":
+                check_teacher_top_k(run.teacher_engine, config.loss.top_k, probe)
         if config.teacher.kind == "frozen":
             check_frozen_teacher(run, initial_probe_logprobs(run, resume_from, options))
     except BaseException:
         resources.close()
         raise
     return run
+
+
+def check_teacher_top_k(engine: Any, top_k: int, probe: tuple[list[int], list[int]]) -> None:
+    """A vLLM teacher asked for more top-k logprobs than its --max-logprobs refuses the first scoring
+    request of the first step; ask once at start instead (launched servers get enough)."""
+    from selfopd.engines.vllm_server import ServerError
+
+    try:
+        engine.score([probe], top_k=top_k)
+    except ServerError as error:
+        raise ConfigError("loss.top_k", f"is {top_k}, which the teacher engine refuses ({error}); start the teacher "
+                          f"server with --max-logprobs {top_k} or more, or lower loss.top_k") from None
 
 
 def open_ema(config: TrainConfig, teacher_engine: Any, resume_from: Path | None, saved: dict | None,

@@ -91,4 +91,6 @@ class Scored:
     teacher_prompt: list[int]
     teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None  # (T, k) ids and logprobs, when the loss needs them
     demonstration: str | None = None  # the sibling's text the teacher saw (None: none, or not used)
-    wrong_context_logprobs: torch.Tensor | None = None  # (T,) the teacher under a wrong context (contrastive loss)
+    # (T,) the teacher engine under the baseline prompt of loss.opd_baseline (a wrong context, or the
+    # student's own prompt for 'same_engine'); None for 'student'.
+    baseline_logprobs: torch.Tensor | None = None

@@ -32,7 +32,7 @@ from selfopd.training.rollout_pipeline import Sampled, batch_for_step  # noqa: F
 from selfopd.training.state import Run, Scored
 from selfopd.engines.scoring import completion_hidden, logprobs_from_hidden, pad_completions, tempered
 from selfopd.templating.teacher_prompts import teacher_rows
-from selfopd.training.teacher_scoring import score_in_micro_batches
+from selfopd.training.teacher_scoring import score_step
 from selfopd.run.tracking import PhaseTimer
 from selfopd.training.weight_checks import check_probe, sync_weights
 
@@ -84,19 +84,18 @@ def score(run: Run, sampled: Sampled, timer: PhaseTimer) -> tuple[list[Scored], 
                             for ids in (r.prompt_ids, r.wrong_prompt_ids) if ids is not None], run.teacher_engine,
                            run.step + 1)
     top_k = cfg.loss.top_k if cfg.loss.divergence == "topk_reverse_kl" else 0
-    per_micro = run.rollouts_per_micro_batch
+    baseline = cfg.loss.opd_baseline
+    baseline_pairs = ([(r.wrong_prompt_ids, r.rollout.completion_ids) for r in rows] if baseline == "wrong_context"
+                      else [(r.rollout.prompt_ids, r.rollout.completion_ids) for r in rows] if baseline == "same_engine"
+                      else None)
     with timer("teacher"):
-        scores, teacher_states = score_in_micro_batches(
-            run.teacher_engine, [(r.prompt_ids, r.rollout.completion_ids) for r in rows], per_micro, top_k,
-            run.temperature, keep_states=cfg.loss.divergence in FULL_VOCABULARY)
-        wrong_scores = (score_in_micro_batches(run.teacher_engine, [(r.wrong_prompt_ids, r.rollout.completion_ids)
-                                                                    for r in rows], per_micro, 0, run.temperature,
-                                               False)[0]
-                        if cfg.loss.opd_baseline == "wrong_context" else [None] * len(rows))
+        scores, teacher_states, baseline_scores = score_step(
+            run.teacher_engine, [(r.prompt_ids, r.rollout.completion_ids) for r in rows], baseline_pairs,
+            run.rollouts_per_micro_batch, top_k, run.temperature, keep_states=cfg.loss.divergence in FULL_VOCABULARY)
     scored = [Scored(r.example, r.group, r.rollout, r.verdict.reward, r.verdict.correct, s.logprobs, r.prompt_ids,
                      (s.topk_ids, s.topk_logprobs) if top_k else None, r.demonstration,
-                     wrong.logprobs if wrong is not None else None)
-              for r, s, wrong in zip(rows, scores, wrong_scores)]
+                     base.logprobs if base is not None else None)
+              for r, s, base in zip(rows, scores, baseline_scores or [None] * len(rows))]
     return scored, teacher_states
 
 
@@ -144,8 +143,8 @@ def micro_batch_loss(run: Run, micro: Sequence[Scored], backward: Backward, star
     sampler_lp_BC = pad_completions([s.rollout.sampler_logprobs for s in micro], length, device)
     rewards_B = torch.tensor([s.reward for s in micro], device=device)
     group_ids_B = torch.tensor([s.group for s in micro], device=device)
-    baseline_lp_BC = (pad_completions([s.wrong_context_logprobs for s in micro], length, device)
-                      if loss_cfg.opd_baseline == "wrong_context" else student_lp_BC)
+    baseline_lp_BC = (pad_completions([s.baseline_logprobs for s in micro], length, device)
+                      if loss_cfg.opd_baseline != "student" else student_lp_BC)
     weight_B = backward.opd_weight_N[start : start + len(micro)].to(device)
     # The sampled-token advantage (OPD + GRPO, and the cures of selfopd.training.credit) is always
     # computed: it is saved and measured even when the teacher term is an exact divergence.
@@ -191,11 +190,12 @@ def optimizer_step(run: Run, loss_total: float, timer: PhaseTimer) -> tuple[bool
 
 
 def sync_engines(run: Run, timer: PhaseTimer) -> dict[str, float]:
-    """5. The new weights to the engines, then the probe proves they serve them."""
+    """5. The new weights to the engines (a push to vLLM servers proves itself by digests), then the
+    probe compares every replica's logprobs with the trainer's. Returns the push's and the probe's metrics."""
     with timer("sync"):
-        sync_weights(run)
+        pushed = sync_weights(run)
     with timer("probe"):
-        return check_probe(run)
+        return {**pushed, **check_probe(run)}
 
 
 def step_metrics(run: Run, batch: Sampled, scored: list[Scored], flat: dict[str, torch.Tensor], backward: Backward,
@@ -221,6 +221,7 @@ def step_metrics(run: Run, batch: Sampled, scored: list[Scored], flat: dict[str,
         **({} if sampled else {f"loss/{cfg.loss.divergence}": flat["divergence"].double().mean().item()}),
         **({"opd/clipped_share": flat["clipped"].double().mean().item()} if cfg.loss.token_clip else {}),
         **_cure_metrics(cfg.loss, backward.rlsd_lam, backward.opd_weight_N, scored),
+        **_engine_gap(cfg.loss, scored, flat["student"][0]),
         **preference_metrics((s.group, s.correct, signal.mean().item())
                              for s, signal in zip(scored, signal_N.split(lengths)) if len(signal)),
         "reward/accuracy": sum(s.correct for s in scored) / len(scored),
@@ -283,9 +284,19 @@ def _cure_metrics(loss: Any, rlsd_lam: float, opd_weight_N: torch.Tensor, scored
     if loss.opd_on != "all" or loss.pass_rate_weighting:
         metrics["opd/weighted_share"] = float((opd_weight_N > 0).double().mean())
     if loss.opd_baseline == "wrong_context":
-        gaps = [(s.teacher_logprobs - s.wrong_context_logprobs).double() for s in scored]
+        gaps = [(s.teacher_logprobs - s.baseline_logprobs).double() for s in scored]
         metrics["opd/context_contrast"] = float(torch.cat(gaps).mean()) if gaps else 0.0
     return metrics
+
+
+def _engine_gap(loss: Any, scored: Sequence[Scored], trainer_lp_N: torch.Tensor) -> dict[str, float]:
+    """With loss.opd_baseline = 'same_engine': how far the teacher engine's logprobs of the student's
+    tokens (its kernels, its precision) are from the trainer's, mean |difference| per token: the bias
+    that baseline keeps out of the signal."""
+    if loss.opd_baseline != "same_engine" or not scored:
+        return {}
+    engine_lp_N = torch.cat([s.baseline_logprobs for s in scored]).double()
+    return {"opd/engine_student_gap": (engine_lp_N - trainer_lp_N.double()).abs().mean().item()}
 
 
 def clip_gradients(model: Any, max_norm: float) -> float:

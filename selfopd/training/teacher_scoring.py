@@ -1,6 +1,8 @@
-"""The teacher's side of a step: every (teacher prompt, student completion) pair scored in the
-trainer's micro-batches. With the empty-context control the teacher then computes exactly
-what the student does, bit for bit (same batch, same padding).
+"""The teacher's side of a step: every (teacher prompt, student completion) pair scored. In
+process, in the trainer's micro-batches: with the empty-context control the teacher then
+computes exactly what the student does, bit for bit (same batch, same padding). An engine
+that schedules its own batches (vLLM: `Engine.batches_itself`) gets the whole step in one
+call, with the pairs of the loss's baseline (`loss.opd_baseline`) in the same call.
 
 A full-vocabulary loss needs the teacher's whole next-token distributions in the training
 phase too: the teacher's final hidden states are computed once per micro-batch here, kept
@@ -19,6 +21,23 @@ from selfopd.engines.scoring import right_pad
 
 Pairs = Sequence[tuple[list[int], list[int]]]
 States = tuple[torch.Tensor, torch.Tensor]  # the teacher's tempered final hidden states (B, C, H) and head (V, H)
+
+
+def score_step(engine: Any, pairs: Pairs, baseline_pairs: Pairs | None, per_micro: int, top_k: int,
+               temperature: float, keep_states: bool) -> tuple[list[TokenScores], list[States], list[TokenScores] | None]:
+    """(a TokenScores per pair, the teacher's states per micro-batch when `keep_states`, a TokenScores
+    per baseline pair or None). The baseline pairs (a wrong context, the student's own prompt) are
+    scored with top_k 0, a sampled-token signal."""
+    if getattr(engine, "batches_itself", False) and not keep_states:
+        together = list(pairs) + list(baseline_pairs or [])
+        scores = engine.score(together, top_k=top_k if not baseline_pairs else 0, temperature=temperature)
+        if baseline_pairs and top_k:
+            raise ValueError("a baseline pass scores the sampled token only (top_k 0)")
+        return scores[: len(pairs)], [], (scores[len(pairs):] if baseline_pairs is not None else None)
+    scores, states = score_in_micro_batches(engine, pairs, per_micro, top_k, temperature, keep_states)
+    baseline = (score_in_micro_batches(engine, baseline_pairs, per_micro, 0, temperature, False)[0]
+                if baseline_pairs is not None else None)
+    return scores, states, baseline
 
 
 def score_in_micro_batches(engine: Any, pairs: Pairs, per_micro: int, top_k: int, temperature: float,

@@ -1,24 +1,46 @@
-"""Proof that every engine serves the weights it should: the weight sync after each step
-and the probe that checks it on every replica (the student's weights, or an `ema`
-teacher's average), and the one-time check of a frozen teacher."""
+"""Every engine serves the weights it should: the weight sync after each step (whose pushes
+to vLLM are proven exactly by per-tensor digests, `selfopd.engines.weight_digest`), the
+probe, a numeric monitor of every replica's logprobs against the trainer's (the student's
+weights, or an `ema` teacher's average), and the one-time check of a frozen teacher."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from selfopd.core.devices import autocast, model_device
-from selfopd.core.distributed import full_state_dict, is_sharded
+from selfopd.core.distributed import is_sharded
 from selfopd.engines.base import Engine
 from selfopd.engines.local import eval_mode
 from selfopd.engines.lora import served_weights
+from selfopd.engines.weight_digest import WeightSyncError  # noqa: F401  (public here: the probe raises it too)
 from selfopd.training.state import Run
 from selfopd.engines.scoring import completion_logprobs
 
 
-class WeightSyncError(RuntimeError):
-    """An engine's logprobs disagree with the trainer's after a weight update."""
+class ModelWeights:
+    """The trainer's weights as a push sends them (a `selfopd.engines.weight_sync.WeightSource`): HF
+    names, LoRA adapters merged in (`served_weights`); a sharded model's tensors are gathered one at
+    a time, on the device, as the push reaches them (every rank iterates: each gather is a collective)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self._merged: dict[str, torch.Tensor] | None = None
+
+    def _tensors(self) -> Any:
+        if is_sharded(self.model):
+            return ((name, param) for name, param in self.model.named_parameters())
+        if self._merged is None:
+            self._merged = served_weights(self.model)
+        return self._merged.items()
+
+    def metadata(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        return [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in self._tensors()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self._tensors():
+            yield name, (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()
 
 
 def engines_serving_student_weights(run: Run) -> list[tuple[str, Engine]]:
@@ -34,13 +56,13 @@ def serves_live_model(engine: Engine, run: Run) -> bool:
     return getattr(engine, "model", None) is run.model
 
 
-def sync_weights(run: Run) -> None:
+def sync_weights(run: Run) -> dict[str, float]:
     """Push the trainer's weights to every engine that serves the student's weights: full
-    weights under the base checkpoint's names (LoRA adapters merged in, `served_weights`).
-    An in-process engine over the trainer's own module already has them: it gets no tensors,
-    only the version (with LoRA its parameter names are not the checkpoint's). Under torchrun
-    every rank helps gather the full weights; rank 0 sends them. An `ema` teacher then gets
-    the average (`sync_ema_teacher`)."""
+    weights under the base checkpoint's names (`ModelWeights`). An in-process engine over the
+    trainer's own module already has them: it gets no tensors, only the version (with LoRA its
+    parameter names are not the checkpoint's). The student's servers and a `self` teacher's share
+    one transfer, which sends the one `ModelWeights` once. Under torchrun every rank takes part in
+    each tensor's gather; rank 0 sends. An `ema` teacher then gets the average (`sync_ema_teacher`)."""
     copies = []
     for _, engine in engines_serving_student_weights(run):
         if serves_live_model(engine, run):
@@ -48,11 +70,27 @@ def sync_weights(run: Run) -> None:
         else:
             copies.append(engine)
     if copies:
-        named = full_state_dict(run.model) if is_sharded(run.model) else served_weights(run.model)
+        weights = ModelWeights(run.model)
         if run.world.is_main:
             for engine in copies:
-                engine.update_weights(named, version=run.step)
+                engine.update_weights(weights, version=run.step)
+        elif is_sharded(run.model):
+            for _ in weights:  # the gathers rank 0's push makes, tensor by tensor
+                pass
     sync_ema_teacher(run)
+    return push_stats(run)
+
+
+def push_stats(run: Run) -> dict[str, float]:
+    """What the last pushes to vLLM servers took (seconds, gigabytes, broadcasts; `WeightTransfer.stats`),
+    summed over the transfers of the run's engines (one, or two with an `ema` teacher)."""
+    transfers = {id(t): t for t in (getattr(e, "weight_sync", None) for e in (run.student_engine, run.teacher_engine))
+                 if t is not None and getattr(t, "stats", None)}
+    totals: dict[str, float] = {}
+    for transfer in transfers.values():
+        for key, value in transfer.stats.items():
+            totals[key] = totals.get(key, 0.0) + value
+    return totals
 
 
 def sync_ema_teacher(run: Run) -> None:
@@ -115,9 +153,12 @@ def check_probe(run: Run) -> dict[str, float]:
         for replica, score in engine.score_replicas(run.probe):
             gaps = probe_gaps(score.logprobs, references[id(model)])
             if not gaps[key] <= tolerance:
+                cause = ("its weights were verified by digest after the push, so its kernels compute differently "
+                         "(dtype, TF32, attention backend): raise the tolerance if that is expected"
+                         if getattr(engine, "pushes_verified", False) else "the weight update did not arrive")
                 raise WeightSyncError(
                     f"after step {run.step} the {name} engine's logprobs ({replica}) differ from {whose}: "
-                    f"{what} = {tolerance}) is {gaps[key]:.3g}: the weight update did not arrive")
+                    f"{what} = {tolerance}) is {gaps[key]:.3g}: {cause}")
             worst = {metric: max(worst[metric], gaps[metric]) for metric in worst}
     return worst
 
