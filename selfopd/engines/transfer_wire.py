@@ -111,6 +111,9 @@ def open_group(host: str, port: int, rank: int, world_size: int, backend: Backen
 
         group = ProcessGroupGloo(prefixed, rank, world_size, timeout)
     elif backend == "nccl":
+        if not torch.distributed.is_nccl_available():
+            raise RuntimeError("NCCL is not available in this torch build (torch.distributed.is_nccl_available() "
+                               "is False): use engine.weight_sync = 'gloo'")
         from torch.distributed import ProcessGroupNCCL
 
         options = ProcessGroupNCCL.Options()
