@@ -21,10 +21,12 @@ def add_compare_command(commands: argparse._SubParsersAction) -> None:
                          "report still pools every seed with results")
     compare.add_argument("--name", default="", help="the comparison's folder name instead of compare.name (e.g. a "
                          "short smoke run beside the full one)")
-    compare.add_argument("--keep-records", type=Path, metavar="DIR",
-                         help="copy each finished run's records (no weights) to DIR as it finishes, and first copy "
-                              "back the finished runs DIR holds that the comparison's folder lacks: a comparison "
-                              "longer than one sitting goes on in a new checkout (DIR can be committed)")
+    compare.add_argument("--keep-records", type=Path, metavar="KEEP",
+                         help="keep each finished run's records (no weights) in KEEP as it finishes, and first copy "
+                              "back the finished runs KEEP holds that the comparison's folder lacks: a comparison "
+                              "longer than one sitting goes on in a new checkout. KEEP is a folder, or one archive "
+                              "(a path ending in .tar.xz) that keeps the saved rollouts as a digest without per-token "
+                              "values: a few hundred kB for a study, what a repository can hold")
     compare.add_argument("--report-only", action="store_true", help="rewrite report.md from the arms' folders, train nothing")
     compare.add_argument("--show-config", action="store_true",
                          help="check every arm and print the resolved comparison (each arm with the teacher, loss and "

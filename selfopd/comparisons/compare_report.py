@@ -2,7 +2,7 @@
 row per (arm, seed), and accuracy against three budgets.
 
 Everything is read back from the runs' folders (metrics.jsonl, eval/step_*/eval.jsonl,
-rollouts/step_*.jsonl), so a report can be rewritten at any time, also while later runs
+rollouts/step_*.jsonl or a restored run's rollouts/digest.jsonl), so a report can be rewritten at any time, also while later runs
 still train. Accuracy changes are paired by prompt, each distinct prompt counted once:
 against the shared base model, and against the comparison's reference arm under the same
 seed. Pooled over seeds, intervals treat prompts and seeds as random draws
@@ -24,7 +24,7 @@ from selfopd.core.atomic import write_json_atomic, write_text_atomic
 from selfopd.core.run_folder import RunFolder
 from selfopd.config import load_config
 from selfopd.diagnostics.measures import correct_preference
-from selfopd.run.rollouts import read_run_rollouts
+from selfopd.run.rollouts import RolloutDigest, RolloutRecord, read_rollout_digest, read_run_rollouts
 from selfopd.run.evaluate import read_eval_outcomes
 from selfopd.core.plots import STYLE, decorate, new_figure, read_metrics, save_figure
 from selfopd.core.stats import MeanEstimate, PairedDifference, Proportion, paired_change, pooled_accuracy, pooled_change
@@ -160,7 +160,7 @@ def measure_arm(compare: CompareConfig, name: str, description: str = "") -> Arm
 
 
 def loss_label(loss: Any) -> str:
-    """The loss in a few words: its weights, and each cure (`selfopd.training.credit`) that is on."""
+    """The loss in a few words: its weights, and each cure (`selfopd.training.advantages`) that is on."""
     cures = [f"RLSD l={loss.rlsd_weight:g}/{loss.rlsd_decay_steps} steps" if loss.rlsd_weight else "",
              "OPD on failed only" if loss.opd_on == "failed" else "",
              "vs wrong context" if loss.opd_baseline == "wrong_context" else "",
@@ -171,12 +171,14 @@ def loss_label(loss: Any) -> str:
 
 
 def _teacher_preference(run_dirs: list[Path]) -> MeanEstimate | None:
-    """`correct_preference` over every saved rollout of the runs; None for runs that saved none."""
-    records = []
+    """`correct_preference` over every saved rollout of the runs (or their digest, for a run
+    restored from an archive of records); None for runs that saved none."""
+    records: list[RolloutRecord | RolloutDigest] = []
     for run_dir in run_dirs:
         try:
             by_step = read_run_rollouts(run_dir)
-        except FileNotFoundError:  # run.rollouts_to_save = 0
+        except FileNotFoundError:  # run.rollouts_to_save = 0, or only the digest kept
+            records += read_rollout_digest(run_dir)
             continue
         records += [record for step_records in by_step.values() for record in step_records]
     return correct_preference(records) if records else None

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from selfopd.run.rollouts import RolloutRecord
+from selfopd.run.rollouts import RolloutDigest, RolloutRecord
 from selfopd.diagnostics.tokens import (
     ANSWER_CLASSES,
     CLASSES,
@@ -285,7 +285,7 @@ def context_contrast(rollouts: Sequence[Annotated], gains_correct: Sequence[np.n
                            follows / correct if correct else math.nan, correct)
 
 
-def correct_preference(records: Sequence[RolloutRecord]) -> MeanEstimate | None:
+def correct_preference(records: Sequence[RolloutRecord | RolloutDigest]) -> MeanEstimate | None:
     """Does the teacher's distillation signal favour the student's correct attempts?
 
     Per rollout, the mean per-token teacher - student logprob; per prompt group (one step's
@@ -295,8 +295,7 @@ def correct_preference(records: Sequence[RolloutRecord]) -> MeanEstimate | None:
     prompts. Comparing within a prompt cancels its difficulty. A teacher whose signal is not
     positive here pushes the student toward wrong answers as much as right ones, however
     much its KL falls. None when no group has both outcomes."""
-    per_group = correct_minus_wrong(((r.step, r.group, r.prompt), bool(r.correct),
-                                     sum(r.opd_advantage) / len(r.opd_advantage)) for r in records)
+    per_group = correct_minus_wrong(((r.step, r.group, r.prompt), bool(r.correct), r.opd_mean) for r in records)
     by_prompt: dict[str, list[float]] = {}
     for (_, _, prompt), contrast in per_group.items():
         by_prompt.setdefault(prompt, []).append(contrast)

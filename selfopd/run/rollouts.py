@@ -1,5 +1,7 @@
 """The rollouts a run keeps per step (`runs/NAME/rollouts/step_N.jsonl`), written by the
-trainer and read back by diagnostics and notebooks: one format, in one place."""
+trainer and read back by diagnostics and notebooks: one format, in one place. An archive of
+a comparison's records (`selfopd.comparisons.records`) keeps them as one digest per run
+(`rollouts/digest.jsonl`): every field but the per-token logprobs and advantages."""
 
 from __future__ import annotations
 
@@ -55,14 +57,76 @@ class RolloutRecord:
     def prompt(self) -> str:
         """The prompt's identity, for intervals over prompts: a key of the exact prompt ids
         the student saw (the same prompt in two steps, or under two ids, is one prompt)."""
-        import hashlib
-
-        return hashlib.sha256(",".join(map(str, self.prompt_ids)).encode()).hexdigest()[:16]
+        return prompt_key(self.prompt_ids)
 
     @property
     def opd_advantage(self) -> list[float]:
         """teacher - student logprob per token: the distillation signal alone."""
         return [t - s for t, s in zip(self.teacher_logprobs, self.student_logprobs)]
+
+    @property
+    def opd_mean(self) -> float:
+        """The distillation signal's mean over the completion's tokens."""
+        return sum(self.opd_advantage) / len(self.opd_advantage)
+
+
+def prompt_key(prompt_ids: Sequence[int]) -> str:
+    """A key of the exact prompt ids (`RolloutRecord.prompt`)."""
+    import hashlib
+
+    return hashlib.sha256(",".join(map(str, prompt_ids)).encode()).hexdigest()[:16]
+
+
+PER_TOKEN = ("sampler_logprobs", "student_logprobs", "teacher_logprobs", "advantage")
+DIGEST = "digest.jsonl"  # in RUN/rollouts/, beside (or instead of) the step files
+
+
+@dataclass(frozen=True)
+class RolloutDigest:
+    """A saved rollout without its per-token logprobs and advantages (PER_TOKEN): its ids,
+    text, reward and verdict, and `opd_mean`, the one number a comparison's report reads of the
+    per-token values (`correct_preference`). Those values come back only by training the run again."""
+
+    step: int
+    id: str
+    group: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    text: str
+    reward: float
+    correct: bool
+    answer: str
+    opd_mean: float
+    demonstration: str | None = None
+    weight_version: int | None = None
+
+    @property
+    def prompt(self) -> str:
+        return prompt_key(self.prompt_ids)
+
+    @classmethod
+    def of(cls, record: RolloutRecord) -> RolloutDigest:
+        kept = {key: value for key, value in asdict(record).items() if key not in PER_TOKEN}
+        return cls(**kept, opd_mean=record.opd_mean)
+
+
+def rollout_digest_lines(run_dir: Path) -> str | None:
+    """RUN/rollouts/digest.jsonl's text for every saved step of the run, in step order; None when
+    the run saved no rollouts or a step file is not in the current format (keep it whole then)."""
+    try:
+        by_step = read_run_rollouts(run_dir)
+    except (FileNotFoundError, DiagnosticsError):
+        return None
+    return "".join(json.dumps(asdict(RolloutDigest.of(record))) + "\n"
+                   for records in by_step.values() for record in records)
+
+
+def read_rollout_digest(run_dir: Path) -> list[RolloutDigest]:
+    """The digests of a run restored from an archive of records; [] when it has none."""
+    path = RunFolder(run_dir).rollouts / DIGEST
+    if not path.is_file():
+        return []
+    return [RolloutDigest(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
 
 
 def write_records(path: Path, records: Iterable[RolloutRecord]) -> None:
@@ -92,6 +156,9 @@ def read_run_rollouts(run_dir: Path, steps: Sequence[int] | None = None) -> dict
     folder = run.rollouts
     found = {step: run.rollouts_file(step) for step in run.rollout_steps()}
     if not found:
+        if (folder / DIGEST).is_file():
+            raise FileNotFoundError(f"{folder}: no saved rollouts, only their digest ({DIGEST}: a run restored from an "
+                                    "archive of records, which keeps no per-token values); train the run again for them")
         raise FileNotFoundError(f"{folder}: no saved rollouts (the run needs run.rollouts_to_save > 0)")
     if steps is not None:
         missing = sorted(set(steps) - set(found))
