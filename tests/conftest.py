@@ -100,3 +100,24 @@ def push_weights(urls, weights, version: int):
         return transfer.push(weights, version)
     finally:
         transfer.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    """A randomly initialised 2-layer Llama (vocab 64): a real causal LM, no download."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).float().eval()

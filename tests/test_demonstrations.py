@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-import selfopd.templating.teacher_prompts as teacher_prompts_module
+import selfopd.training.teacher as teacher_prompts_module
 from selfopd.config import ConfigError, load_config
 from selfopd.templating.demonstrations import pick_demonstrations
 from selfopd.diagnostics.context import Prompting

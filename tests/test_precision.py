@@ -15,7 +15,8 @@ from selfopd.core.devices import autocast
 from selfopd.engines.build import load_model
 from selfopd.engines.base import as_source
 from selfopd.engines.local import LocalEngine
-from selfopd.engines.kernels import full_vocab_divergence, token_logprobs_from_hidden
+from selfopd.engines.kernels import token_logprobs_from_hidden
+from selfopd.training.divergences import full_vocab_divergence
 from selfopd.training.setup import build_run
 from selfopd.training.trainer import WeightSyncError, train, train_step
 from tests.conftest import save_tiny_llama

@@ -62,10 +62,13 @@ class SampleAtStepStart:
     """The synchronous loop's sampling, written out by hand: each step samples its own prompts
     with the weights it is about to train."""
 
-    def take(self, run, timer: PhaseTimer) -> Sampled:
+    def __init__(self, run) -> None:
+        self.run = run
+
+    def take(self, side, step: int, timer: PhaseTimer) -> Sampled:
         with timer("sample"):
-            request, groups = _sample_by_hand(run, run.step, run.student_engine)
-        return Sampled(request, groups, run.step)
+            request, groups = _sample_by_hand(self.run, step, side.engine)
+        return Sampled(request, groups, step)
 
     def settle(self) -> None:
         pass
@@ -75,7 +78,7 @@ def test_staleness_zero_is_the_synchronous_loop(tmp_path, tiny_model_dir):
     """Metrics, saved rollouts and weights of a k = 0 run equal those of a loop that samples by hand."""
     piped = train(_config(tmp_path, tiny_model_dir, "run.steps=3", "run.name=piped", "rollout.max_staleness=0"))
     run = build_run(_config(tmp_path, tiny_model_dir, "run.steps=3", "run.name=by_hand"))
-    run.rollouts = SampleAtStepStart()
+    run.rollouts = SampleAtStepStart(run)
     by_hand = [train_step(run) for _ in range(3)]
     assert _steps(piped) == [{k: v for k, v in m.items() if not k.startswith("time/")} for m in by_hand]
     assert "rollout/staleness" not in by_hand[0]

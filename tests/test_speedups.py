@@ -12,7 +12,7 @@ from selfopd.config import load_config
 from selfopd.engines.build import load_model
 from selfopd.engines.local import LocalEngine
 from selfopd.training.setup import adamw
-from selfopd.training.teacher_scoring import score_in_micro_batches, score_step
+from selfopd.training.teacher import score_in_micro_batches, score_step
 
 PAIRS = [([1, 5, 9, 4, 7], [8, 2, 11, 40]), ([1, 6], [9, 9, 30]), ([1, 5, 9, 4, 7], [8, 3]),
          ([3, 4, 5], [6, 7, 8, 9, 10])]

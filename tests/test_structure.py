@@ -78,7 +78,7 @@ def test_engines_do_not_import_the_objectives():
     for name, path in modules.items():
         if name.startswith("selfopd.engines"):
             imported = _imports(name, path, modules)
-            assert not imported & {"selfopd.training.objectives", "selfopd.training.loss_metrics"}, name
+            assert not imported & {"selfopd.training.loss", "selfopd.training.advantages", "selfopd.training.divergences", "selfopd.training.loss_metrics"}, name
 
 
 def test_experiment_scripts_write_under_runs_unless_told():
@@ -115,7 +115,7 @@ def test_the_training_step_reads_as_short_named_phases():
     assert functions["train_step"] <= 25, functions["train_step"]
     for phase in ("score", "forward_backward", "optimizer_step", "sync_engines", "step_metrics"):
         assert phase in functions
-    assert "run.rollouts.take(run, timer)" in source
+    assert "run.rollouts.take(run.student_side, run.step, timer)" in source
     long = {name: n for name, n in functions.items() if n > 80}
     assert not long, long
 
@@ -143,3 +143,43 @@ def test_packages_import_only_what_comes_before_them_in_the_flow():
     assert not backwards, backwards
     flat = [p.name for p in (ROOT / "selfopd").glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
     assert not flat, f"modules outside the subpackages: {flat}"
+
+
+def test_no_function_takes_a_run_typed_any():
+    """Code that reads a training run says so (`training.state.Run`, or the typed side of it that it
+    needs: `StudentSide`, `TeacherSide`); `run: Any` hides which fields a function depends on."""
+    untyped = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for arg in node.args.args + node.args.kwonlyargs:
+                    if arg.arg == "run" and isinstance(arg.annotation, ast.Name) and arg.annotation.id == "Any":
+                        untyped.append(f"{name}.{node.name}")
+    assert not untyped, untyped
+
+
+LOSS_HOME = {"selfopd.training.loss", "selfopd.training.advantages", "selfopd.training.divergences"}
+LOSS_PIECES = {"policy_gradient_loss", "masked_mean", "truncated_is_ratio", "clipped_divergence", "clipped_tokens",
+               "cure_advantage", "opd_advantage", "grpo_advantage", "full_vocab_divergence", "topk_reverse_kl",
+               "rlsd_factor"}
+
+
+def test_the_loss_is_computed_in_one_module():
+    """`selfopd.training.loss.opd_loss` assembles the loss from its pieces (advantages, divergences);
+    no other module touches a piece: a change of the objective is a change of one file."""
+    outside = []
+    for name, path in _modules().items():
+        if name in LOSS_HOME:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            used = node.id if isinstance(node, ast.Name) else None
+            if isinstance(node, ast.ImportFrom):
+                outside += [f"{name} imports {alias.name}" for alias in node.names if alias.name in LOSS_PIECES]
+                if node.module == "selfopd.training.divergences":
+                    outside.append(f"{name} imports selfopd.training.divergences")
+            elif used in LOSS_PIECES:
+                outside.append(f"{name} uses {used}")
+    assert not outside, outside
+    imported_by = {name for name, path in _modules().items()
+                   if "selfopd.training.divergences" in _imports(name, path, _modules())}
+    assert imported_by == {"selfopd.training.loss"}

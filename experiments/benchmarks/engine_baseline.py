@@ -12,7 +12,7 @@ baseline from the same weights and seed (the same rollouts), and the advantage o
 completion token is read from the step's saved rollouts. Then the step's sequences are scored
 twice in one request batch, as separate rows: how far apart vLLM puts equal rows (the step itself
 scores each distinct sequence once). In process the control is exactly zero
-(tests/test_losses.py); here it measures what the two engines' kernels and precisions add.
+(tests/training/test_loss.py); here it measures what the two engines' kernels and precisions add.
 """
 
 from __future__ import annotations

@@ -40,8 +40,10 @@ from pathlib import Path
 
 import torch
 
-from selfopd.engines.kernels import full_vocab_divergence, token_logprobs_from_hidden, topk_reverse_kl
-from selfopd.training.objectives import masked_mean, opd_advantage, policy_gradient_loss
+from selfopd.engines.kernels import token_logprobs_from_hidden
+from selfopd.training.divergences import full_vocab_divergence, topk_reverse_kl
+from selfopd.training.advantages import opd_advantage
+from selfopd.training.loss import masked_mean, policy_gradient_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 LOSSES = ("sampled", "topk", "reverse_kl", "forward_kl", "jsd")

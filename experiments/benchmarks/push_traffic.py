@@ -34,7 +34,7 @@ from selfopd.engines.server_control import ServerControl
 from selfopd.engines.vllm import VLLMEngine
 from selfopd.engines.vllm_server import ServerSpec, free_port, launch_servers
 from selfopd.engines.weight_sync import WeightTransfer
-from selfopd.training.teacher_scoring import score_in_micro_batches, score_step
+from selfopd.training.teacher import score_in_micro_batches, score_step
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS, SAMPLES, MAX_TOKENS, MICRO_PROMPTS = 8, 4, 32, 2

@@ -1,5 +1,5 @@
 """The `[loss]` section of a training config: the objective, its divergence, and the cures
-for the privileged illusion (`selfopd.training.credit`). Re-exported by `selfopd.config`."""
+for the privileged illusion (the formulas: `selfopd.training.loss`). Re-exported by `selfopd.config`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from typing import ClassVar, Literal
 
 from selfopd.config.settings import Section, fail, setting
 
-# Same values as selfopd.training.objectives.Normalisation; restated so loading a config needs no torch.
 Normalisation = Literal["token", "sequence"]
 Divergence = Literal["sampled", "topk_reverse_kl", "reverse_kl", "forward_kl", "jsd"]
 FULL_VOCABULARY = ("reverse_kl", "forward_kl", "jsd")  # divergences that need the teacher in process
@@ -38,7 +37,7 @@ class LossConfig(Section):
     partial_credit: bool = setting(
         False, "Reward = the task scorer's partial credit (reasoning-gym pays 0.5 for '17' or '-7' when the answer "
         "is 7); off: 1 for a correct final answer, 0 otherwise.")
-    # Cures for the privileged illusion (selfopd.training.credit; measured in experiments/results/cures_report.md).
+    # Cures for the privileged illusion (selfopd.training.advantages; measured in experiments/results/cures_report.md).
     rlsd_weight: float = setting(
         0.0, "Teacher-weighted GRPO (RLSD, arXiv 2604.03128) at step 0: the GRPO advantage of each token becomes "
         "A * ((1 - l) + l * clip(exp(sign(A) * s_t), 1 - e, 1 + e)), s_t the teacher signal; the verifier decides the "

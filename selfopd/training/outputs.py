@@ -17,7 +17,8 @@ from selfopd.run.evaluate import evaluate
 from selfopd.core.faults import fault_point
 from selfopd.core.run_folder import RunFolder
 from selfopd.training.rollout_pipeline import PENDING_FILE, pending_json
-from selfopd.training.state import Run, Scored
+from selfopd.training.state import Run
+from selfopd.training.teacher import Scored
 
 
 def run_eval(run: Run) -> dict[str, float] | None:
@@ -77,7 +78,7 @@ def save_checkpoint(run: Run) -> Path:
     sharded = is_sharded(run.model)
     weights = full_state_dict(run.model) if sharded else None
     optimizer = full_optimizer_state(run.model, run.optimizer, run.world)
-    pending = pending_json(run)  # rollouts sampled ahead (rollout.max_staleness): a resume trains on these
+    pending = pending_json(run.rollouts, run.world)  # rollouts sampled ahead (rollout.max_staleness): a resume trains on these
     if not run.world.is_main:
         return target
     shutil.rmtree(staging, ignore_errors=True)

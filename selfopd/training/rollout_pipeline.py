@@ -31,16 +31,31 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
-from selfopd.core.distributed import all_gather, share
+from transformers import PreTrainedTokenizerBase
+
+from selfopd.config import TrainConfig
+from selfopd.core.distributed import World, all_gather, share
 from selfopd.core.faults import fault_point
 from selfopd.data.example import Example
-from selfopd.engines.base import Rollout, SamplingParams
+from selfopd.engines.base import Engine, Rollout, SamplingParams
 from selfopd.run.tracking import PhaseTimer
-from selfopd.templating.templates import Message, prompt_token_ids, render_student
+from selfopd.templating.templates import Message, PromptTemplate, prompt_token_ids, render_student
 
 PENDING_FILE = "pending_rollouts.json"  # in a checkpoint folder: the rollouts sampled ahead of it
+
+
+@dataclass(frozen=True)
+class StudentSide:
+    """What sampling reads of a run; fixed for the run (`training.state.Run.student_side`)."""
+
+    config: TrainConfig
+    tokenizer: PreTrainedTokenizerBase
+    engine: Engine
+    template: PromptTemplate
+    train_examples: Sequence[Example]
+    world: World
 
 
 @dataclass
@@ -65,22 +80,22 @@ class Sampled:
     sample_seconds: float = 0.0  # the engine's time on them (in the background, with k >= 1 and servers)
 
 
-def request_for_step(run: Any, step: int) -> Request:
+def request_for_step(side: StudentSide, step: int) -> Request:
     """This rank's share of step `step`'s prompts and their sampling parameters: a function of
     (seed, step) alone, so a step's request is the same whenever it is made."""
-    cfg = run.config
-    examples = share(batch_for_step(run.train_examples, step, cfg.rollout.prompts_per_step, cfg.run.seed), run.world)
-    first_group = run.world.rank * len(examples)
-    messages = [render_student(run.student_template, e) for e in examples]
+    cfg = side.config
+    examples = share(batch_for_step(side.train_examples, step, cfg.rollout.prompts_per_step, cfg.run.seed), side.world)
+    first_group = side.world.rank * len(examples)
+    messages = [render_student(side.template, e) for e in examples]
     params = SamplingParams(max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
                             top_p=cfg.rollout.top_p, n=cfg.rollout.samples_per_prompt,
                             seed=cfg.run.seed * 1_000_003 + step,
                             first_row=first_group * cfg.rollout.samples_per_prompt)
-    prompts = [prompt_token_ids(run.tokenizer, m) for m in messages]
+    prompts = [prompt_token_ids(side.tokenizer, m) for m in messages]
     return Request(step, examples, messages, prompts, params, first_group)
 
 
-def sample_request(engine: Any, request: Request, version: int) -> Sampled:
+def sample_request(engine: Engine, request: Request, version: int) -> Sampled:
     """The engine's rollouts for `request`, each stamped with the weight version that sampled it."""
     started = time.perf_counter()
     groups = engine.sample(request.prompts, request.params)
@@ -110,14 +125,13 @@ class RolloutPipeline:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="selfopd-sampler") if background else None
         self._ahead: dict[int, Sampled | Future[Sampled]] = dict(pending or {})
 
-    def take(self, run: Any, timer: PhaseTimer) -> Sampled:
-        """Step `run.step`'s rollouts (sampled now when none were asked for: k = 0, the first
-        step), then the request for step `run.step + k`, sampled with the weights held now."""
-        step = run.step
+    def take(self, side: StudentSide, step: int, timer: PhaseTimer) -> Sampled:
+        """Step `step`'s rollouts (sampled now when none were asked for: k = 0, the first step),
+        then the request for step `step + k`, sampled with the weights held now (version `step`)."""
         with timer("sample"):  # with k >= 1 and servers: the wait for a request already running
             ahead = self._ahead.pop(step, None)
             if ahead is None:
-                sampled = sample_request(run.student_engine, request_for_step(run, step), run.step)
+                sampled = sample_request(side.engine, request_for_step(side, step), step)
             else:
                 sampled = ahead.result() if isinstance(ahead, Future) else ahead
         fault_point("train.sampled")
@@ -125,15 +139,15 @@ class RolloutPipeline:
             # Past run.steps too: the last checkpoint keeps them, so a run extended later continues exactly.
             for later in range(step + 1, step + self.max_staleness + 1):
                 if later not in self._ahead:
-                    self._ask(run, later)
+                    self._ask(side, later, version=step)
         return sampled
 
-    def _ask(self, run: Any, step: int) -> None:
-        request = request_for_step(run, step)  # rendered here: the tokenizer stays on the trainer's thread
+    def _ask(self, side: StudentSide, step: int, version: int) -> None:
+        request = request_for_step(side, step)  # rendered here: the tokenizer stays on the trainer's thread
         if self._executor is None:
-            self._ahead[step] = sample_request(run.student_engine, request, run.step)
+            self._ahead[step] = sample_request(side.engine, request, version)
         else:
-            self._ahead[step] = self._executor.submit(sample_request, run.student_engine, request, run.step)
+            self._ahead[step] = self._executor.submit(sample_request, side.engine, request, version)
 
     def settle(self) -> None:
         """Wait until no request runs: the weights may change only between requests (an
@@ -152,33 +166,33 @@ class RolloutPipeline:
             self._executor.shutdown(wait=True, cancel_futures=True)
 
 
-def open_pipeline(run: Any, checkpoint: Path | None) -> RolloutPipeline:
+def open_pipeline(side: StudentSide, checkpoint: Path | None) -> RolloutPipeline:
     """The run's pipeline, holding the rollouts a resumed checkpoint had sampled ahead; said
     once on stderr when k >= 1 cannot overlap (an in-process engine)."""
-    cfg = run.config
+    cfg = side.config
     k = cfg.rollout.max_staleness
-    background = k > 0 and run.student_engine.samples_in_background
-    if k > 0 and not background and run.world.is_main:
+    background = k > 0 and side.engine.samples_in_background
+    if k > 0 and not background and side.world.is_main:
         print(f"selfopd: rollout.max_staleness = {k} with engine.kind = {cfg.engine.kind!r}: each step trains on "
               f"rollouts sampled {k} step{'s' if k > 1 else ''} earlier, in the trainer's process, so sampling does "
               "not overlap training", file=sys.stderr)
-    pending = load_pending(run, checkpoint) if checkpoint is not None else {}
+    pending = load_pending(side, checkpoint) if checkpoint is not None else {}
     return RolloutPipeline(k, background, pending)
 
 
-def pending_json(run: Any) -> str | None:
+def pending_json(pipeline: RolloutPipeline, world: World) -> str | None:
     """The rollouts sampled ahead of this step, every rank's, as `PENDING_FILE`'s text (rank 0;
     None elsewhere, or when none are). Every rank must call it: the shares are gathered."""
-    batches = run.rollouts.pending()
-    gathered = all_gather([[asdict(r) for group in b.groups for r in group] for b in batches], run.world)
-    if not run.world.is_main or not batches:
+    batches = pipeline.pending()
+    gathered = all_gather([[asdict(r) for group in b.groups for r in group] for b in batches], world)
+    if not world.is_main or not batches:
         return None
     saved = [{"step": b.request.step, "version": b.version, "rollouts": [r for part in gathered for r in part[index]]}
              for index, b in enumerate(batches)]
-    return json.dumps({"max_staleness": run.config.rollout.max_staleness, "batches": saved})
+    return json.dumps({"max_staleness": pipeline.max_staleness, "batches": saved})
 
 
-def load_pending(run: Any, checkpoint: Path) -> dict[int, Sampled]:
+def load_pending(side: StudentSide, checkpoint: Path) -> dict[int, Sampled]:
     """This rank's share of the rollouts `checkpoint` had sampled ahead, checked against the
     prompts its steps ask for now (another data split or template would train on rollouts of
     other prompts)."""
@@ -187,9 +201,9 @@ def load_pending(run: Any, checkpoint: Path) -> dict[int, Sampled]:
         return {}
     saved = json.loads(path.read_text())
     pending: dict[int, Sampled] = {}
-    n = run.config.rollout.samples_per_prompt
+    n = side.config.rollout.samples_per_prompt
     for batch in saved["batches"]:
-        request = request_for_step(run, batch["step"])
+        request = request_for_step(side, batch["step"])
         start = request.first_group * n
         rollouts = [Rollout(**r) for r in batch["rollouts"][start : start + len(request.prompts) * n]]
         groups = [rollouts[i * n : (i + 1) * n] for i in range(len(request.prompts))]

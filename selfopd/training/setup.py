@@ -106,7 +106,7 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
                   student_template, teacher_template, train_examples, eval_examples, probe, step, resources,
                   device=options["device"], world=world, demonstration_fallback=fallback,
                   ema=open_ema(config, teacher_engine, resume_from, state.get("ema"), options))
-        run.rollouts = open_pipeline(run, resume_from)  # with the rollouts a checkpoint had sampled ahead
+        run.rollouts = open_pipeline(run.student_side, resume_from)  # with the rollouts a checkpoint had sampled ahead
         resources.callback(run.rollouts.close)  # before the servers stop: no request outlives them
         if config.engine.kind in VLLM_KINDS:
             # vLLM starts from the model folder (or was running already): give it the

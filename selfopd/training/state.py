@@ -1,5 +1,4 @@
-"""The state of one training run, and one scored rollout: plain data that the trainer,
-its set-up and its checks share."""
+"""The state of one training run: plain data that the trainer, its set-up and its checks share."""
 
 from __future__ import annotations
 
@@ -14,12 +13,13 @@ from selfopd.config import TrainConfig
 from selfopd.core.devices import autocast
 from selfopd.core.distributed import World
 from selfopd.training.ema import EmaWeights
-from selfopd.engines.base import Engine, Rollout
+from selfopd.engines.base import Engine
 from selfopd.engines.local import pad_token_id
 from selfopd.data.example import Example
 from selfopd.core.run_folder import RunFolder
 from selfopd.templating.templates import PromptTemplate
-from selfopd.training.rollout_pipeline import RolloutPipeline
+from selfopd.training.rollout_pipeline import RolloutPipeline, StudentSide
+from selfopd.training.teacher import TeacherSide
 
 
 @dataclass
@@ -72,25 +72,19 @@ class Run:
         return self.config.optim.micro_batch_prompts * self.config.rollout.samples_per_prompt
 
     @property
+    def student_side(self) -> StudentSide:
+        """What sampling the student's rollouts reads of this run (`selfopd.training.rollout_pipeline`)."""
+        return StudentSide(self.config, self.tokenizer, self.student_engine, self.student_template,
+                           self.train_examples, self.world)
+
+    @property
+    def teacher_side(self) -> TeacherSide:
+        """What the teacher side of a step reads of this run (`selfopd.training.teacher`)."""
+        return TeacherSide(self.config, self.tokenizer, self.teacher_engine, self.teacher_template,
+                           self.demonstration_fallback, self.rollouts_per_micro_batch, self.temperature)
+
+    @property
     def temperature(self) -> float:
         """The policy that is trained: the distribution the student samples from, its logits
         divided by the rollout temperature (as TRL does); greedy rollouts train at 1."""
         return self.config.rollout.temperature or 1.0
-
-
-@dataclass(frozen=True)
-class Scored:
-    """One rollout with everything the loss needs."""
-
-    example: Example
-    group: int  # index of its prompt in the step: GRPO groups
-    rollout: Rollout
-    reward: float
-    correct: bool
-    teacher_logprobs: torch.Tensor  # (T,) over the completion tokens
-    teacher_prompt: list[int]
-    teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None  # (T, k) ids and logprobs, when the loss needs them
-    demonstration: str | None = None  # the sibling's text the teacher saw (None: none, or not used)
-    # (T,) the teacher engine under the baseline prompt of loss.opd_baseline (a wrong context, or the
-    # student's own prompt for 'same_engine'); None for 'student'.
-    baseline_logprobs: torch.Tensor | None = None

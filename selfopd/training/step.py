@@ -18,21 +18,19 @@ from typing import Any, Sequence
 
 import torch
 
-from selfopd.config import FULL_VOCABULARY
-from selfopd.templating.context_limits import check_teacher_rows
-from selfopd.training.credit import cure_advantage, mean_prompt_weight, opd_rollout_weights, rlsd_lambda
+from selfopd.config import LossConfig
+from selfopd.training.advantages import mean_prompt_weight, opd_rollout_weights, rlsd_lambda
 from selfopd.core.distributed import all_gather, all_sum, is_sharded
 from selfopd.engines.base import rest_engines
 from selfopd.core.faults import fault_point
-from selfopd.engines.kernels import full_vocab_divergence, topk_reverse_kl
 from selfopd.training.loss_metrics import opd_metrics, preference_metrics
-from selfopd.training.objectives import clipped_divergence, clipped_tokens, masked_mean, policy_gradient_loss, truncated_is_ratio
+from selfopd.training.loss import LossInputs, opd_loss
 from selfopd.training.outputs import save_rollouts
 from selfopd.training.rollout_pipeline import Sampled, batch_for_step  # noqa: F401  (batch_for_step: public here)
-from selfopd.training.state import Run, Scored
+from selfopd.training.state import Run
+from selfopd.training.teacher import Scored
 from selfopd.engines.scoring import completion_hidden, logprobs_from_hidden, pad_completions, tempered
-from selfopd.templating.teacher_prompts import teacher_rows
-from selfopd.training.teacher_scoring import score_step
+from selfopd.training.teacher import States, score_rows, teacher_rows
 from selfopd.run.tracking import PhaseTimer
 from selfopd.training.weight_checks import check_probe, sync_weights
 
@@ -54,7 +52,7 @@ class Backward:
 def train_step(run: Run) -> dict[str, float]:
     """One OPD step; returns its metrics (the same on every rank)."""
     timer = PhaseTimer()
-    sampled = run.rollouts.take(run, timer)  # this step's rollouts; with k >= 1, step + k's are asked for
+    sampled = run.rollouts.take(run.student_side, run.step, timer)  # this step's rollouts; with k >= 1, step + k's are asked for
     scored, teacher_states = score(run, sampled, timer)
     rest_engines(run.student_engine, run.teacher_engine)  # a colocated vLLM frees the GPU until its next call
     backward = forward_backward(run, scored, teacher_states, timer)
@@ -72,34 +70,19 @@ def train_step(run: Run) -> dict[str, float]:
     return metrics
 
 
-def score(run: Run, sampled: Sampled, timer: PhaseTimer) -> tuple[list[Scored], list | None]:
-    """2. Verifier rewards, then the teacher scores the student's exact completion ids after
-    its own (privileged) prompt, which must fit its context (`selfopd.templating.teacher_prompts`); in
-    the trainer's micro-batches. A full-vocabulary loss keeps the teacher's hidden states."""
-    cfg = run.config
+def score(run: Run, sampled: Sampled, timer: PhaseTimer) -> tuple[list[Scored], list[States]]:
+    """2. Verifier rewards and the teacher's prompts, then the teacher scores the student's exact
+    completion ids after them (`selfopd.training.teacher`). A full-vocabulary loss keeps the
+    teacher's hidden states."""
+    side, request = run.teacher_side, sampled.request
     with timer("verify"):
-        request = sampled.request
-        rows = teacher_rows(run, request.examples, request.student_messages, sampled.groups, request.first_group)
-        check_teacher_rows([(r.example.id, ids, r.rollout.completion_ids) for r in rows
-                            for ids in (r.prompt_ids, r.wrong_prompt_ids) if ids is not None], run.teacher_engine,
-                           run.step + 1)
-    top_k = cfg.loss.top_k if cfg.loss.divergence == "topk_reverse_kl" else 0
-    baseline = cfg.loss.opd_baseline
-    baseline_pairs = ([(r.wrong_prompt_ids, r.rollout.completion_ids) for r in rows] if baseline == "wrong_context"
-                      else [(r.rollout.prompt_ids, r.rollout.completion_ids) for r in rows] if baseline == "same_engine"
-                      else None)
+        rows = teacher_rows(side, run.step, request.examples, request.student_messages, sampled.groups,
+                            request.first_group)
     with timer("teacher"):
-        scores, teacher_states, baseline_scores = score_step(
-            run.teacher_engine, [(r.prompt_ids, r.rollout.completion_ids) for r in rows], baseline_pairs,
-            run.rollouts_per_micro_batch, top_k, run.temperature, keep_states=cfg.loss.divergence in FULL_VOCABULARY)
-    scored = [Scored(r.example, r.group, r.rollout, r.verdict.reward, r.verdict.correct, s.logprobs, r.prompt_ids,
-                     (s.topk_ids, s.topk_logprobs) if top_k else None, r.demonstration,
-                     base.logprobs if base is not None else None)
-              for r, s, base in zip(rows, scores, baseline_scores or [None] * len(rows))]
-    return scored, teacher_states
+        return score_rows(side, rows, run.step)
 
 
-def forward_backward(run: Run, scored: list[Scored], teacher_states: list | None, timer: PhaseTimer) -> Backward:
+def forward_backward(run: Run, scored: list[Scored], teacher_states: list[States], timer: PhaseTimer) -> Backward:
     """3. The student's forward/backward in micro-batches of whole prompt groups; gradients
     accumulate. The loss is the mean over the whole step (all ranks): each rank weighs its
     micro-batches by the step's totals, and FSDP's mean over ranks is undone by `world.size`."""
@@ -124,50 +107,54 @@ def forward_backward(run: Run, scored: list[Scored], teacher_states: list | None
 
 
 def micro_batch_loss(run: Run, micro: Sequence[Scored], backward: Backward, start: int,
-                     teacher_states: Any) -> tuple[torch.Tensor, int, torch.Tensor]:
-    """One micro-batch's loss (with its graph), its completion-token count and mask; what the
-    metrics need of it is appended to `backward.collected`."""
-    cfg, device = run.config, run.device
-    loss_cfg = cfg.loss
-    sampled = loss_cfg.divergence == "sampled"
+                     teacher_states: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """The student's forward on one micro-batch, then its loss (`selfopd.training.loss`, with its
+    graph), its completion-token count and mask; what the metrics need of it is appended to
+    `backward.collected`."""
+    loss_cfg, device = run.config.loss, run.device
+    exact = loss_cfg.divergence != "sampled"
     sequences = [(s.rollout.prompt_ids, s.rollout.completion_ids) for s in micro]
     with run.autocast():  # the decoder only: the head and log-softmax run in fp32 (selfopd.engines.kernels)
         hidden_BCH, tokens_BC, mask_BC = completion_hidden(run.model, sequences, run.pad_id)  # with grad
     hidden_BCH = tempered(hidden_BCH, run.temperature)  # the sampling distribution's logits
     # Differentiated only by a policy-gradient term; else read for the advantage and metrics.
-    with contextlib.nullcontext() if sampled or loss_cfg.lambda_rl else torch.no_grad():
+    with contextlib.nullcontext() if not exact or loss_cfg.lambda_rl else torch.no_grad():
         student_lp_BC = logprobs_from_hidden(run.model, hidden_BCH, tokens_BC, mask_BC)
     mask_BC = mask_BC.bool()
     length = mask_BC.shape[1]
-    teacher_lp_BC = pad_completions([s.teacher_logprobs for s in micro], length, device)
-    sampler_lp_BC = pad_completions([s.rollout.sampler_logprobs for s in micro], length, device)
-    rewards_B = torch.tensor([s.reward for s in micro], device=device)
-    group_ids_B = torch.tensor([s.group for s in micro], device=device)
-    baseline_lp_BC = (pad_completions([s.baseline_logprobs for s in micro], length, device)
-                      if loss_cfg.opd_baseline != "student" else student_lp_BC)
-    weight_B = backward.opd_weight_N[start : start + len(micro)].to(device)
-    # The sampled-token advantage (OPD + GRPO, and the cures of selfopd.training.credit) is always
-    # computed: it is saved and measured even when the teacher term is an exact divergence.
-    advantage_BC, grpo_BC = cure_advantage(teacher_lp_BC, baseline_lp_BC, mask_BC, rewards_B, group_ids_B, weight_B,
-                                           loss_cfg.lambda_opd, loss_cfg.lambda_rl, backward.rlsd_lam,
-                                           loss_cfg.rlsd_clip, loss_cfg.token_clip)
-    ratio_BC = truncated_is_ratio(student_lp_BC, sampler_lp_BC, loss_cfg.is_cap) if loss_cfg.is_cap else None
-    if sampled:
-        loss = policy_gradient_loss(student_lp_BC, advantage_BC, mask_BC, ratio_BC, loss_cfg.normalisation)
-        clipped_BC = clipped_tokens(teacher_lp_BC - baseline_lp_BC, mask_BC, loss_cfg.token_clip, two_sided=True)
-    else:  # the teacher term is an exact divergence; only the GRPO term stays a policy gradient
-        divergence_BC = distribution_divergence(run, micro, hidden_BCH, mask_BC, teacher_states)
-        clipped_BC = clipped_tokens(divergence_BC, mask_BC, loss_cfg.token_clip, two_sided=False)
-        trained_BC = clipped_divergence(divergence_BC, loss_cfg.token_clip)
-        if loss_cfg.opd_on != "all" or loss_cfg.pass_rate_weighting:
-            trained_BC = trained_BC * weight_B[:, None].to(trained_BC.dtype)
-        loss = (policy_gradient_loss(student_lp_BC, grpo_BC, mask_BC, ratio_BC, loss_cfg.normalisation)
-                + loss_cfg.lambda_opd * masked_mean(trained_BC, mask_BC, loss_cfg.normalisation))
-        backward.collected["divergence"].append(divergence_BC.detach()[mask_BC].float().cpu())  # before the clip
-    for key, tensor in (("teacher", teacher_lp_BC), ("student", student_lp_BC), ("sampler", sampler_lp_BC),
-                        ("advantage", advantage_BC), ("clipped", clipped_BC)):
+    inputs = LossInputs(
+        student_lp_BT=student_lp_BC,
+        teacher_lp_BT=pad_completions([s.teacher_logprobs for s in micro], length, device),
+        sampler_lp_BT=pad_completions([s.rollout.sampler_logprobs for s in micro], length, device),
+        mask_BT=mask_BC,
+        rewards_B=torch.tensor([s.reward for s in micro], device=device),
+        group_ids_B=torch.tensor([s.group for s in micro], device=device),
+        opd_weight_B=backward.opd_weight_N[start : start + len(micro)].to(device),
+        rlsd_lambda=backward.rlsd_lam,
+        baseline_lp_BT=(pad_completions([s.baseline_logprobs for s in micro], length, device)
+                        if loss_cfg.opd_baseline != "student" else None),
+        student_hidden_BTH=hidden_BCH if exact else None,
+        student_head_VH=run.model.get_output_embeddings().weight if exact else None,
+        teacher_topk=_teacher_topk(micro, length, loss_cfg.top_k, device) if loss_cfg.divergence == "topk_reverse_kl" else None,
+        teacher_states=teacher_states,
+    )
+    parts = opd_loss(inputs, loss_cfg)
+    if parts.divergence_BT is not None:
+        backward.collected["divergence"].append(parts.divergence_BT[mask_BC].float().cpu())  # before the clip
+    for key, tensor in (("teacher", inputs.teacher_lp_BT), ("student", student_lp_BC), ("sampler", inputs.sampler_lp_BT),
+                        ("advantage", parts.advantage_BT), ("clipped", parts.clipped_BT)):
         backward.collected[key].append(tensor.detach()[mask_BC].float().cpu())
-    return loss, int(mask_BC.sum()), mask_BC
+    return parts.loss, int(mask_BC.sum()), mask_BC
+
+
+def _teacher_topk(micro: Sequence[Scored], length: int, top_k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's top-k ids and logprobs of each completion position, padded to (B, C, K)."""
+    ids_BCK = torch.zeros(len(micro), length, top_k, dtype=torch.long)
+    logprobs_BCK = torch.zeros(len(micro), length, top_k)
+    for row, s in enumerate(micro):
+        ids, logprobs = s.teacher_topk
+        ids_BCK[row, : len(ids)], logprobs_BCK[row, : len(ids)] = ids, logprobs
+    return ids_BCK.to(device), logprobs_BCK.to(device)
 
 
 def optimizer_step(run: Run, loss_total: float, timer: PhaseTimer) -> tuple[bool, float]:
@@ -234,27 +221,6 @@ def step_metrics(run: Run, batch: Sampled, scored: list[Scored], flat: dict[str,
     }
 
 
-def distribution_divergence(run: Run, micro: Sequence[Scored], hidden_BCH: torch.Tensor, mask_BC: torch.Tensor,
-                            teacher_states: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """Per-token divergence (B, C) of the student's next-token distributions from the
-    teacher's (`loss.divergence`), differentiable in the student's (tempered) hidden states;
-    the teacher's are tempered alike (full vocabulary: its states from the teacher phase)."""
-    cfg = run.config.loss
-    head_VH = run.model.get_output_embeddings().weight
-    length = mask_BC.shape[1]
-    if cfg.divergence == "topk_reverse_kl":
-        ids_BCK = torch.zeros(len(micro), length, cfg.top_k, dtype=torch.long)
-        logprobs_BCK = torch.zeros(len(micro), length, cfg.top_k)
-        for row, s in enumerate(micro):
-            ids, logprobs = s.teacher_topk
-            ids_BCK[row, : len(ids)], logprobs_BCK[row, : len(ids)] = ids, logprobs
-        return topk_reverse_kl(hidden_BCH, head_VH, ids_BCK.to(run.device), logprobs_BCK.to(run.device), mask_BC)
-    # In process only: the config refuses full-vocabulary losses with vLLM.
-    teacher_hidden_BCH, teacher_head_VH = teacher_states
-    return full_vocab_divergence(hidden_BCH, head_VH, mask_BC, teacher_hidden_BTH=teacher_hidden_BCH,
-                                 teacher_weight_VH=teacher_head_VH, divergence=cfg.divergence, beta=cfg.jsd_beta)
-
-
 def _staleness_metrics(run: Run, sampled: Sampled) -> dict[str, float]:
     """With rollout.max_staleness >= 1: the steps between the sampling weights and the trained ones,
     and the engine's own time on the rollouts (overlapped with training, with servers)."""
@@ -277,7 +243,7 @@ def _opd_weights(run: Run, scored: Sequence[Scored]) -> torch.Tensor:
     return opd_rollout_weights(correct_N, group_N, loss.opd_on, loss.pass_rate_weighting, mean)
 
 
-def _cure_metrics(loss: Any, rlsd_lam: float, opd_weight_N: torch.Tensor, scored: Sequence[Scored]) -> dict[str, float]:
+def _cure_metrics(loss: LossConfig, rlsd_lam: float, opd_weight_N: torch.Tensor, scored: Sequence[Scored]) -> dict[str, float]:
     """This rank's view of the cures' settings at this step (the weights are a step's, all ranks alike
     only in their mean)."""
     metrics = {"loss/rlsd_lambda": rlsd_lam} if loss.rlsd_weight else {}
@@ -289,7 +255,7 @@ def _cure_metrics(loss: Any, rlsd_lam: float, opd_weight_N: torch.Tensor, scored
     return metrics
 
 
-def _engine_gap(loss: Any, scored: Sequence[Scored], trainer_lp_N: torch.Tensor) -> dict[str, float]:
+def _engine_gap(loss: LossConfig, scored: Sequence[Scored], trainer_lp_N: torch.Tensor) -> dict[str, float]:
     """With loss.opd_baseline = 'same_engine': how far the teacher engine's logprobs of the student's
     tokens (its kernels, its precision) are from the trainer's, mean |difference| per token: the bias
     that baseline keeps out of the signal."""

@@ -1,7 +1,9 @@
-"""Cures for the privileged illusion: how the verifier's reward and the teacher's signal are
-combined into per-token credit. Each is a pure function of tensors, pinned against float64
-references in tests/test_credit.py, and each is one setting of `[loss]`:
+"""Per-token credit: the OPD advantage of each sampled token, the GRPO advantage of each
+rollout, and the cures for the privileged illusion that combine the two. Pure functions of
+tensors, pinned against float64 references written from each paper's formula in
+tests/training/test_advantages.py; `selfopd.training.loss` assembles them into the loss.
 
+The cures, each one setting of `[loss]`:
 - teacher-weighted GRPO (RLSD, arXiv 2604.03128), `loss.rlsd_weight`: the verifier decides
   the sign of a rollout's update, the teacher only redistributes its size over the tokens;
 - routing (SRPO, arXiv 2604.02288), `loss.opd_on = "failed"`: the teacher term only on
@@ -13,9 +15,9 @@ references in tests/test_credit.py, and each is one setting of `[loss]`:
   prompt's teacher term weighted by sqrt(p (1 - p)) of its group's pass rate.
 
 They compose: A_t = lambda_rl * A_grpo * rlsd_t + lambda_opd * w_b * clip(s_t), with
-s_t = teacher_lp_t - baseline_lp_t (baseline: the student, or the wrong-context teacher),
-rlsd_t the RLSD factor of s_t, and w_b the routing and pass-rate weight of rollout b.
-Shape letters as in `selfopd.training.objectives`.
+s_t = teacher_lp_t - baseline_lp_t (baseline: the student, the wrong-context teacher, or the
+teacher engine's own logprob after the student's prompt), rlsd_t the RLSD factor of s_t, and
+w_b the routing and pass-rate weight of rollout b. Shape letters as in `selfopd.training.loss`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,65 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from selfopd.training.objectives import group_means, grpo_advantage, opd_advantage
+
+def check_same_shape(**tensors: Tensor) -> None:
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) > 1:
+        raise ValueError(f"shape mismatch: {shapes}")
+
+
+def opd_advantage(teacher_lp_BT: Tensor, student_lp_BT: Tensor, mask_BT: Tensor, token_clip: float = 0.0) -> Tensor:
+    """Per-token OPD advantage A_t = teacher_lp_t - student_lp_t, detached, 0 off completions.
+
+    Reverse KL, KL(student || teacher) = E_{y ~ student}[log student(y) - log teacher(y)]:
+    p = student (the sampling distribution), q = teacher. A_t is MINUS the per-token sampled
+    estimate of it, so maximising A (gradient ascent on A * log student) lowers the reverse
+    KL: tokens the teacher likes more than the student get pushed up.
+
+    `token_clip` c > 0 clips A_t to [-c, c]: one token the teacher finds absurd (an answer
+    digit it would have copied, say) then cannot outweigh the rest of the sequence.
+    """
+    check_same_shape(teacher_lp_BT=teacher_lp_BT, student_lp_BT=student_lp_BT, mask_BT=mask_BT)
+    diff_BT = teacher_lp_BT.detach() - student_lp_BT.detach()
+    if token_clip > 0:
+        diff_BT = diff_BT.clamp(-token_clip, token_clip)
+    return torch.where(mask_BT.bool(), diff_BT, torch.zeros_like(diff_BT))
+
+
+def grpo_advantage(rewards_N: Tensor, group_ids_N: Tensor, eps: float = 1e-6) -> Tensor:
+    """GRPO advantage per sample: (r - mean_group) / (std_group + eps).
+
+    Groups are the n samples of one prompt, named by `group_ids_N` (any integers, in any
+    order, groups may differ in size). For the (num_prompts, n) layout pass
+    `torch.arange(num_prompts).repeat_interleave(n)` with the rewards flattened row-major.
+    std is the population std (divide by the group size, not size - 1): the normalised
+    group then has std ~1, a group of one is defined (advantage 0), and {0, 1} rewards
+    give +-1. A group whose rewards are all equal carries no signal and gets exactly 0
+    (never nan, and no rounding residue from the mean).
+    """
+    if rewards_N.ndim != 1 or rewards_N.shape != group_ids_N.shape:
+        raise ValueError(f"need 1-D rewards and group ids of one length, got {tuple(rewards_N.shape)} and {tuple(group_ids_N.shape)}")
+    rewards_N = rewards_N.detach()
+    if not rewards_N.is_floating_point():
+        rewards_N = rewards_N.float()
+    mean_G, group_N = group_means(rewards_N, group_ids_N)
+    zeros_G = rewards_N.new_zeros(mean_G.numel())
+    centred_N = rewards_N - mean_G[group_N]
+    std_G = group_means(centred_N**2, group_ids_N)[0].sqrt()
+    high_G = zeros_G.scatter_reduce(0, group_N, rewards_N, reduce="amax", include_self=False)
+    low_G = zeros_G.scatter_reduce(0, group_N, rewards_N, reduce="amin", include_self=False)
+    flat_N = (high_G == low_G)[group_N]
+    advantage_N = centred_N / (std_G[group_N] + eps)
+    return torch.where(flat_N, torch.zeros_like(advantage_N), advantage_N)
+
+
+def group_means(values_N: Tensor, group_ids_N: Tensor) -> tuple[Tensor, Tensor]:
+    """(the mean of `values_N` per group, (G,); each sample's group as a dense index 0..G-1, (N,)).
+    Groups are named by any integers, in any order, and may differ in size."""
+    _, group_N = torch.unique(group_ids_N, return_inverse=True)
+    zeros_G = values_N.new_zeros(int(group_N.max().item()) + 1 if group_N.numel() else 0)
+    count_G = zeros_G.index_add(0, group_N, torch.ones_like(values_N))
+    return zeros_G.index_add(0, group_N, values_N) / count_G, group_N
 
 
 def rlsd_lambda(step: int, start: float, decay_steps: int) -> float:
@@ -102,7 +162,7 @@ def cure_advantage(
 ) -> tuple[Tensor, Tensor]:
     """(the full sampled-token advantage, its GRPO part alone), both (B, T), detached, 0 off
     completions. With rlsd_lam = 0, every w_b = 1 and the student as baseline, this is
-    `objectives.combined_advantage` exactly. The GRPO part (with its RLSD factor) is what an
+    lambda_rl * A_grpo + lambda_opd * clip(teacher_lp - student_lp). The GRPO part (with its RLSD factor) is what an
     exact-divergence loss keeps as a policy gradient."""
     mask_BT = mask_BT.bool()
     signal_BT = opd_advantage(teacher_lp_BT, baseline_lp_BT, mask_BT)  # unclipped s_t, 0 off completions

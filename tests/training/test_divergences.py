@@ -1,4 +1,4 @@
-"""selfopd.engines.kernels, full-distribution variants: full-vocabulary reverse KL, forward KL and
+"""selfopd.training.divergences: full-vocabulary reverse KL, forward KL and
 JSD(beta), top-k reverse KL with a tail bucket, and the sampled-token estimator they
 generalise. Values and gradients are pinned against float64 references written straight
 from the definitions (log_softmax over the whole vocabulary)."""
@@ -10,8 +10,10 @@ import math
 import pytest
 import torch
 
-from selfopd.engines.kernels import full_vocab_divergence, token_logprobs_from_hidden, topk_reverse_kl, topk_tail_logprob
-from selfopd.training.objectives import masked_mean, opd_advantage, policy_gradient_loss
+from selfopd.engines.kernels import token_logprobs_from_hidden
+from selfopd.training.advantages import opd_advantage
+from selfopd.training.divergences import full_vocab_divergence, topk_reverse_kl, topk_tail_logprob
+from selfopd.training.loss import masked_mean, policy_gradient_loss
 
 torch.set_num_threads(1)  # the test machine's cores are shared; these tensors are tiny anyway
 

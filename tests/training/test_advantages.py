@@ -1,4 +1,4 @@
-"""selfopd.training.credit (the cures for the privileged illusion): each advantage against a float64
+"""selfopd.training.advantages (the OPD and GRPO advantages and the cures for the privileged illusion): each advantage against a float64
 reference written from its paper's formula, the policy-gradient loss's gradient against its
 analytic value, the identities (l = 0 is GRPO, routing with every rollout correct is GRPO, an
 empty-context teacher gives no contrastive signal), and each cure through a real train step."""
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from selfopd.config import ConfigError, load_config
-from selfopd.training.credit import (cure_advantage, mean_prompt_weight, opd_rollout_weights, pass_rate_weights, rlsd_factor,
+from selfopd.training.advantages import (cure_advantage, grpo_advantage, opd_advantage, mean_prompt_weight, opd_rollout_weights, pass_rate_weights, rlsd_factor,
                             rlsd_lambda)
 from selfopd.data.example import Example
-from selfopd.training.objectives import combined_advantage, policy_gradient_loss
+from selfopd.training.loss import policy_gradient_loss
 from selfopd.templating.wrong_context import failed_sibling_answers, wrong_example
 
 torch.set_num_threads(1)
@@ -92,11 +92,11 @@ def test_lambda_zero_is_grpo_exactly_and_plain_settings_are_the_old_advantage_ex
     teacher, student, mask, rewards, groups = (t.float() if t.is_floating_point() else t for t in _batch(1))
     ones = torch.ones(6, dtype=torch.float64)
     grpo_only, _ = cure_advantage(teacher, student, mask, rewards, groups, ones, 0.0, 1.0, rlsd_lam=0.0)
-    assert torch.equal(grpo_only, combined_advantage(teacher, student, mask, rewards, groups, lambda_opd=0.0, lambda_rl=1.0))
+    grpo_BT = torch.where(mask, grpo_advantage(rewards, groups)[:, None], 0.0)
+    assert torch.equal(grpo_only, grpo_BT)
     for lambda_opd, lambda_rl, clip in ((0.3, 1.0, 0.0), (1.0, 0.0, 0.0), (0.7, 0.5, 0.2)):
         mixed, _ = cure_advantage(teacher, student, mask, rewards, groups, ones, lambda_opd, lambda_rl, token_clip=clip)
-        assert torch.equal(mixed, combined_advantage(teacher, student, mask, rewards, groups, lambda_opd, lambda_rl,
-                                                     token_clip=clip))
+        assert torch.equal(mixed, lambda_rl * grpo_BT + lambda_opd * opd_advantage(teacher, student, mask, clip))
 
 
 def test_routing_trains_the_teacher_term_on_failed_rollouts_only():

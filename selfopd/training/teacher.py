@@ -1,0 +1,210 @@
+"""The teacher's side of a step, in one place: each rollout verified, the teacher's prompt
+built around the student's exact completion, and every (teacher prompt, completion) pair
+scored by the teacher engine.
+
+The prompt (`teacher_rows`): the teacher template rendered with the example's privileged
+context (reference answer, worked solution, hints), the student's question and completion,
+the verifier's feedback on it, and for a template that uses `demonstration` the text of a
+correct sibling of the same step (`selfopd.templating.demonstrations`). With
+`loss.opd_baseline = "wrong_context"` a second prompt gives the same template a wrong context
+(`selfopd.templating.wrong_context`); with `"same_engine"` the baseline is the student's own
+prompt, scored by the teacher engine.
+
+The scoring (`score_step`): in process, in the trainer's micro-batches, so that with the
+empty-context control the teacher computes exactly what the student does, bit for bit (same
+batch, same padding). An engine that schedules its own batches (vLLM: `Engine.batches_itself`)
+gets the whole step in one call, the baseline's pairs in the same call, each distinct sequence
+once. A full-vocabulary loss needs the teacher's whole next-token distributions: its final
+hidden states are computed once per micro-batch, kept for the loss, and the sampled tokens'
+logprobs read off them (the same numbers as a second forward: same weights, same batches)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from selfopd.config import FULL_VOCABULARY, TrainConfig
+from selfopd.data.example import Example
+from selfopd.engines.base import Engine, Rollout, TokenScores
+from selfopd.engines.kernels import token_logprobs_from_hidden
+from selfopd.engines.scoring import right_pad
+from selfopd.templating.context_limits import check_teacher_rows
+from selfopd.templating.demonstrations import pick_demonstrations
+from selfopd.templating.templates import PromptTemplate, prompt_token_ids, render_teacher
+from selfopd.templating.wrong_context import failed_sibling_answers, wrong_example
+from selfopd.verifiers import VerifyResult, verify_example
+
+Pairs = Sequence[tuple[list[int], list[int]]]
+States = tuple[torch.Tensor, torch.Tensor]  # the teacher's tempered final hidden states (B, C, H) and head (V, H)
+
+
+@dataclass(frozen=True)
+class TeacherSide:
+    """What the teacher side reads of a run; fixed for the run (`training.state.Run.teacher_side`)."""
+
+    config: TrainConfig
+    tokenizer: PreTrainedTokenizerBase
+    engine: Engine
+    template: PromptTemplate
+    demonstration_fallback: PromptTemplate | None  # set iff the template uses `demonstration`
+    per_micro: int  # rollouts per trainer micro-batch (the in-process teacher's batches)
+    temperature: float  # the trained policy's temperature: the teacher's logits are tempered alike
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One rollout with everything the loss needs."""
+
+    example: Example
+    group: int  # index of its prompt in the step: GRPO groups
+    rollout: Rollout
+    reward: float
+    correct: bool
+    teacher_logprobs: torch.Tensor  # (T,) over the completion tokens
+    teacher_prompt: list[int]
+    teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None  # (T, k) ids and logprobs, when the loss needs them
+    demonstration: str | None = None  # the sibling's text the teacher saw (None: none, or not used)
+    # (T,) the teacher engine under the baseline prompt of loss.opd_baseline (a wrong context, or the
+    # student's own prompt for 'same_engine'); None for 'student'.
+    baseline_logprobs: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class TeacherRow:
+    """One rollout, its verdict and what the teacher is shown."""
+
+    example: Example
+    group: int
+    rollout: Rollout
+    verdict: VerifyResult
+    prompt_ids: list[int]
+    demonstration: str | None
+    wrong_prompt_ids: list[int] | None  # the wrong-context prompt, when the loss contrasts with one
+
+
+def teacher_step(side: TeacherSide, step: int, examples: Sequence[Example], student_messages: Sequence[list[dict]],
+                 groups: Sequence[Sequence[Rollout]], first_group: int) -> tuple[list[Scored], list[States]]:
+    """This rank's prompt groups verified, shown to the teacher and scored: (a Scored per rollout, in
+    order, and the teacher's states per micro-batch for a full-vocabulary loss). `step` is the
+    number of steps taken (seeds the choice of demonstrations and wrong answers)."""
+    rows = teacher_rows(side, step, examples, student_messages, groups, first_group)
+    return score_rows(side, rows, step)
+
+
+def teacher_rows(side: TeacherSide, step: int, examples: Sequence[Example], student_messages: Sequence[list[dict]],
+                 groups: Sequence[Sequence[Rollout]], first_group: int) -> list[TeacherRow]:
+    """The rows of this rank's prompt groups, in order (group `first_group` first)."""
+    cfg = side.config
+    contrastive = cfg.loss.opd_baseline == "wrong_context"
+    # Feedback against the wrong answer only where a template shows feedback (verifying costs time).
+    shows_feedback = any("feedback" in t.variables for t in (side.template, side.demonstration_fallback) if t)
+    rows = []
+    for group, (example, messages, rollouts) in enumerate(zip(examples, student_messages, groups), first_group):
+        verdicts = [verify_example(r.text, example, partial_credit=cfg.loss.partial_credit) for r in rollouts]
+        correct = [v.correct for v in verdicts]
+        demonstrations = (pick_demonstrations([r.text for r in rollouts], correct, seed=cfg.run.seed, step=step,
+                                              group=group, skip_self=cfg.teacher.skip_self_success)
+                          if side.demonstration_fallback is not None else [None] * len(rollouts))
+        wrong_answers = (failed_sibling_answers([v.extracted for v in verdicts], correct, seed=cfg.run.seed,
+                                                step=step, group=group) if contrastive else [None] * len(rollouts))
+        other = examples[(group - first_group + 1) % len(examples)]  # another prompt's solution and hints
+        for rollout, verdict, demonstration, wrong_answer in zip(rollouts, verdicts, demonstrations, wrong_answers):
+            def prompt(shown: Example, feedback: str) -> list[int]:
+                return prompt_token_ids(side.tokenizer, render_teacher(
+                    side.template, shown, messages, rollout.text, feedback, demonstration,
+                    side.demonstration_fallback))
+
+            wrong = wrong_example(example, other, seed=cfg.run.seed, answer=wrong_answer) if contrastive else None
+            wrong_ids = None
+            if wrong is not None:  # verifier feedback, too, as if the wrong answer were the reference
+                wrong_ids = prompt(wrong, verify_example(rollout.text, wrong).feedback if shows_feedback
+                                   else verdict.feedback)
+            rows.append(TeacherRow(example, group, rollout, verdict, prompt(example, verdict.feedback), demonstration,
+                                   wrong_ids))
+    return rows
+
+
+def score_rows(side: TeacherSide, rows: Sequence[TeacherRow], step: int) -> tuple[list[Scored], list[States]]:
+    """The teacher's logprobs of each row's completion after its prompt (and, for the loss's
+    baseline, after the baseline prompt), once every prompt is known to fit the teacher's context."""
+    loss = side.config.loss
+    check_teacher_rows([(r.example.id, ids, r.rollout.completion_ids) for r in rows
+                        for ids in (r.prompt_ids, r.wrong_prompt_ids) if ids is not None], side.engine, step + 1)
+    top_k = loss.top_k if loss.divergence == "topk_reverse_kl" else 0
+    baseline_pairs = ([(r.wrong_prompt_ids, r.rollout.completion_ids) for r in rows]
+                      if loss.opd_baseline == "wrong_context"
+                      else [(r.rollout.prompt_ids, r.rollout.completion_ids) for r in rows]
+                      if loss.opd_baseline == "same_engine" else None)
+    scores, states, baseline_scores = score_step(
+        side.engine, [(r.prompt_ids, r.rollout.completion_ids) for r in rows], baseline_pairs, side.per_micro, top_k,
+        side.temperature, keep_states=loss.divergence in FULL_VOCABULARY)
+    scored = [Scored(r.example, r.group, r.rollout, r.verdict.reward, r.verdict.correct, s.logprobs, r.prompt_ids,
+                     (s.topk_ids, s.topk_logprobs) if top_k else None, r.demonstration,
+                     base.logprobs if base is not None else None)
+              for r, s, base in zip(rows, scores, baseline_scores or [None] * len(rows))]
+    return scored, states
+
+
+def score_step(engine: Engine, pairs: Pairs, baseline_pairs: Pairs | None, per_micro: int, top_k: int,
+               temperature: float, keep_states: bool) -> tuple[list[TokenScores], list[States], list[TokenScores] | None]:
+    """(a TokenScores per pair, the teacher's states per micro-batch when `keep_states`, a TokenScores
+    per baseline pair or None). The baseline pairs (a wrong context, the student's own prompt) are
+    scored with top_k 0, a sampled-token signal."""
+    if getattr(engine, "batches_itself", False) and not keep_states:
+        if baseline_pairs and top_k:
+            raise ValueError("a baseline pass scores the sampled token only (top_k 0)")
+        together = list(pairs) + list(baseline_pairs or [])
+        scores = score_distinct(engine, together, top_k if not baseline_pairs else 0, temperature)
+        return scores[: len(pairs)], [], (scores[len(pairs):] if baseline_pairs is not None else None)
+    scores, states = score_in_micro_batches(engine, pairs, per_micro, top_k, temperature, keep_states)
+    baseline = (score_in_micro_batches(engine, baseline_pairs, per_micro, 0, temperature, False)[0]
+                if baseline_pairs is not None else None)
+    return scores, states, baseline
+
+
+def score_distinct(engine: Engine, pairs: Pairs, top_k: int, temperature: float) -> list[TokenScores]:
+    """`engine.score` of each distinct (prompt, completion) once, shared by the rows that repeat it: a
+    GRPO group's identical samples, a baseline row identical to its teacher row (the empty-context
+    control with `same_engine`). vLLM's batches do not promise equal numbers for equal rows (bf16
+    kernels differ with the batch's shape), and a difference there is noise, never signal."""
+    first: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+    distinct = []
+    for prompt, completion in pairs:
+        key = (tuple(prompt), tuple(completion))
+        if key not in first:
+            first[key] = len(distinct)
+            distinct.append((prompt, completion))
+    scores = engine.score(distinct, top_k=top_k, temperature=temperature)
+    return [scores[first[(tuple(prompt), tuple(completion))]] for prompt, completion in pairs]
+
+
+def score_in_micro_batches(engine: Engine, pairs: Pairs, per_micro: int, top_k: int, temperature: float,
+                           keep_states: bool) -> tuple[list[TokenScores], list[States]]:
+    """(a TokenScores per pair, and per micro-batch the teacher's states when `keep_states`)."""
+    scores: list[TokenScores] = []
+    states: list[States] = []
+    for start in range(0, len(pairs), per_micro):
+        micro = pairs[start : start + per_micro]
+        if not keep_states:
+            scores.extend(engine.score(micro, top_k=top_k, temperature=temperature))
+            continue
+        hidden_BCH, head_VH = engine.completion_states(micro, temperature)
+        states.append((hidden_BCH, head_VH))
+        scores.extend(scores_from_states(hidden_BCH, head_VH, [completion for _, completion in micro]))
+    return scores, states
+
+
+@torch.no_grad()
+def scores_from_states(hidden_BCH: torch.Tensor, head_VH: torch.Tensor,
+                       completions: Sequence[list[int]]) -> list[TokenScores]:
+    """The logprob of each completion token under the distributions `completion_states` gave,
+    as an engine's `score` computes it (fp32 head, on the CPU)."""
+    ids_BC, mask_BC = right_pad(completions, pad_id=0)
+    device = hidden_BCH.device
+    logprobs_BC = token_logprobs_from_hidden(hidden_BCH, head_VH, ids_BC.to(device), mask_BT=mask_BC.to(device))
+    logprobs_BC = logprobs_BC.float().cpu()
+    return [TokenScores(logprobs=logprobs_BC[row, : len(completion)].clone())
+            for row, completion in enumerate(completions)]

@@ -1,0 +1,96 @@
+"""selfopd.training.teacher: what the teacher is shown for each rollout (verdict, privileged
+context, the student's exact completion, the wrong-context baseline) and what it scores, driven
+directly with the packaged tokenizer, the shipped templates and a real (tiny) in-process engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from selfopd.config import ConfigError, load_config
+from selfopd.data.example import Example
+from selfopd.engines.base import Rollout
+from selfopd.engines.build import load_model
+from selfopd.engines.local import LocalEngine
+from selfopd.templating.templates import load_template, prompt_token_ids, render_student, render_teacher
+from selfopd.training.teacher import TeacherSide, score_rows, teacher_rows
+
+torch.set_num_threads(1)
+
+EXAMPLES = [Example(id="toy/1", prompt="What is 3 + 4?", answer="7"),
+            Example(id="toy/2", prompt="What is 10 - 8?", answer="2")]
+TEXTS = [["3 + 4 = 7. The answer is 7.", "The answer is 9.", "The answer is 5."],
+         ["10 - 8 = 2. The answer is 2.", "The answer is 2.", "The answer is 12."]]
+
+
+def _side(model_dir, engine, template: str = "teacher/reference_answer", *overrides: str) -> TeacherSide:
+    config = load_config(None, [f"model.student={model_dir}", f"teacher.template={template}", *overrides])
+    _, tokenizer = load_model(model_dir)
+    return TeacherSide(config, tokenizer, engine, load_template(template), None, per_micro=3, temperature=1.0)
+
+
+def _groups(side: TeacherSide):
+    student = load_template("student/plain")
+    messages = [render_student(student, e) for e in EXAMPLES]
+    groups = []
+    for m, texts in zip(messages, TEXTS):
+        prompt_ids = prompt_token_ids(side.tokenizer, m)
+        groups.append([Rollout(prompt_ids, side.tokenizer.encode(t, add_special_tokens=False), [0.0] * 3, "stop", t)
+                       for t in texts])
+    return messages, groups
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    model, tokenizer = load_model(tiny_model_dir)
+    return LocalEngine(model, tokenizer, batch_size=8)
+
+
+def test_each_rollout_is_verified_and_shown_with_its_privileged_context(tiny_model_dir, engine):
+    side = _side(tiny_model_dir, engine)
+    messages, groups = _groups(side)
+    rows = teacher_rows(side, 0, EXAMPLES, messages, groups, first_group=4)
+    assert [r.group for r in rows] == [4, 4, 4, 5, 5, 5]
+    assert [r.verdict.correct for r in rows] == [True, False, False, True, True, False]
+    for row in rows:
+        expected = prompt_token_ids(side.tokenizer, render_teacher(side.template, row.example,
+                                                                   messages[row.group - 4], row.rollout.text,
+                                                                   row.verdict.feedback, None, None))
+        assert row.prompt_ids == expected
+        shown = side.tokenizer.decode(row.prompt_ids)
+        assert f"final answer {row.example.answer}" in shown and row.example.prompt in shown
+        assert row.wrong_prompt_ids is None and row.demonstration is None
+
+
+def test_a_wrong_context_shows_a_failed_siblings_answer(tiny_model_dir, engine):
+    side = _side(tiny_model_dir, engine, "teacher/reference_answer", "loss.opd_baseline=wrong_context")
+    messages, groups = _groups(side)
+    rows = teacher_rows(side, 0, EXAMPLES, messages, groups, first_group=0)
+    for row in rows:
+        wrong = side.tokenizer.decode(row.wrong_prompt_ids)
+        assert f"final answer {row.example.answer}" not in wrong and row.example.prompt in wrong
+    # group 0: rows 0 and 1 see a failed sibling's answer (9 or 5); row 2 sees 9 (the only other failure)
+    assert "final answer 9" in side.tokenizer.decode(rows[2].wrong_prompt_ids)
+
+
+def test_scores_are_the_engines_on_the_exact_ids_and_the_empty_context_control_is_zero(tiny_model_dir, engine):
+    side = _side(tiny_model_dir, engine, "teacher/empty", "loss.opd_baseline=same_engine")
+    messages, groups = _groups(side)
+    rows = teacher_rows(side, 0, EXAMPLES, messages, groups, first_group=0)
+    scored, states = score_rows(side, rows, step=0)
+    assert states == [] and [s.correct for s in scored] == [r.verdict.correct for r in rows]
+    pairs = [(r.prompt_ids, r.rollout.completion_ids) for r in rows]
+    direct = engine.score(pairs[:3]) + engine.score(pairs[3:])  # in the trainer's micro-batches: bit for bit
+    for s, d, row in zip(scored, direct, rows):
+        assert row.prompt_ids == row.rollout.prompt_ids  # teacher/empty: the student's own prompt
+        assert torch.equal(s.teacher_logprobs, d.logprobs) and len(s.teacher_logprobs) == len(row.rollout.completion_ids)
+        assert torch.equal(s.baseline_logprobs, s.teacher_logprobs)  # no privileged context, no signal
+
+
+def test_a_prompt_past_the_teachers_context_stops_the_step_naming_the_row(tiny_model_dir, engine, monkeypatch):
+    side = _side(tiny_model_dir, engine)
+    messages, groups = _groups(side)
+    rows = teacher_rows(side, 6, EXAMPLES, messages, groups, first_group=0)
+    monkeypatch.setattr(LocalEngine, "max_scored_tokens", property(lambda self: 40))
+    with pytest.raises(ConfigError, match=r"step 7, data row 'toy/1'.*exceeds the teacher's context of 40"):
+        score_rows(side, rows, step=6)
