@@ -41,7 +41,7 @@ check: model
 # Each demo run gets its own folder under runs/, so running it again never clobbers results.
 DEMO_NAME ?= demo-$(shell date +%Y%m%d-%H%M%S)
 demo: model
-	$(BIN)/selfopd train experiments/demo.toml --set run.name=$(DEMO_NAME)
+	$(BIN)/selfopd train experiments/demo/demo.toml --set run.name=$(DEMO_NAME)
 
 # docs/reference/config.md and cli.md, generated from the config schema and the CLI's parser
 # (a test fails when they are stale).
@@ -72,4 +72,4 @@ $(TRL_VENV)/.installed: Makefile
 	touch $@
 
 bench-trl: model $(TRL_VENV)/.installed
-	$(BIN)/python experiments/benchmarks/vs_trl.py --trl-python $(TRL_VENV)/bin/python
+	$(BIN)/python -m experiments.benchmarks.vs_trl --trl-python $(TRL_VENV)/bin/python

@@ -4,7 +4,7 @@ The public API, imported lazily so that `import selfopd` (and the CLI's --help) 
 instant; each name lives in the module listed in `_EXPORTS`:
 
     import selfopd
-    config = selfopd.load_config("experiments/demo.toml", ["run.steps=4"])
+    config = selfopd.load_config("experiments/demo/demo.toml", ["run.steps=4"])
     run_dir = selfopd.train(config)
 """
 

@@ -92,7 +92,7 @@ def check_tempered_logprobs(engine, model, tokenizer):
 
 def train_demo_steps(tmp_path, name, settings, steps: int = 2, launcher=("-m", "selfopd"),
                      probe=("probe/max_abs_diff", TOLERANCE)):
-    """`selfopd train experiments/demo.toml` cut to `steps` short steps with `settings` (`--set`
+    """`selfopd train experiments/demo/demo.toml` cut to `steps` short steps with `settings` (`--set`
     values), in a subprocess (`launcher`: another module such as torch.distributed.run);
     checks it ran every step with every probe within `probe` (its metric, its bound: fp32's
     max gap by default); returns the step metrics."""
@@ -105,7 +105,7 @@ def train_demo_steps(tmp_path, name, settings, steps: int = 2, launcher=("-m", "
     short = [f"run.out_dir={tmp_path}", f"run.name={name}", f"run.steps={steps}", "run.progress=false",
              "data.eval_size=8", "rollout.prompts_per_step=2", "optim.micro_batch_prompts=2", "rollout.max_tokens=16",
              "rollout.temperature=1.0"]
-    command = [sys.executable, *launcher, "train", str(root / "experiments/demo.toml"),
+    command = [sys.executable, *launcher, "train", str(root / "experiments/demo/demo.toml"),
                *[f"--set={item}" for item in [*short, *settings]]]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=root)
     assert result.returncode == 0, result.stderr[-5000:]

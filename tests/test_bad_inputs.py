@@ -192,7 +192,7 @@ def finished_run(tmp_path_factory, tiny_model_dir) -> Path:
     """A one-step run with its checkpoint, as `selfopd train` leaves it."""
     out = tmp_path_factory.mktemp("finished")
     sets = [*SMALL, f"model.student={tiny_model_dir}", f"run.out_dir={out}", "run.name=done", "run.steps=1"]
-    assert main(["train", "experiments/demo.toml", *[arg for s in sets for arg in ("--set", s)]]) == 0
+    assert main(["train", "experiments/demo/demo.toml", *[arg for s in sets for arg in ("--set", s)]]) == 0
     return out / "done"
 
 

@@ -33,7 +33,7 @@ def _write(tmp_path: Path, arms: str, extra: str = "", compare_extra: str = "") 
         f"""[compare]
 name = "cmp"
 out_dir = "{tmp_path / 'runs'}"
-base = "{ROOT / 'experiments' / 'demo.toml'}"
+base = "{ROOT / 'experiments' / 'demo' / 'demo.toml'}"
 set = {json.dumps(SHARED)}
 {compare_extra}
 {extra}
@@ -53,7 +53,7 @@ set = ["loss.lambda_opd=0", "loss.lambda_rl=1"]
 
 
 def test_the_shipped_comparison_parses_and_every_arm_shares_the_budget():
-    compare = load_compare_config(ROOT / "experiments" / "self_vs_external.toml")
+    compare = load_compare_config(ROOT / "experiments" / "self_vs_external" / "compare.toml")
     configs = arm_configs(compare, Path("/nowhere/sft/model"))
     arms = ["self_answer_note", "self_feedback", "frozen_answer_note", "external_sft", "grpo_only", "grpo_opd"]
     assert list(configs) == [(arm, seed) for seed in (0, 1, 2) for arm in arms]  # seed by seed
@@ -251,7 +251,7 @@ def test_two_arms_two_seeds_share_the_base_eval_skip_when_finished_and_report_po
 def test_show_config_prints_the_resolved_comparison_and_trains_nothing(tmp_path, capsys):
     import tomllib
 
-    config = ROOT / "experiments" / "self_vs_external.toml"
+    config = ROOT / "experiments" / "self_vs_external" / "compare.toml"
     assert main(["compare", str(config), "--show-config", "--set", "run.steps=4", "--set", f"compare.out_dir={tmp_path}"
                  ]) == 1  # compare.* is not a training setting: refused by name
     assert "[compare]: unknown section" in capsys.readouterr().err

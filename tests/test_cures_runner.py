@@ -1,27 +1,26 @@
 """experiments/cures/run.py keeps the comparison across checkouts: a finished run's records
-(not its weights) are archived, and a new checkout's runner copies them back so the
-comparison skips them."""
+(not its weights) are archived in one .tar.xz file, and a new checkout's runner copies them
+back so the comparison skips them."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
+import importlib
 import json
 from pathlib import Path
 
 import pytest
 
 from selfopd.comparisons.compare import load_compare_config
+from selfopd.comparisons.records import RecordArchive
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def runner(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("cures_run", ROOT / "experiments" / "cures" / "run.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    monkeypatch.setattr(module, "ARCHIVE", tmp_path / "archive")
+    module = importlib.import_module("experiments.cures.run")
+    monkeypatch.setattr(module, "ARCHIVE", tmp_path / "cures_runs.tar.xz")
     monkeypatch.setattr(module, "SELECTION", tmp_path / "selection_shipped.json")
     return module
 
@@ -51,9 +50,9 @@ def test_a_finished_run_is_archived_without_weights_and_restored_into_a_new_chec
     (config.folder / "timing.jsonl").write_text('{"what": "rlsd seed 1"}\n')
     runner.archive(config, run_dir)
 
-    archived = runner.ARCHIVE / "cures_demo" / "arms" / "rlsd" / "seed1"
-    assert {str(p.relative_to(archived)) for p in archived.rglob("*") if p.is_file()} == set(records)
-    assert (runner.ARCHIVE / "cures_demo" / "timing.jsonl").read_text() == '{"what": "rlsd seed 1"}\n'
+    archive = RecordArchive(runner.ARCHIVE, "cures_demo")  # rollouts not in the current format are kept whole
+    assert set(archive.names("arms/rlsd/seed1")) == set(records)
+    assert archive.read("timing.jsonl") == b'{"what": "rlsd seed 1"}\n'
 
     fresh_out = tmp_path / "new_checkout" / "runs"
     runner.SELECTION.write_text(json.dumps({"selected": "three_sums"}))
@@ -72,9 +71,7 @@ def test_a_finished_run_is_archived_without_weights_and_restored_into_a_new_chec
 
 
 def test_an_unfinished_run_is_not_restored(runner, tmp_path):
-    unfinished = runner.ARCHIVE / "cures_demo" / "arms" / "routing" / "seed0"
-    unfinished.mkdir(parents=True)
-    (unfinished / "metrics.jsonl").write_text("{}\n")
+    RecordArchive(runner.ARCHIVE).write({"cures_demo/arms/routing/seed0/metrics.jsonl": b"{}\n"})
     config = dataclasses.replace(load_compare_config(ROOT / "experiments" / "cures" / "arms.toml"), out_dir=tmp_path / "runs")
     runner.restore(tmp_path / "runs", [config])
     assert not (tmp_path / "runs" / "cures_demo" / "arms" / "routing").exists()
@@ -90,7 +87,7 @@ def test_a_restored_run_without_weights_is_said_and_not_evaluated(runner, tmp_pa
 
 def test_a_task_whose_runs_were_not_kept_is_read_from_its_shipped_summary_until_a_run_exists(runner, tmp_path):
     config = dataclasses.replace(load_compare_config(ROOT / "experiments" / "cures" / "arms.toml"), out_dir=tmp_path)
-    rows = json.loads((ROOT / "experiments" / "results" / "cures_demo_summary.json").read_text())
+    rows = json.loads((ROOT / "experiments" / "cures" / "results" / "cures_demo_summary.json").read_text())
     assert runner.shipped_rows("demo", config) == rows
     changes = runner.primary_changes("demo", config)
     assert changes == {row["name"]: row["vs_reference"]["mean"] for row in rows if row["name"] != "grpo_only"}

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_one_demo_step_trains_the_real_model(tmp_path, smollm2_dir):
     sets = ["run.steps=1", f"run.out_dir={tmp_path}", "run.name=demo-step", "run.progress=false",
             "data.eval_size=8", "eval.batch_size=8"]
-    assert main(["train", str(ROOT / "experiments" / "demo.toml"), *[a for s in sets for a in ("--set", s)]]) == 0
+    assert main(["train", str(ROOT / "experiments" / "demo" / "demo.toml"), *[a for s in sets for a in ("--set", s)]]) == 0
     run_dir = tmp_path / "demo-step"
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     (step,) = [line for line in lines if "loss/pg" in line]

@@ -173,8 +173,8 @@ def test_notebook_runs_with_its_defaults(notebook, runs, tmp_path):
     whose runs/ holds the two small runs: it finds the project folder and the newest run itself."""
     project = tmp_path / "project"
     (project / "notebooks").mkdir(parents=True)
-    (project / "experiments").mkdir()
-    shutil.copy(ROOT / "experiments" / "demo.toml", project / "experiments")
+    (project / "experiments" / "demo").mkdir(parents=True)
+    shutil.copy(ROOT / "experiments" / "demo" / "demo.toml", project / "experiments" / "demo")
     (project / "runs").mkdir()
     for label in ("leaky", "clean"):  # clean trained last: the newest run
         (project / "runs" / label).symlink_to(runs[label])

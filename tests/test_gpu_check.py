@@ -1,9 +1,10 @@
-"""The prepared GPU check (experiments/benchmarks/gpu_check.py) cannot rot: its whole plumbing
-runs here on the CPU with a tiny random Qwen3, one step per case."""
+"""The prepared GPU checks (experiments/benchmarks/gpu_check.py: `trainer` and `vllm`) cannot rot:
+the trainer check's whole plumbing runs here on the CPU with a tiny random Qwen3, one step per
+case, from a bare copy of the tree through gpu_check.sh; the vLLM check plans its layout."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import math
 import os
@@ -16,16 +17,13 @@ import pytest
 
 pytestmark = pytest.mark.slow  # minutes of real processes: the whole suite only (make test)
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "benchmarks" / "gpu_check.py"
+ROOT = Path(__file__).resolve().parents[1]
+MODULE = "experiments.benchmarks.gpu_check"
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(MODULE)
 
 
 def test_cpu_plumbing_reports_every_case(gpu_check, smollm2_dir, tmp_path):
@@ -72,50 +70,37 @@ def test_ignored_settings_are_named(gpu_check):
                                       "total_params": 10})
 
 
-def test_the_check_runs_from_a_bare_copy_of_the_tree_with_selfopd_not_installed(smollm2_dir, tmp_path):
+def test_the_check_runs_from_a_bare_copy_of_the_tree_with_selfopd_not_installed(gpu_check, smollm2_dir, tmp_path):
     """The GPU machine gets a copy of the tree and no `pip install`: its dry run (imports, a tiny
-    model, every case's config, the weight push's wire) must pass from such a copy, with the
-    editable install's import hook removed, `selfopd.verifiers` and `selfopd.prompts` included."""
-    root = SCRIPT.parents[2]
+    model, every case's config, the weight push's wire), started by gpu_check.sh, must pass from
+    such a copy, with the editable install's import hook removed, `selfopd.verifiers` and
+    `selfopd.prompts` included."""
     tree = tmp_path / "tree"
-    for folder in ("selfopd", "verifiers", "prompts", "experiments/benchmarks"):
-        shutil.copytree(root / folder, tree / folder, ignore=shutil.ignore_patterns("__pycache__", "results"))
-    unhooked = ("import runpy, sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
-                "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
-    result = subprocess.run([sys.executable, "-c", unhooked, "experiments/benchmarks/gpu_check.py", "--dry-run",
-                             "--device", "cpu", "--tokenizer", str(smollm2_dir), "--out", str(tmp_path / "dry.json")],
-                            cwd=tree, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "PYTHONPATH": ""})
+    for folder in ("selfopd", "verifiers", "prompts", "experiments"):
+        shutil.copytree(ROOT / folder, tree / folder, ignore=shutil.ignore_patterns("__pycache__", "results"))
+    python = tmp_path / "python"  # this Python as the GPU machine's: without the editable install's hook
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} -c \"import runpy, sys; sys.meta_path[:] = [f for f in "
+                      "sys.meta_path if 'editable' not in repr(f).lower()]; assert sys.argv[1] == '-m'; "
+                      "sys.argv = sys.argv[2:]; runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\" \"$@\"\n")
+    python.chmod(0o755)
+    result = subprocess.run(["bash", "../experiments/benchmarks/gpu_check.sh", "--dry-run", "--device", "cpu",
+                             "--tokenizer", str(smollm2_dir), "--out", str(tmp_path / "dry.json")],
+                            cwd=tree / "prompts", capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "PYTHONPATH": "", "PYTHON": str(python)})
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "dry.json").read_text())
     assert report["selfopd"] == str(tree / "selfopd")  # this copy, not the installed checkout
     assert report["transfer"]["verdict"] == "pass" and report["transfer"]["post_step_bytes_sent"]
-    assert report["cases"] == sorted(case.name for case in gpu_check_module().CASES)
-
-
-def gpu_check_module():
-    spec = importlib.util.spec_from_file_location("gpu_check_cases", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check_cases"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-VLLM_CHECK = SCRIPT.parents[1] / "gpu_check.py"
+    assert report["cases"] == sorted(case.name for case in gpu_check.CASES)
 
 
 @pytest.mark.parametrize("gpus, teacher_gpu", [(2, 1), (3, 2), (8, 2)])
-def test_the_vllm_check_plans_a_layout_that_passes_the_layout_rules(gpus, teacher_gpu, capsys, monkeypatch):
-    """experiments/gpu_check.py places itself as a run would: the trainer on GPU 0, the servers on
+def test_the_vllm_check_plans_a_layout_that_passes_the_layout_rules(gpu_check, gpus, teacher_gpu, capsys):
+    """`gpu_check vllm` places itself as a run would: the trainer on GPU 0, the servers on
     others; its plan passes `check_layout` (a trainer and a server on one GPU never would)."""
-    spec = importlib.util.spec_from_file_location("vllm_gpu_check", VLLM_CHECK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--plan", f"--gpus={gpus}"])
-    assert module.main() == 0
+    assert gpu_check.main(["vllm", "--plan", f"--gpus={gpus}"]) == 0
     table = capsys.readouterr().out
     assert "trainer local rank 0 (weight-sync NCCL rank 0)" in table and "student server :8100" in table
     assert f"  {teacher_gpu}    " in table and "teacher server :8101" in table.split(f"  {teacher_gpu}    ")[1].split("\n")[0]
-    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--plan", "--gpus=1"])
-    assert module.main() == 2
+    assert gpu_check.main(["vllm", "--plan", "--gpus=1"]) == 2
     assert "needs 2 GPUs or more" in capsys.readouterr().err

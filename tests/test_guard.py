@@ -153,7 +153,7 @@ def test_the_demo_recipe_runs_72_steps_without_a_false_alarm():
     committed per-step KL, accuracy and length-cap share: neither the KL-and-accuracy nor
     the length-cap condition fires in any window, though its accuracy is noisy (0.03-0.84)
     and its cut-off share falls from 0.81 to 0."""
-    per_step = json.loads((ROOT / "experiments" / "results" / "demo_3x_summary.json").read_text())["per_step"]
+    per_step = json.loads((ROOT / "experiments" / "demo" / "results" / "demo_3x_summary.json").read_text())["per_step"]
     history = [{"step": i + 1, **{key: values[i] for key, values in per_step.items()}}
                for i in range(len(per_step["reward/accuracy"]))]
     assert len(history) == 72
@@ -208,7 +208,7 @@ SMALL = ["data.spec=rg:chain_sum?min_terms=2&max_terms=2&size=60&seed=2", "data.
 def _train_argv(model: Path, out: Path, *sets: str) -> list[str]:
     pairs = [arg for s in (*SMALL, f"model.student={model}", f"run.out_dir={out}", "run.name=run", *sets)
              for arg in ("--set", s)]
-    return ["train", str(ROOT / "experiments" / "demo.toml"), *pairs]
+    return ["train", str(ROOT / "experiments" / "demo" / "demo.toml"), *pairs]
 
 
 def _metrics(run: Path) -> list[dict]:
@@ -263,7 +263,7 @@ def test_a_comparison_reports_an_arm_its_guard_stopped_and_runs_the_others(tmp_p
     path.write_text(f"""[compare]
 name = "cmp"
 out_dir = "{tmp_path / 'runs'}"
-base = "{ROOT / 'experiments' / 'demo.toml'}"
+base = "{ROOT / 'experiments' / 'demo' / 'demo.toml'}"
 set = {json.dumps(shared)}
 
 [arms.opd]

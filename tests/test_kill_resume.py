@@ -58,7 +58,7 @@ def _killed(result: subprocess.CompletedProcess) -> None:
 
 def _train(run_dir: Path, model: Path, kill_at: str = "", extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     sets = [*TRAIN, f"model.student={model}", f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}", *extra]
-    return _cli(["train", str(ROOT / "experiments" / "demo.toml"), *_sets(sets)], kill_at)
+    return _cli(["train", str(ROOT / "experiments" / "demo" / "demo.toml"), *_sets(sets)], kill_at)
 
 
 def _resume(run_dir: Path, kill_at: str = "") -> subprocess.CompletedProcess:
@@ -200,7 +200,7 @@ def _compare(folder: Path, model: Path, kill_at: str = "") -> subprocess.Complet
     shared += ["run.steps=2", "run.eval_every=0", "run.checkpoint_every=1", f"model.student={model}"]
     path = folder / "cmp.toml"
     folder.mkdir(exist_ok=True)
-    path.write_text(COMPARISON.format(out=folder, base=ROOT / "experiments" / "demo.toml", shared=json.dumps(shared)))
+    path.write_text(COMPARISON.format(out=folder, base=ROOT / "experiments" / "demo" / "demo.toml", shared=json.dumps(shared)))
     return _cli(["compare", str(path)], kill_at)
 
 

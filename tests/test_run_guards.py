@@ -39,7 +39,7 @@ def _sets(*sets: str) -> list[str]:
 
 
 def _train_argv(model: Path, out: Path, *sets: str) -> list[str]:
-    return ["train", str(ROOT / "experiments" / "demo.toml"),
+    return ["train", str(ROOT / "experiments" / "demo" / "demo.toml"),
             *_sets(*SMALL, f"model.student={model}", f"run.out_dir={out}", "run.name=run", *sets)]
 
 
@@ -197,7 +197,7 @@ def test_a_full_disk_stops_the_run_naming_the_file_with_the_last_checkpoint_inta
 
 def test_a_comparison_in_use_is_refused_with_the_pid_that_holds_it(tmp_path, capsys):
     config = tmp_path / "cmp.toml"
-    config.write_text(f'[compare]\nname = "cmp"\nbase = "{ROOT / "experiments" / "demo.toml"}"\nout_dir = "{tmp_path}"\n'
+    config.write_text(f'[compare]\nname = "cmp"\nbase = "{ROOT / "experiments" / "demo" / "demo.toml"}"\nout_dir = "{tmp_path}"\n'
                       'seeds = [0]\nset = ["run.steps=1"]\n\n[arms.only]\nset = ["optim.lr=1e-6"]\n')
     (tmp_path / "cmp").mkdir()
     with folder_lock(tmp_path / "cmp"):

@@ -54,8 +54,8 @@ def remote_code_model(tiny_model_dir, tmp_path):
 
 
 def _demo(*overrides):
-    """experiments/demo.toml with `overrides` (--set values); temperature 1, which vLLM engines need."""
-    return load_config(ROOT / "experiments/demo.toml", ["rollout.temperature=1.0", *overrides])
+    """experiments/demo/demo.toml with `overrides` (--set values); temperature 1, which vLLM engines need."""
+    return load_config(ROOT / "experiments/demo/demo.toml", ["rollout.temperature=1.0", *overrides])
 
 
 def test_a_model_that_needs_its_own_code_is_refused_unless_the_config_trusts_it(remote_code_model):

@@ -165,7 +165,7 @@ def test_rest_engines_sleeps_each_engine_with_a_sleep_once(smollm2_model, smollm
 
 
 def colocate_config(*extra):
-    return load_config(ROOT / "experiments/demo.toml", ["engine.kind=vllm_colocate", "rollout.temperature=1.0", *extra])
+    return load_config(ROOT / "experiments/demo/demo.toml", ["engine.kind=vllm_colocate", "rollout.temperature=1.0", *extra])
 
 
 @pytest.mark.parametrize("overrides, key, words", [

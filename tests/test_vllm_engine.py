@@ -158,7 +158,7 @@ def test_fixed_weight_engine_refuses_updates(servers):
 
 
 def train_config(servers, out_dir, *extra):
-    return load_config(ROOT / "experiments/demo.toml", [
+    return load_config(ROOT / "experiments/demo/demo.toml", [
         "engine.kind=vllm", f"engine.student_urls={servers['student']}", f"engine.teacher_url={servers['teacher']}",
         f"run.out_dir={out_dir}", "run.progress=false", "data.eval_size=8", "rollout.prompts_per_step=2",
         "rollout.samples_per_prompt=2", "optim.micro_batch_prompts=2", "rollout.max_tokens=16",

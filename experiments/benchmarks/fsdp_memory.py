@@ -1,15 +1,15 @@
 """What one rank holds under torchrun + FSDP2: bytes of weights, gradients and AdamW state
 per rank, 1 process vs N, measured after one real training step of the packaged SmolLM2.
 
-    python experiments/benchmarks/fsdp_memory.py              # N = 2 on CPU (gloo), about a minute
-    python experiments/benchmarks/fsdp_memory.py --ranks 4
+    python -m experiments.benchmarks.fsdp_memory              # N = 2 on CPU (gloo), about a minute
+    python -m experiments.benchmarks.fsdp_memory --ranks 4
 
 Each rank loads the model with selfopd's own loader, shards it as `selfopd train` does under
 torchrun (`selfopd.core.distributed.shard_model`: every decoder layer, then the rest), builds
 AdamW, runs one forward/backward of a completion loss on its share of a fixed batch and one
 optimizer step, then sums the local sizes of its parameter shards, their gradients and the
 optimizer state. Printed as a table; JSON in runs/benchmarks/ (the shipped
-copy: `--out experiments/results/fsdp_memory.json`).
+copy: `--out experiments/benchmarks/results/fsdp_memory.json`).
 """
 
 from __future__ import annotations

@@ -1,19 +1,26 @@
-"""Prepared GPU check of the in-process trainer: bf16 step time, tokens/s and peak memory of a
-Qwen3-1.7B-shaped model built at random, one tiny fp32 step on the GPU against the CPU, and
-bf16 against fp32 on the GPU.
+"""The prepared GPU checks, one entry point with two checks: `trainer` (the default) and `vllm`.
 
-Once, here (copies the packaged SmolLM2 tokenizer, 3.5 MB, into a gitignored folder):
+    python -m experiments.benchmarks.gpu_check --prepare                 # once, here: tokenizer files
+    bash experiments/benchmarks/gpu_check.sh --out $OUT/gpu_check.json   # the trainer check, one GPU
+    bash experiments/benchmarks/gpu_check.sh vllm                        # the vLLM check, 2+ GPUs
+    python -m experiments.benchmarks.gpu_check vllm --plan --gpus 2      # its layout, checked, anywhere
 
-    python experiments/benchmarks/gpu_check.py --prepare
+gpu_check.sh runs `python3 -m experiments.benchmarks.gpu_check ARGS` from the tree's root with
+PYTHONPATH=. (selfopd is imported from the copy of the tree, not installed) under a time limit
+(the trainer check 9 min 30 s, the vLLM check 8 min). Neither is run by CI.
 
-On a machine with one CUDA GPU (torch + transformers; no vLLM, no network needed), with the
-tree and that folder copied there; about 4-5 minutes, the script stops starting work after
-`--budget-s` (420 s):
+## trainer (default): the in-process trainer on one GPU
 
-    PYTHONUNBUFFERED=1 python3 experiments/benchmarks/gpu_check.py --out $OUT/gpu_check.json
+bf16 step time, tokens/s and peak memory of a Qwen3-1.7B-shaped model built at random, one tiny
+fp32 step on the GPU against the CPU, and bf16 against fp32 on the GPU. Once, here, `--prepare`
+copies the packaged SmolLM2 tokenizer (3.5 MB) into a gitignored folder; then on a machine with
+one CUDA GPU (torch + transformers; no vLLM, no network, no pip install needed), with the tree and
+that folder copied there, about 4-5 minutes (it starts no work after `--budget-s`, 420 s):
 
-Commit the JSON as experiments/results/gpu_check.json and replace
-experiments/results/gpu_check_status.md. Until then that status file says it has not run.
+    PYTHONUNBUFFERED=1 python3 -m experiments.benchmarks.gpu_check --out $OUT/gpu_check.json
+
+Commit the JSON as experiments/benchmarks/results/gpu_check.json and replace
+experiments/benchmarks/results/gpu_check_status.md. Until then that status file says it has not run.
 
 What it does, in order:
 1. says which of selfopd's dependencies are missing there and what each one costs; the
@@ -39,6 +46,27 @@ What it does, in order:
 Writes the JSON after every case (a killed run still leaves what it measured) and prints a
 table. `--device cpu --tiny` runs the same plumbing on the CPU in seconds
 (tests/test_gpu_check.py).
+
+## vllm: the weight push over NCCL into vLLM servers, and throughput
+
+    bash experiments/benchmarks/gpu_check.sh vllm                  # packaged SmolLM2, fp32, about 5 minutes
+    bash experiments/benchmarks/gpu_check.sh vllm --model Qwen/Qwen3-0.6B --dtype bfloat16 --tolerance 2e-2
+
+Needs at least two CUDA GPUs (NCCL refuses the trainer and a server worker on one GPU) and vLLM
+for GPUs (`pip install -e '.[gpu]'`). What it does, in order:
+
+1. places itself as a training run would (`selfopd.engines.gpu_layout.check_layout`): the
+   trainer on GPU 0, the student server on GPU 1, the teacher on GPU 2 when there is one, else
+   beside the student (two NCCL groups then: one GPU may not appear twice in one group);
+2. launches both servers with selfopd's weight-transfer engine and opens the push as a run
+   does (`selfopd.engines.serving.open_weight_transfers`: the trainer is rank 0);
+3. three rounds: perturb the trainer's weights, push them (packed NCCL broadcast, pause /
+   reset prefix cache / resume, version = round, digests compared on every worker), then check
+   both servers' prompt logprobs on a fixed sequence against the trainer's and their versions;
+4. rollout and scoring throughput through `VLLMEngine`.
+
+Prints a table and writes JSON (to $OUT when set, else runs/benchmarks/). Exits non-zero when a
+check fails. Not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -61,13 +89,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+import torch
+
+# selfopd is not installed on the GPU machine: `python -m` from the tree's root (gpu_check.sh) imports
+# it from the tree, and selfopd maps the tree's verifiers/ and prompts/ itself.
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))  # selfopd is not installed on the GPU machine: import it from this tree
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-import torch  # noqa: E402
 
 TOKENIZER_DIR = ROOT / ".cache" / "gpu_check_tokenizer"  # gitignored (.cache/), outside experiments/: result JSON lives there
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -534,7 +563,7 @@ def run_check(out: Path, device: str, tiny: bool, tokenizer_dir: Path, steps: in
     missing = missing_dependencies()
     print("missing packages:", ", ".join(f"{k} ({v})" for k, v in missing.items()) or "none", flush=True)
     if not (tokenizer_dir / "tokenizer.json").is_file():
-        raise SystemExit(f"{tokenizer_dir}: no tokenizer.json; run `python experiments/benchmarks/gpu_check.py "
+        raise SystemExit(f"{tokenizer_dir}: no tokenizer.json; run `python -m experiments.benchmarks.gpu_check "
                          "--prepare` here and carry .cache/gpu_check_tokenizer")
     big = dict(TINY) if tiny else json.loads(MODEL_CONFIG.read_text())
     shape = ({"prompts": 2, "samples": 2, "max_tokens": 8, "micro_batch_prompts": 1} if tiny else
@@ -607,7 +636,7 @@ def dry_run(out: Path, device: str, tokenizer_dir: Path, work_dir: Path) -> dict
     imported from this tree, a tiny model, every case's config, and the weight push's wire."""
     missing = missing_dependencies()
     if not (tokenizer_dir / "tokenizer.json").is_file():
-        raise SystemExit(f"{tokenizer_dir}: no tokenizer.json; run `python experiments/benchmarks/gpu_check.py "
+        raise SystemExit(f"{tokenizer_dir}: no tokenizer.json; run `python -m experiments.benchmarks.gpu_check "
                          "--prepare` here and carry .cache/gpu_check_tokenizer")
     import selfopd
     from selfopd.training.trainer import build_run, train_step  # noqa: F401  (what the cases call)
@@ -655,8 +684,9 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"bf16 vs fp32: {mixed.get('error', 'not run')}")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def trainer_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="gpu_check [trainer]", description="the in-process trainer on one GPU "
+                                     "(bf16 cases, device vs CPU, bf16 vs fp32, the push's wire)")
     parser.add_argument("--prepare", action="store_true", help="copy the SmolLM2 tokenizer to .cache/gpu_check_tokenizer/ and stop")
     parser.add_argument("--out", type=Path, help="the JSON (default: $OUT/ or runs/benchmarks/, gpu_check.json "
                         "for the real check, gpu_check_plumbing.json for --tiny or a CPU run)")
@@ -667,7 +697,7 @@ def main() -> int:
     parser.add_argument("--tokenizer", type=Path, default=TOKENIZER_DIR)
     parser.add_argument("--dry-run", action="store_true", help="imports, a tiny model, the cases' configs and the "
                         "weight push's wire on --device, in seconds; no timed step")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.prepare:
         print(f"tokenizer files in {prepare_tokenizer()}")
         return 0
@@ -687,6 +717,135 @@ def main() -> int:
     print_table(report)
     print(f"wrote {out}")
     return 0
+
+
+# --------------------------------------------------------------------------- the vLLM check
+
+
+def plan_config(model: str, dtype: str, gpus: int, eager: bool):
+    """The training config whose layout the vLLM check uses: trainer on GPU 0, servers on the others."""
+    from selfopd.config import load_config
+
+    teacher_gpu = 2 if gpus > 2 else 1
+    return load_config(ROOT / "experiments/demo/demo.toml", [
+        "engine.kind=vllm", "engine.weight_sync=nccl", "model.device=cuda:0", f"model.student={model}",
+        f"model.dtype={dtype}", "engine.student_gpus=1", f"engine.teacher_gpus={teacher_gpu}",
+        "engine.gpu_memory_utilization=0.4", "engine.max_model_len=2048", "rollout.temperature=1",
+        f"engine.compile={'off' if eager else 'auto'}", "run.progress=true"])
+
+
+def trainer_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion], device="cuda")).logits[0].float()
+    logprobs = logits.log_softmax(-1)[len(prompt) - 1 : -1]
+    return logprobs.gather(-1, torch.tensor(completion, device="cuda")[:, None])[:, 0].cpu()
+
+
+def vllm_main(argv: list[str]) -> int:
+    from selfopd.core.models import resolve_model
+    from selfopd.engines.base import SamplingParams
+    from selfopd.engines.gpu_layout import check_layout
+    from selfopd.engines.server_control import ServerControl
+    from selfopd.engines.serving import gpu_count, open_vllm_engines
+
+    parser = argparse.ArgumentParser(prog="gpu_check vllm", description="the weight push over NCCL into a student "
+                                     "and a teacher vLLM server, every push verified by digest, and throughput")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--tolerance", type=float, default=1e-3, help="max |server - trainer| logprob after a push")
+    parser.add_argument("--eager", action="store_true", help="no torch.compile / CUDA graphs (faster start)")
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--plan", action="store_true", help="print the checked layout and stop")
+    parser.add_argument("--gpus", type=int, help="with --plan: the GPUs of the machine to plan for (default: this one's)")
+    args = parser.parse_args(argv)
+    gpus = args.gpus if args.plan and args.gpus is not None else gpu_count()
+    if gpus < 2:
+        print(f"gpu_check: needs 2 GPUs or more (this machine: {gpus}): NCCL refuses the trainer and a server "
+              "worker on one GPU; `selfopd train --set engine.kind=vllm_colocate` is the one-GPU mode", file=sys.stderr)
+        return 2
+    config = plan_config(args.model, args.dtype, gpus, args.eager)
+    layout = check_layout(config, [0], gpus)  # a ConfigError names the rule broken
+    print(layout.table())
+    if args.plan:
+        return 0
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out_dir = Path(os.environ.get("OUT") or ROOT / "runs" / "benchmarks")
+    torch.cuda.set_device(0)
+    model_dir = str(resolve_model(args.model))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    report: dict = {"model": args.model, "dtype": args.dtype, "gpu": torch.cuda.get_device_name(0), "gpus": gpus,
+                    "checks": {}}
+    started = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        student, teacher = open_vllm_engines(config, out_dir / "gpu_check_logs", stack, progress=True, trainer_gpus=[0])
+        report["server_start_s"] = time.perf_counter() - started
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
+        messages = [{"role": "user", "content": "What is 17 + 25? Think step by step."}]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt = prompt if isinstance(prompt, list) else prompt["input_ids"]
+        completion = tokenizer.encode("17 + 25 = 42. The answer is 42.", add_special_tokens=False)
+        urls = [*student.urls, *teacher.urls]
+
+        rounds = []
+        originals = {name: p.detach().clone() for name, p in model.named_parameters()}
+        for version in (1, 2, 3):
+            torch.manual_seed(version)
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    param.copy_(originals[name] + 2e-3 * originals[name].std() * torch.randn_like(param))
+            student.update_weights(dict(model.named_parameters()), version)  # the self teacher shares the push
+            stats = dict(student.weight_sync.stats)
+            expected = trainer_logprobs(model, prompt, completion)
+            diffs = [(engine.score([(prompt, completion)])[0].logprobs - expected).abs().max().item()
+                     for engine in (student, teacher)]
+            versions = [ServerControl(url).version() for url in urls]
+            rounds.append({"version": version, **stats, "max_abs_diff": diffs, "server_versions": versions})
+            print(f"push {version}: {stats['sync/gigabytes']:.3f} GB in {stats['time/push']:.2f} s "
+                  f"({stats['sync/broadcasts']:.0f} broadcasts, {stats['sync/groups']:.0f} groups, verified in "
+                  f"{stats['time/push_verify']:.2f} s), |server - trainer| {diffs[0]:.2e} / {diffs[1]:.2e}, "
+                  f"versions {versions}", flush=True)
+        report["push_rounds"] = rounds
+        report["checks"]["every_push_verified_by_digest"] = all(r["time/push_verify"] > 0 for r in rounds)
+        report["checks"]["logprobs_within_tolerance"] = all(max(r["max_abs_diff"]) <= args.tolerance for r in rounds)
+        report["checks"]["versions_arrived"] = all(set(r["server_versions"]) == {str(r["version"])} for r in rounds)
+        report["push_seconds_per_gb_median"] = statistics.median(r["time/push"] / r["sync/gigabytes"] for r in rounds)
+
+        chat = [tokenizer.apply_chat_template([{"role": "user", "content": f"Explain how to add {i} and {3 * i + 7}."}],
+                                              add_generation_prompt=True) for i in range(args.prompts)]
+        prompts = [p if isinstance(p, list) else p["input_ids"] for p in chat]
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, n=args.samples, seed=0)
+        student.sample(prompts[:8], params)  # warm-up
+        tick = time.perf_counter()
+        groups = student.sample(prompts, params)
+        sample_s = time.perf_counter() - tick
+        rollouts = [r for g in groups for r in g]
+        generated = sum(len(r.completion_ids) for r in rollouts)
+        tick = time.perf_counter()
+        teacher.score([(r.prompt_ids, r.completion_ids) for r in rollouts])
+        score_s = time.perf_counter() - tick
+        report["rollout_tokens_per_s"] = generated / sample_s
+        report["scoring_tokens_per_s"] = sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts) / score_s
+        print(f"rollouts: {len(rollouts)} samples, {generated} tokens in {sample_s:.1f} s = "
+              f"{report['rollout_tokens_per_s']:.0f} tok/s; scoring {report['scoring_tokens_per_s']:.0f} tok/s")
+    report["total_s"] = time.perf_counter() - started
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report["checks"]), f"total {report['total_s']:.0f} s")
+    return 0 if all(report["checks"].values()) else 1
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`[trainer] ARGS` (the default) or `vllm ARGS`."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["vllm"]:
+        return vllm_main(argv[1:])
+    return trainer_main(argv[1:] if argv[:1] == ["trainer"] else argv)
 
 
 if __name__ == "__main__":

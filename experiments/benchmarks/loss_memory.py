@@ -1,8 +1,8 @@
 """Peak memory and time of each OPD loss, chunked (selfopd.engines.kernels) vs naive.
 
-    python experiments/benchmarks/loss_memory.py            # batch 8, length 1024, vocab 49152, hidden 576
-    python experiments/benchmarks/loss_memory.py --quick    # small sizes, to try it out
-    python experiments/benchmarks/loss_memory.py --chunk-size 128 --only reverse_kl,jsd
+    python -m experiments.benchmarks.loss_memory            # batch 8, length 1024, vocab 49152, hidden 576
+    python -m experiments.benchmarks.loss_memory --quick    # small sizes, to try it out
+    python -m experiments.benchmarks.loss_memory --chunk-size 128 --only reverse_kl,jsd
 
 Losses: sampled-token OPD (policy gradient on the sampled tokens' logprobs), top-k reverse
 KL with a tail bucket (teacher top-k as an engine returns it), full-vocabulary reverse KL,

@@ -1,7 +1,7 @@
 """Memory of the bf16 training scheme, measured, and why pure bf16 weights lose small updates.
 
-    python experiments/benchmarks/precision_memory.py                 # packaged SmolLM2-135M, CPU, < 1 min
-    python experiments/benchmarks/precision_memory.py --lr 1e-5
+    python -m experiments.benchmarks.precision_memory                 # packaged SmolLM2-135M, CPU, < 1 min
+    python -m experiments.benchmarks.precision_memory --lr 1e-5
 
 model.dtype = 'bfloat16' means fp32 master weights and fp32 AdamW state, forward and
 backward under bf16 autocast. Three schemes, one forward/backward of the same batch (a
@@ -18,7 +18,7 @@ share of weights with a non-zero gradient that the step left exactly unchanged. 
 first step moves every such weight by about lr; a bf16 weight w only changes when that is
 above half its spacing, about |w| * 2^-9, so at lr 1e-6 nearly every weight above 1e-3 in
 size keeps its value. JSON in runs/benchmarks/ (the shipped copy:
-`--out experiments/results/precision_memory.json`).
+`--out experiments/benchmarks/results/precision_memory.json`).
 """
 
 from __future__ import annotations

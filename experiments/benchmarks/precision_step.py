@@ -3,7 +3,7 @@ captured just before the optimizer takes it: alone, under torchrun (FSDP2), or o
 rollouts of another run with the model's weights in another dtype. What the bf16 checks
 compare: tests/test_precision.py on the CPU, experiments/benchmarks/gpu_check.py on a GPU.
 
-    python experiments/benchmarks/precision_step.py CONFIG OUT [--set key=value ...] [--float64-on ROLLOUTS]
+    python -m experiments.benchmarks.precision_step CONFIG OUT [--set key=value ...] [--float64-on ROLLOUTS]
     python -m torch.distributed.run --standalone --nproc_per_node 2 experiments/benchmarks/precision_step.py CONFIG OUT
 
 OUT (rank 0) is a torch file {"grads": {name: float64 full gradient or None}, "rollouts":
@@ -14,18 +14,14 @@ float64 on those rollouts instead of sampling (its own sampling numerics would d
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from selfopd.config import TrainConfig, load_config  # noqa: E402
-from selfopd.core.distributed import all_gather, close_process_group, current_world  # noqa: E402
-from selfopd.training.setup import build_run  # noqa: E402
-from selfopd.training.trainer import train_step  # noqa: E402
+from selfopd.config import TrainConfig, load_config
+from selfopd.core.distributed import all_gather, close_process_group, current_world
+from selfopd.training.setup import build_run
+from selfopd.training.trainer import train_step
 
 
 def captured_step(config: TrainConfig, given_rollouts: list[Any] | None = None,

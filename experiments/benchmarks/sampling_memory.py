@@ -1,8 +1,8 @@
 """Peak memory of in-process sampling against S x B x V: selfopd's engine vs keeping generate's scores.
 
-    python experiments/benchmarks/sampling_memory.py                 # B = 8, V = 49152, S = 128, 512, 1024
-    python experiments/benchmarks/sampling_memory.py --quick         # S = 32, 128
-    python experiments/benchmarks/sampling_memory.py --out experiments/benchmarks/results/sampling_memory.json
+    python -m experiments.benchmarks.sampling_memory                 # B = 8, V = 49152, S = 128, 512, 1024
+    python -m experiments.benchmarks.sampling_memory --quick         # S = 32, 128
+    python -m experiments.benchmarks.sampling_memory --out experiments/benchmarks/results/sampling_memory.json
 
 The sampler must report the logprob of each drawn token under the distribution it was drawn
 from. Keeping `generate`'s per-step logits for that (`output_logits=True`, then stack and

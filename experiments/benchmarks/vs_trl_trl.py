@@ -1,7 +1,8 @@
 """TRL's DistillationTrainer on the shared config of vs_trl.py, timed per step and per phase.
 
 Runs in the benchmark's own virtual environment (`make bench-trl` makes .venv-trl with a
-pinned TRL); it imports nothing of selfopd. Reads the prompts in the order to train on them
+pinned TRL), as `python -m experiments.benchmarks.vs_trl_trl` from the repository's root; it
+imports nothing of selfopd. Reads the prompts in the order to train on them
 (a JSON list, prompts_per_step per step) and writes one JSON line per step:
 {"step", "wall_s", "generated_tokens", "phases": {...}, "others_cores", "prompts"} (a digest
 of the step's prompt token ids).
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,8 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_load import others_cores, prompt_digest, snapshot  # noqa: E402
+from experiments.benchmarks.cpu_load import others_cores, prompt_digest, snapshot
 
 
 class Phases:

@@ -1,7 +1,8 @@
-"""The cures comparison's report, from what `experiments/cures/run.py` left under its --out:
+"""The cures comparison's report, from what `experiments/cures/run.py` left under its --out
+(the finished runs it lacks are first restored from the study's archive of records):
 
-    python experiments/cures/report.py                         # -> runs/cures/report/
-    python experiments/cures/report.py --out experiments/results   # the shipped copy
+    python -m experiments.cures.report                                 # -> runs/cures/report/
+    python -m experiments.cures.report --out experiments/cures/results # the shipped copy
 
 Writes cures_report.md, cures_summary.json and cures_accuracy_tokens.png. Verdicts follow
 PREREGISTRATION.md's rule: a cure beats GRPO alone on a task when its pooled 95% interval
@@ -13,25 +14,19 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import matplotlib
 
-import matplotlib  # noqa: E402
+from experiments.cures.run import (CURES, ROOT, SHIPPED, STEPS, arm_complete, comparisons, grid_complete,
+                                   longer_config, restore, shipped_complete, shipped_rows, task_specs)
+from selfopd.comparisons.compare_report import ArmResult, measure_comparison
+from selfopd.core.plots import STYLE, decorate, new_figure, save_figure
+from selfopd.core.run_folder import RunFolder
+from selfopd.core.stats import PairedDifference, pooled_change
+from selfopd.run.evaluate import read_eval_outcomes
 
 matplotlib.use("Agg")
-
-from run import (CURES, SHIPPED, STEPS, arm_complete, comparisons, grid_complete, longer_config,  # noqa: E402
-                 shipped_complete, shipped_rows, task_specs)
-
-from selfopd.comparisons.compare_report import ArmResult, measure_comparison  # noqa: E402
-from selfopd.run.evaluate import read_eval_outcomes  # noqa: E402
-from selfopd.core.plots import STYLE, decorate, new_figure, save_figure  # noqa: E402
-from selfopd.core.run_folder import RunFolder  # noqa: E402
-from selfopd.core.stats import PairedDifference, pooled_change  # noqa: E402
 
 REFERENCE = "grpo_only"
 
@@ -206,9 +201,15 @@ def main() -> None:
     parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "cures", help="the runner's --out")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "cures" / "report")
     args = parser.parse_args()
-    selection_path = args.runs / "selection.json"
+    runs = args.runs.resolve()
+    restore(runs, [])  # the shipped selection record, when --runs has none
+    selection_path = runs / "selection.json"
     selection = json.loads(selection_path.read_text()) if selection_path.is_file() else None
-    tasks = comparisons(args.runs.resolve(), selection)
+    tasks = comparisons(runs, selection)
+    restore(runs, list(tasks.values()))
+    longer = longer_config(tasks, task_specs(selection))  # chosen from the tasks' results
+    if longer is not None:
+        restore(runs, [longer])
     shipped = {task: rows for task, config in tasks.items() if (rows := shipped_rows(task, config)) is not None}
     measured = {task: measure_comparison(config) for task, config in tasks.items() if task not in shipped}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -253,7 +254,6 @@ def main() -> None:
         complete = complete and grid_complete(results, config)
     figure = plot_tokens(curves, args.out / "cures_accuracy_tokens.png")
     lines += [f"![accuracy against generated tokens]({figure.name})", ""]
-    longer = longer_config(tasks, task_specs(selection))
     if longer is not None and (longer_results := measure_comparison(longer)):
         lines += longer_section(longer, longer_results)
         summary["longer"] = {r.name: {"steps": r.steps, "seeds": r.seeds, "finished": arm_complete(r, longer),

@@ -1,9 +1,9 @@
 """The pre-registered cures comparison (experiments/cures/PREREGISTRATION.md), stage by stage.
 
-    python experiments/cures/run.py                    # every stage, in order; rerun to resume
-    python experiments/cures/run.py --stage select     # or one: select, compare, fresh, longer, diagnose
+    python -m experiments.cures.run                    # every stage, in order; rerun to resume
+    python -m experiments.cures.run --stage select     # or one: select, compare, fresh, longer, diagnose
 
-    python experiments/cures/run.py --task sparse      # only one task's comparison (demo or sparse)
+    python -m experiments.cures.run --task sparse      # only one task's comparison (demo or sparse)
 
 Stages:
   select    the sparse task: base accuracy and a GRPO pilot (seed 100) per candidate, in order
@@ -14,10 +14,11 @@ Stages:
 
 Runs are written under --out (default runs/cures). The fresh eval and the seed-0 diagnosis
 of a run happen as soon as it finishes (they need its final weights, which the next runs'
-disk space may not keep), then its records, everything but its weights, are copied to
-experiments/results/cures_runs/ (ARCHIVE), which is committed: a new checkout copies them
-back into --out and goes on with the runs that are missing. Every stage skips what an
-earlier call finished. Each comparison's report.md is rewritten after its runs.
+disk space may not keep), then its records, everything but its weights, are kept in
+experiments/cures/results/cures_runs.tar.xz (ARCHIVE, one file for the study, committed; its
+saved rollouts as a digest, `selfopd.comparisons.records`): a new checkout copies them back
+into --out and goes on with the runs that are missing. Every stage skips what an earlier call
+finished. Each comparison's report.md is rewritten after its runs.
 """
 
 from __future__ import annotations
@@ -29,20 +30,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+from selfopd.comparisons.compare import CompareConfig, load_compare_config, run_compare
+from selfopd.comparisons.compare_report import ArmResult, measure_comparison, write_compare_report
+from selfopd.comparisons.records import keep_run, restore_runs, unkept_runs
+from selfopd.core.run_folder import RunFolder
+from selfopd.core.stats import paired_change
+from selfopd.run.evaluate import read_eval_outcomes
+from selfopd.run.folder_guard import folder_lock
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from selfopd.comparisons.compare import CompareConfig, load_compare_config, run_compare  # noqa: E402
-from selfopd.comparisons.compare_report import ArmResult, measure_comparison, write_compare_report  # noqa: E402
-from selfopd.comparisons.records import keep_run, restore_runs, unkept_runs  # noqa: E402
-from selfopd.run.folder_guard import folder_lock  # noqa: E402
-from selfopd.core.run_folder import RunFolder  # noqa: E402
-from selfopd.core.stats import paired_change  # noqa: E402
-from selfopd.run.evaluate import read_eval_outcomes  # noqa: E402
-
-ARMS = ROOT / "experiments" / "cures" / "arms.toml"
-DEMO = ROOT / "experiments" / "demo.toml"
-RESULTS = ROOT / "experiments" / "results"
+HERE = Path(__file__).resolve().parent
+ARMS = HERE / "arms.toml"
+DEMO = ROOT / "experiments" / "demo" / "demo.toml"
+RESULTS = HERE / "results"
 COMMON = "allow_negation=false&allow_parentheses=false&size=4000&seed=1"
 CANDIDATES = {  # the pre-registered order
     "three_sums": f"rg:basic_arithmetic?min_terms=3&max_terms=3&min_digits=1&max_digits=2&operators=+&{COMMON}",
@@ -52,9 +52,9 @@ CANDIDATES = {  # the pre-registered order
 }
 BASE_LIMIT, GAIN_LIMIT, PILOT_SEED, STEPS = 0.05, 0.10, 100, 12
 FRESH_SIZE, FRESH_SEED = 200, 7
-# Each finished run's records (metrics, evals, saved rollouts, diagnostics; no weights) and
-# each comparison's timing log, at their paths relative to --out.
-ARCHIVE = RESULTS / "cures_runs"
+# Each finished run's records (metrics, evals, a digest of the saved rollouts, diagnostics; no
+# weights) and each comparison's timing log, at their paths relative to --out, in one file.
+ARCHIVE = RESULTS / "cures_runs.tar.xz"
 SELECTION = RESULTS / "cures_selection.json"  # the shipped copy of select's record
 # A task whose grid ran before the archive existed and whose run folders were not kept: the
 # summary `selfopd compare` wrote of it. Its primary metric and curves are read from there;
@@ -146,7 +146,7 @@ def compare(tasks: dict[str, CompareConfig], spec_of: dict[str, str]) -> None:
 
 
 def archive(compare_config: CompareConfig, run_dir: Path) -> None:
-    """Copy a run's records and the comparison's timing log to ARCHIVE (selfopd.comparisons.records)."""
+    """Keep a run's records and the comparison's timing log in ARCHIVE (selfopd.comparisons.records)."""
     kept = keep_run(compare_config, run_dir, ARCHIVE / compare_config.name)
     print(f"archived {kept.relative_to(ARCHIVE)} in {ARCHIVE}", flush=True)
 
@@ -278,13 +278,18 @@ def _write(path: Path, value: dict) -> None:
 
 
 def main() -> None:
+    global ARCHIVE
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stage", choices=("all", "select", "compare", "fresh", "longer", "diagnose"),
                         default="all")
     parser.add_argument("--task", choices=("all", "demo", "sparse"), default="all",
                         help="the comparisons to run (select always concerns the sparse task)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "cures")
+    parser.add_argument("--archive", type=Path, default=ARCHIVE, help="the records kept of finished runs, restored "
+                        "into --out and added to (default: the study's; with a new path every comparison run trains "
+                        "again, its rollouts kept whole under --out)")
     args = parser.parse_args()
+    ARCHIVE = args.archive.resolve()
     out = args.out.resolve()
     restore(out, [])
     selection = select(out) if args.stage in ("all", "select") else _read(out / "selection.json")

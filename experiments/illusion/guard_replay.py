@@ -1,7 +1,7 @@
 """Replay the illusion guard offline on finished runs and set where it fires next to what
 each run did to held-out accuracy: the guard's calibration evidence (docs/results/illusion.md).
 
-    python experiments/illusion/guard_replay.py runs/templates_trained/arms [--set guard.window=6 ...]
+    python -m experiments.illusion.guard_replay runs/templates_trained/arms [--set guard.window=6 ...]
 
 Every run folder under the given folders (one with a metrics.jsonl) is replayed with its own
 config's [guard] (runs made before the guard get its defaults) and the --set overrides; steps

@@ -1,8 +1,8 @@
 """Leaky vs clean privileged templates on the same student rollouts: does the illusion
 score tell them apart?
 
-    python experiments/illusion/templates.py                 # demo task, ~10 min on 2 CPU cores
-    python experiments/illusion/templates.py --prompts 8 --samples 2 --gap-items 20   # quick look
+    python -m experiments.illusion.templates                 # demo task, ~10 min on 2 CPU cores
+    python -m experiments.illusion.templates --prompts 8 --samples 2 --gap-items 20   # quick look
 
 The base student (the demo's packaged SmolLM2) samples `--prompts` x `--samples` rollouts
 of the demo task once. Each teacher template then scores exactly those token ids with the
@@ -10,7 +10,7 @@ same weights (a `self` teacher at step 0): privileged gain by token class, illus
 wrong-context contrast, and the greedy accuracy gap the context opens on `--gap-items`
 distinct held-out prompts. Intervals are over prompts. Prints a table and writes JSON (and a side-by-side heatmap of one rollout
 under the leakiest and the cleanest template) to runs/experiments/ (`--out
-experiments/results/illusion_templates.json` refreshes the shipped copy).
+experiments/illusion/results/illusion_templates.json` refreshes the shipped copy).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ TEMPLATES = ("teacher/answer_hint_leaky", "teacher/answer_note", "teacher/refere
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", type=Path, default=ROOT / "experiments" / "demo.toml")
+    parser.add_argument("--config", type=Path, default=ROOT / "experiments" / "demo" / "demo.toml")
     parser.add_argument("--templates", nargs="+", default=list(TEMPLATES))
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--samples", type=int, default=4)

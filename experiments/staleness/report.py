@@ -1,10 +1,12 @@
 """Learning with rollouts one step old: `rollout.max_staleness = 1` against the synchronous loop.
 
-    selfopd compare experiments/staleness/compare.toml --keep-records experiments/results/staleness_runs   # 2 arms x 3 seeds
-    python experiments/staleness/report.py                             # -> runs/staleness_demo/staleness_report.md
-    python experiments/staleness/report.py --out experiments/results   # the shipped copy
+    selfopd compare experiments/staleness/compare.toml \
+        --keep-records experiments/staleness/results/staleness_runs.tar.xz        # 2 arms x 3 seeds
+    python -m experiments.staleness.report                                  # -> runs/staleness_demo/
+    python -m experiments.staleness.report --out experiments/staleness/results  # the shipped copy
 
-Reads the comparison's run folders (`selfopd compare` already reports the final step) and adds:
+Reads the comparison's run folders, first restoring the finished runs they lack from the study's
+archive of records (`--records`), and adds to what `selfopd compare` reports of the final step:
 held-out accuracy of both arms at every eval step, pooled over seeds; the paired change at equal
 steps; the paired change at equal wall time, pairing the pipelined arm's step t with the
 synchronous arm's eval step nearest t / speed-up, the speed-up measured with servers by
@@ -25,12 +27,14 @@ import numpy as np
 
 from selfopd.comparisons.compare import load_compare_config
 from selfopd.comparisons.compare_report import eval_outcomes
+from selfopd.comparisons.records import restore_runs
 from selfopd.core.plots import new_figure, read_metrics, save_figure
 from selfopd.core.run_folder import RunFolder
 from selfopd.core.stats import pooled_accuracy, pooled_change
 from selfopd.data.split import SplitRecord
 
 ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
 RATIO_KEYS = ("rollout/staleness", "is/ratio_mean", "is/ratio_max", "is/clipped_share", "opd/reverse_kl")
 
 
@@ -62,7 +66,9 @@ def step_means(run_dirs: list[Path]) -> dict[int, dict[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--compare", type=Path, default=ROOT / "experiments" / "staleness" / "compare.toml")
+    parser.add_argument("--compare", type=Path, default=HERE / "compare.toml")
+    parser.add_argument("--records", type=Path, default=HERE / "results" / "staleness_runs.tar.xz",
+                        help="the records --keep-records kept (a folder or a .tar.xz archive)")
     parser.add_argument("--speed", type=Path, default=ROOT / "experiments" / "benchmarks" / "results" /
                         "staleness_overlap.json", help="the overlap benchmark's JSON (its k = 1 speed-up)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -76,6 +82,8 @@ def main() -> None:
     if args.name:
         compare = dataclasses.replace(compare, name=args.name)
     reference, other = compare.arms[0].name, compare.arms[1].name
+    for run_dir in restore_runs(compare, args.records) if args.records.exists() else []:
+        print(f"restored {run_dir} from {args.records}")
     runs = {arm.name: [compare.arm_dir(arm.name, seed) for seed in compare.seeds] for arm in compare.arms}
     missing = [str(d) for dirs in runs.values() for d in dirs if not RunFolder(d).finished.is_file()]
     if missing:
@@ -97,10 +105,10 @@ def main() -> None:
     ratios = {arm: step_means(dirs) for arm, dirs in runs.items()}
 
     seeds = len(compare.seeds)
-    lines = [f"# Learning with rollouts one step old (`rollout.max_staleness = 1`)", "",
+    lines = ["# Learning with rollouts one step old (`rollout.max_staleness = 1`)", "",
              f"`{other}` against `{reference}` on the demo task, {seeds} seeds, {prompts} distinct held-out prompts "
              f"(none trained on), greedy evals; intervals over prompts x seeds, 95%. Made by "
-             f"`python experiments/staleness/report.py` from `{compare.folder.relative_to(ROOT) if compare.folder.is_relative_to(ROOT) else compare.folder}`.",
+             f"`python -m experiments.staleness.report` from `{compare.folder.relative_to(ROOT) if compare.folder.is_relative_to(ROOT) else compare.folder}`.",
              "", "## Held-out accuracy", "", f"| step | {reference} | {other} | change at equal steps |", "|---|---|---|---|"]
     for s in steps:
         change = str(equal_steps[s]) + f" ({equal_steps[s].verdict})" if s in equal_steps else ""

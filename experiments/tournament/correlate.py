@@ -1,11 +1,11 @@
 """Does the template tournament predict training?
 
-    python experiments/tournament/correlate.py \
-        --rank experiments/results/tournament/rank.json \
+    python -m experiments.tournament.correlate \
+        --rank experiments/tournament/results/rank.json \
         --compare experiments/tournament/templates_trained.toml \
-        --earlier experiments/results/self_vs_external_summary.json \
+        --earlier experiments/self_vs_external/results/self_vs_external_summary.json \
         --reuse answer_note=self_answer_note --reuse verifier_feedback=self_feedback \
-        --out experiments/results/tournament_vs_training
+        --out experiments/tournament/results/tournament_vs_training
 
 Reads the tournament's prediction (`selfopd prompts rank`, no training) and the held-out
 changes of the same templates actually trained (`selfopd compare` on

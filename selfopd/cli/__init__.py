@@ -176,7 +176,7 @@ def _eval(args: argparse.Namespace) -> None:
 
 def _add_train(commands: argparse._SubParsersAction) -> None:
     train = command(commands, "train", _train, "run on-policy (self-)distillation from a TOML config")
-    train.add_argument("config", nargs="?", type=Path, help="TOML config (see experiments/demo.toml); omit with --resume")
+    train.add_argument("config", nargs="?", type=Path, help="TOML config (see experiments/demo/demo.toml); omit with --resume")
     add_overrides(train, "optim.lr=3e-6")
     train.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a run from its latest checkpoint")
     train.add_argument("--show-config", action="store_true",
@@ -197,7 +197,7 @@ def _train(args: argparse.Namespace) -> None:
         where = [f"run.out_dir={args.resume.parent}", f"run.name={args.resume.name}"]
         config = load_config(RunFolder(args.resume).config, [*where, *args.overrides])
     elif args.config is None and not args.show_config:
-        raise UserError("give a CONFIG file (e.g. experiments/demo.toml) or --resume RUN_DIR")
+        raise UserError("give a CONFIG file (e.g. experiments/demo/demo.toml) or --resume RUN_DIR")
     else:
         config = load_config(args.config, args.overrides)
     if args.show_config:
@@ -248,8 +248,8 @@ def _add_sft(commands: argparse._SubParsersAction) -> None:
                    "a stronger teacher with the same tokenizer (the off-policy warm-up before OPD)")
     sft.add_argument("config", nargs="?", type=Path,
                      help="TOML file: the training sections it reads ([run], [model], [data], [optim], [eval]) and an "
-                          "[sft] section (see experiments/sft_teacher.toml; a training config such as "
-                          "experiments/demo.toml works too; default: all defaults)")
+                          "[sft] section (see experiments/self_vs_external/sft_teacher.toml; a training config such as "
+                          "experiments/demo/demo.toml works too; default: all defaults)")
     add_overrides(sft, "sft.lr=3e-5")
     sft.add_argument("--student-run", type=Path, metavar="RUN_DIR",
                      help="a training run whose held-out prompts the teacher must not train on (refused if it would)")

@@ -13,7 +13,7 @@ from selfopd.cli.common import UserError, add_overrides, command
 def add_compare_command(commands: argparse._SubParsersAction) -> None:
     compare = command(commands, "compare", _compare,
                       "train several arms (teachers, losses) under one budget, one after another, and report")
-    compare.add_argument("config", type=Path, help="comparison TOML (see experiments/self_vs_external.toml)")
+    compare.add_argument("config", type=Path, help="comparison TOML (see experiments/self_vs_external/compare.toml)")
     add_overrides(compare, "run.steps=4")
     compare.add_argument("--arms", default="", help="comma-separated arm names to run (default: all); the report "
                          "still covers every arm with results")

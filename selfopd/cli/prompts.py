@@ -57,7 +57,7 @@ def _add_rank(sub: argparse._SubParsersAction) -> None:
     rank = sub.add_parser("rank", help="score teacher templates on one fixed set of student rollouts and rank them",
                           description=RANK_HELP.format(rule=RULE))
     rank.set_defaults(run=_prompts_rank)
-    rank.add_argument("config", type=Path, help="training config (e.g. experiments/demo.toml)")
+    rank.add_argument("config", type=Path, help="training config (e.g. experiments/demo/demo.toml)")
     add_overrides(rank, "teacher.kind=self")
     rank.add_argument("--templates", default="",
                       help="comma-separated teacher templates (default: every shipped teacher template the data fits)")

@@ -17,7 +17,7 @@ from typing import Any
 from selfopd.config.settings import Section, describe_type, field_types, toml_value
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "reference"
-DEMO = Path(__file__).resolve().parents[2] / "experiments" / "demo.toml"
+DEMO = Path(__file__).resolve().parents[2] / "experiments" / "demo" / "demo.toml"
 WIDTH = "100"  # the help text's line width, fixed so the output does not depend on a terminal
 
 
@@ -32,9 +32,9 @@ def config_reference() -> str:
              "", "A training config (`selfopd train`, `selfopd eval`, `selfopd prompts rank`) has the sections below, "
              "each optional; a missing key takes its default. `selfopd train CONFIG --show-config` prints the whole "
              "resolved config with these comments, the best start for a new one:", "", "```bash",
-             "selfopd train experiments/demo.toml --show-config > my.toml", "```", "",
+             "selfopd train experiments/demo/demo.toml --show-config > my.toml", "```", "",
              "Any key can be set on the command line: `--set section.key=value` (repeatable).", ""]
-    parts += ["The last column shows where `experiments/demo.toml` (what `make demo` runs) differs from the "
+    parts += ["The last column shows where `experiments/demo/demo.toml` (what `make demo` runs) differs from the "
               "defaults: a config that leaves those keys out is not the demo.", ""]
     demo = flat_config(load_config(DEMO))
     for name, section in SECTIONS.items():

@@ -12,7 +12,7 @@ KEEP is a folder (each run's files as they are, about 1-2 MB a run) or one compr
 a path ending in `.tar.xz`, or a folder inside one (`study.tar.xz/comparison`: several
 comparisons of a study in one file). An archive keeps a run's saved rollouts as one digest
 (`rollouts/digest.jsonl`, `selfopd.run.rollouts.RolloutDigest`): every field but the per-token
-logprobs and advantages, which are nine tenths of a run's records and which no report reads (the
+logprobs and advantages, the bulk of a run's records (60% of their bytes), which no report reads (the
 comparison's report reads their mean per rollout, which the digest keeps). A study's records are
 then one file of a few hundred kB that a repository can hold; the archive is rewritten whole,
 atomically, each time a run is kept.

@@ -6,7 +6,7 @@ teacher offline: fine-tune the student model on correct answers, then hand the r
 
 An SFT config is a training config (the `[run]`, `[model]`, `[data]`, `[optim]` and `[eval]`
 sections, same keys, same defaults) plus an `[sft]` section with only what is SFT's own, so
-`selfopd sft experiments/demo.toml` makes a teacher on the demo's data and split. The
+`selfopd sft experiments/demo/demo.toml` makes a teacher on the demo's data and split. The
 held-out split is `selfopd train`'s whenever both name the same data, and the model folder
 records the prompts it trained on: `selfopd train` refuses an external teacher that trained
 on the run's held-out prompts, and `selfopd sft --student-run RUN` refuses before training.
@@ -134,7 +134,7 @@ def build_sft_config(tables: dict[str, Any]) -> SftConfig:
 
 def load_sft_config(path: str | Path | None, overrides: Sequence[str] = ()) -> SftConfig:
     """The SFT config in the TOML file at `path` (None: all defaults; a training config such as
-    experiments/demo.toml works too) with `--set section.key=value` overrides (`sft.lr=3e-5`,
+    experiments/demo/demo.toml works too) with `--set section.key=value` overrides (`sft.lr=3e-5`,
     `data.eval_size=100`); errors name the file or the `--set` the bad value came from."""
     return load_document(path, overrides, SFT_SECTIONS, build_sft_config)
 

@@ -93,7 +93,7 @@ Files: `config.toml` (the config), `targets.jsonl` (what was trained on), `eval/
 
 Use it as the external teacher of an OPD run (it shares the student's tokenizer):
 
-    selfopd train experiments/demo.toml --set teacher.kind=external --set teacher.model={summary['model']} \\
+    selfopd train experiments/demo/demo.toml --set teacher.kind=external --set teacher.model={summary['model']} \\
         --set teacher.template=teacher/empty
 
 (`teacher/empty`: the tuned model scores the student's tokens after the student's own prompt;

@@ -53,7 +53,7 @@ TeacherKind = Literal["self", "frozen", "ema", "external"]
 Schedule = Literal["constant", "cosine", "linear"]
 Tracker = Literal["tensorboard", "wandb"]
 WandbMode = Literal["offline", "online"]
-# The demo's task (experiments/demo.toml, tested): the default data of every command, so that
+# The demo's task (experiments/demo/demo.toml, tested): the default data of every command, so that
 # `selfopd eval` or `selfopd sft` without a config see the demo's split and its held-out prompts.
 DEMO_DATA = ("rg:basic_arithmetic?min_terms=2&max_terms=2&min_digits=1&max_digits=2&operators=+&allow_negation=false"
              "&allow_parentheses=false&size=4000&seed=1")

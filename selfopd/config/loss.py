@@ -37,7 +37,8 @@ class LossConfig(Section):
     partial_credit: bool = setting(
         False, "Reward = the task scorer's partial credit (reasoning-gym pays 0.5 for '17' or '-7' when the answer "
         "is 7); off: 1 for a correct final answer, 0 otherwise.")
-    # Cures for the privileged illusion (selfopd.training.advantages; measured in experiments/results/cures_report.md).
+    # Cures for the privileged illusion (selfopd.training.advantages; measured in
+    # experiments/cures/results/cures_report.md).
     rlsd_weight: float = setting(
         0.0, "Teacher-weighted GRPO (RLSD, arXiv 2604.03128) at step 0: the GRPO advantage of each token becomes "
         "A * ((1 - l) + l * clip(exp(sign(A) * s_t), 1 - e, 1 + e)), s_t the teacher signal; the verifier decides the "

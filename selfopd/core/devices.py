@@ -5,7 +5,7 @@ Precision scheme for `model.dtype = "bfloat16"`: the trainable student keeps fp3
 (the master copy) and so fp32 gradients and fp32 AdamW state; forward and backward run
 under bf16 autocast. Why not bf16 weights: bf16 keeps 8 significant bits, so an update
 smaller than ~2^-9 of a weight rounds away: at lr 1e-6 an AdamW step (about lr in size)
-changes almost no bf16 weight (measured: experiments/results/precision_memory.json). The
+changes almost no bf16 weight (measured: experiments/benchmarks/results/precision_memory.json). The
 cost is 16 bytes per trained parameter (4 weight + 4 grad + 8 AdamW) instead of 12 with
 bf16 weights and fp32 state; FSDP2 shards all of it over the ranks. Frozen teachers (no
 optimizer, no updates) hold bf16 weights directly.

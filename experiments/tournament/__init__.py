@@ -1,0 +1,1 @@
+"""Does the template tournament (`selfopd prompts rank`) predict training?"""
