@@ -147,3 +147,18 @@ def test_selfopd_compare_keeps_records_in_an_archive(compare, tmp_path, monkeypa
     assert f"kept the records of routing seed 0 in {archive / 'arms' / 'routing' / 'seed0'}" in out
     assert RecordArchive(archive).has("arms/routing/seed0/finished.json")
     assert json.loads(RecordArchive(archive).read("arms/routing/seed0/finished.json")) == {"arm": "rlsd", "seed": 1}
+
+
+def test_the_report_of_a_comparison_kept_in_an_archive(tmp_path, monkeypatch, capsys):
+    """`--report-only --keep-records FILE` on a fresh clone: the runs come back from the study's
+    archive and the report covers them, teacher-prefers-correct read from the rollouts' digest."""
+    from selfopd.cli import main
+
+    monkeypatch.chdir(tmp_path)  # the comparison's folder is runs/staleness_demo under here
+    study = ROOT / "experiments" / "staleness"
+    archive = study / "results" / "staleness_runs.tar.xz"
+    assert main(["compare", str(study / "compare.toml"), "--report-only", "--keep-records", str(archive)]) == 0
+    assert capsys.readouterr().out.count(f"from {archive}") == 6
+    summary = json.loads((tmp_path / "runs" / "staleness_demo" / "summary.json").read_text())
+    assert [row["name"] for row in summary] == ["synchronous", "one_step_ahead"]
+    assert all(len(row["per_seed"]) == 3 and row["teacher_preference"] for row in summary)

@@ -26,7 +26,8 @@ def add_compare_command(commands: argparse._SubParsersAction) -> None:
                               "back the finished runs KEEP holds that the comparison's folder lacks: a comparison "
                               "longer than one sitting goes on in a new checkout. KEEP is a folder, or one archive "
                               "(a path ending in .tar.xz) that keeps the saved rollouts as a digest without per-token "
-                              "values: a few hundred kB for a study, what a repository can hold")
+                              "values: a few hundred kB for a study, what a repository can hold. With --report-only: "
+                              "copy back, then report")
     compare.add_argument("--report-only", action="store_true", help="rewrite report.md from the arms' folders, train nothing")
     compare.add_argument("--show-config", action="store_true",
                          help="check every arm and print the resolved comparison (each arm with the teacher, loss and "
@@ -59,6 +60,11 @@ def _compare(args: argparse.Namespace) -> None:
                 run_compare(compare)
             else:
                 _run_keeping_records(compare, args.keep_records)
+    elif args.keep_records is not None:  # the report of runs kept elsewhere: copied back first
+        from selfopd.comparisons.records import restore_runs
+
+        for run_dir in restore_runs(whole, args.keep_records):
+            print(f"restored {run_dir} from {args.keep_records}")
     report = write_compare_report(whole)
     print(report.read_text())
     print(f"report: {report}")
