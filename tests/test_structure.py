@@ -183,3 +183,23 @@ def test_the_loss_is_computed_in_one_module():
     imported_by = {name for name, path in _modules().items()
                    if "selfopd.training.divergences" in _imports(name, path, _modules())}
     assert imported_by == {"selfopd.training.loss"}
+
+
+def test_tests_mirror_the_package():
+    """tests/<package>/ holds the tests of selfopd/<package>/ (verifiers/, experiments/ alike), and a
+    test file named after a module (test_<module>.py) sits in the folder of that module's package:
+    the tests of a file are found by its path."""
+    packages = {path.name for path in (ROOT / "selfopd").iterdir() if (path / "__init__.py").exists()}
+    owners = {"verifiers": ROOT / "verifiers", "experiments": ROOT / "experiments",
+              **{name: ROOT / "selfopd" / name for name in packages}}
+    folders = {path.name for path in (ROOT / "tests").iterdir() if path.is_dir() and (path / "__init__.py").exists()}
+    assert folders <= set(owners), folders - set(owners)
+    misplaced = []
+    for path in sorted((ROOT / "tests").glob("*/test_*.py")):
+        module = path.stem.removeprefix("test_")
+        homes = {name for name in packages if (ROOT / "selfopd" / name / f"{module}.py").exists()}
+        if homes and path.parent.name not in homes:
+            misplaced.append(f"{path.relative_to(ROOT)} (selfopd/{'|'.join(sorted(homes))}/{module}.py)")
+    assert not misplaced, misplaced
+    loose = sorted(p.name for p in (ROOT / "tests").glob("test_*.py"))
+    assert len(loose) <= 8, loose  # only what tests the whole project (layout, docs, packaging, the demo)

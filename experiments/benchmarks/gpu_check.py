@@ -45,7 +45,7 @@ What it does, in order:
 
 Writes the JSON after every case (a killed run still leaves what it measured) and prints a
 table. `--device cpu --tiny` runs the same plumbing on the CPU in seconds
-(tests/test_gpu_check.py).
+(tests/experiments/test_gpu_check.py).
 
 ## vllm: the weight push over NCCL into vLLM servers, and throughput
 

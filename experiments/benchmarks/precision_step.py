@@ -1,7 +1,7 @@
 """One real training step (`selfopd.training.trainer.train_step`) whose accumulated gradient is
 captured just before the optimizer takes it: alone, under torchrun (FSDP2), or on the
 rollouts of another run with the model's weights in another dtype. What the bf16 checks
-compare: tests/test_precision.py on the CPU, experiments/benchmarks/gpu_check.py on a GPU.
+compare: tests/training/test_precision.py on the CPU, experiments/benchmarks/gpu_check.py on a GPU.
 
     python -m experiments.benchmarks.precision_step CONFIG OUT [--set key=value ...] [--float64-on ROLLOUTS]
     python -m torch.distributed.run --standalone --nproc_per_node 2 experiments/benchmarks/precision_step.py CONFIG OUT

@@ -245,7 +245,7 @@ def check_external_teacher_split(teacher: str, eval_examples: Sequence[Example])
 def adamw(params: Any, config: TrainConfig) -> torch.optim.AdamW:
     """AdamW with torch's fused kernel: one pass over every parameter (CPU and CUDA), where the
     default for-loop implementation took about 10x TRL's optimizer time on the CPU. It rounds
-    differently from the for-loop one (measured and bounded in tests/test_speedups.py)."""
+    differently from the for-loop one (measured and bounded in tests/training/test_speedups.py)."""
     return torch.optim.AdamW(params, lr=config.optim.lr, betas=(config.optim.beta1, config.optim.beta2),
                              weight_decay=config.optim.weight_decay, fused=True)
 

@@ -75,14 +75,14 @@ def load_error(tmp_path, text: str, overrides=()) -> ConfigError:
 
 def test_the_default_data_is_the_demos():
     """`selfopd eval` without a config must look at the demo's split, never at its training prompts."""
-    demo = load_config(Path(__file__).resolve().parents[1] / "experiments" / "demo" / "demo.toml")
+    demo = load_config(Path(__file__).resolve().parents[2] / "experiments" / "demo" / "demo.toml")
     defaults = load_config(None)
     assert (defaults.data.spec, defaults.data.eval_size, defaults.data.split_seed, defaults.data.student_template) == (
         demo.data.spec, demo.data.eval_size, demo.data.split_seed, demo.data.student_template)
     from selfopd.comparisons.sft import load_sft_config
 
     # The shipped SFT teacher holds out the demo's prompts, so it never trains on them.
-    sft = load_sft_config(Path(__file__).resolve().parents[1] / "experiments" / "self_vs_external" / "sft_teacher.toml")
+    sft = load_sft_config(Path(__file__).resolve().parents[2] / "experiments" / "self_vs_external" / "sft_teacher.toml")
     assert sft.train.data == demo.data
 
 

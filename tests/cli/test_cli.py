@@ -13,7 +13,7 @@ import pytest
 
 from selfopd.cli import build_parser, main
 
-DEMO_CONFIG = Path(__file__).resolve().parents[1] / "experiments" / "demo" / "demo.toml"
+DEMO_CONFIG = Path(__file__).resolve().parents[2] / "experiments" / "demo" / "demo.toml"
 SMALL_DATA = "rg:chain_sum?min_terms=2&max_terms=2&size=40&seed=3"
 
 

@@ -38,7 +38,7 @@ from selfopd.engines.vllm_server import ServerError, ServerSpec, free_port, laun
 from selfopd.engines.weight_sync import ServerControl, WeightTransfer
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from selfopd.config import ConfigError, load_config
 from selfopd.core.run_folder import RunFolder
 from selfopd.data.example import prompt_key
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA = "rg:chain_sum?min_terms=2&max_terms=2&min_digits=1&max_digits=1&size=200&seed=5"
 SHARED = [
     f"data.spec={DATA}", "data.eval_size=8", "run.steps=1", "run.eval_every=0", "run.progress=false",

@@ -26,7 +26,7 @@ from selfopd.config import load_config
 from selfopd.run.folder_guard import folder_lock
 from selfopd.training.trainer import SKIPPED, build_run, train_step
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = [
     "data.spec=rg:chain_sum?min_terms=2&max_terms=2&size=60&seed=2", "data.eval_size=4",
     "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_tokens=6", "optim.micro_batch_prompts=1",

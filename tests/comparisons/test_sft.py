@@ -36,13 +36,13 @@ TINY_DATA = "rg:chain_sum?min_terms=2&max_terms=2&min_digits=1&max_digits=1&size
 def test_defaults_are_the_demo_task_and_split():
     from selfopd.config import load_config
 
-    config, demo = SftConfig(), load_config(Path(__file__).resolve().parents[1] / "experiments" / "demo" / "demo.toml")
+    config, demo = SftConfig(), load_config(Path(__file__).resolve().parents[2] / "experiments" / "demo" / "demo.toml")
     assert (config.train.data.spec, config.train.data.eval_size, config.train.data.split_seed,
             config.train.data.student_template) == (
         demo.data.spec, demo.data.eval_size, demo.data.split_seed, demo.data.student_template)
     assert config.model_dir == Path("runs") / "sft-teacher" / "model"
     # A training config is an SFT config: same data, same split, same eval budget.
-    from_demo = load_sft_config(Path(__file__).resolve().parents[1] / "experiments" / "demo" / "demo.toml")
+    from_demo = load_sft_config(Path(__file__).resolve().parents[2] / "experiments" / "demo" / "demo.toml")
     assert from_demo.train.data == demo.data and from_demo.train.eval == demo.eval
 
 

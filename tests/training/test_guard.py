@@ -21,8 +21,8 @@ from selfopd.training.guard import FIRED, check, events, replay, training_lines
 from selfopd.training.loss_metrics import preference_metrics
 from selfopd.core.run_folder import RunFolder
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = Path(__file__).resolve().parent / "data" / "guard"
+ROOT = Path(__file__).resolve().parents[2]
+DATA = Path(__file__).resolve().parents[1] / "data" / "guard"
 # Thresholds that are exact in binary floating point, so the boundaries are exact too.
 GUARD = GuardConfig(window=4, kl_drop=0.25, accuracy_drop=0.125, truncated_share=0.5, truncated_rise=0.125,
                     preference_max=0.0, preference_groups=4)

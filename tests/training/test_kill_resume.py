@@ -27,7 +27,7 @@ from selfopd.run.tracking import metrics_key
 
 pytestmark = pytest.mark.slow  # minutes of real processes: the whole suite only (make test)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRAIN = [
     "data.spec=rg:chain_sum?min_terms=2&max_terms=2&size=60&seed=2", "data.eval_size=4",
     "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_tokens=6",

@@ -29,7 +29,7 @@ from selfopd.engines.local import LocalEngine
 from selfopd.engines.vllm_colocate import REPLICA, ColocatedVLLMEngine, check_colocate_config
 from selfopd.engines.vllm_server import ServerError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -170,7 +170,7 @@ def test_a_resume_refuses_rollouts_sampled_ahead_for_other_prompts(tmp_path, tin
 def test_the_overlap_benchmark_computes_speed_ups_and_bounds_from_the_synchronous_phases():
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "experiments" / "benchmarks" / "staleness_overlap.py"
+    path = Path(__file__).resolve().parents[2] / "experiments" / "benchmarks" / "staleness_overlap.py"
     spec = importlib.util.spec_from_file_location("staleness_overlap", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

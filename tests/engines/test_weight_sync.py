@@ -32,7 +32,7 @@ import pytest
 import torch
 from tests.conftest import push_weights, save_tiny_llama
 from tests.engine_contract import TOLERANCE, chat_prompts, hf_logprobs
-from tests.test_vllm_faults import FaultProxy
+from tests.engines.test_vllm_faults import FaultProxy
 
 from selfopd.engines.server_control import ServerControl
 from selfopd.engines.transfer_wire import Group, chunk_ranges
@@ -42,7 +42,7 @@ from selfopd.engines.weight_digest import WeightSyncError
 from selfopd.engines.weight_sync import WeightTransfer
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def perturbed(model, seed: int, scale: float = 1e-3) -> dict[str, torch.Tensor]:
@@ -129,7 +129,7 @@ def test_a_server_whose_trainer_was_killed_mid_broadcast_serves_the_next_run(vll
     """`selfopd train` SIGKILLed between two chunks of its first push (SELFOPD_KILL_AT): the server's
     update fails when the connection drops, and the next run's transfer releases it and pushes."""
     from selfopd.training.trainer import build_run, train_step
-    from tests.test_vllm_engine import train_config
+    from tests.engines.test_vllm import train_config
 
     urls = [f"engine.student_urls={vllm_servers['student']}", f"engine.teacher_url={vllm_servers['teacher']}"]
     command = [sys.executable, "-m", "selfopd", "train", str(ROOT / "experiments/demo/demo.toml"),

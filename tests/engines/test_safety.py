@@ -1,7 +1,7 @@
 """Safety settings without a server: model.trust_remote_code is the only way a model's own
 code runs (transformers loads, launched vLLM servers, colocated vLLM), launched servers bind
 to loopback, and engine.api_key_env hands the key to servers without putting it on a
-command line or in a config. The same settings against a real server: tests/test_vllm_faults.py."""
+command line or in a config. The same settings against a real server: tests/engines/test_vllm_faults.py."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from selfopd.engines.vllm_server import server_command, server_env
 from selfopd.core.models import ModelError
 from selfopd.engines.serving import planned_servers
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 CUSTOM_CONFIG = """from transformers import LlamaConfig
 
@@ -78,7 +78,7 @@ def test_launched_servers_get_trust_remote_code_only_from_the_config():
 
 def test_colocated_vllm_gets_trust_remote_code_from_the_config(monkeypatch):
     """What reaches `vllm.LLM`: captured where the engine hands its options over (starting
-    colocated vLLM is tests/test_vllm_colocate.py's job; its default is checked there)."""
+    colocated vLLM is tests/engines/test_vllm_colocate.py's job; its default is checked there)."""
     from selfopd.engines import vllm_colocate
 
     handed = []

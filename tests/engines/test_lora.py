@@ -20,7 +20,7 @@ from selfopd.engines.lora import add_adapters, served_weights
 from selfopd.core.models import ModelError
 from selfopd.training.trainer import build_run, train, train_step
 from selfopd.training.weight_checks import probe_logprobs
-from tests.test_trainer import SMALL as TRAINER_SMALL
+from tests.training.test_trainer import SMALL as TRAINER_SMALL
 
 # The trainer tests' short runs, at a LoRA learning rate.
 SMALL = [*TRAINER_SMALL, "optim.lr=1e-2", "model.lora_rank=8"]

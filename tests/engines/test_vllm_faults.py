@@ -31,7 +31,7 @@ from selfopd.engines.vllm import VLLMEngine
 from selfopd.engines.vllm_server import ServerError, ServerSpec, free_port, launch_servers
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KEY_ENV = "SELFOPD_TEST_VLLM_KEY"
 KEY = f"selfopd-test-key-{secrets.token_hex(12)}"
 
