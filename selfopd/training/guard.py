@@ -201,5 +201,4 @@ def _with_preference(line: dict, folder: RunFolder) -> dict:
     from selfopd.training.loss_metrics import preference_metrics
 
     records = [r for r in read_records(path) if r.completion_ids]
-    return {**line, **preference_metrics((r.group, bool(r.correct), sum(r.opd_advantage) / len(r.opd_advantage))
-                                         for r in records)}
+    return {**line, **preference_metrics((r.group, bool(r.correct), r.opd_mean) for r in records)}
