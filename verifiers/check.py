@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .attribute import verify_attribute
 from .equivalence import Verdict, compare_answers
 from .extract import equation_result, extract_answer, extract_boxed, extract_gsm8k
 from .reasoning_gym_adapter import verify_reasoning_gym
@@ -35,11 +36,15 @@ def verify_example(completion: str, example: Any, *, timeout_s: float = DEFAULT_
 
     A reasoning-gym item carries `meta["reasoning_gym"] = {"task": name, "entry": {...}}` and
     is scored by reasoning-gym itself (its partial credit is the reward only with
-    `partial_credit`); anything else is compared with `example.answer`.
+    `partial_credit`); a question about a fact, `meta["fact"] = {"attribute": ..., "rivals": [...]}`,
+    by `attribute.verify_attribute`; anything else is compared with `example.answer`.
     """
     meta = getattr(example, "meta", None) or {}
     rg = meta.get("reasoning_gym")
     if isinstance(rg, dict) and "task" in rg and "entry" in rg:
         return verify_reasoning_gym(completion, rg["task"], rg["entry"], timeout_s=timeout_s,
                                     partial_credit=partial_credit)
+    fact = meta.get("fact")
+    if isinstance(fact, dict) and "attribute" in fact and "rivals" in fact:
+        return verify_attribute(completion, example.answer, fact["rivals"], fact["attribute"])
     return verify(completion, example.answer, timeout_s=timeout_s)

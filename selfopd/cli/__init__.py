@@ -97,6 +97,10 @@ def _data_show(args: argparse.Namespace) -> None:
             print(f"solution: {textwrap.shorten(example.solution, 300)}")
         for hint in example.hints:
             print(f"hint:     {textwrap.shorten(hint, 200)}")
+        if "part" in example.meta:  # a source that fixes its split (kb:): which part, and the document
+            print(f"part:     {example.meta['part']} (split: {example.meta.get('split')})")
+        if "fact_sheet" in example.meta:
+            print("sheet:    " + example.meta["fact_sheet"].replace("\n", "\n          "))
 
 
 # --- eval ---------------------------------------------------------------------------

@@ -4,11 +4,13 @@ One spec string names a data source everywhere (CLI, configs, logs):
 
     SPEC   := SOURCE [ "?" KEY "=" VALUE ( "&" KEY "=" VALUE )* ]
     SOURCE := "rg:" TASK       a reasoning-gym task, generated offline from a seed
+            | "kb:" TASK       a procedural knowledge task (kb:countries), generated offline from a seed
             | "champ"          the CHAMP competition-math set (270 problems, solutions, hints)
             | "hf:" NAME       a Hugging Face Hub dataset (needs network or a filled HF cache)
             | PATH             a local .jsonl / .json / .parquet / .csv file ("file:PATH" also works)
 
     rg:chain_sum?min_terms=2&max_terms=3&size=500&seed=1
+    kb:countries?entities=24&unseen=8&part=study&seed=0
     champ?concepts=true
     hf:openai/gsm8k?split=test               (preset: config main, answer after "####")
     data/my.jsonl?prompt=question&answer=target&hints=tips&limit=100
@@ -31,6 +33,10 @@ Options, by source (each is a `DataSpec` field of the same name; `id`, `prompt`,
               says so when its problem space holds fewer); any other key is passed to the
               task's generator config (e.g. min_terms); unknown keys fail with the allowed
               list (no limit: use size)
+    kb        seed (default 0), entities (24 trained), unseen (8 never trained), part (study: the
+              trained entities' training phrasings and, split off for eval, their other
+              phrasings; train, heldout, unseen alone), sheet (own; shuffled: another entity's
+              fact sheet in meta["fact_sheet"]): see selfopd.data.knowledge
     champ     concepts=true  put the problem's concepts before its hints (most general first)
               limit
 
@@ -73,6 +79,11 @@ def load_examples(spec: DataSpec | str, exclude: Collection[str] = ()) -> list[E
     excluded = frozenset(exclude)
     if spec.source == "rg":
         return data_sources.load_reasoning_gym(spec, excluded)
+    if spec.source == "kb":
+        from selfopd.data.knowledge import load_knowledge
+
+        examples = load_knowledge(spec)
+        return [e for e in examples if prompt_key(e.prompt) not in excluded]
     loader = {"hf": data_sources.load_hub, "file": data_sources.load_file, "champ": data_sources.load_champ}
     examples = loader[spec.source](spec)
     check_unique_ids(examples, spec.label)

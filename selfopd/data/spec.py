@@ -58,7 +58,7 @@ PRESETS: dict[str, Preset] = {
 
 # --------------------------------------------------------------------------- the spec
 
-SOURCES = ("rg", "champ", "hf", "file")
+SOURCES = ("rg", "kb", "champ", "hf", "file")
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 _COLUMN_KEYS = {"id": "id_col", "prompt": "prompt_col", "answer": "answer_col",
                 "solution": "solution_col", "hints": "hints_col"}  # spec key -> field
@@ -68,6 +68,7 @@ _APPLIES = {  # which DataSpec fields each source reads
     "hf": _TABLE | {"config", "split", "distinct"},
     "file": _TABLE | {"distinct"},
     "rg": {"seed", "size", "task_config", "distinct"},
+    "kb": {"seed", "entities", "unseen", "part", "sheet", "distinct"},
     "champ": {"concepts", "limit", "distinct"},
 }
 PROCEDURAL = ("rg",)  # sources that generate items, and repeat prompts unless told not to
@@ -78,8 +79,8 @@ class DataSpec:
     """Where examples come from. `parse_data_spec` builds one from a spec string; fields
     that do not apply to `source` must keep their defaults (checked here)."""
 
-    source: Literal["rg", "champ", "hf", "file"]
-    name: str = ""  # rg task, Hub dataset name, or file path; empty for champ
+    source: Literal["rg", "kb", "champ", "hf", "file"]
+    name: str = ""  # rg task, kb task, Hub dataset name, or file path; empty for champ
     # table sources (hf, file): which column feeds which Example field (None: preset/default)
     id_col: str | None = None
     prompt_col: str | None = None
@@ -94,6 +95,11 @@ class DataSpec:
     seed: int = 0  # generator seed: the same seed gives the same items in any process
     size: int = 500  # number of items to generate
     task_config: dict[str, Any] = field(default_factory=dict)  # generator config kwargs
+    # kb (selfopd.data.knowledge): trained and unseen entities, which part, whose fact sheet
+    entities: int = 24
+    unseen: int = 8
+    part: str = "study"
+    sheet: str = "own"
     # champ
     concepts: bool = False  # prepend the problem's concepts to its hints
     # all but rg (use size there)
@@ -161,7 +167,8 @@ def _allowed_keys(source: str) -> list[str]:
     return keys + (["<generator option>"] if source == "rg" else [])
 
 
-_FIELD_TYPES = {"seed": int, "size": int, "limit": int, "concepts": bool, "distinct": bool}  # others are str
+_FIELD_TYPES = {"seed": int, "size": int, "limit": int, "concepts": bool, "distinct": bool, "entities": int,
+                "unseen": int}  # others are str
 
 
 def _parse_value(text: str, kind: type | None) -> Any:
@@ -189,15 +196,15 @@ def parse_data_spec(text: str) -> DataSpec:
     prefix = re.match(r"^([A-Za-z][A-Za-z0-9_+.-]*):", head)  # a URL-like scheme
     if head == "champ":
         source, name = "champ", ""
-    elif prefix and prefix.group(1) in ("rg", "hf", "file"):
+    elif prefix and prefix.group(1) in ("rg", "kb", "hf", "file"):
         source, name = prefix.group(1), head[prefix.end():]
     elif prefix:
         raise DataError(f"unknown data source {prefix.group(1) + ':'!r} in {text!r}; allowed: "
-                        f"rg:TASK, champ, hf:NAME, or a path to a {'/'.join(FILE_BUILDERS)} file")
+                        f"rg:TASK, kb:TASK, champ, hf:NAME, or a path to a {'/'.join(FILE_BUILDERS)} file")
     elif Path(head).suffix.lower() in FILE_BUILDERS:
         source, name = "file", head
     else:
-        raise DataError(f"unknown data source {head!r}; allowed: rg:TASK, champ, hf:NAME, "
+        raise DataError(f"unknown data source {head!r}; allowed: rg:TASK, kb:TASK, champ, hf:NAME, "
                         f"or a path to a {'/'.join(FILE_BUILDERS)} file")
     if source != "champ" and not name:
         raise DataError(f"{text!r}: source {source + ':'!r} needs a name")

@@ -44,15 +44,21 @@ def split_examples(
     and no eval prompt appears in train (its duplicates are dropped from both). Train keeps
     every other example, duplicates included. Both parts keep the input order.
     `eval_fraction` is a share of the distinct groups.
+
+    A source that fixes its own split (`selfopd.data.knowledge`: held-out phrasings of trained
+    facts) marks every example `meta["split"]` = "train" or "eval": the held-out groups are then
+    drawn from the "eval" ones only, and train keeps the "train" ones only.
     """
     if (eval_size is None) == (eval_fraction is None):
         raise DataError("split_examples: give exactly one of eval_size, eval_fraction")
     if by not in ("prompt", "id"):
         raise DataError(f"split_examples: by must be 'prompt' or 'id', got {by!r}")
     check_unique_ids(examples, "split_examples")
+    fixed = _fixed_split(examples)
     groups: dict[str, list[str]] = {}
     for ex in examples:
-        groups.setdefault(prompt_key(ex.prompt) if by == "prompt" else ex.id, []).append(ex.id)
+        if fixed is None or fixed[ex.id] == "eval":
+            groups.setdefault(prompt_key(ex.prompt) if by == "prompt" else ex.id, []).append(ex.id)
     if eval_fraction is not None:
         if not 0.0 <= eval_fraction <= 1.0:
             raise DataError(f"split_examples: eval_fraction must be in [0, 1], got {eval_fraction}")
@@ -68,7 +74,23 @@ def split_examples(
     held_out = sorted(groups, key=rank)[:eval_size]
     eval_ids = {groups[key][0] for key in held_out}
     dropped = {example_id for key in held_out for example_id in groups[key]}
+    if fixed is not None:
+        dropped |= {ex.id for ex in examples if fixed[ex.id] == "eval"}
+        held_prompts = {prompt_key(ex.prompt) for ex in examples if ex.id in eval_ids}
+        dropped |= {ex.id for ex in examples if prompt_key(ex.prompt) in held_prompts}
     return ([ex for ex in examples if ex.id not in dropped], [ex for ex in examples if ex.id in eval_ids])
+
+
+def _fixed_split(examples: Sequence[Example]) -> dict[str, str] | None:
+    """Each example's `meta["split"]` when the source fixed one (all or none must), else None."""
+    marks = {ex.id: ex.meta.get("split") for ex in examples}
+    if not any(mark is not None for mark in marks.values()):
+        return None
+    bad = next((i for i, m in marks.items() if m not in ("train", "eval")), None)
+    if bad is not None:
+        raise DataError(f"split_examples: example {bad!r} has meta split {marks[bad]!r}; a source that fixes the "
+                        "split marks every example 'train' or 'eval'")
+    return marks  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)

@@ -115,6 +115,11 @@ def missing_fields(template: PromptTemplate, examples: Sequence[Example]) -> lis
         rows = [e.id for e in examples if not e.hints]
         if rows:
             problems.append(f"uses 'hints' but {len(rows)} of {len(examples)} sampled rows have none (e.g. {rows[0]})")
+    if "fact_sheet" in template.variables:
+        rows = [e.id for e in examples if not e.meta.get("fact_sheet")]
+        if rows:
+            problems.append(f"uses 'fact_sheet' but {len(rows)} of {len(examples)} sampled rows have none "
+                            f"(e.g. {rows[0]}; the kb: tasks have one)")
     return problems
 
 

@@ -50,7 +50,7 @@ def _shipped_prompts_dir() -> Path:
 
 PROMPTS_DIR = _shipped_prompts_dir()
 STUDENT_VARIABLES = ("prompt", "id", "meta")
-TEACHER_VARIABLES = STUDENT_VARIABLES + ("answer", "student_prompt", "solution", "hints", "attempt", "feedback",
+TEACHER_VARIABLES = STUDENT_VARIABLES + ("answer", "student_prompt", "solution", "hints", "fact_sheet", "attempt", "feedback",
                                           "demonstration")
 # A stand-in sibling demonstration, for rendering a template before any rollout exists
 # (start-up checks, `selfopd prompts lint` and `render`).
@@ -146,6 +146,8 @@ def teacher_variables(
         variables["solution"] = example.solution
     if example.hints:
         variables["hints"] = list(example.hints)
+    if example.meta.get("fact_sheet"):  # a document about the question's entity (the kb: tasks)
+        variables["fact_sheet"] = example.meta["fact_sheet"]
     if attempt is not None:
         variables["attempt"] = attempt
     if feedback is not None:

@@ -186,7 +186,7 @@ def test_spec_values_are_typed():
 
 
 @pytest.mark.parametrize("text,pattern", [
-    ("gsm8k", r"unknown data source 'gsm8k'; allowed: rg:TASK, champ, hf:NAME"),
+    ("gsm8k", r"unknown data source 'gsm8k'; allowed: rg:TASK, kb:TASK, champ, hf:NAME"),
     ("s3:bucket/x.jsonl", r"unknown data source 's3:'"),
     ("champ?seed=1", r"unknown option 'seed' for source 'champ'; allowed: concepts, distinct, limit"),
     ("x.jsonl?colour=red", r"unknown option 'colour' .*allowed: .*answer_sep.*prompt"),

@@ -20,6 +20,7 @@ FULL = Example(
     answer="7",
     solution="Start at 3 and count up four: 4, 5, 6, 7.",
     hints=("Count up from the larger number.", "Four steps."),
+    meta={"fact_sheet": "Fact sheet: arithmetic\n- 3 + 4: 7"},  # a document, as the kb: tasks give
 )
 BARE = Example(id="toy/2", prompt="What is 2 + 2?", answer="4")
 

@@ -96,9 +96,10 @@ def test_data_fields_render_verbatim_in_every_shipped_template(prompt, answer, s
                                                                demonstration):
     """Every field a shipped template shows appears exactly as given: `{{ 7*7 }}` stays
     `{{ 7*7 }}`, never `49`; Jinja syntax in data is never parsed, let alone run."""
-    example = Example(id="fuzz", prompt=prompt, answer=answer, solution=solution, hints=tuple(hints))
+    example = Example(id="fuzz", prompt=prompt, answer=answer, solution=solution, hints=tuple(hints),
+                      meta={"fact_sheet": solution})  # a document (kb: tasks): the same hostile text
     fields = {"prompt": [prompt], "answer": [answer], "solution": [solution], "hints": hints,
-              "attempt": [attempt], "feedback": [feedback], "demonstration": [demonstration]}
+              "attempt": [attempt], "feedback": [feedback], "demonstration": [demonstration], "fact_sheet": [solution]}
     for name, template in SHIPPED.items():
         if name.startswith("student/"):
             messages = render_student(template, example)
