@@ -56,6 +56,7 @@ from __future__ import annotations
 from typing import Collection
 
 from selfopd.data import sources as data_sources
+from selfopd.data.knowledge import load_knowledge
 from selfopd.data.spec import (  # noqa: F401  (the public names of selfopd.data)
     FILE_BUILDERS,
     PRESETS,
@@ -79,12 +80,8 @@ def load_examples(spec: DataSpec | str, exclude: Collection[str] = ()) -> list[E
     excluded = frozenset(exclude)
     if spec.source == "rg":
         return data_sources.load_reasoning_gym(spec, excluded)
-    if spec.source == "kb":
-        from selfopd.data.knowledge import load_knowledge
-
-        examples = load_knowledge(spec)
-        return [e for e in examples if prompt_key(e.prompt) not in excluded]
-    loader = {"hf": data_sources.load_hub, "file": data_sources.load_file, "champ": data_sources.load_champ}
+    loader = {"hf": data_sources.load_hub, "file": data_sources.load_file, "champ": data_sources.load_champ,
+              "kb": load_knowledge}
     examples = loader[spec.source](spec)
     check_unique_ids(examples, spec.label)
     kept, seen = [], set(excluded)

@@ -54,30 +54,31 @@ def split_examples(
     if by not in ("prompt", "id"):
         raise DataError(f"split_examples: by must be 'prompt' or 'id', got {by!r}")
     check_unique_ids(examples, "split_examples")
-    fixed = _fixed_split(examples)
     groups: dict[str, list[str]] = {}
     for ex in examples:
-        if fixed is None or fixed[ex.id] == "eval":
-            groups.setdefault(prompt_key(ex.prompt) if by == "prompt" else ex.id, []).append(ex.id)
+        groups.setdefault(prompt_key(ex.prompt) if by == "prompt" else ex.id, []).append(ex.id)
+    fixed = _fixed_split(examples)
+    # The groups that may be held out, with the rows that may represent them: under a source's own
+    # split, those with an "eval" row, represented by one.
+    candidates = groups if fixed is None else {
+        key: eval_rows for key, ids in groups.items() if (eval_rows := [i for i in ids if fixed[i] == "eval"])}
     if eval_fraction is not None:
         if not 0.0 <= eval_fraction <= 1.0:
             raise DataError(f"split_examples: eval_fraction must be in [0, 1], got {eval_fraction}")
-        eval_size = round(eval_fraction * len(groups))
-    if not 0 <= eval_size <= len(groups):
+        eval_size = round(eval_fraction * len(candidates))
+    if not 0 <= eval_size <= len(candidates):
         unit = "distinct prompts" if by == "prompt" else "examples"
-        raise DataError(f"split_examples: eval_size must be in [0, {len(groups)}] (the data holds {len(groups)} "
-                        f"{unit} in {len(examples)} examples), got {eval_size}")
+        raise DataError(f"split_examples: eval_size must be in [0, {len(candidates)}] (the data holds "
+                        f"{len(candidates)} {unit} in {len(examples)} examples), got {eval_size}")
 
     def rank(key: str) -> str:
         return hashlib.sha256(f"{seed}\0{key}".encode()).hexdigest()
 
-    held_out = sorted(groups, key=rank)[:eval_size]
-    eval_ids = {groups[key][0] for key in held_out}
+    held_out = sorted(candidates, key=rank)[:eval_size]
+    eval_ids = {candidates[key][0] for key in held_out}
     dropped = {example_id for key in held_out for example_id in groups[key]}
-    if fixed is not None:
-        dropped |= {ex.id for ex in examples if fixed[ex.id] == "eval"}
-        held_prompts = {prompt_key(ex.prompt) for ex in examples if ex.id in eval_ids}
-        dropped |= {ex.id for ex in examples if prompt_key(ex.prompt) in held_prompts}
+    if fixed is not None:  # its "eval" rows are never trained on, held out or not
+        dropped |= {example_id for example_id, mark in fixed.items() if mark == "eval"}
     return ([ex for ex in examples if ex.id not in dropped], [ex for ex in examples if ex.id in eval_ids])
 
 

@@ -18,6 +18,9 @@ class DiagnosticsError(ValueError):
     """Saved rollouts that cannot be read or matched to the run's data; names the file or item."""
 
 
+PER_TOKEN = ("sampler_logprobs", "student_logprobs", "teacher_logprobs", "advantage")  # per completion token: what a digest leaves out
+
+
 @dataclass(frozen=True)
 class RolloutRecord:
     """One student rollout and how the teacher judged each of its tokens.
@@ -46,7 +49,7 @@ class RolloutRecord:
 
     def __post_init__(self) -> None:
         length = len(self.completion_ids)
-        for name in ("sampler_logprobs", "student_logprobs", "teacher_logprobs", "advantage"):
+        for name in PER_TOKEN:
             if len(getattr(self, name)) != length:
                 raise ValueError(
                     f"rollout {self.id!r} at step {self.step}: {name} has {len(getattr(self, name))} values "
@@ -77,7 +80,6 @@ def prompt_key(prompt_ids: Sequence[int]) -> str:
     return hashlib.sha256(",".join(map(str, prompt_ids)).encode()).hexdigest()[:16]
 
 
-PER_TOKEN = ("sampler_logprobs", "student_logprobs", "teacher_logprobs", "advantage")
 DIGEST = "digest.jsonl"  # in RUN/rollouts/, beside (or instead of) the step files
 
 

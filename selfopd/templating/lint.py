@@ -20,12 +20,14 @@ from typing import Literal, Sequence
 
 from selfopd.data.example import Example
 from selfopd.templating.templates import (
+    OPTIONAL_FIELDS,
     PROMPTS_DIR,
     SAMPLE_DEMONSTRATION,
     STUDENT_VARIABLES,
     TEACHER_VARIABLES,
     PromptTemplate,
     TemplateError,
+    privileged_fields,
     render_student,
     render_teacher,
     uses_demonstration,
@@ -107,19 +109,11 @@ def answer_follows_question(teacher_text: str, question: str, answer: str, tail_
 def missing_fields(template: PromptTemplate, examples: Sequence[Example]) -> list[str]:
     """Privileged fields the template uses that some sampled rows lack."""
     problems = []
-    if "solution" in template.variables:
-        rows = [e.id for e in examples if not e.solution]
-        if rows:
-            problems.append(f"uses 'solution' but {len(rows)} of {len(examples)} sampled rows have none (e.g. {rows[0]})")
-    if "hints" in template.variables:
-        rows = [e.id for e in examples if not e.hints]
-        if rows:
-            problems.append(f"uses 'hints' but {len(rows)} of {len(examples)} sampled rows have none (e.g. {rows[0]})")
-    if "fact_sheet" in template.variables:
-        rows = [e.id for e in examples if not e.meta.get("fact_sheet")]
-        if rows:
-            problems.append(f"uses 'fact_sheet' but {len(rows)} of {len(examples)} sampled rows have none "
-                            f"(e.g. {rows[0]}; the kb: tasks have one)")
+    for field in OPTIONAL_FIELDS:
+        if field in template.variables:
+            rows = [e.id for e in examples if field not in privileged_fields(e)]
+            if rows:
+                problems.append(f"uses {field!r} but {len(rows)} of {len(examples)} sampled rows have none (e.g. {rows[0]})")
     return problems
 
 

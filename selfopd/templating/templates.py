@@ -52,6 +52,7 @@ PROMPTS_DIR = _shipped_prompts_dir()
 STUDENT_VARIABLES = ("prompt", "id", "meta")
 TEACHER_VARIABLES = STUDENT_VARIABLES + ("answer", "student_prompt", "solution", "hints", "fact_sheet", "attempt", "feedback",
                                           "demonstration")
+OPTIONAL_FIELDS = ("solution", "hints", "fact_sheet")  # privileged fields only some data has
 # A stand-in sibling demonstration, for rendering a template before any rollout exists
 # (start-up checks, `selfopd prompts lint` and `render`).
 SAMPLE_DEMONSTRATION = "Adding the two numbers step by step gives the final answer, \\boxed{0}."
@@ -142,12 +143,7 @@ def teacher_variables(
     variables = student_variables(example)
     variables["answer"] = example.answer
     variables["student_prompt"] = _user_content(student_messages)
-    if example.solution:
-        variables["solution"] = example.solution
-    if example.hints:
-        variables["hints"] = list(example.hints)
-    if example.meta.get("fact_sheet"):  # a document about the question's entity (the kb: tasks)
-        variables["fact_sheet"] = example.meta["fact_sheet"]
+    variables.update(privileged_fields(example))
     if attempt is not None:
         variables["attempt"] = attempt
     if feedback is not None:
@@ -155,6 +151,19 @@ def teacher_variables(
     if demonstration is not None:
         variables["demonstration"] = demonstration
     return variables
+
+
+def privileged_fields(example: Example) -> dict[str, Any]:
+    """The data's optional privileged fields (`OPTIONAL_FIELDS`) that this example has; a missing
+    or empty one is left out."""
+    fields: dict[str, Any] = {}
+    if example.solution:
+        fields["solution"] = example.solution
+    if example.hints:
+        fields["hints"] = list(example.hints)
+    if example.meta.get("fact_sheet"):  # a document about the question's entity (the kb: tasks)
+        fields["fact_sheet"] = example.meta["fact_sheet"]
+    return fields
 
 
 def uses_demonstration(template: PromptTemplate) -> bool:
