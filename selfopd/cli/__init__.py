@@ -10,6 +10,7 @@ from typing import Sequence
 
 from selfopd.cli.common import DEFAULT_DATA, DEFAULT_MODEL, UserError, add_overrides, command
 from selfopd.cli.compare import add_compare_command
+from selfopd.cli.drift import add_drift_command
 from selfopd.cli.prompts import add_prompts_command
 from selfopd.core.run_folder import RunFolder
 
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sft(commands)
     _add_serve(commands)
     _add_diagnose(commands)
+    add_drift_command(commands)
     add_compare_command(commands)
     return parser
 
