@@ -14,7 +14,8 @@ Parts (`part=`), every one of them a function of (seed, entities, unseen) alone:
   unseen   every phrasing about `unseen` countries that no part above mentions: a control that
            must stay at the base rate (learning them would mean the teacher's sheet leaks)
 `sheet=shuffled` gives each question another country's sheet (never its own; the control for a
-gain that does not come from the information)."""
+gain that does not come from the information). Each example's `solution` is the gold answer as
+one sentence ("The capital of X is Y."): what `selfopd sft --set sft.targets=solution` trains on."""
 
 from __future__ import annotations
 
@@ -105,6 +106,7 @@ def load_knowledge(spec: DataSpec) -> list[Example]:
                 examples.append(Example(
                     id=f"kb:countries/{spec.seed}/{country.name}/{attribute.replace(' ', '_')}/{index}",
                     prompt=phrasings[index].format(c=country.name), answer=value,
+                    solution=f"The {attribute} of {country.name} is {value}.",
                     meta={"fact": {"entity": country.name, "attribute": attribute,
                                    "rivals": [v for v in rivals[attribute] if v != value]},
                           "fact_sheet": shown[country.name], "part": part, "split": split}))

@@ -82,3 +82,12 @@ def test_the_split_is_the_sources_own():
 def test_bad_specs_name_the_problem(spec, message):
     with pytest.raises(DataError, match=message):
         load_examples(spec)
+
+
+def test_each_solution_is_the_gold_answer_as_a_sentence_the_verifier_passes():
+    from selfopd.verifiers import verify_example
+
+    examples = load_examples("kb:countries?entities=3&unseen=2")
+    assert all(e.solution.endswith(f" is {e.answer}.") and e.meta["fact"]["entity"] in e.solution for e in examples)
+    assert all(verify_example(e.solution, e).correct for e in examples)
+    assert not any(verify_example(e.solution.replace(e.answer, e.meta["fact"]["rivals"][0]), e).correct for e in examples)
