@@ -1,0 +1,235 @@
+"""The pre-registered knowledge comparison (experiments/knowledge/PREREGISTRATION.md), stage by stage.
+
+    python -m experiments.knowledge.run                  # every stage, in order; rerun to resume
+    python -m experiments.knowledge.run --stage sft      # or one: start, compare, sft, shuffled, longer
+
+Stages:
+  start     (always first) the demo recipe, trained once (experiments/demo/demo.toml): every arm
+            starts from its final weights, which hold the skill that forgetting is measured on
+  compare   GRPO alone, the OPD losses with the fact-sheet teacher, the external SFT teacher
+            (`selfopd compare`'s runner over arms.toml; finished runs are skipped)
+  sft       SFT on the gold answers and on the start model's own verified fact-sheet answers, per seed
+  shuffled  opd_forward_kl with every question shown another country's sheet
+  longer    the best OPD arm at 3x the steps
+
+As each run finishes, while its weights are the newest on disk: its retention (the start model's
+arithmetic on the demo's 200 held-out sums; split c, the countries no run trains on; the drift,
+KL(trained || start) on general prompts) and, for seed 0, `selfopd diagnose`. Then its records,
+everything but weights, go into results/knowledge_runs.tar.xz (ARCHIVE, one file for the study,
+committed): a new checkout restores them into --out and goes on with what is missing. The start
+model is trained again on a checkout that lacks it; its weights' digest is checked against the
+one the archived runs started from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from selfopd.comparisons.compare import CompareConfig, load_compare_config, run_compare
+from selfopd.comparisons.compare_report import measure_comparison, write_compare_report
+from selfopd.comparisons.records import RecordArchive, keep_run, restore_runs, run_records, unkept_runs
+from selfopd.config import load_config
+from selfopd.core.run_folder import RunFolder
+from selfopd.run.folder_guard import folder_lock
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+CONFIG = HERE / "knowledge.toml"
+ARMS = HERE / "arms.toml"
+DEMO = ROOT / "experiments" / "demo" / "demo.toml"
+RESULTS = HERE / "results"
+ARCHIVE = RESULTS / "knowledge_runs.tar.xz"
+START_RECORD = RESULTS / "knowledge_start.json"  # the start model's digest and accuracy, shipped
+SEEDS = (0, 1, 2)
+PRIMARY_OPD = "opd_forward_kl"  # the arm the shuffled-sheet control repeats
+OPD_ARMS = ("opd_sampled", "opd_topk", "opd_reverse_kl", "opd_forward_kl", "external_sft")
+# The SFT arms (`selfopd sft` on the study's config): matched to the OPD arms' trained tokens.
+SFT_ARMS = {
+    "sft_gold": ["sft.targets=solution"],
+    "sft_teacher": ["sft.targets=sampled", "sft.sample_template=teacher/fact_sheet", "sft.samples_per_prompt=4",
+                    "sft.temperature=0.7", "sft.max_tokens=16"],
+}
+SFT_COMMON = ["sft.train_examples=0", "sft.epochs=10", "sft.lr=3e-5", "sft.batch_size=32", "sft.checkpoint_every=0"]
+SFT_NOT_RECORDS = ("model", "checkpoint")  # an SFT folder's weights
+
+
+def selfopd(*args: str) -> None:
+    """Run the selfopd CLI as a user would; a failure stops the stage with its message."""
+    command = [sys.executable, "-m", "selfopd", *args]
+    print("$", " ".join(command[2:]), flush=True)
+    subprocess.run(command, cwd=ROOT, check=True)
+
+
+# --- the start model ------------------------------------------------------------------
+
+
+def start_model(out: Path) -> Path:
+    """The demo recipe's final weights (trained here unless --out has them), checked against the
+    digest the archived runs started from (START_RECORD, written by the first call)."""
+    run_dir, steps = out / "start", load_config(DEMO).run.steps
+    final_eval = RunFolder(run_dir).eval_dir(steps) / "summary.json"
+    if not final_eval.is_file():
+        if RunFolder(run_dir).latest_checkpoint() is not None:
+            selfopd("train", "--resume", str(run_dir))
+        else:
+            selfopd("train", str(DEMO), "--set", f"run.out_dir={out}", "--set", "run.name=start",
+                    "--set", "run.progress=false")
+    checkpoint = RunFolder(run_dir).latest_checkpoint()
+    record = {"digest": weights_digest(checkpoint), "steps": steps,
+              "held_out_accuracy": json.loads(final_eval.read_text())["accuracy"]}
+    if START_RECORD.is_file():
+        shipped = json.loads(START_RECORD.read_text())
+        if shipped["digest"] != record["digest"]:
+            raise SystemExit(f"{checkpoint}: its weights' digest {record['digest'][:16]} is not the "
+                             f"{shipped['digest'][:16]} the archived runs started from ({START_RECORD}); "
+                             "move the archive and that record aside to run the study again from these weights")
+    else:
+        _write(START_RECORD, record)
+    retention(run_dir, checkpoint, checkpoint, load_config(CONFIG).data.spec, only=("arithmetic", "unseen"))
+    return checkpoint
+
+
+def weights_digest(checkpoint: Path) -> str:
+    """sha256 over the checkpoint's safetensors files, in name order."""
+    digest = hashlib.sha256()
+    for path in sorted(checkpoint.glob("*.safetensors")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+# --- after each run: retention, diagnosis, records --------------------------------------
+
+
+def retention(run_dir: Path, weights: Path | None, start: Path, spec: str,
+              only: tuple[str, ...] = ("arithmetic", "unseen", "drift")) -> None:
+    """The run's final weights on the start model's skill, on split c and on general prompts,
+    once each; said when the weights are gone (a restored run keeps the results it had)."""
+    target = run_dir / "retention"
+    checks = {
+        "arithmetic": ["eval", str(DEMO), "--model", str(weights), "--out", str(target / "arithmetic")],
+        "unseen": ["eval", str(CONFIG), "--model", str(weights), "--data", f"{spec}&part=unseen",
+                   "--out", str(target / "unseen")],
+        "drift": ["drift", "--model", str(weights), "--reference", str(start), "--out", str(target / "drift")],
+    }
+    for name, command in checks.items():
+        if name not in only or (target / name / "summary.json").is_file():
+            continue
+        if weights is None:
+            print(f"retention: {run_dir} has no weights left: {name} not measured", flush=True)
+            continue
+        selfopd(*command)
+
+
+def diagnose_run(run_dir: Path) -> None:
+    if not (run_dir / "diagnostics" / "report.md").is_file():
+        selfopd("diagnose", str(run_dir), "--gap-items", "64", "--heatmaps", "0")
+
+
+# --- the stages -------------------------------------------------------------------------
+
+
+def sft(out: Path, start: Path, spec: str) -> None:
+    """Each SFT arm under each seed: trained, evaluated (its own held-out eval), its retention
+    measured, its records kept."""
+    archive = RecordArchive(ARCHIVE, "sft")
+    for seed in SEEDS:
+        for arm, settings in SFT_ARMS.items():
+            name = f"{arm}_seed{seed}"
+            run_dir = out / "sft" / name
+            if not (run_dir / "summary.json").is_file() and archive.has(f"{name}/summary.json"):
+                archive.extract_folder(name, run_dir)
+                print(f"restored sft/{name} from {ARCHIVE}", flush=True)
+            if not (run_dir / "summary.json").is_file():
+                selfopd("sft", str(CONFIG), "--set", f"model.student={start}", "--set", f"run.seed={seed}",
+                        "--set", f"run.out_dir={run_dir.parent}", "--set", f"sft.name={name}",
+                        *(f"--set={o}" for o in (*SFT_COMMON, *settings)))
+            weights = run_dir / "model"
+            retention(run_dir, weights if weights.is_dir() else None, start, spec)
+            if not archive.has(f"{name}/retention/drift/summary.json") and (run_dir / "retention" / "drift").is_dir():
+                files = {path: data for path, data in run_records(run_dir).items()
+                         if path.split("/")[0] not in SFT_NOT_RECORDS}
+                archive.replace_folder(name, files)
+                print(f"archived sft/{name} in {ARCHIVE}", flush=True)
+
+
+def comparison(out: Path, start: Path, spec: str, name: str = "knowledge", only: tuple[str, ...] = (),
+               extra: tuple[str, ...] = ()) -> CompareConfig:
+    """The arms file under --out, every arm starting from the start model (and `extra` settings)."""
+    config = load_compare_config(ARMS, [f"model.student={start}", *extra], only=only)
+    return dataclasses.replace(config, name=name, out_dir=out)
+
+
+def run_grid(config: CompareConfig, start: Path, spec: str) -> None:
+    """`selfopd compare`'s runner over one grid; each finished run's retention, seed-0 diagnosis and records."""
+
+    def finished(arm: str, seed: int, run_dir: Path) -> None:
+        retention(run_dir, RunFolder(run_dir).latest_checkpoint(), start, spec)
+        if seed == config.seeds[0]:
+            diagnose_run(run_dir)
+        kept = keep_run(config, run_dir, ARCHIVE / config.name)
+        print(f"archived {kept.relative_to(ARCHIVE)} in {ARCHIVE}", flush=True)
+
+    config.folder.mkdir(parents=True, exist_ok=True)
+    for run_dir in restore_runs(config, ARCHIVE / config.name):
+        print(f"restored {run_dir.relative_to(config.out_dir)} from {ARCHIVE}", flush=True)
+    with folder_lock(config.folder):
+        run_compare(config, after_run=finished)
+        for arm, seed, run_dir in unkept_runs(config, ARCHIVE / config.name):
+            finished(arm, seed, run_dir)  # finished by a call stopped before its archive
+    write_compare_report(config)
+
+
+def best_opd_arm(config: CompareConfig) -> str | None:
+    """The OPD arm with the largest pooled held-out change vs grpo_only; None until every run is finished."""
+    results = measure_comparison(config)
+    if len(results) < len(config.arms) or not all(r.finished and len(r.per_seed) == len(SEEDS) for r in results):
+        return None
+    changes = {r.name: r.vs_reference.mean for r in results if r.name in OPD_ARMS and r.vs_reference is not None}
+    return max(changes, key=changes.get)
+
+
+def main() -> None:
+    global ARCHIVE
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stage", choices=("all", "start", "compare", "sft", "shuffled", "longer"), default="all")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "knowledge")
+    parser.add_argument("--archive", type=Path, default=ARCHIVE, help="the records kept of finished runs, restored "
+                        "into --out and added to (default: the study's)")
+    args = parser.parse_args()
+    ARCHIVE = args.archive.resolve()
+    out = args.out.resolve()
+    start = start_model(out)
+    spec = load_config(CONFIG).data.spec
+    stages = ("compare", "sft", "shuffled", "longer") if args.stage == "all" else (args.stage,)
+    main_grid = comparison(out, start, spec)
+    if "compare" in stages:
+        run_grid(main_grid, start, spec)
+    if "sft" in stages:
+        sft(out, start, spec)
+    if "shuffled" in stages:
+        run_grid(comparison(out, start, spec, "knowledge_shuffled", only=(PRIMARY_OPD,),
+                            extra=(f"data.spec={spec}&sheet=shuffled",)), start, spec)
+    if "longer" in stages:
+        best = best_opd_arm(main_grid)
+        if best is None:
+            print("longer: waits for the main comparison to finish")
+            return
+        steps = load_config(CONFIG).run.steps
+        print(f"longer: {best} at {3 * steps} steps")
+        run_grid(comparison(out, start, spec, "knowledge_3x", only=(best,),
+                            extra=(f"run.steps={3 * steps}", f"run.eval_every={steps}")), start, spec)
+
+
+def _write(path: Path, value: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""experiments/knowledge/run.py: its arms build, its SFT runs are kept without weights and
+restored without training again, and runs never start from weights other than the ones the
+archived runs started from."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+from selfopd.comparisons.compare import arm_configs, load_compare_config
+from selfopd.comparisons.records import RecordArchive
+from selfopd.data import load_examples
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def runner(tmp_path, monkeypatch):
+    module = importlib.import_module("experiments.knowledge.run")
+    monkeypatch.setattr(module, "ARCHIVE", tmp_path / "knowledge_runs.tar.xz")
+    monkeypatch.setattr(module, "START_RECORD", tmp_path / "knowledge_start.json")
+    monkeypatch.setattr(module, "SEEDS", (0,))
+    return module
+
+
+def test_every_arm_builds_and_the_shuffled_control_asks_the_same_questions(runner):
+    config = load_compare_config(runner.ARMS, ["model.student=smollm2-135m-instruct"])
+    configs = arm_configs(config, sft_model=Path("sft_model"))
+    assert len(configs) == 6 * 3
+    assert {name for name, _ in configs} >= {runner.PRIMARY_OPD, *runner.OPD_ARMS, "grpo_only"}
+    spec = configs["grpo_only", 0].data.spec
+    own, shuffled = load_examples(spec), load_examples(f"{spec}&sheet=shuffled")
+    assert [(e.id, e.prompt, e.answer) for e in own] == [(e.id, e.prompt, e.answer) for e in shuffled]
+    assert all(a.meta["fact_sheet"] != b.meta["fact_sheet"] for a, b in zip(own, shuffled))
+
+
+def test_sft_runs_are_kept_without_weights_and_restored_without_training_again(runner, tmp_path, monkeypatch):
+    calls = []
+
+    def fake_selfopd(*args: str) -> None:  # what each command leaves on disk
+        calls.append(args[0])
+        out = Path(args[args.index("--out") + 1]) if "--out" in args else None
+        if args[0] == "sft":
+            folder = Path(next(a for a in args if a.startswith("run.out_dir=")).split("=", 1)[1])
+            run_dir = folder / next(a for a in args if a.startswith("sft.name=")).split("=", 1)[1]
+            (run_dir / "model").mkdir(parents=True)
+            (run_dir / "model" / "model.safetensors").write_bytes(b"weights")
+            (run_dir / "summary.json").write_text('{"tuned": {"accuracy": 0.9}}')
+        else:
+            out.mkdir(parents=True)
+            (out / "summary.json").write_text("{}")
+
+    monkeypatch.setattr(runner, "selfopd", fake_selfopd)
+    out = tmp_path / "runs"
+    runner.sft(out, start=tmp_path / "start", spec="kb:countries?entities=8&unseen=4")
+    assert calls == ["sft", "eval", "eval", "drift"] * 2
+    archive = RecordArchive(runner.ARCHIVE, "sft")
+    assert set(archive.names("sft_gold_seed0")) == {"summary.json", "retention/arithmetic/summary.json",
+                                                     "retention/unseen/summary.json", "retention/drift/summary.json"}
+
+    calls.clear()
+    fresh = tmp_path / "new_checkout" / "runs"
+    runner.sft(fresh, start=tmp_path / "start", spec="kb:countries?entities=8&unseen=4")
+    assert calls == []
+    assert json.loads((fresh / "sft" / "sft_teacher_seed0" / "summary.json").read_text())["tuned"]["accuracy"] == 0.9
+
+
+def test_a_restored_run_without_weights_is_said_and_not_measured(runner, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    runner.retention(run_dir, None, tmp_path / "start", "kb:countries")
+    assert capsys.readouterr().out.count("has no weights left") == 3
+    assert not (run_dir / "retention").exists()
+
+
+def test_a_start_model_other_than_the_archived_runs_one_stops_the_study(runner, tmp_path, monkeypatch):
+    out = tmp_path / "runs"
+    checkpoint = out / "start" / "checkpoints" / "step_00024"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "model.safetensors").write_bytes(b"new weights")
+    (out / "start" / "eval" / "step_00024").mkdir(parents=True)
+    (out / "start" / "eval" / "step_00024" / "summary.json").write_text('{"accuracy": 0.6}')
+    monkeypatch.setattr(runner.RunFolder, "latest_checkpoint", lambda self: checkpoint)
+    monkeypatch.setattr(runner, "retention", lambda *args, **kwargs: None)
+    runner.START_RECORD.write_text(json.dumps({"digest": runner.weights_digest(checkpoint)}))
+    assert runner.start_model(out) == checkpoint
+    runner.START_RECORD.write_text(json.dumps({"digest": "0" * 64}))
+    with pytest.raises(SystemExit, match="knowledge_start.json"):
+        runner.start_model(out)
