@@ -144,18 +144,18 @@ def prompt_accuracy(outcomes: Outcomes) -> Proportion | MeanEstimate:
     return mean_interval(list(per_prompt_means(outcomes).values()))
 
 
-def paired_change(before: Outcomes, after: Outcomes) -> PairedDifference:
+def paired_change(before: Outcomes, after: Outcomes, level: float = 0.95) -> PairedDifference:
     """after - before, paired by prompt: each prompt's mean outcome after minus before (over
-    its samples or copies), then the mean over the prompts both sides hold, with a normal 95%
-    interval over prompts."""
+    its samples or copies), then the mean over the prompts both sides hold, with a normal
+    interval over prompts (95%; `level` for another, e.g. 0.99 for a Bonferroni correction)."""
     keys = sorted(set(before) & set(after))
     if not keys:
         raise ValueError("the two evaluations share no prompt")
     b, a = per_prompt_means({k: before[k] for k in keys}), per_prompt_means({k: after[k] for k in keys})
-    return paired_difference([b[k] for k in keys], [a[k] for k in keys])
+    return paired_difference([b[k] for k in keys], [a[k] for k in keys], z=_normal_quantile(level))
 
 
-def pooled_change(per_seed: Sequence[tuple[Outcomes, Outcomes]]) -> PairedDifference:
+def pooled_change(per_seed: Sequence[tuple[Outcomes, Outcomes]], level: float = 0.95) -> PairedDifference:
     """after - before pooled over training seeds: one (before, after) pair of outcomes per
     seed, on the same prompts. With one seed it is `paired_change`.
 
@@ -165,14 +165,14 @@ def pooled_change(per_seed: Sequence[tuple[Outcomes, Outcomes]]) -> PairedDiffer
     if not per_seed:
         raise ValueError("no seeds to pool")
     if len(per_seed) == 1:
-        return paired_change(*per_seed[0])
+        return paired_change(*per_seed[0], level=level)
     keys = sorted(set.intersection(*(set(before) & set(after) for before, after in per_seed)))
     if not keys:
         raise ValueError("the seeds' evaluations share no prompt")
     changes_SP = np.array([[after_means[k] - before_means[k] for k in keys]
                            for before_means, after_means in ((per_prompt_means(b), per_prompt_means(a))
                                                              for b, a in per_seed)])
-    low, high = crossed_interval(changes_SP)  # a change of accuracies lies in [-1, 1]
+    low, high = crossed_interval(changes_SP, level)  # a change of accuracies lies in [-1, 1]
     return PairedDifference(float(changes_SP.mean()), max(low, -1.0), min(high, 1.0), len(keys), seeds=len(per_seed))
 
 
@@ -222,6 +222,15 @@ def crossed_interval(values_SP: np.ndarray, level: float = 0.95) -> tuple[float,
         return float(grand), float(grand)
     half = student_t.ppf(0.5 + level / 2, df) * math.sqrt(combined / (n_seeds * n_prompts))
     return float(grand - half), float(grand + half)
+
+
+def _normal_quantile(level: float) -> float:
+    """The two-sided normal quantile of an interval at `level` (Z_95 at 0.95)."""
+    if level == 0.95:
+        return Z_95
+    from scipy.stats import norm
+
+    return float(norm.ppf(0.5 + level / 2))
 
 
 def _mean_and_half_width(values: Sequence[float], z: float) -> tuple[float, float]:

@@ -147,3 +147,18 @@ def test_pooled_intervals_stay_inside_the_range_of_accuracies_when_two_seeds_dis
     assert (accuracy.low, accuracy.high) == (0.0, 1.0) and accuracy.value == pytest.approx(0.5)
     change = pooled_change([(base, run) for run in runs])
     assert change.low >= -1.0 and change.high == 1.0 and change.mean == pytest.approx(0.5)
+
+
+def test_a_99_percent_change_interval_is_the_95_percent_one_widened_by_the_ratio_of_quantiles():
+    from scipy.stats import norm
+
+    before = {f"p{i}": [i % 3 == 0] for i in range(40)}
+    after = {f"p{i}": [i % 2 == 0] for i in range(40)}
+    at95, at99 = paired_change(before, after), paired_change(before, after, level=0.99)
+    assert at99.mean == at95.mean
+    assert (at99.high - at99.mean) / (at95.high - at95.mean) == pytest.approx(norm.ppf(0.995) / norm.ppf(0.975))
+    rng = np.random.default_rng(2)
+    runs = [({k: [bool(rng.random() < 0.3)] for k in before}, {k: [bool(rng.random() < 0.5)] for k in before})
+            for _ in range(3)]
+    wide, narrow = pooled_change(runs, level=0.99), pooled_change(runs)
+    assert wide.low < narrow.low < narrow.high < wide.high and wide.mean == narrow.mean
