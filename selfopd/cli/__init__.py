@@ -327,19 +327,25 @@ def _add_diagnose(commands: argparse._SubParsersAction) -> None:
     diagnose.add_argument("--gap-items", type=int, default=100,
                           help="held-out items for the accuracy gap with vs without context (default: 100)")
     diagnose.add_argument("--heatmaps", type=int, default=4, help="heatmap PNGs per reported step (default: 4)")
+    diagnose.add_argument("--transfer-items", type=int, default=64,
+                          help="trained and held-out items each for the transfer of the teacher's advantage, start vs "
+                               "latest checkpoint (default: 64; 0: skip)")
 
 
 def _diagnose(args: argparse.Namespace) -> None:
     from selfopd.diagnostics.report import measure_run, write_report
 
-    if args.gap_items < 0 or args.heatmaps < 0:
-        raise UserError("--gap-items and --heatmaps must be >= 0")
-    diagnosis = measure_run(args.run_dir, with_model=not args.no_model, gap_items=args.gap_items, progress=True)
+    if min(args.gap_items, args.heatmaps, args.transfer_items) < 0:
+        raise UserError("--gap-items, --heatmaps and --transfer-items must be >= 0")
+    diagnosis = measure_run(args.run_dir, with_model=not args.no_model, gap_items=args.gap_items, progress=True,
+                            transfer_items=args.transfer_items)
     report = write_report(diagnosis, RunFolder(args.run_dir).diagnostics, args.heatmaps)
     for step in sorted({diagnosis.first, diagnosis.last}):
         score = diagnosis.illusion[step]
         flag = "  WARNING" if score.warning else ""
         print(f"illusion score at step {step}: {score.share} (interval over {score.share.n} distinct prompts){flag}")
+    if diagnosis.transfer is not None:
+        print(f"transfer of the teacher's advantage, held-out / trained: {diagnosis.transfer.ratio}")
     for warning in diagnosis.warnings:
         print(f"warning: {warning}")
     print(f"report: {report}")

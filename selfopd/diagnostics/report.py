@@ -25,6 +25,7 @@ from selfopd.diagnostics.measures import (Annotated, ClassRow, ContextContrast, 
                                           as_jsonable, collapse_warnings, context_contrast, correct_preference,
                                           decompose, illusion_score, step_behaviour)
 from selfopd.run.rollouts import RolloutRecord, read_run_rollouts
+from selfopd.diagnostics.transfer import Transfer, measure_transfer, transfer_line
 from selfopd.diagnostics.signals_report import (SignalDiagnosis, measure_signals, render_signals, signals_json,
                                                 write_signal_outputs)
 from selfopd.engines.base import Engine
@@ -94,6 +95,7 @@ class RunDiagnosis:
     preference: MeanEstimate | None  # teacher signal on correct - wrong samples of a prompt, all saved steps
     model_part: TemplateDiagnosis | None  # with the starting weights
     signals: SignalDiagnosis | None = None  # teachability, contrastive gain, DOPD split; starting weights
+    transfer: Transfer | None = None  # the gap closed on held-out vs trained prompts; start and final weights
 
     @property
     def first(self) -> int:
@@ -104,9 +106,11 @@ class RunDiagnosis:
         return max(self.annotated)
 
 
-def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, progress: bool = True) -> RunDiagnosis:
+def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, progress: bool = True,
+                transfer_items: int = 64) -> RunDiagnosis:
     """Everything the report shows, from RUN_DIR's config, saved rollouts and evaluations;
-    `with_model` adds the wrong-context contrast and the gap (the run's starting weights)."""
+    `with_model` adds the wrong-context contrast and the gap (the run's starting weights) and,
+    when the run has a checkpoint, the transfer on `transfer_items` trained and held-out prompts."""
     from selfopd.config import load_config
     from selfopd.data import load_examples
     from selfopd.data.split import split_examples
@@ -117,14 +121,14 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
     config = load_config(RunFolder(run_dir).config)
     by_step = read_run_rollouts(run_dir)
     examples = load_examples(config.data.spec)
-    _, eval_examples = split_examples(examples, eval_size=config.data.eval_size, seed=config.data.split_seed)
+    train_examples, eval_examples = split_examples(examples, eval_size=config.data.eval_size, seed=config.data.split_seed)
     prompting = run_prompting(run_dir, config, examples)
 
     annotated = {step: annotate_records(records, prompting, progress) for step, records in by_step.items()}
     behaviour = [step_behaviour(step, rollouts, config.rollout.max_tokens) for step, rollouts in annotated.items()]
     first, last = min(annotated), max(annotated)
     decompositions = {f"step {step}": decompose(annotated[step]) for step in sorted({first, last})}
-    model_part = signals = None
+    model_part = signals = transfer_part = None
     if with_model:
         from selfopd.engines.build import engines_at_start
 
@@ -133,11 +137,16 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
                                        config.eval.max_tokens, student_engine, config.eval.batch_size, progress)
         signals = measure_signals(student_engine, teacher_engine, by_step[first], prompting, config.teacher.kind,
                                   config.rollout.temperature, config.eval.batch_size)
+        checkpoint = RunFolder(run_dir).latest_checkpoint()
+        if transfer_items and checkpoint is not None:
+            transfer_part = measure_transfer(config, checkpoint, prompting, teacher_engine, student_engine,
+                                             train_examples, eval_examples, transfer_items)
     return RunDiagnosis(
         run_dir.name, f"{config.teacher.kind} with {prompting.teacher_template.name}", prompting.student_template.name,
         annotated, behaviour, {step: illusion_score(rollouts) for step, rollouts in annotated.items()},
         decompositions, collapse_warnings(behaviour, _read_metrics(run_dir)), summarize_run(run_dir),
-        correct_preference([record for records in by_step.values() for record in records]), model_part, signals)
+        correct_preference([record for records in by_step.values() for record in records]), model_part, signals,
+        transfer_part)
 
 
 def write_report(diagnosis: RunDiagnosis, out: Path, heatmaps: int = 4) -> Path:
@@ -156,6 +165,8 @@ def write_report(diagnosis: RunDiagnosis, out: Path, heatmaps: int = 4) -> Path:
         summary["at_start"] = {"privileged_gain_decomposition": as_jsonable(part.decomposition),
                                "illusion": _illusion_json(part.illusion), "contrast": as_jsonable(part.contrast),
                                "gap": as_jsonable(part.gap)}
+    if diagnosis.transfer is not None:
+        summary["transfer"] = as_jsonable(diagnosis.transfer)
     if diagnosis.signals is not None:
         summary["signals"] = signals_json(diagnosis.signals)
         figures |= write_signal_outputs(diagnosis.signals, out)
@@ -263,6 +274,8 @@ def render_report(diagnosis: RunDiagnosis, figures: dict[str, str]) -> str:
     if d.model_part is not None:
         lines.append(f"- Before training, privileged gain (same weights, with minus without context): illusion score "
                      f"**{d.model_part.illusion.share}**.")
+    if d.transfer is not None:
+        lines.append(transfer_line(d.transfer))
     lines += [f"- {w}" for w in d.warnings] or ["- No collapse of length or epistemic words, no leaked phrases in outputs."]
     lines += [
         "",

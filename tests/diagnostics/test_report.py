@@ -132,7 +132,7 @@ def test_wrong_example_changes_only_the_privileged_context():
 
 
 def test_diagnose_writes_a_report_with_figures(runs, capsys):
-    assert main(["diagnose", str(runs["leaky"]), "--gap-items", "6", "--heatmaps", "2"]) == 0
+    assert main(["diagnose", str(runs["leaky"]), "--gap-items", "6", "--heatmaps", "2", "--transfer-items", "6"]) == 0
     out = runs["leaky"] / "diagnostics"
     printed = capsys.readouterr().out
     assert "illusion score at step 1" in printed and str(out / "report.md") in printed
@@ -155,6 +155,9 @@ def test_diagnose_writes_a_report_with_figures(runs, capsys):
     mass = summary["signals"]["teacher_mass_on_student_top_k"]
     assert summary["signals"]["exact"] and 0 < mass["value"] < 1 and summary["signals"]["dopd_information_share"] is None
     assert "- Teacher prefers correct attempts" in report
+    transfer = summary["transfer"]  # the run's final checkpoint against its start, 6 trained and 6 held-out items
+    assert 0 < transfer["trained"]["n"] <= 6 and 0 < transfer["held_out"]["n"] <= 6
+    assert "Transfer of the teacher's advantage" in report and "held-out / trained" in printed
     preference = summary["teacher_prefers_correct"]
     assert preference is None or preference["low"] <= preference["value"] <= preference["high"]
 

@@ -1,0 +1,144 @@
+"""Did the teacher's advantage become the student's own, beyond the prompts it trained on?
+
+A privileged teacher knows the answer better than the student: before training, the start
+model reading the privileged context gives the reference answer a higher logprob than the
+start model without it. Training closes part of that gap on the prompts it trains on, whatever
+the information is: even a per-prompt answer can be memorised. Only information the student can
+store and reuse closes the gap on prompts it never trained on as well. So, for the reference
+answer y of each prompt ("The answer is {answer}.", its answer tokens only):
+
+    closure(split) = sum over prompts of [lp_end(y) - lp_start(y)]
+                     / sum over prompts of [lp_teacher(y) - lp_start(y)]
+
+over the prompts where the context helps (lp_teacher > lp_start), lp_start and lp_end the
+student without context before and after training, lp_teacher the start model with the
+teacher's template. 1: the student now knows what the context told it; 0: nothing of it stayed.
+The transfer is closure(held out) / closure(trained). Facts about entities that recur across
+prompts transfer (a held-out phrasing of a trained fact); the answer to a fresh problem does
+not, unless the student learns to compute it, which is real learning and shows in held-out
+accuracy too. Intervals: 95% bootstrap over prompts, each split resampled on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from selfopd.data.example import Example
+from selfopd.engines.base import Engine
+
+GOLD = "The answer is {answer}."
+BOOTSTRAP_SAMPLES = 2000
+MIN_GAP = 1e-6  # nats: a context that does not raise the answer's logprob has nothing to transfer
+
+
+def answer_tokens(tokenizer: Any, text: str, answer: str) -> tuple[list[int], list[bool]]:
+    """Token ids of `text` and which of them overlap the last occurrence of `answer` in it."""
+    start = text.rindex(answer)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [begin < start + len(answer) and end > start for begin, end in encoded["offset_mapping"]]
+    return list(encoded["input_ids"]), mask
+
+
+@dataclass(frozen=True)
+class AnswerLogprobs:
+    """The reference answer's logprob (summed over its tokens) under the three views of one prompt."""
+
+    id: str
+    teacher: float  # start model, privileged context
+    start: float  # start model, the student's prompt
+    end: float  # trained model, the student's prompt
+
+
+def answer_logprobs(examples: Sequence[Example], prompting: Any, teacher: Engine, start: Engine, end: Engine,
+                    batch_size: int = 16) -> list[AnswerLogprobs]:
+    """Each example's reference answer scored by the three views (`prompting`: a run's
+    `selfopd.diagnostics.context.Prompting`)."""
+    gold = [answer_tokens(prompting.tokenizer, GOLD.format(answer=e.answer), e.answer) for e in examples]
+    student_prompts = [prompting.student_ids(e) for e in examples]
+    teacher_prompts = [prompting.teacher_ids(e, GOLD.format(answer=e.answer)) for e in examples]
+
+    def summed(engine: Engine, prompts: list[list[int]]) -> list[float]:
+        sums = []
+        for first in range(0, len(examples), batch_size):
+            pairs = [(p, ids) for p, (ids, _) in zip(prompts[first : first + batch_size], gold[first : first + batch_size])]
+            for scores, (_, mask) in zip(engine.score(pairs), gold[first : first + batch_size]):
+                sums.append(float(scores.logprobs.double()[np.array(mask)].sum()))
+        return sums
+
+    views = summed(teacher, teacher_prompts), summed(start, student_prompts), summed(end, student_prompts)
+    return [AnswerLogprobs(e.id, *values) for e, values in zip(examples, zip(*views))]
+
+
+@dataclass(frozen=True)
+class Estimate:
+    value: float
+    low: float
+    high: float
+    n: int  # distinct prompts (for the transfer: held-out ones)
+
+    def __str__(self) -> str:
+        return f"{self.value:.2f} [{self.low:.2f}, {self.high:.2f}] (n={self.n} prompts)"
+
+
+@dataclass(frozen=True)
+class Transfer:
+    trained: Estimate  # closure on training prompts
+    held_out: Estimate  # closure on held-out prompts
+    ratio: Estimate  # held_out / trained
+    skipped: int  # prompts whose context did not raise the answer's logprob
+
+
+def closure(rows: Sequence[AnswerLogprobs]) -> float:
+    """Share of the context's advantage on the answer that the trained student has by itself."""
+    rows = [r for r in rows if r.teacher - r.start > MIN_GAP]
+    gap = sum(r.teacher - r.start for r in rows)
+    return sum(r.end - r.start for r in rows) / gap if gap > 0 else float("nan")
+
+
+def transfer(trained: Sequence[AnswerLogprobs], held_out: Sequence[AnswerLogprobs], seed: int = 0) -> Transfer:
+    """Closure on each split and their ratio, with bootstrap intervals over prompts."""
+    kept = [[r for r in rows if r.teacher - r.start > MIN_GAP] for rows in (trained, held_out)]
+    if not kept[0] or not kept[1]:
+        raise ValueError("no prompt whose privileged context raises the reference answer's logprob in "
+                         f"{'the trained' if not kept[0] else 'the held-out'} split: nothing to transfer")
+    rng = np.random.default_rng(seed)
+    arrays = [np.array([[r.teacher - r.start, r.end - r.start] for r in rows]) for rows in kept]
+    draws = []
+    for _ in range(BOOTSTRAP_SAMPLES):
+        sums = [a[rng.integers(0, len(a), len(a))].sum(0) for a in arrays]
+        draws.append([s[1] / s[0] for s in sums])
+    draws_ = np.array(draws)
+    draws_ = np.column_stack([draws_, draws_[:, 1] / draws_[:, 0]])
+    values = [closure(kept[0]), closure(kept[1])]
+    values.append(values[1] / values[0])
+    ns = [len(kept[0]), len(kept[1]), len(kept[1])]
+    estimates = [Estimate(v, *np.percentile(draws_[:, i], [2.5, 97.5]).tolist(), ns[i]) for i, v in enumerate(values)]
+    return Transfer(*estimates, skipped=len(trained) + len(held_out) - sum(ns[:2]))
+
+
+def measure_transfer(config: Any, checkpoint: Any, prompting: Any, teacher: Engine, start: Engine,
+                     train_examples: Sequence[Example], eval_examples: Sequence[Example], items: int) -> Transfer:
+    """A run's transfer: its teacher and student at the start, its `checkpoint` at the end, on a
+    seeded sample of `items` training prompts and its first `items` held-out ones."""
+    import random
+
+    from selfopd.engines.build import frozen_engine
+
+    end = frozen_engine(checkpoint, config)
+    trained = random.Random(f"{config.data.split_seed}/transfer").sample(list(train_examples), min(items, len(train_examples)))
+    held_out = list(eval_examples[:items])
+    size = config.eval.batch_size
+    return transfer(answer_logprobs(trained, prompting, teacher, start, end, size),
+                    answer_logprobs(held_out, prompting, teacher, start, end, size))
+
+
+def transfer_line(t: Transfer) -> str:
+    """The report's verdict line."""
+    return (f"- Transfer of the teacher's advantage on the reference answer: the trained student closed "
+            f"**{t.trained}** of the gap its context opened on training prompts and **{t.held_out}** on held-out "
+            f"ones; held-out / trained **{t.ratio}**. Near 1: the information was learned and is used beyond the "
+            "prompts trained on; near 0 with a closed training gap: memorised per prompt, the privileged illusion"
+            + (f" ({t.skipped} prompts skipped: the context did not raise the answer's logprob)." if t.skipped else "."))
