@@ -1,0 +1,342 @@
+"""The knowledge study's report (PREREGISTRATION.md): every pre-registered number, from the runs.
+
+    python -m experiments.knowledge.report                       # runs/knowledge, restored from the archive
+    python -m experiments.knowledge.report --out-dir experiments/knowledge/results
+
+Reads the grid, the shuffled-sheet control, the 3x-steps runs and the SFT arms under --runs (the
+finished runs the study's archive holds are copied back first, so it works on a fresh clone),
+and writes knowledge_report.md, knowledge_summary.json and knowledge_accuracy.png. A run still
+missing is said, never guessed: the report can be written at any point of the study.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from experiments.knowledge import run as study
+from selfopd.comparisons.compare import CompareConfig
+from selfopd.comparisons.compare_report import ArmResult, measure_comparison
+from selfopd.comparisons.records import RecordArchive, restore_runs
+from selfopd.core.atomic import write_json_atomic, write_text_atomic
+from selfopd.core.plots import decorate, new_figure, save_figure
+from selfopd.core.stats import PairedDifference, mean_interval, pooled_accuracy, pooled_change
+from selfopd.run.evaluate import read_eval_outcomes
+
+Outcomes = dict[str, list[bool]]
+
+
+@dataclass
+class Arm:
+    """One arm over the seeds that have finished: what each pre-registered measure reads."""
+
+    name: str
+    held_out: dict[int, Outcomes] = field(default_factory=dict)  # seed -> split (b) at the end
+    arithmetic: dict[int, Outcomes] = field(default_factory=dict)  # the start model's skill after training
+    unseen: dict[int, Outcomes] = field(default_factory=dict)  # split (c)
+    drift: dict[int, dict[str, float]] = field(default_factory=dict)  # seed -> prompt -> KL per token
+    tokens: dict[int, float] = field(default_factory=dict)  # trained completion tokens
+    curve: list[tuple[int, float, float]] = field(default_factory=list)  # (step, generated tokens, accuracy)
+
+    @property
+    def seeds(self) -> list[int]:
+        return sorted(self.held_out)
+
+
+def read_retention(arm: Arm, seed: int, run_dir: Path) -> None:
+    target = run_dir / "retention"
+    for name in ("arithmetic", "unseen"):
+        if (target / name / "eval.jsonl").is_file():
+            getattr(arm, name)[seed] = read_eval_outcomes(target / name)
+    if (target / "drift" / "summary.json").is_file():
+        arm.drift[seed] = json.loads((target / "drift" / "summary.json").read_text())["per_prompt"]
+
+
+def grid_arms(config: CompareConfig, rename: dict[str, str] | None = None) -> tuple[dict[str, Arm], list[ArmResult]]:
+    """The finished runs of one grid, by arm (renamed by `rename`)."""
+    results = measure_comparison(config)
+    arms = {}
+    for result in results:
+        arm = Arm((rename or {}).get(result.name, result.name))
+        for run in result.per_seed:
+            if not run.finished:
+                continue
+            arm.held_out[run.seed] = run.final
+            arm.tokens[run.seed] = run.generated_tokens
+            read_retention(arm, run.seed, config.arm_dir(result.name, run.seed))
+        arm.curve = [(p.step, p.generated_tokens, p.accuracy) for p in result.curve]
+        if arm.held_out:
+            arms[arm.name] = arm
+    return arms, results
+
+
+def sft_arms(out: Path) -> dict[str, Arm]:
+    arms = {}
+    for name in study.SFT_ARMS:
+        arm = Arm(name)
+        for seed in study.SEEDS:
+            run_dir = out / "sft" / f"{name}_seed{seed}"
+            if not (run_dir / "eval" / "tuned" / "eval.jsonl").is_file():
+                continue
+            summary = json.loads((run_dir / "summary.json").read_text())
+            arm.held_out[seed] = read_eval_outcomes(run_dir / "eval" / "tuned")
+            epochs = tomllib.loads((run_dir / "config.toml").read_text())["sft"]["epochs"]
+            arm.tokens[seed] = summary["train_tokens"] * epochs  # train_tokens: one pass over the targets
+            read_retention(arm, seed, run_dir)
+        if arm.held_out:
+            arms[name] = arm
+    return arms
+
+
+def paired(before: dict[int, Outcomes], after: dict[int, Outcomes], level: float = 0.95) -> PairedDifference | None:
+    """after - before, paired by prompt and seed, over the seeds both hold."""
+    seeds = sorted(set(before) & set(after))
+    return pooled_change([(before[s], after[s]) for s in seeds], level) if seeds else None
+
+
+def against_start(start: Outcomes, after: dict[int, Outcomes]) -> PairedDifference | None:
+    return pooled_change([(start, after[s]) for s in sorted(after)]) if after else None
+
+
+def pooled(outcomes: dict[int, Outcomes]):
+    return pooled_accuracy([outcomes[s] for s in sorted(outcomes)]) if outcomes else None
+
+
+def pooled_drift(drift: dict[int, dict[str, float]]):
+    """Each prompt's KL averaged over the seeds, then a mean with its interval over prompts."""
+    if not drift:
+        return None
+    prompts = sorted(set.intersection(*(set(d) for d in drift.values())))
+    return mean_interval([float(np.mean([d[p] for d in drift.values()])) for p in prompts], unit_range=False)
+
+
+def _fmt(value, signed: bool = False) -> str:
+    if value is None:
+        return "not yet run"
+    if isinstance(value, PairedDifference):
+        return f"{value.mean:+.3f} [{value.low:+.3f}, {value.high:+.3f}]"
+    number = getattr(value, "value", value)
+    sign = "+" if signed else ""
+    return f"{number:{sign}.3f} [{value.low:{sign}.3f}, {value.high:{sign}.3f}]"
+
+
+def _estimate(value: dict | None) -> str:
+    """An estimate stored as JSON ({value, low, high, n}), with its n."""
+    if not value:
+        return "no prompt with right and wrong samples"
+    return f"{value['value']:+.3f} [{value['low']:+.3f}, {value['high']:+.3f}] (n={value['n']})"
+
+
+def _transfer(value: dict | None) -> str:
+    if not value:
+        return "not measured"
+    ratio, held, trained = value["ratio"], value["held_out"], value["trained"]
+    return (f"{ratio['value']:.2f} [{ratio['low']:.2f}, {ratio['high']:.2f}] "
+            f"({held['value']:.2f} / {trained['value']:.2f})")
+
+
+def _tokens(value: float | None) -> str:
+    return "" if value is None else f"{value:,.0f}"
+
+
+def _seeds(arm: Arm | None) -> str:
+    return ", ".join(map(str, arm.seeds)) if arm else "-"
+
+
+def guard_events(run_dir: Path) -> list[str]:
+    path = run_dir / "guard.json"
+    if not path.is_file():
+        return []
+    events = json.loads(path.read_text())
+    events = events.get("events", events) if isinstance(events, dict) else events
+    return [str(e.get("condition", e.get("name", "?"))) + f"@{e.get('step', '?')}" for e in events]
+
+
+def diagnosis_row(run_dir: Path) -> dict | None:
+    path = run_dir / "diagnostics" / "summary.json"
+    if not path.is_file():
+        return None
+    summary = json.loads(path.read_text())
+    steps = sorted(summary["illusion"], key=int)
+    first, last = summary["illusion"][steps[0]], summary["illusion"][steps[-1]]
+    return {"lift_first": first["lift"], "lift_last": last["lift"], "warning_first": first["warning"],
+            "warning_last": last["warning"], "transfer": summary.get("transfer"),
+            "prefers_correct": summary.get("teacher_prefers_correct"), "guard": guard_events(run_dir)}
+
+
+def measure(out: Path) -> dict:
+    grid = study.comparison(out, Path("start"), "")
+    shuffled_grid = study.comparison(out, Path("start"), "", "knowledge_shuffled", only=(study.PRIMARY_OPD,))
+    for config in (grid, shuffled_grid):
+        restore_runs(config, study.ARCHIVE / config.name)
+    archive = RecordArchive(study.ARCHIVE, "sft")
+    for name in {n.split("/")[0] for n in archive.names()}:
+        if not (out / "sft" / name / "summary.json").is_file():
+            archive.extract_folder(name, out / "sft" / name)
+    arms, results = grid_arms(grid)
+    arms |= grid_arms(shuffled_grid, {study.PRIMARY_OPD: "shuffled"})[0]
+    arms |= sft_arms(out)
+    start = {name: read_eval_outcomes(out / "start" / "retention" / name) for name in ("arithmetic", "unseen")
+             if (out / "start" / "retention" / name / "eval.jsonl").is_file()}
+    reference = arms.get("grpo_only")
+    rows = {}
+    for name, arm in arms.items():
+        row = {"seeds": arm.seeds, "held_out": pooled(arm.held_out), "unseen": pooled(arm.unseen),
+               "arithmetic": pooled(arm.arithmetic), "drift": pooled_drift(arm.drift),
+               "tokens": float(np.mean(list(arm.tokens.values()))) if arm.tokens else None}
+        if reference is not None and name != "grpo_only":
+            row["vs_grpo"] = paired(reference.held_out, arm.held_out)
+            row["vs_grpo_99"] = paired(reference.held_out, arm.held_out, level=0.99)
+        for sft in study.SFT_ARMS:
+            if sft in arms and name not in study.SFT_ARMS:
+                row[f"vs_{sft}"] = paired(arms[sft].held_out, arm.held_out)
+        if "sft_gold" in arms and name != "sft_gold":
+            row["arithmetic_vs_sft_gold"] = paired(arms["sft_gold"].arithmetic, arm.arithmetic)
+        if "arithmetic" in start:
+            row["arithmetic_vs_start"] = against_start(start["arithmetic"], arm.arithmetic)
+        rows[name] = row
+    if "shuffled" in arms and study.PRIMARY_OPD in arms:
+        rows["shuffled"]["vs_" + study.PRIMARY_OPD] = paired(arms[study.PRIMARY_OPD].held_out, arms["shuffled"].held_out)
+    diagnoses = {name: diagnosis_row(grid.arm_dir(name, 0)) for name in (a.name for a in grid.arms)}
+    diagnoses["shuffled"] = diagnosis_row(shuffled_grid.arm_dir(study.PRIMARY_OPD, 0))
+    sft_steps = [json.loads(p.read_text())["steps"] for p in sorted((out / "sft").glob("*/summary.json"))]
+    return {"arms": arms, "rows": rows, "start": start, "diagnoses": diagnoses, "results": results,
+            "sft_steps": sft_steps[0] if sft_steps else None}
+
+
+def verdicts(rows: dict) -> dict[str, dict]:
+    """The pre-registered calls, per OPD arm: beats GRPO; not worse than SFT on forgetting."""
+    calls = {}
+    for name in (*study.OPD_ARMS, "shuffled"):
+        row = rows.get(name, {})
+        vs, forget = row.get("vs_grpo"), row.get("arithmetic_vs_sft_gold")
+        calls[name] = {"beats_grpo": None if vs is None else vs.low > 0,
+                       "beats_grpo_bonferroni": None if row.get("vs_grpo_99") is None else row["vs_grpo_99"].low > 0,
+                       "not_worse_than_sft_on_forgetting": None if forget is None else forget.low >= -0.05}
+    return calls
+
+
+def render(measured: dict, figure: Path | None) -> str:
+    rows, arms, start = measured["rows"], measured["arms"], measured["start"]
+    calls = verdicts(rows)
+    order = ["grpo_only", *study.OPD_ARMS, "shuffled", *study.SFT_ARMS]
+    lines = ["# Where privileged information is learnable: the knowledge study", "",
+             "Pre-registered in `experiments/knowledge/PREREGISTRATION.md`; every number below is read from the runs by "
+             "`python -m experiments.knowledge.report`. Task `kb:countries?entities=8&unseen=4`. Held out (b): 64 "
+             "distinct prompts, the 2 phrasings of each of the 32 trained facts that no run trains on. Split (c): 96 "
+             "distinct prompts about 4 countries no run sees. Arithmetic: the demo's 200 held-out sums. Intervals are "
+             "95% over prompts x seeds (pooled over the seeds listed).", ""]
+    if "arithmetic" in start:
+        lines += [f"Start model (the demo recipe, 24 steps): arithmetic {_fmt(pooled({0: start['arithmetic']}))}, "
+                  f"split (c) {_fmt(pooled({0: start['unseen']})) if 'unseen' in start else 'not measured'}.", ""]
+    lines += ["## Primary: held-out accuracy (b) at the last step vs GRPO alone", "",
+              "| arm | seeds | held-out (b) | vs grpo_only [95%] | [99%] | beats GRPO | trained tokens |",
+              "|---|---|---|---|---|---|---:|"]
+    for name in order:
+        if name not in rows:
+            lines.append(f"| `{name}` | - | not yet run | | | | |")
+            continue
+        row = rows[name]
+        call = calls.get(name, {}).get("beats_grpo")
+        lines.append(f"| `{name}` | {_seeds(arms[name])} | {_fmt(row['held_out'])} | "
+                     f"{'(reference)' if name == 'grpo_only' else _fmt(row.get('vs_grpo'))} | "
+                     f"{'' if name == 'grpo_only' else _fmt(row.get('vs_grpo_99'))} | "
+                     f"{'' if call is None else 'yes' if call else 'no'} | "
+                     f"{_tokens(row['tokens'])} |")
+    lines += ["", "## Forgetting and split (c)", "",
+              "| arm | arithmetic after | vs start | vs sft_gold | drift KL(trained \\|\\| start) per token | split (c) |",
+              "|---|---|---|---|---|---|"]
+    for name in order:
+        if name in rows:
+            row = rows[name]
+            lines.append(f"| `{name}` | {_fmt(row['arithmetic'])} | {_fmt(row.get('arithmetic_vs_start'))} | "
+                         f"{_fmt(row.get('arithmetic_vs_sft_gold')) if name != 'sft_gold' else '(reference)'} | "
+                         f"{_fmt(row['drift'])} | {_fmt(row['unseen'])} |")
+    lines += ["", "## Against SFT at matched tokens", "", "| arm | vs sft_gold | vs sft_teacher |", "|---|---|---|"]
+    for name in (*study.OPD_ARMS, "shuffled", "grpo_only"):
+        if name in rows:
+            lines.append(f"| `{name}` | {_fmt(rows[name].get('vs_sft_gold'))} | {_fmt(rows[name].get('vs_sft_teacher'))} |")
+    if "shuffled" in rows:
+        lines += ["", f"Shuffled-sheet control minus `{study.PRIMARY_OPD}` on (b): "
+                  f"{_fmt(rows['shuffled'].get('vs_' + study.PRIMARY_OPD))}."]
+    lines += ["", "## The illusion diagnostics (seed 0)", "",
+              "| arm | answer-token lift first -> last (warns at 1.5) | teacher prefers correct | guard events | "
+              "transfer: held-out / trained closure | beats GRPO |",
+              "|---|---|---|---|---|---|"]
+    for name, row in measured["diagnoses"].items():
+        if row is None:
+            continue
+        prefers = row["prefers_correct"]
+        call = calls.get(name, {}).get("beats_grpo")
+        lines.append(f"| `{name}` | {row['lift_first']:.2f}{' (warns)' if row['warning_first'] else ''} -> "
+                     f"{row['lift_last']:.2f}{' (warns)' if row['warning_last'] else ''} | "
+                     f"{_estimate(prefers)} | "
+                     f"{', '.join(row['guard']) or 'none'} | {_transfer(row['transfer'])} | "
+                     f"{'' if call is None else 'yes' if call else 'no'} |")
+    if figure is not None:
+        lines += ["", f"![held-out accuracy against steps and generated tokens]({figure.name})"]
+    lines += ["", "## Verdicts", ""]
+    for name, call in calls.items():
+        if call["beats_grpo"] is not None:
+            lines.append(f"- `{name}`: beats GRPO: {'yes' if call['beats_grpo'] else 'no'}"
+                         f" (with a Bonferroni 99% interval: {'yes' if call['beats_grpo_bonferroni'] else 'no'}); "
+                         f"not worse than SFT on forgetting: "
+                         f"{'not yet measured' if call['not_worse_than_sft_on_forgetting'] is None else 'yes' if call['not_worse_than_sft_on_forgetting'] else 'no'}.")
+    return "\n".join(lines) + "\n"
+
+
+def plot(measured: dict, path: Path) -> Path | None:
+    arms = [a for a in measured["arms"].values() if a.curve]
+    if not arms:
+        return None
+    figure = new_figure(2, "kb:countries, held-out (b), mean over seeds")
+    by_step, by_tokens = figure.axes
+    for index, arm in enumerate(arms):
+        steps, tokens, accuracy = zip(*arm.curve)
+        by_step.plot(steps, accuracy, marker="o", color=f"C{index}", label=arm.name)
+        by_tokens.plot(tokens, accuracy, marker="o", color=f"C{index}", label=arm.name)
+    for index, name in enumerate(study.SFT_ARMS, start=len(arms)):  # no sampling: a point at its optimizer steps
+        if (arm := measured["arms"].get(name)) is not None:
+            by_step.scatter([measured["sft_steps"]], [pooled(arm.held_out).value], marker="*", s=160,
+                            color=f"C{index}", label=f"{name} (after its {measured['sft_steps']} SFT steps)")
+    decorate(by_step, "Accuracy against steps", "held-out accuracy (b)")
+    decorate(by_tokens, "Accuracy against generated tokens", "held-out accuracy (b)", xlabel="student tokens sampled")
+    by_step.legend(fontsize=8)
+    return save_figure(figure, path)
+
+
+def jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if hasattr(value, "__dataclass_fields__"):
+        return {k: jsonable(getattr(value, k)) for k in value.__dataclass_fields__}
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=Path, default=study.ROOT / "runs" / "knowledge")
+    parser.add_argument("--out-dir", type=Path, default=study.ROOT / "runs" / "knowledge" / "report")
+    args = parser.parse_args()
+    measured = measure(args.runs.resolve())
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    figure = plot(measured, args.out_dir / "knowledge_accuracy.png")
+    report = write_text_atomic(args.out_dir / "knowledge_report.md", render(measured, figure))
+    write_json_atomic(args.out_dir / "knowledge_summary.json",
+                      {"rows": jsonable(measured["rows"]), "verdicts": verdicts(measured["rows"]),
+                       "diagnoses": measured["diagnoses"]})
+    print(f"wrote {report}")
+
+
+if __name__ == "__main__":
+    main()
