@@ -15,6 +15,7 @@ One spec string names a data source everywhere (CLI, configs, logs):
     hf:openai/gsm8k?split=test               (preset: config main, answer after "####")
     data/my.jsonl?prompt=question&answer=target&hints=tips&limit=100
     data/gsm8k_test.jsonl?preset=openai/gsm8k
+    kb:countries?entities=8 + rg:basic_arithmetic?size=400   (a mixture: selfopd.data.mixture)
 
 Options, by source (each is a `DataSpec` field of the same name; `id`, `prompt`,
 `answer`, `solution`, `hints` are the `*_col` fields):
@@ -55,6 +56,7 @@ from __future__ import annotations
 
 from typing import Collection
 
+from selfopd.data import mixture
 from selfopd.data import sources as data_sources
 from selfopd.data.knowledge import load_knowledge
 from selfopd.data.spec import (  # noqa: F401  (the public names of selfopd.data)
@@ -75,7 +77,13 @@ def load_examples(spec: DataSpec | str, exclude: Collection[str] = ()) -> list[E
 
     `exclude` holds prompt keys (`selfopd.data.example.prompt_key`) that must not appear: fresh
     items for a procedural task are drawn past them, other sources just drop those rows.
-    With `distinct` (the default for procedural sources) each prompt is kept once."""
+    With `distinct` (the default for procedural sources) each prompt is kept once. A mixture
+    ("SPEC + SPEC", `selfopd.data.mixture`) is each part's examples, tagged with its task."""
+    if isinstance(spec, str) and len(mixture.parts(spec)) > 1:
+        examples = mixture.load_mixture(spec, lambda part: load_examples(part, exclude),
+                                        lambda part: parse_data_spec(part).label)
+        check_unique_ids(examples, spec)
+        return examples
     spec = parse_data_spec(spec) if isinstance(spec, str) else spec
     excluded = frozenset(exclude)
     if spec.source == "rg":

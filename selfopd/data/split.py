@@ -21,6 +21,7 @@ from typing import Iterable, Literal, Sequence
 from selfopd.core.atomic import write_text_atomic
 from selfopd.core.run_folder import RunFolder
 from selfopd.data import DataError, check_unique_ids
+from selfopd.data.mixture import by_task
 from selfopd.data.example import Example, prompt_key
 
 
@@ -48,7 +49,19 @@ def split_examples(
     A source that fixes its own split (`selfopd.data.knowledge`: held-out phrasings of trained
     facts) marks every example `meta["split"]` = "train" or "eval": the held-out groups are then
     drawn from the "eval" ones only, and train keeps the "train" ones only.
+
+    A mixture (`selfopd.data.mixture`) is split task by task, `eval_size` (or `eval_fraction`)
+    per task, each its own way; train and eval list the tasks in order.
     """
+    tasks = by_task(examples)
+    if len(tasks) > 1:
+        halves = []
+        for task, part in tasks.items():
+            try:
+                halves.append(split_examples(part, eval_size=eval_size, eval_fraction=eval_fraction, seed=seed, by=by))
+            except DataError as error:
+                raise DataError(f"task {task}: {error}") from None
+        return [e for train, _ in halves for e in train], [e for _, held in halves for e in held]
     if (eval_size is None) == (eval_fraction is None):
         raise DataError("split_examples: give exactly one of eval_size, eval_fraction")
     if by not in ("prompt", "id"):

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from selfopd.core.atomic import write_json_atomic, write_lines_atomic
 from selfopd.data.example import Example, prompt_key
+from selfopd.data.mixture import task_of
 from selfopd.engines.base import Engine, SamplingParams
 from selfopd.core.faults import fault_point
 from selfopd.core.stats import MeanEstimate, Proportion, prompt_accuracy
@@ -75,7 +76,8 @@ def evaluate(
                 )
     accuracy = accuracy_of(records, samples)
     if out_dir is not None:
-        write_eval(out_dir, accuracy, records, template.name, samples, temperature)
+        write_eval(out_dir, accuracy, records, template.name, samples, temperature,
+                   tasks={e.id: task_of(e) for e in examples})
     return accuracy, records
 
 
@@ -107,8 +109,10 @@ def write_eval(
     template_name: str,
     samples: int = 1,
     temperature: float = 0.0,
+    tasks: dict[str, str] | None = None,
 ) -> None:
-    """eval.jsonl, then summary.json (its presence marks the eval finished), each whole or absent."""
+    """eval.jsonl, then summary.json (its presence marks the eval finished), each whole or absent.
+    `tasks` (item id -> task, a mixture's): summary.json also holds each task's accuracy."""
     out_dir.mkdir(parents=True, exist_ok=True)
     write_lines_atomic(out_dir / "eval.jsonl", (asdict(record) for record in records))
     fault_point("eval.written")
@@ -124,4 +128,10 @@ def write_eval(
         "truncated": sum(r.finish_reason == "length" for r in records),
         "mean_completion_tokens": sum(r.completion_tokens for r in records) / max(len(records), 1),
     }
+    if tasks and len(set(tasks.values())) > 1:
+        by_task = {}
+        for task in dict.fromkeys(tasks.values()):
+            part = accuracy_of([r for r in records if tasks[r.id] == task], samples)
+            by_task[task] = {"accuracy": part.value, "ci95": [part.low, part.high], "n": part.n}
+        summary["by_task"] = by_task
     write_json_atomic(out_dir / "summary.json", summary)

@@ -38,7 +38,7 @@ def eval_metrics(step: int, eval_dir: Path) -> dict[str, float]:
     """The metrics.jsonl row of one eval folder, read from its summary.json, so that a
     fresh eval and a reused one log exactly the same fields."""
     summary = json.loads((eval_dir / "summary.json").read_text())
-    return {
+    metrics = {
         "step": step,
         "eval/accuracy": summary["accuracy"],
         "eval/ci_low": summary["ci95"][0],
@@ -46,6 +46,9 @@ def eval_metrics(step: int, eval_dir: Path) -> dict[str, float]:
         "eval/n": summary["n"],
         "eval/length_mean": summary["mean_completion_tokens"],
     }
+    for task, part in summary.get("by_task", {}).items():  # a mixture's tasks
+        metrics |= {f"eval/accuracy/{task}": part["accuracy"], f"eval/n/{task}": part["n"]}
+    return metrics
 
 
 def reuse_eval(run: Run, source: Path) -> dict[str, float]:

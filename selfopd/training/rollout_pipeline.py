@@ -39,6 +39,7 @@ from selfopd.config import TrainConfig
 from selfopd.core.distributed import World, all_gather, share
 from selfopd.core.faults import fault_point
 from selfopd.data.example import Example
+from selfopd.data.mixture import by_task
 from selfopd.engines.base import Engine, Rollout, SamplingParams
 from selfopd.run.tracking import PhaseTimer
 from selfopd.templating.templates import Message, PromptTemplate, prompt_token_ids, render_student
@@ -104,9 +105,15 @@ def sample_request(engine: Engine, request: Request, version: int) -> Sampled:
     return Sampled(request, stamped, version, seconds)
 
 
-def batch_for_step(examples: Sequence[Example], step: int, size: int, seed: int) -> list[Example]:
+def batch_for_step(examples: Sequence[Example], step: int, size: int, seed: int | str) -> list[Example]:
     """The prompts of step `step`: epochs of seeded permutations, so the order depends only
-    on (seed, step) and a resumed run sees the same data."""
+    on (seed, step) and a resumed run sees the same data. A mixture's step takes an equal
+    share from each task (its own permutations; `size` is a multiple of the tasks, checked
+    at start), the tasks one after another."""
+    tasks = by_task(examples)
+    if len(tasks) > 1:
+        share = size // len(tasks)
+        return [e for task, part in tasks.items() for e in batch_for_step(part, step, share, f"{seed}/{task}")]
     chosen = []
     for index in range(step * size, (step + 1) * size):
         epoch, offset = divmod(index, len(examples))

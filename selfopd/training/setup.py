@@ -25,6 +25,7 @@ from selfopd.core.models import resolve_model
 from selfopd.core.run_folder import RunFolder
 from selfopd.training.state import Run
 from selfopd.engines.scoring import check_plain_head
+from selfopd.data.mixture import by_task
 from selfopd.data.split import split_examples
 from selfopd.run.templates import load_run_template
 from selfopd.templating.templates import (
@@ -64,11 +65,13 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
     folder = RunFolder.of(config.run.out_dir, config.run.name)
     examples = load_examples(config.data.spec)
     train_examples, eval_examples = split_examples(examples, eval_size=config.data.eval_size, seed=config.data.split_seed)
+    check_mixture(config, train_examples)
     # A resumed run renders from its own copies of the templates (RUN/templates/), a fresh one from the files.
     student_template = load_run_template(folder.root, config.data.student_template)
     teacher_template = load_run_template(folder.root, config.teacher.template)
     fallback = demonstration_fallback(config, teacher_template, folder.root)
-    check_templates_render(student_template, teacher_template, train_examples[0], fallback)
+    for first in by_task(train_examples).values():  # each task's first item: a mixture's template branches
+        check_templates_render(student_template, teacher_template, first[0], fallback)
     if config.teacher.kind == "external":
         check_external_teacher_split(config.teacher.model, eval_examples)
 
@@ -216,6 +219,15 @@ def check_world(config: TrainConfig, world: World) -> None:
         raise ConfigError("rollout.prompts_per_step", f"must be a multiple of optim.micro_batch_prompts "
                           f"({config.optim.micro_batch_prompts}) x {world.size} processes = {per_rank}, got "
                           f"{config.rollout.prompts_per_step}: each rank takes an equal share of whole micro-batches")
+
+
+def check_mixture(config: TrainConfig, train_examples: list) -> None:
+    """A mixture's steps take an equal share of prompts from each task: a whole number each."""
+    tasks = by_task(train_examples)
+    if len(tasks) > 1 and config.rollout.prompts_per_step % len(tasks):
+        raise ConfigError("rollout.prompts_per_step", f"must be a multiple of the {len(tasks)} tasks of data.spec "
+                          f"({', '.join(tasks)}), got {config.rollout.prompts_per_step}: each step takes an equal "
+                          "share of prompts from each task")
 
 
 def teacher_model_config(config: TrainConfig, student_config: Any) -> Any:
