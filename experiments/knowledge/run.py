@@ -11,6 +11,8 @@ Stages:
   sft       SFT on the gold answers and on the start model's own verified fact-sheet answers, per seed
   shuffled  opd_forward_kl with every question shown another country's sheet
   longer    the best OPD arm at 3x the steps
+  mixed     grpo_only and opd_forward_kl on the mixture of this task and the demo's, one teacher
+            template per task (teacher/fact_sheet_or_answer_note): learning and forgetting in one run
 
 As each run finishes, while its weights are the newest on disk: its retention (the start model's
 arithmetic on the demo's 200 held-out sums; split c, the countries no run trains on; the drift,
@@ -185,6 +187,15 @@ def run_grid(config: CompareConfig, start: Path, spec: str) -> None:
     write_compare_report(config)
 
 
+def mixed_grid(out: Path, start: Path, spec: str) -> CompareConfig:
+    """grpo_only and the primary OPD arm on this task mixed with the demo's (4 + 4 prompts a step):
+    the demo's 200 held-out sums are held out here too (data.eval_size caps the knowledge task at
+    its own 64), so the arithmetic eval is the start model's retention measure, in the run."""
+    return comparison(out, start, spec, "knowledge_mixed", only=("grpo_only", PRIMARY_OPD),
+                      extra=(f"data.spec={spec} + {load_config(DEMO).data.spec}", "data.eval_size=200",
+                             "teacher.template=teacher/fact_sheet_or_answer_note"))
+
+
 def best_opd_arm(config: CompareConfig) -> str | None:
     """The OPD arm with the largest pooled held-out change vs grpo_only; None until every run is finished."""
     results = measure_comparison(config)
@@ -197,7 +208,7 @@ def best_opd_arm(config: CompareConfig) -> str | None:
 def main() -> None:
     global ARCHIVE
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stage", choices=("all", "start", "compare", "sft", "shuffled", "longer"), default="all")
+    parser.add_argument("--stage", choices=("all", "start", "compare", "sft", "shuffled", "longer", "mixed"), default="all")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "knowledge")
     parser.add_argument("--archive", type=Path, default=ARCHIVE, help="the records kept of finished runs, restored "
                         "into --out and added to (default: the study's)")
@@ -206,7 +217,7 @@ def main() -> None:
     out = args.out.resolve()
     start = start_model(out)
     spec = load_config(CONFIG).data.spec
-    stages = ("compare", "sft", "shuffled", "longer") if args.stage == "all" else (args.stage,)
+    stages = ("compare", "sft", "shuffled", "longer", "mixed") if args.stage == "all" else (args.stage,)
     main_grid = comparison(out, start, spec)
     if "compare" in stages:
         run_grid(main_grid, start, spec)
@@ -215,6 +226,8 @@ def main() -> None:
     if "shuffled" in stages:
         run_grid(comparison(out, start, spec, "knowledge_shuffled", only=(PRIMARY_OPD,),
                             extra=(f"data.spec={spec}&sheet=shuffled",)), start, spec)
+    if "mixed" in stages:
+        run_grid(mixed_grid(out, start, spec), start, spec)
     if "longer" in stages:
         best = best_opd_arm(main_grid)
         if best is None:

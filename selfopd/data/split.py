@@ -48,7 +48,8 @@ def split_examples(
 
     A source that fixes its own split (`selfopd.data.knowledge`: held-out phrasings of trained
     facts) marks every example `meta["split"]` = "train" or "eval": the held-out groups are then
-    drawn from the "eval" ones only, and train keeps the "train" ones only.
+    drawn from the "eval" ones only (all of them when `eval_size` is larger), and train keeps the
+    "train" ones only.
 
     A mixture (`selfopd.data.mixture`) is split task by task, `eval_size` (or `eval_fraction`)
     per task, each its own way; train and eval list the tasks in order.
@@ -75,6 +76,8 @@ def split_examples(
     # split, those with an "eval" row, represented by one.
     candidates = groups if fixed is None else {
         key: eval_rows for key, ids in groups.items() if (eval_rows := [i for i in ids if fixed[i] == "eval"])}
+    if fixed is not None and eval_size is not None:  # the source's held-out rows, at most eval_size of them
+        eval_size = min(eval_size, len(candidates))
     if eval_fraction is not None:
         if not 0.0 <= eval_fraction <= 1.0:
             raise DataError(f"split_examples: eval_fraction must be in [0, 1], got {eval_fraction}")

@@ -65,8 +65,8 @@ def test_the_split_is_the_sources_own():
     assert len(train) == 384 and len(held_out) == 192
     train, fewer = split_examples(study, eval_size=50, seed=1)
     assert len(train) == 384 and len(fewer) == 50 and {e.meta["part"] for e in fewer} == {"heldout"}
-    with pytest.raises(DataError, match="eval_size must be in \\[0, 192\\]"):
-        split_examples(study, eval_size=193, seed=0)
+    _, capped = split_examples(study, eval_size=500, seed=0)  # the source's held-out rows, all of them
+    assert [e.id for e in capped] == [e.id for e in held_out]
     unmarked = study[0].__class__(id="x", prompt="What is 1 + 1?", answer="2")
     with pytest.raises(DataError, match="example 'x' has meta split None"):
         split_examples([*study, unmarked], eval_size=10, seed=0)

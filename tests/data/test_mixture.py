@@ -46,8 +46,10 @@ def test_each_task_is_split_on_its_own_and_the_knowledge_task_keeps_its_held_out
     assert not {prompt_key(e.prompt) for e in held} & {prompt_key(e.prompt) for e in train}
     alone_train, alone_held = split_examples(load_examples(SUMS), eval_size=4, seed=0)
     assert [e.id for e in held if task_of(e) == "rg:basic_arithmetic"] == [e.id for e in alone_held]
-    with pytest.raises(DataError, match="task kb:countries"):
-        split_examples(mixed, eval_size=30, seed=0)  # more than the knowledge task's 16 held-out phrasings
+    _, capped = split_examples(mixed, eval_size=30, seed=0)  # the knowledge task holds out its own 16, arithmetic 30
+    assert Counter(task_of(e) for e in capped) == {"kb:countries": 16, "rg:basic_arithmetic": 30}
+    with pytest.raises(DataError, match="task rg:basic_arithmetic"):
+        split_examples(mixed, eval_size=41, seed=0)  # more than arithmetic's 40 prompts
 
 
 def test_every_step_takes_an_equal_share_of_each_task_and_cycles_each_on_its_own():

@@ -89,3 +89,22 @@ def test_a_start_model_other_than_the_archived_runs_one_stops_the_study(runner, 
     runner.START_RECORD.write_text(json.dumps({"digest": "0" * 64}))
     with pytest.raises(SystemExit, match="knowledge_start.json"):
         runner.start_model(out)
+
+
+def test_the_mixed_runs_hold_out_the_demos_own_sums_and_every_held_out_phrasing(runner, tmp_path):
+    from collections import Counter
+
+    from selfopd.config import load_config
+    from selfopd.data.mixture import task_of
+    from selfopd.data.split import load_split
+
+    config = runner.mixed_grid(tmp_path, Path("smollm2-135m-instruct"), "kb:countries?entities=8&unseen=4")
+    configs = arm_configs(config, sft_model=None)
+    assert {name for name, _ in configs} == {"grpo_only", runner.PRIMARY_OPD}
+    data = configs["grpo_only", 0].data
+    train, held = load_split(data.spec, data.eval_size, data.split_seed)
+    assert Counter(task_of(e) for e in held) == {"kb:countries": 64, "rg:basic_arithmetic": 200}
+    demo = load_config(runner.DEMO).data
+    demo_train, demo_held = load_split(demo.spec, demo.eval_size, demo.split_seed)
+    assert [e.prompt for e in held if task_of(e) == "rg:basic_arithmetic"] == [e.prompt for e in demo_held]
+    assert not {e.prompt for e in held} & {e.prompt for e in demo_train}  # the start model never trained on them
