@@ -11,6 +11,9 @@ Stages:
   sft       SFT on the gold answers and on the start model's own verified fact-sheet answers, per seed
   shuffled  opd_forward_kl with every question shown another country's sheet
   longer    the best OPD arm at 3x the steps
+  illusion  the other regime for the diagnostics: the demo recipe with the answer note at full
+            weight (lambda_opd = 1, the search's run whose accuracy fell after step 12), seed 0, and
+            `selfopd diagnose` on it and on the start run (the demo recipe itself)
   mixed     grpo_only and opd_forward_kl on the mixture of this task and the demo's, one teacher
             template per task (teacher/fact_sheet_or_answer_note): learning and forgetting in one run
 
@@ -187,6 +190,27 @@ def run_grid(config: CompareConfig, start: Path, spec: str) -> None:
     write_compare_report(config)
 
 
+def illusion_regime(out: Path) -> None:
+    """The answer note at full weight on the demo task (from the packaged model, as the demo), and
+    the diagnoses of it and of the start run; records kept in the archive under illusion/."""
+    run_dir = out / "illusion" / "answer_note_full"
+    archive = RecordArchive(ARCHIVE, "illusion")
+    if not (run_dir / "diagnostics" / "summary.json").is_file() and archive.has("answer_note_full/diagnostics/summary.json"):
+        archive.extract_folder("answer_note_full", run_dir)
+    if not (run_dir / "diagnostics" / "summary.json").is_file():
+        if RunFolder(run_dir).latest_checkpoint() is not None and not (run_dir / "eval" / "step_00024").is_dir():
+            selfopd("train", "--resume", str(run_dir))
+        elif not (run_dir / "eval" / "step_00024").is_dir():
+            selfopd("train", str(DEMO), "--set", "loss.lambda_opd=1", "--set", f"run.out_dir={run_dir.parent}",
+                    "--set", "run.name=answer_note_full", "--set", "run.progress=false")
+        diagnose_run(run_dir)
+        archive.replace_folder("answer_note_full", run_records(run_dir))
+    start_dir = out / "start"
+    if not archive.has("start/diagnostics/summary.json"):
+        diagnose_run(start_dir)
+        archive.replace_folder("start", run_records(start_dir))
+
+
 def mixed_grid(out: Path, start: Path, spec: str) -> CompareConfig:
     """grpo_only and the primary OPD arm on this task mixed with the demo's (4 + 4 prompts a step):
     the demo's 200 held-out sums are held out here too (data.eval_size caps the knowledge task at
@@ -208,7 +232,7 @@ def best_opd_arm(config: CompareConfig) -> str | None:
 def main() -> None:
     global ARCHIVE
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stage", choices=("all", "start", "compare", "sft", "shuffled", "longer", "mixed"), default="all")
+    parser.add_argument("--stage", choices=("all", "start", "compare", "sft", "shuffled", "illusion", "mixed", "longer"), default="all")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "knowledge")
     parser.add_argument("--archive", type=Path, default=ARCHIVE, help="the records kept of finished runs, restored "
                         "into --out and added to (default: the study's)")
@@ -217,7 +241,7 @@ def main() -> None:
     out = args.out.resolve()
     start = start_model(out)
     spec = load_config(CONFIG).data.spec
-    stages = ("compare", "sft", "shuffled", "longer", "mixed") if args.stage == "all" else (args.stage,)
+    stages = ("compare", "sft", "shuffled", "illusion", "mixed", "longer") if args.stage == "all" else (args.stage,)
     main_grid = comparison(out, start, spec)
     if "compare" in stages:
         run_grid(main_grid, start, spec)
@@ -226,6 +250,8 @@ def main() -> None:
     if "shuffled" in stages:
         run_grid(comparison(out, start, spec, "knowledge_shuffled", only=(PRIMARY_OPD,),
                             extra=(f"data.spec={spec}&sheet=shuffled",)), start, spec)
+    if "illusion" in stages:
+        illusion_regime(out)
     if "mixed" in stages:
         run_grid(mixed_grid(out, start, spec), start, spec)
     if "longer" in stages:
