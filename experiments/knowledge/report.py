@@ -27,6 +27,9 @@ from selfopd.comparisons.records import RecordArchive, restore_runs
 from selfopd.core.atomic import write_json_atomic, write_text_atomic
 from selfopd.core.plots import decorate, new_figure, save_figure
 from selfopd.core.stats import PairedDifference, mean_interval, pooled_accuracy, pooled_change
+from selfopd.config import load_config
+from selfopd.data import load_examples
+from selfopd.data.example import prompt_key
 from selfopd.run.evaluate import read_eval_outcomes
 
 Outcomes = dict[str, list[bool]]
@@ -58,8 +61,10 @@ def read_retention(arm: Arm, seed: int, run_dir: Path) -> None:
         arm.drift[seed] = json.loads((target / "drift" / "summary.json").read_text())["per_prompt"]
 
 
-def grid_arms(config: CompareConfig, rename: dict[str, str] | None = None) -> tuple[dict[str, Arm], list[ArmResult]]:
-    """The finished runs of one grid, by arm (renamed by `rename`)."""
+def grid_arms(config: CompareConfig, rename: dict[str, str] | None = None,
+              only_prompts: set[str] | None = None) -> tuple[dict[str, Arm], list[ArmResult]]:
+    """The finished runs of one grid, by arm (renamed by `rename`); `only_prompts`: the held-out
+    outcomes of those prompt keys alone (a mixture's knowledge task; its curve is then left out)."""
     results = measure_comparison(config)
     arms = {}
     for result in results:
@@ -67,10 +72,12 @@ def grid_arms(config: CompareConfig, rename: dict[str, str] | None = None) -> tu
         for run in result.per_seed:
             if not run.finished:
                 continue
-            arm.held_out[run.seed] = run.final
+            final = run.final if only_prompts is None else {k: v for k, v in run.final.items() if k in only_prompts}
+            arm.held_out[run.seed] = final
             arm.tokens[run.seed] = run.generated_tokens
             read_retention(arm, run.seed, config.arm_dir(result.name, run.seed))
-        arm.curve = [(p.step, p.generated_tokens, p.accuracy) for p in result.curve]
+        if only_prompts is None:
+            arm.curve = [(p.step, p.generated_tokens, p.accuracy) for p in result.curve]
         if arm.held_out:
             arms[arm.name] = arm
     return arms, results
@@ -171,16 +178,22 @@ def diagnosis_row(run_dir: Path) -> dict | None:
 
 
 def measure(out: Path) -> dict:
-    grid = study.comparison(out, Path("start"), "")
-    shuffled_grid = study.comparison(out, Path("start"), "", "knowledge_shuffled", only=(study.PRIMARY_OPD,))
-    for config in (grid, shuffled_grid):
+    spec = load_config(study.CONFIG).data.spec
+    grid = study.comparison(out, Path("start"), spec)
+    shuffled_grid = study.comparison(out, Path("start"), spec, "knowledge_shuffled", only=(study.PRIMARY_OPD,))
+    mixed = study.mixed_grid(out, Path("start"), spec)
+    for config in (grid, shuffled_grid, mixed):
         restore_runs(config, study.ARCHIVE / config.name)
-    archive = RecordArchive(study.ARCHIVE, "sft")
-    for name in {n.split("/")[0] for n in archive.names()}:
-        if not (out / "sft" / name / "summary.json").is_file():
-            archive.extract_folder(name, out / "sft" / name)
+    for folder in ("sft", "illusion"):
+        archive = RecordArchive(study.ARCHIVE, folder)
+        for name in {n.split("/")[0] for n in archive.names()}:
+            if not (out / folder / name).is_dir():
+                archive.extract_folder(name, out / folder / name)
     arms, results = grid_arms(grid)
     arms |= grid_arms(shuffled_grid, {study.PRIMARY_OPD: "shuffled"})[0]
+    knowledge_prompts = {prompt_key(e.prompt) for e in load_examples(f"{spec}&part=heldout")}
+    arms |= grid_arms(mixed, {name: f"mixed_{name}" for name in ("grpo_only", study.PRIMARY_OPD)},
+                      only_prompts=knowledge_prompts)[0]
     arms |= sft_arms(out)
     start = {name: read_eval_outcomes(out / "start" / "retention" / name) for name in ("arithmetic", "unseen")
              if (out / "start" / "retention" / name / "eval.jsonl").is_file()}
@@ -201,10 +214,17 @@ def measure(out: Path) -> dict:
         if "arithmetic" in start:
             row["arithmetic_vs_start"] = against_start(start["arithmetic"], arm.arithmetic)
         rows[name] = row
+    for name in ("grpo_only", study.PRIMARY_OPD):  # the mixture against the same arm on this task alone
+        if f"mixed_{name}" in arms and name in arms:
+            rows[f"mixed_{name}"]["vs_single_task"] = paired(arms[name].held_out, arms[f"mixed_{name}"].held_out)
+            rows[f"mixed_{name}"]["arithmetic_vs_single_task"] = paired(arms[name].arithmetic,
+                                                                        arms[f"mixed_{name}"].arithmetic)
     if "shuffled" in arms and study.PRIMARY_OPD in arms:
         rows["shuffled"]["vs_" + study.PRIMARY_OPD] = paired(arms[study.PRIMARY_OPD].held_out, arms["shuffled"].held_out)
     diagnoses = {name: diagnosis_row(grid.arm_dir(name, 0)) for name in (a.name for a in grid.arms)}
     diagnoses["shuffled"] = diagnosis_row(shuffled_grid.arm_dir(study.PRIMARY_OPD, 0))
+    diagnoses["demo task: answer note, full weight"] = diagnosis_row(out / "illusion" / "answer_note_full")
+    diagnoses["demo task: the demo recipe (start)"] = diagnosis_row(out / "illusion" / "start")
     sft_steps = [json.loads(p.read_text())["steps"] for p in sorted((out / "sft").glob("*/summary.json"))]
     return {"arms": arms, "rows": rows, "start": start, "diagnoses": diagnoses, "results": results,
             "sft_steps": sft_steps[0] if sft_steps else None}
@@ -225,7 +245,7 @@ def verdicts(rows: dict) -> dict[str, dict]:
 def render(measured: dict, figure: Path | None) -> str:
     rows, arms, start = measured["rows"], measured["arms"], measured["start"]
     calls = verdicts(rows)
-    order = ["grpo_only", *study.OPD_ARMS, "shuffled", *study.SFT_ARMS]
+    order = ["grpo_only", *study.OPD_ARMS, "shuffled", *study.SFT_ARMS, "mixed_grpo_only", f"mixed_{study.PRIMARY_OPD}"]
     lines = ["# Where privileged information is learnable: the knowledge study", "",
              "Pre-registered in `experiments/knowledge/PREREGISTRATION.md`; every number below is read from the runs by "
              "`python -m experiments.knowledge.report`. Task `kb:countries?entities=8&unseen=4`. Held out (b): 64 "
@@ -265,6 +285,12 @@ def render(measured: dict, figure: Path | None) -> str:
     if "shuffled" in rows:
         lines += ["", f"Shuffled-sheet control minus `{study.PRIMARY_OPD}` on (b): "
                   f"{_fmt(rows['shuffled'].get('vs_' + study.PRIMARY_OPD))}."]
+    mixed = [name for name in rows if name.startswith("mixed_")]
+    if mixed:
+        lines += ["", "## Mixed with the demo's task (exploratory, amendment 1)", "",
+                  "| arm | held-out (b) vs the same arm alone | arithmetic vs the same arm alone |", "|---|---|---|"]
+        lines += [f"| `{name}` | {_fmt(rows[name].get('vs_single_task'))} | "
+                  f"{_fmt(rows[name].get('arithmetic_vs_single_task'))} |" for name in mixed]
     lines += ["", "## The illusion diagnostics (seed 0)", "",
               "| arm | answer-token lift first -> last (warns at 1.5) | teacher prefers correct | guard events | "
               "transfer: held-out / trained closure | beats GRPO |",

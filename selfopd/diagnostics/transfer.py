@@ -137,6 +137,11 @@ def measure_transfer(config: Any, checkpoint: Any, prompting: Any, teacher: Engi
 
 def transfer_line(t: Transfer) -> str:
     """The report's verdict line."""
+    if t.trained.low <= 0:
+        return (f"- Transfer of the teacher's advantage on the reference answer: the trained student closed "
+                f"**{t.trained}** of the gap its context opened on training prompts (**{t.held_out}** on held-out "
+                "ones): no gap reliably closed on the prompts it trained on, so there is no transfer to measure "
+                "(the ratio is not read).")
     return (f"- Transfer of the teacher's advantage on the reference answer: the trained student closed "
             f"**{t.trained}** of the gap its context opened on training prompts and **{t.held_out}** on held-out "
             f"ones; held-out / trained **{t.ratio}**. Near 1: the information was learned and is used beyond the "
