@@ -144,6 +144,8 @@ def _transfer(value: dict | None) -> str:
     if not value:
         return "not measured"
     ratio, held, trained = value["ratio"], value["held_out"], value["trained"]
+    if trained["low"] <= 0:  # no gap closed on the training prompts: the ratio is not read
+        return f"none to measure ({held['value']:.2f} / {trained['value']:.2f})"
     return (f"{ratio['value']:.2f} [{ratio['low']:.2f}, {ratio['high']:.2f}] "
             f"({held['value']:.2f} / {trained['value']:.2f})")
 

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from selfopd.data import load_examples
-from selfopd.diagnostics.transfer import AnswerLogprobs, answer_logprobs, answer_tokens, closure, transfer
+from selfopd.diagnostics.transfer import (AnswerLogprobs, answer_logprobs, answer_tokens, closure, transfer,
+                                          transfer_line)
 
 
 def _rows(gaps, gains):
@@ -20,6 +21,9 @@ def test_closure_and_transfer_on_a_hand_computed_case():
     assert result.ratio.value == pytest.approx((1 / 4) / (4 / 6))
     assert (result.trained.n, result.held_out.n, result.skipped) == (2, 2, 1)
     assert result.trained.low <= result.trained.value <= result.trained.high
+    assert "held-out / trained" in transfer_line(result) or "not read" in transfer_line(result)
+    lost = transfer(_rows([2.0, 4.0, 3.0], [-1.0, -2.0, -1.5]), held_out)  # training lowered the answer's logprob
+    assert lost.trained.high < 0 and "the ratio is not read" in transfer_line(lost)
     with pytest.raises(ValueError, match="held-out"):
         transfer(trained, _rows([0.0], [1.0]))
 
