@@ -108,3 +108,12 @@ def test_the_mixed_runs_hold_out_the_demos_own_sums_and_every_held_out_phrasing(
     demo_train, demo_held = load_split(demo.spec, demo.eval_size, demo.split_seed)
     assert [e.prompt for e in held if task_of(e) == "rg:basic_arithmetic"] == [e.prompt for e in demo_held]
     assert not {e.prompt for e in held} & {e.prompt for e in demo_train}  # the start model never trained on them
+
+
+def test_the_report_says_what_has_not_run_yet(runner, tmp_path, monkeypatch):
+    report = importlib.import_module("experiments.knowledge.report")
+    monkeypatch.setattr(report.study, "ARCHIVE", runner.ARCHIVE)  # an empty archive: nothing to restore
+    measured = report.measure(tmp_path / "runs")
+    text = report.render(measured, None)
+    assert text.count("not yet run") >= 11 and "## Verdicts" in text
+    assert all(value is None for call in report.verdicts(measured["rows"]).values() for value in call.values())
