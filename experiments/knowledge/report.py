@@ -31,6 +31,7 @@ from selfopd.config import load_config
 from selfopd.data import load_examples
 from selfopd.data.example import prompt_key
 from selfopd.run.evaluate import read_eval_outcomes
+from selfopd.training.guard import replay
 
 Outcomes = dict[str, list[bool]]
 
@@ -159,12 +160,11 @@ def _seeds(arm: Arm | None) -> str:
 
 
 def guard_events(run_dir: Path) -> list[str]:
-    path = run_dir / "guard.json"
-    if not path.is_file():
+    """The guard's events replayed on the run's metrics with today's rule (runs trained before the
+    length cap's noise test logged events it no longer gives)."""
+    if not (run_dir / "metrics.jsonl").is_file():
         return []
-    events = json.loads(path.read_text())
-    events = events.get("events", events) if isinstance(events, dict) else events
-    return [str(e.get("condition", e.get("name", "?"))) + f"@{e.get('step', '?')}" for e in events]
+    return [f"{event.condition}@{event.step}" for event in replay(run_dir)]
 
 
 def diagnosis_row(run_dir: Path) -> dict | None:

@@ -31,7 +31,11 @@ class GuardConfig(Section):
     truncated_share: float = setting(
         0.5, "Length cap: the mean rollout/truncated_share of the window's second half is at least this...")
     truncated_rise: float = setting(
-        0.1, "... and at least this much above its first half's (a share that starts high and falls is healthy).")
+        0.1, "... and at least this much above its first half's (a share that starts high and falls is healthy)...")
+    truncated_z: float = setting(
+        1.645, "... and the rise stands out of the noise: the difference over its standard error is at least this, "
+        "with the prompts of each half as the units (a prompt's samples share its length; 1.645: one-sided 95%; "
+        "0: no test). Without it a share hovering at 0.5-0.7 fires on its own noise.")
     preference_max: float = setting(
         0.0, "Teacher prefers wrong: the 95% upper bound of the teacher-prefers-correct measure pooled over the "
         "window's prompt groups (opd/correct_preference_*) is at or below this...")
@@ -40,7 +44,7 @@ class GuardConfig(Section):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._at_least("window", 2)
-        for name in ("kl_drop", "accuracy_drop", "truncated_rise"):
+        for name in ("kl_drop", "accuracy_drop", "truncated_rise", "truncated_z"):
             self._at_least(name, 0.0)
         if not 0.0 <= self.truncated_share <= 1.0:
             fail(self._key("truncated_share"), f"must be in [0, 1], got {self.truncated_share!r}")

@@ -4,7 +4,8 @@ comparing the window's first half with its second (config: `[guard]`, `GuardConf
 
     kl_and_accuracy_fall  the sampled reverse KL falls while training-sample accuracy falls:
                           the student gets closer to a teacher that makes it worse
-    length_cap            answers run into rollout.max_tokens more and more (high and rising)
+    length_cap            answers run into rollout.max_tokens more and more (high, and rising by
+                          more than the noise of the window's prompts)
     teacher_prefers_wrong the teacher's signal, pooled over the window's prompt groups with
                           right and wrong samples, does not favour the right ones
 
@@ -54,12 +55,13 @@ def training_lines(lines: Sequence[dict]) -> list[dict]:
     return [line for line in lines if "opd/reverse_kl" in line]
 
 
-def check(history: Sequence[dict], guard: GuardConfig) -> list[GuardEvent]:
+def check(history: Sequence[dict], guard: GuardConfig, prompts_per_step: int) -> list[GuardEvent]:
     """The conditions that fire at the last step of `history` (training-step metrics lines,
     oldest first): those that hold over the window ending there and did not over the window
-    ending one step before."""
-    now = _holding(history, guard)
-    before = _holding(history[:-1], guard)
+    ending one step before. `prompts_per_step` (rollout.prompts_per_step): the units of the
+    length cap's noise."""
+    now = _holding(history, guard, prompts_per_step)
+    before = _holding(history[:-1], guard, prompts_per_step)
     return [event for event in now if event.condition not in {e.condition for e in before}]
 
 
@@ -75,12 +77,12 @@ def replay(run_dir: str | Path, overrides: Sequence[str] = ()) -> list[GuardEven
     from selfopd.core.plots import read_metrics
 
     return events([_with_preference(line, folder) for line in training_lines(read_metrics(folder.metrics))],
-                  config.guard)
+                  config.guard, config.rollout.prompts_per_step)
 
 
-def events(history: Sequence[dict], guard: GuardConfig) -> list[GuardEvent]:
+def events(history: Sequence[dict], guard: GuardConfig, prompts_per_step: int) -> list[GuardEvent]:
     """Every event over a run's training-step lines: `check` at each step in turn."""
-    return [event for end in range(1, len(history) + 1) for event in check(history[:end], guard)]
+    return [event for end in range(1, len(history) + 1) for event in check(history[:end], guard, prompts_per_step)]
 
 
 def write_events(run_dir: str | Path, events: Sequence[GuardEvent]) -> None:
@@ -99,10 +101,10 @@ def watch(folder: RunFolder, config: TrainConfig, history: list[dict], metrics: 
     if not applies(config):
         return []
     history.append(metrics)
-    fired = check(history, config.guard)
+    fired = check(history, config.guard, config.rollout.prompts_per_step)
     if fired:
         metrics[FIRED] = [event.condition for event in fired]
-        write_events(folder.root, events(history, config.guard))
+        write_events(folder.root, events(history, config.guard, config.rollout.prompts_per_step))
         step = int(metrics["step"])
         where = f"checkpoint {folder.checkpoint(step)}, {folder.guard_notes}"
         print(f"selfopd: guard: step {step}: {_why(fired)} ({where})", file=sys.stderr)
@@ -126,7 +128,7 @@ def fired_steps(run_dir: str | Path) -> set[int]:
     return {int(event["step"]) for event in json.loads(path.read_text())} if path.is_file() else set()
 
 
-def _holding(history: Sequence[dict], guard: GuardConfig) -> list[GuardEvent]:
+def _holding(history: Sequence[dict], guard: GuardConfig, prompts_per_step: int) -> list[GuardEvent]:
     """Every condition that holds over the last `guard.window` lines (none before a full window)."""
     if len(history) < guard.window:
         return []
@@ -148,12 +150,15 @@ def _holding(history: Sequence[dict], guard: GuardConfig) -> list[GuardEvent]:
              "accuracy_first_half": accuracy[0], "accuracy_second_half": accuracy[1]}))
 
     truncated = _mean(first, "rollout/truncated_share"), _mean(second, "rollout/truncated_share")
-    if truncated[1] >= guard.truncated_share and truncated[1] >= truncated[0] + guard.truncated_rise:
+    rise_z = _rise_z(*truncated, units=half * prompts_per_step)
+    if (truncated[1] >= guard.truncated_share and truncated[1] >= truncated[0] + guard.truncated_rise
+            and rise_z >= guard.truncated_z):
         events.append(GuardEvent(
             step, "length_cap",
             f"over steps {window[0]['step']}-{step} the share of answers cut off at the length cap rose "
-            f"{truncated[0]:.2f} -> {truncated[1]:.2f}: the teacher asks for answers that do not fit",
-            {"truncated_first_half": truncated[0], "truncated_second_half": truncated[1]}))
+            f"{truncated[0]:.2f} -> {truncated[1]:.2f} ({rise_z:.1f} standard errors over {half * prompts_per_step} "
+            "prompts a half): the teacher asks for answers that do not fit",
+            {"truncated_first_half": truncated[0], "truncated_second_half": truncated[1], "rise_z": rise_z}))
 
     groups, mean, high = _pooled_preference(window)
     if groups >= guard.preference_groups and high <= guard.preference_max:
@@ -164,6 +169,16 @@ def _holding(history: Sequence[dict], guard: GuardConfig) -> list[GuardEvent]:
             "answers at least as hard as toward right ones",
             {"preference": mean, "preference_high": high, "groups": float(groups)}))
     return events
+
+
+def _rise_z(first: float, second: float, units: int) -> float:
+    """(second - first) over the standard error of a difference of two shares of `units` each
+    (pooled share): the prompts are the units, since a prompt's samples share its length."""
+    pooled = (first + second) / 2
+    variance = pooled * (1 - pooled) * 2 / max(units, 1)
+    if variance <= 0 or math.isnan(variance):
+        return math.inf if second > first else (0.0 if second == first else -math.inf)
+    return (second - first) / math.sqrt(variance)
 
 
 def _mean(lines: Sequence[dict], key: str) -> float:

@@ -56,6 +56,7 @@ EXPECTED_DEFAULTS = {
                    retries=3, max_concurrency=64, student_servers=1, student_gpus="", teacher_gpus="",
                    tensor_parallel_size=1, teacher_tensor_parallel_size=0, sleep_mode=True, api_key_env=""),
     "guard": dict(action="warn", window=6, kl_drop=0.1, accuracy_drop=0.05, truncated_share=0.5, truncated_rise=0.1,
+                  truncated_z=1.645,
                   preference_max=0.0, preference_groups=8),
 }
 
@@ -135,7 +136,7 @@ def test_round_trip_of_every_field_changed(tmp_path):
                             student_servers=2, student_gpus="1,2,3,4", teacher_gpus="5,6,7", tensor_parallel_size=2,
                             teacher_tensor_parallel_size=3, sleep_mode=False, api_key_env="MY_KEY"),
         guard=GuardConfig(action="stop", window=5, kl_drop=0.2, accuracy_drop=0.1, truncated_share=0.75,
-                          truncated_rise=0.2, preference_max=-0.1, preference_groups=12),
+                          truncated_rise=0.2, truncated_z=2.5, preference_max=-0.1, preference_groups=12),
     )
     changed = config_to_dict(config)
     for section, defaults in EXPECTED_DEFAULTS.items():

@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).resolve().parents[1] / "data" / "guard"
 # Thresholds that are exact in binary floating point, so the boundaries are exact too.
 GUARD = GuardConfig(window=4, kl_drop=0.25, accuracy_drop=0.125, truncated_share=0.5, truncated_rise=0.125,
-                    preference_max=0.0, preference_groups=4)
+                    truncated_z=0.0, preference_max=0.0, preference_groups=4)  # the length cap's noise test: below
+PROMPTS = 8  # rollout.prompts_per_step of the runs here (the demo's)
 QUIET = {"opd/reverse_kl": 1.0, "reward/accuracy": 0.5, "rollout/truncated_share": 0.25,
          "opd/correct_preference_groups": 0.0, "opd/correct_preference_sum": 0.0, "opd/correct_preference_sumsq": 0.0}
 
@@ -37,7 +38,7 @@ def _history(*changes: dict, before: int = 2) -> list[dict]:
 
 
 def _conditions(history: list[dict], guard: GuardConfig = GUARD) -> list[str]:
-    return [event.condition for event in check(history, guard)]
+    return [event.condition for event in check(history, guard, PROMPTS)]
 
 
 def test_kl_and_accuracy_falling_together_fires_at_the_margins_and_not_below():
@@ -46,7 +47,7 @@ def test_kl_and_accuracy_falling_together_fires_at_the_margins_and_not_below():
     assert _conditions(_history(at_margin, {**at_margin, "reward/accuracy": 0.5})) == []  # accuracy fell too little
     assert _conditions(_history(at_margin, {**at_margin, "opd/reverse_kl": 1.0})) == []  # the KL fell too little
     assert _conditions(_history({"opd/reverse_kl": 0.5}, {"opd/reverse_kl": 0.5})) == []  # KL falls, accuracy holds
-    event = check(_history(at_margin, at_margin), GUARD)[0]
+    event = check(_history(at_margin, at_margin), GUARD, PROMPTS)[0]
     assert event.step == 4 and event.numbers == {"kl_first_half": 1.0, "kl_second_half": 0.75,
                                                   "accuracy_first_half": 0.5, "accuracy_second_half": 0.375}
 
@@ -73,7 +74,7 @@ def test_teacher_prefers_wrong_pools_the_window_and_matches_a_float64_brute_forc
     pooled = np.array([c for step in per_step for c in step], dtype=np.float64)
     high = pooled.mean() + 1.959963984540054 * pooled.std(ddof=1) / np.sqrt(len(pooled))
     assert high < 0
-    fired = check(history, GUARD)
+    fired = check(history, GUARD, PROMPTS)
     assert [e.condition for e in fired] == ["teacher_prefers_wrong"]
     assert fired[0].numbers["preference"] == pytest.approx(pooled.mean(), abs=1e-12)
     assert fired[0].numbers["preference_high"] == pytest.approx(high, abs=1e-12)
@@ -103,13 +104,29 @@ def test_preference_metrics_match_a_brute_force_per_group():
         "opd/correct_preference_groups": 0.0, "opd/correct_preference_sum": 0.0, "opd/correct_preference_sumsq": 0.0}
 
 
+def test_the_length_cap_fires_on_a_rise_out_of_the_noise_of_its_prompts_only():
+    """Defaults (window 6: 3 steps of 8 prompts a half, 24 units). A learning knowledge-task run
+    (frozen fact-sheet teacher, held out 1/64 -> 8/64) hovered at 0.55-0.66 cut off and fired on
+    that noise; a collapsing one (self teacher) rose 0.32 -> 0.60."""
+    def shares(first: float, second: float) -> list[dict]:
+        return _history(*[{"rollout/truncated_share": first}] * 3, *[{"rollout/truncated_share": second}] * 3, before=0)
+
+    assert [e.condition for e in check(shares(0.55, 0.66), GuardConfig(), PROMPTS)] == []
+    assert [e.condition for e in check(shares(0.55, 0.66), GuardConfig(truncated_z=0), PROMPTS)] == ["length_cap"]
+    event = check(shares(0.32, 0.60), GuardConfig(), PROMPTS)[0]
+    pooled = (0.32 + 0.60) / 2  # by hand: the difference over the standard error of two shares of 24 prompts
+    assert event.numbers["rise_z"] == pytest.approx(0.28 / (pooled * (1 - pooled) * 2 / 24) ** 0.5)
+    assert "1.9 standard errors over 24 prompts" in event.reason
+    assert check(shares(0.32, 0.60), GuardConfig(), prompts_per_step=2) == []  # 6 prompts a half: within the noise
+
+
 def test_a_condition_fires_at_its_onset_only_and_again_after_it_ended():
     high = {"rollout/truncated_share": 0.75}
     history = _history(high, high, high, high, {}, {}, {}, {}, high, high)
-    fired = [(e.step, e.condition) for e in events(history, GUARD)]
+    fired = [(e.step, e.condition) for e in events(history, GUARD, PROMPTS)]
     assert fired == [(4, "length_cap"), (11, "length_cap")]
     # Deciding on a prefix (what a resumed run's truncated metrics.jsonl holds) gives the same events.
-    assert [e for e in events(history[:7], GUARD)] == [e for e in events(history, GUARD) if e.step <= 7]
+    assert [e for e in events(history[:7], GUARD, PROMPTS)] == [e for e in events(history, GUARD, PROMPTS) if e.step <= 7]
 
 
 def test_guard_settings_are_checked_naming_the_key():
@@ -142,7 +159,7 @@ def test_replay_takes_the_preference_from_saved_rollouts_when_the_metrics_predat
     folder.metrics.write_text("".join(json.dumps(line) + "\n" for line in stripped))
     from_rollouts = replay(folder.root)
     assert [e.condition for e in from_rollouts] == ["teacher_prefers_wrong"]
-    assert from_rollouts == events(lines, load_config(folder.config).guard)
+    assert from_rollouts == events(lines, load_config(folder.config).guard, PROMPTS)
 
 
 # --- real runs (SmolLM2-135M, the demo task), replayed from their committed metrics ------
@@ -157,9 +174,9 @@ def test_the_demo_recipe_runs_72_steps_without_a_false_alarm():
     history = [{"step": i + 1, **{key: values[i] for key, values in per_step.items()}}
                for i in range(len(per_step["reward/accuracy"]))]
     assert len(history) == 72
-    assert events(history, GuardConfig()) == []
+    assert events(history, GuardConfig(), PROMPTS) == []
     # The check can fail: with half the margins (and a window of 8) noise alone fires it.
-    assert events(history, GuardConfig(window=8, kl_drop=0.05, accuracy_drop=0.025))
+    assert events(history, GuardConfig(window=8, kl_drop=0.05, accuracy_drop=0.025), PROMPTS)
 
 
 def _committed(name: str) -> list[dict]:
@@ -176,10 +193,14 @@ def test_a_self_teacher_shown_the_attempt_is_caught_where_it_did_harm():
     evals = [line["eval/accuracy"] for line in lines if "eval/accuracy" in line]
     assert evals == [0.06, 0.01]  # held out, 200 distinct prompts: -0.050 [-0.083, -0.017]
     history = training_lines(lines)
-    live = [(e.step, e.condition) for e in events(history, GuardConfig(window=8))]  # the run's own setting
-    assert live == [(8, "teacher_prefers_wrong"), (9, "kl_and_accuracy_fall"), (12, "length_cap")]
-    assert [(line["step"], c) for line in history for c in line.get(FIRED, [])] == live  # offline = live
-    fired = [(e.step, e.condition) for e in events(history, GuardConfig())]  # the default window of 6
+    live = [(e.step, e.condition) for e in events(history, GuardConfig(window=8), PROMPTS)]  # the run's own setting
+    assert live == [(8, "teacher_prefers_wrong"), (9, "kl_and_accuracy_fall")]
+    # Trained before the length cap's noise test: it also fired at step 12 on 0.61 -> 0.73 cut off (1.0
+    # standard errors over 32 prompts a half), which the test now leaves out; the rest is offline = live.
+    logged = [(line["step"], c) for line in history for c in line.get(FIRED, [])]
+    assert logged == [*live, (12, "length_cap")]
+    assert [(e.step, e.condition) for e in events(history, GuardConfig(window=8, truncated_z=0), PROMPTS)] == logged
+    fired = [(e.step, e.condition) for e in events(history, GuardConfig(), PROMPTS)]  # the default window of 6
     assert fired == [(6, "kl_and_accuracy_fall"), (6, "teacher_prefers_wrong"), (8, "kl_and_accuracy_fall")]
 
 
@@ -190,8 +211,8 @@ def test_the_answer_note_self_teacher_that_helped_raises_no_alarm():
     lines = _committed("answer_note_seed0")
     evals = [line["eval/accuracy"] for line in lines if "eval/accuracy" in line]
     assert evals[-1] - evals[0] == pytest.approx(0.175)
-    assert events(training_lines(lines), GuardConfig()) == []
-    assert events(training_lines(lines), GuardConfig(window=8, preference_max=0.2))  # it can fail: a higher bar fires
+    assert events(training_lines(lines), GuardConfig(), PROMPTS) == []
+    assert events(training_lines(lines), GuardConfig(window=8, preference_max=0.2), PROMPTS)  # it can fail: a higher bar fires
 
 
 # --- the tiny model through the CLI -----------------------------------------------------
@@ -202,7 +223,7 @@ SMALL = ["data.spec=rg:chain_sum?min_terms=2&max_terms=2&size=60&seed=2", "data.
          "run.eval_every=0", "run.steps=4",
          # On the tiny random model every answer is cut off at 6 tokens: a share that never falls
          # holds the length-cap condition with these thresholds from the first full window on.
-         "guard.window=2", "guard.truncated_share=0", "guard.truncated_rise=0"]
+         "guard.window=2", "guard.truncated_share=0", "guard.truncated_rise=0", "guard.truncated_z=0"]
 
 
 def _train_argv(model: Path, out: Path, *sets: str) -> list[str]:
