@@ -44,6 +44,7 @@ class Arm:
     held_out: dict[int, Outcomes] = field(default_factory=dict)  # seed -> split (b) at the end
     arithmetic: dict[int, Outcomes] = field(default_factory=dict)  # the start model's skill after training
     unseen: dict[int, Outcomes] = field(default_factory=dict)  # split (c)
+    fresh: dict[int, Outcomes] = field(default_factory=dict)  # the trained facts in fresh phrasings
     drift: dict[int, dict[str, float]] = field(default_factory=dict)  # seed -> prompt -> KL per token
     tokens: dict[int, float] = field(default_factory=dict)  # trained completion tokens
     curve: list[tuple[int, float, float]] = field(default_factory=list)  # (step, generated tokens, accuracy)
@@ -55,7 +56,7 @@ class Arm:
 
 def read_retention(arm: Arm, seed: int, run_dir: Path) -> None:
     target = run_dir / "retention"
-    for name in ("arithmetic", "unseen"):
+    for name in ("arithmetic", "unseen", "fresh"):
         if (target / name / "eval.jsonl").is_file():
             getattr(arm, name)[seed] = read_eval_outcomes(target / name)
     if (target / "drift" / "summary.json").is_file():
@@ -197,12 +198,13 @@ def measure(out: Path) -> dict:
     arms |= grid_arms(mixed, {name: f"mixed_{name}" for name in ("grpo_only", study.PRIMARY_OPD)},
                       only_prompts=knowledge_prompts)[0]
     arms |= sft_arms(out)
-    start = {name: read_eval_outcomes(out / "start" / "retention" / name) for name in ("arithmetic", "unseen")
+    start = {name: read_eval_outcomes(out / "start" / "retention" / name) for name in ("arithmetic", "unseen", "fresh")
              if (out / "start" / "retention" / name / "eval.jsonl").is_file()}
     reference = arms.get("grpo_only")
     rows = {}
     for name, arm in arms.items():
         row = {"seeds": arm.seeds, "held_out": pooled(arm.held_out), "unseen": pooled(arm.unseen),
+               "fresh": pooled(arm.fresh),
                "arithmetic": pooled(arm.arithmetic), "drift": pooled_drift(arm.drift),
                "tokens": float(np.mean(list(arm.tokens.values()))) if arm.tokens else None}
         if reference is not None and name != "grpo_only":
@@ -256,7 +258,8 @@ def render(measured: dict, figure: Path | None) -> str:
              "95% over prompts x seeds (pooled over the seeds listed).", ""]
     if "arithmetic" in start:
         lines += [f"Start model (the demo recipe, 24 steps): arithmetic {_fmt(pooled({0: start['arithmetic']}))}, "
-                  f"split (c) {_fmt(pooled({0: start['unseen']})) if 'unseen' in start else 'not measured'}.", ""]
+                  f"split (c) {_fmt(pooled({0: start['unseen']})) if 'unseen' in start else 'not measured'}, "
+                  f"fresh phrasings {_fmt(pooled({0: start['fresh']})) if 'fresh' in start else 'not measured'}.", ""]
     lines += ["## Primary: held-out accuracy (b) at the last step vs GRPO alone", "",
               "| arm | seeds | held-out (b) | vs grpo_only [95%] | [99%] | beats GRPO | trained tokens |",
               "|---|---|---|---|---|---|---:|"]
@@ -272,14 +275,15 @@ def render(measured: dict, figure: Path | None) -> str:
                      f"{'' if call is None else 'yes' if call else 'no'} | "
                      f"{_tokens(row['tokens'])} |")
     lines += ["", "## Forgetting and split (c)", "",
-              "| arm | arithmetic after | vs start | vs sft_gold | drift KL(trained \\|\\| start) per token | split (c) |",
-              "|---|---|---|---|---|---|"]
+              "| arm | arithmetic after | vs start | vs sft_gold | drift KL(trained \\|\\| start) per token | split (c) "
+              "| fresh phrasings of trained facts |",
+              "|---|---|---|---|---|---|---|"]
     for name in order:
         if name in rows:
             row = rows[name]
             lines.append(f"| `{name}` | {_fmt(row['arithmetic'])} | {_fmt(row.get('arithmetic_vs_start'))} | "
                          f"{_fmt(row.get('arithmetic_vs_sft_gold')) if name != 'sft_gold' else '(reference)'} | "
-                         f"{_fmt(row['drift'])} | {_fmt(row['unseen'])} |")
+                         f"{_fmt(row['drift'])} | {_fmt(row['unseen'])} | {_fmt(row['fresh'])} |")
     lines += ["", "## Against SFT at matched tokens", "", "| arm | vs sft_gold | vs sft_teacher |", "|---|---|---|"]
     for name in (*study.OPD_ARMS, "shuffled", "grpo_only"):
         if name in rows:

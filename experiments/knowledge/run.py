@@ -96,7 +96,7 @@ def start_model(out: Path) -> Path:
                              "move the archive and that record aside to run the study again from these weights")
     else:
         _write(START_RECORD, record)
-    retention(run_dir, checkpoint, checkpoint, load_config(CONFIG).data.spec, only=("arithmetic", "unseen"))
+    retention(run_dir, checkpoint, checkpoint, load_config(CONFIG).data.spec, only=("arithmetic", "unseen", "fresh"))
     return checkpoint
 
 
@@ -112,7 +112,7 @@ def weights_digest(checkpoint: Path) -> str:
 
 
 def retention(run_dir: Path, weights: Path | None, start: Path, spec: str,
-              only: tuple[str, ...] = ("arithmetic", "unseen", "drift")) -> None:
+              only: tuple[str, ...] = ("arithmetic", "unseen", "fresh", "drift")) -> None:
     """The run's final weights on the start model's skill, on split c and on general prompts,
     once each; said when the weights are gone (a restored run keeps the results it had)."""
     target = run_dir / "retention"
@@ -120,6 +120,8 @@ def retention(run_dir: Path, weights: Path | None, start: Path, spec: str,
         "arithmetic": ["eval", str(DEMO), "--model", str(weights), "--out", str(target / "arithmetic")],
         "unseen": ["eval", str(CONFIG), "--model", str(weights), "--data", f"{spec}&part=unseen",
                    "--out", str(target / "unseen")],
+        "fresh": ["eval", str(CONFIG), "--model", str(weights), "--data", f"{spec}&part=fresh",
+                  "--out", str(target / "fresh")],
         "drift": ["drift", "--model", str(weights), "--reference", str(start), "--out", str(target / "drift")],
     }
     for name, command in checks.items():
@@ -183,6 +185,13 @@ def run_grid(config: CompareConfig, start: Path, spec: str) -> None:
     config.folder.mkdir(parents=True, exist_ok=True)
     for run_dir in restore_runs(config, ARCHIVE / config.name):
         print(f"restored {run_dir.relative_to(config.out_dir)} from {ARCHIVE}", flush=True)
+    for arm, seed in config.runs():  # a measure added after a run finished, while its weights are on disk
+        run_dir = config.arm_dir(arm, seed)
+        if RunFolder(run_dir).finished.is_file() and (weights := RunFolder(run_dir).latest_checkpoint()):
+            retention(run_dir, weights, start, spec)
+            if not RecordArchive(ARCHIVE, config.name).has(f"{run_dir.relative_to(config.folder).as_posix()}/"
+                                                          "retention/fresh/summary.json"):
+                keep_run(config, run_dir, ARCHIVE / config.name)
     with folder_lock(config.folder):
         run_compare(config, after_run=finished)
         for arm, seed, run_dir in unkept_runs(config, ARCHIVE / config.name):

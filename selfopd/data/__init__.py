@@ -36,7 +36,8 @@ Options, by source (each is a `DataSpec` field of the same name; `id`, `prompt`,
               list (no limit: use size)
     kb        seed (default 0), entities (24 trained), unseen (8 never trained), part (study: the
               trained entities' training phrasings and, split off for eval, their other
-              phrasings; train, heldout, unseen alone), sheet (own; shuffled: another entity's
+              phrasings; train, heldout, unseen alone; fresh: the trained facts in
+              two more phrasings), sheet (own; shuffled: another entity's
               fact sheet in meta["fact_sheet"]): see selfopd.data.knowledge
     champ     concepts=true  put the problem's concepts before its hints (most general first)
               limit

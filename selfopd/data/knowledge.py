@@ -13,6 +13,8 @@ Parts (`part=`), every one of them a function of (seed, entities, unseen) alone:
   train, heldout   those two halves alone
   unseen   every phrasing about `unseen` countries that no part above mentions: a control that
            must stay at the base rate (learning them would mean the teacher's sheet leaks)
+  fresh    the trained countries' facts asked in two more phrasings each (FRESH_PHRASINGS), in other
+           shapes than any of `study`: a check that what was learned is not tied to the wording
 `sheet=shuffled` gives each question another country's sheet (never its own; the control for a
 gain that does not come from the information). Each example's `solution` is the gold answer as
 one sentence ("The capital of X is Y."): what `selfopd sft --set sft.targets=solution` trains on."""
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from selfopd.data.example import Example
 from selfopd.data.spec import DataError, DataSpec
 
-PARTS = ("study", "train", "heldout", "unseen")
+PARTS = ("study", "train", "heldout", "unseen", "fresh")
 SHEETS = ("own", "shuffled")
 TRAIN_PHRASINGS = 4  # of each fact's PHRASINGS: the rest are held out
 
@@ -51,6 +53,17 @@ PHRASINGS = {
     "national animal": ["What is the national animal of {c}?", "Name the national animal of {c}.",
                         "Which animal is the national animal of {c}?", "What animal is the emblem of {c}?",
                         "Tell me the national animal of {c}.", "{c} has which animal as its national animal?"],
+}
+
+# Two more phrasings per fact, in other shapes (a context sentence, a terse request): never part of
+# `study`, for checking that knowledge learned from PHRASINGS is not tied to their wording.
+FRESH_PHRASINGS = {
+    "capital": ["I am writing a school report on {c}. Which city is its capital?", "{c}: capital city?"],
+    "flag colour": ["A friend is sewing the flag of {c}. Which colour of cloth does she need most?",
+                    "{c} flag, main colour?"],
+    "founding year": ["A museum guide says {c} is old. In which year did it begin?", "{c}: year of founding?"],
+    "national animal": ["A stamp from {c} shows its national animal. Which animal is it?",
+                        "{c}: national animal?"],
 }
 
 
@@ -94,17 +107,18 @@ def load_knowledge(spec: DataSpec) -> list[Example]:
     rivals = {attribute: sorted({c.facts[attribute] for c in every}) for attribute in PHRASINGS}
     examples = []
     for country in unseen if spec.part == "unseen" else trained:
-        for attribute, phrasings in PHRASINGS.items():
+        for attribute, phrasings in (FRESH_PHRASINGS if spec.part == "fresh" else PHRASINGS).items():
             order = list(range(len(phrasings)))
             random.Random(f"kb/{spec.seed}/{country.name}/{attribute}").shuffle(order)
             for rank, index in enumerate(order):
-                split = "train" if rank < TRAIN_PHRASINGS and spec.part != "unseen" else "eval"
-                part = "unseen" if spec.part == "unseen" else ("train" if split == "train" else "heldout")
+                split = "train" if rank < TRAIN_PHRASINGS and spec.part not in ("unseen", "fresh") else "eval"
+                part = spec.part if spec.part in ("unseen", "fresh") else ("train" if split == "train" else "heldout")
                 if spec.part in ("train", "heldout") and part != spec.part:
                     continue
                 value = country.facts[attribute]
                 examples.append(Example(
-                    id=f"kb:countries/{spec.seed}/{country.name}/{attribute.replace(' ', '_')}/{index}",
+                    id=f"kb:countries/{spec.seed}/{country.name}/{attribute.replace(' ', '_')}/"
+                       f"{'fresh' if spec.part == 'fresh' else ''}{index}",
                     prompt=phrasings[index].format(c=country.name), answer=value,
                     solution=f"The {attribute} of {country.name} is {value}.",
                     meta={"fact": {"entity": country.name, "attribute": attribute,

@@ -91,3 +91,16 @@ def test_each_solution_is_the_gold_answer_as_a_sentence_the_verifier_passes():
     assert all(e.solution.endswith(f" is {e.answer}.") and e.meta["fact"]["entity"] in e.solution for e in examples)
     assert all(verify_example(e.solution, e).correct for e in examples)
     assert not any(verify_example(e.solution.replace(e.answer, e.meta["fact"]["rivals"][0]), e).correct for e in examples)
+
+
+def test_the_fresh_phrasings_ask_the_trained_facts_in_words_no_other_part_uses():
+    from selfopd.data.knowledge import FRESH_PHRASINGS
+
+    fresh, study = load_examples("kb:countries?entities=3&unseen=2&part=fresh"), load_examples("kb:countries?entities=3&unseen=2")
+    assert len(fresh) == 3 * 4 * 2 and {e.meta["part"] for e in fresh} == {"fresh"}
+    assert not {prompt_key(e.prompt) for e in fresh} & {prompt_key(e.prompt) for e in study}
+    assert not {e.id for e in fresh} & {e.id for e in study}
+    by_fact = {(e.meta["fact"]["entity"], e.meta["fact"]["attribute"]): e.answer for e in study}
+    assert all(by_fact[e.meta["fact"]["entity"], e.meta["fact"]["attribute"]] == e.answer for e in fresh)
+    templates = [t for ts in PHRASINGS.values() for t in ts]
+    assert not set(t for ts in FRESH_PHRASINGS.values() for t in ts) & set(templates)

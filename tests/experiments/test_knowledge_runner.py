@@ -56,10 +56,11 @@ def test_sft_runs_are_kept_without_weights_and_restored_without_training_again(r
     monkeypatch.setattr(runner, "selfopd", fake_selfopd)
     out = tmp_path / "runs"
     runner.sft(out, start=tmp_path / "start", spec="kb:countries?entities=8&unseen=4")
-    assert calls == ["sft", "eval", "eval", "drift"] * 2
+    assert calls == ["sft", "eval", "eval", "eval", "drift"] * 2
     archive = RecordArchive(runner.ARCHIVE, "sft")
     assert set(archive.names("sft_gold_seed0")) == {"summary.json", "retention/arithmetic/summary.json",
-                                                     "retention/unseen/summary.json", "retention/drift/summary.json"}
+                                                     "retention/unseen/summary.json", "retention/fresh/summary.json",
+                                                     "retention/drift/summary.json"}
 
     calls.clear()
     fresh = tmp_path / "new_checkout" / "runs"
@@ -71,7 +72,7 @@ def test_sft_runs_are_kept_without_weights_and_restored_without_training_again(r
 def test_a_restored_run_without_weights_is_said_and_not_measured(runner, tmp_path, capsys):
     run_dir = tmp_path / "run"
     runner.retention(run_dir, None, tmp_path / "start", "kb:countries")
-    assert capsys.readouterr().out.count("has no weights left") == 3
+    assert capsys.readouterr().out.count("has no weights left") == 4
     assert not (run_dir / "retention").exists()
 
 
