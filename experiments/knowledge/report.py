@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,9 +22,10 @@ import numpy as np
 from experiments.knowledge import run as study
 from selfopd.comparisons.compare import CompareConfig
 from selfopd.comparisons.compare_report import ArmResult, measure_comparison
-from selfopd.comparisons.records import RecordArchive, restore_runs
+from selfopd.comparisons.records import restore_runs
 from selfopd.core.atomic import write_json_atomic, write_text_atomic
 from selfopd.core.plots import decorate, new_figure, save_figure
+from selfopd.diagnostics.measures import as_jsonable
 from selfopd.core.stats import PairedDifference, mean_interval, pooled_accuracy, pooled_change
 from selfopd.config import load_config
 from selfopd.data import load_examples
@@ -188,10 +188,7 @@ def measure(out: Path) -> dict:
     for config in (grid, shuffled_grid, mixed):
         restore_runs(config, study.ARCHIVE / config.name)
     for folder in ("sft", "illusion"):
-        archive = RecordArchive(study.ARCHIVE, folder)
-        for name in {n.split("/")[0] for n in archive.names()}:
-            if not (out / folder / name).is_dir():
-                archive.extract_folder(name, out / folder / name)
+        study.restore_folder(out, folder)
     arms, results = grid_arms(grid)
     arms |= grid_arms(shuffled_grid, {study.PRIMARY_OPD: "shuffled"})[0]
     knowledge_prompts = {prompt_key(e.prompt) for e in load_examples(f"{spec}&part=heldout")}
@@ -343,18 +340,6 @@ def plot(measured: dict, path: Path) -> Path | None:
     return save_figure(figure, path)
 
 
-def jsonable(value):
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    if hasattr(value, "__dataclass_fields__"):
-        return {k: jsonable(getattr(value, k)) for k in value.__dataclass_fields__}
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    return value
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=Path, default=study.ROOT / "runs" / "knowledge")
@@ -365,7 +350,7 @@ def main() -> None:
     figure = plot(measured, args.out_dir / "knowledge_accuracy.png")
     report = write_text_atomic(args.out_dir / "knowledge_report.md", render(measured, figure))
     write_json_atomic(args.out_dir / "knowledge_summary.json",
-                      {"rows": jsonable(measured["rows"]), "verdicts": verdicts(measured["rows"]),
+                      {"rows": as_jsonable(measured["rows"]), "verdicts": verdicts(measured["rows"]),
                        "diagnoses": measured["diagnoses"]})
     print(f"wrote {report}")
 

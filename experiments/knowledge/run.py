@@ -138,6 +138,22 @@ def diagnose_run(run_dir: Path) -> None:
         selfopd("diagnose", str(run_dir), "--gap-items", "64", "--heatmaps", "0")
 
 
+def restore_folder(out: Path, folder: str) -> None:
+    """Copy each run the archive keeps under `folder/` that --out lacks into --out/folder (a run
+    already there is never overwritten)."""
+    archive = RecordArchive(ARCHIVE, folder)
+    for name in sorted({path.split("/")[0] for path in archive.names()}):
+        if not (out / folder / name).exists():
+            archive.extract_folder(name, out / folder / name)
+            print(f"restored {folder}/{name} from {ARCHIVE}", flush=True)
+
+
+def unkept_measures(archive: RecordArchive, relative: str, run_dir: Path) -> bool:
+    """Whether the run has a retention measure its archived copy lacks (measured after it was kept)."""
+    return any(not archive.has(f"{relative}/retention/{path.parent.name}/summary.json")
+               for path in (run_dir / "retention").glob("*/summary.json"))
+
+
 # --- the stages -------------------------------------------------------------------------
 
 
@@ -145,20 +161,19 @@ def sft(out: Path, start: Path, spec: str) -> None:
     """Each SFT arm under each seed: trained, evaluated (its own held-out eval), its retention
     measured, its records kept."""
     archive = RecordArchive(ARCHIVE, "sft")
+    restore_folder(out, "sft")
     for seed in SEEDS:
         for arm, settings in SFT_ARMS.items():
             name = f"{arm}_seed{seed}"
             run_dir = out / "sft" / name
-            if not (run_dir / "summary.json").is_file() and archive.has(f"{name}/summary.json"):
-                archive.extract_folder(name, run_dir)
-                print(f"restored sft/{name} from {ARCHIVE}", flush=True)
             if not (run_dir / "summary.json").is_file():
                 selfopd("sft", str(CONFIG), "--set", f"model.student={start}", "--set", f"run.seed={seed}",
                         "--set", f"run.out_dir={run_dir.parent}", "--set", f"sft.name={name}",
                         *(f"--set={o}" for o in (*SFT_COMMON, *settings)))
             weights = run_dir / "model"
             retention(run_dir, weights if weights.is_dir() else None, start, spec)
-            if not archive.has(f"{name}/retention/drift/summary.json") and (run_dir / "retention" / "drift").is_dir():
+            if (run_dir / "summary.json").is_file() and (not archive.has(f"{name}/summary.json")
+                                                         or unkept_measures(archive, name, run_dir)):
                 files = {path: data for path, data in run_records(run_dir).items()
                          if path.split("/")[0] not in SFT_NOT_RECORDS}
                 archive.replace_folder(name, files)
@@ -189,8 +204,8 @@ def run_grid(config: CompareConfig, start: Path, spec: str) -> None:
         run_dir = config.arm_dir(arm, seed)
         if RunFolder(run_dir).finished.is_file() and (weights := RunFolder(run_dir).latest_checkpoint()):
             retention(run_dir, weights, start, spec)
-            if not RecordArchive(ARCHIVE, config.name).has(f"{run_dir.relative_to(config.folder).as_posix()}/"
-                                                          "retention/fresh/summary.json"):
+            if unkept_measures(RecordArchive(ARCHIVE, config.name), run_dir.relative_to(config.folder).as_posix(),
+                               run_dir):
                 keep_run(config, run_dir, ARCHIVE / config.name)
     with folder_lock(config.folder):
         run_compare(config, after_run=finished)
@@ -202,16 +217,16 @@ def run_grid(config: CompareConfig, start: Path, spec: str) -> None:
 def illusion_regime(out: Path) -> None:
     """The answer note at full weight on the demo task (from the packaged model, as the demo), and
     the diagnoses of it and of the start run; records kept in the archive under illusion/."""
-    run_dir = out / "illusion" / "answer_note_full"
+    run_dir, steps = out / "illusion" / "answer_note_full", load_config(DEMO).run.steps
     archive = RecordArchive(ARCHIVE, "illusion")
-    if not (run_dir / "diagnostics" / "summary.json").is_file() and archive.has("answer_note_full/diagnostics/summary.json"):
-        archive.extract_folder("answer_note_full", run_dir)
+    restore_folder(out, "illusion")
     if not (run_dir / "diagnostics" / "summary.json").is_file():
-        if RunFolder(run_dir).latest_checkpoint() is not None and not (run_dir / "eval" / "step_00024").is_dir():
-            selfopd("train", "--resume", str(run_dir))
-        elif not (run_dir / "eval" / "step_00024").is_dir():
-            selfopd("train", str(DEMO), "--set", "loss.lambda_opd=1", "--set", f"run.out_dir={run_dir.parent}",
-                    "--set", "run.name=answer_note_full", "--set", "run.progress=false")
+        if not RunFolder(run_dir).eval_dir(steps).is_dir():
+            if RunFolder(run_dir).latest_checkpoint() is not None:
+                selfopd("train", "--resume", str(run_dir))
+            else:
+                selfopd("train", str(DEMO), "--set", "loss.lambda_opd=1", "--set", f"run.out_dir={run_dir.parent}",
+                        "--set", "run.name=answer_note_full", "--set", "run.progress=false")
         diagnose_run(run_dir)
         archive.replace_folder("answer_note_full", run_records(run_dir))
     start_dir = out / "start"

@@ -11,6 +11,7 @@ measures what it learns on one task and what it forgets of another at the same s
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Sequence
 
 from selfopd.data.example import Example
@@ -41,8 +42,6 @@ def load_mixture(spec: str, load_one: Callable[[str], list[Example]], label_of: 
 
 
 def _tagged(example: Example, task: str) -> Example:
-    from dataclasses import replace
-
     return replace(example, meta={**example.meta, "task": task})
 
 
@@ -57,7 +56,3 @@ def by_task(examples: Sequence[Example]) -> dict[str, list[Example]]:
     for example in examples:
         groups.setdefault(task_of(example), []).append(example)
     return groups
-
-
-def is_mixture(examples: Sequence[Example]) -> bool:
-    return len(by_task(examples)) > 1

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from selfopd.core.stats import MeanEstimate
 from selfopd.data.example import Example
 from selfopd.engines.base import Engine
 
@@ -73,21 +74,10 @@ def answer_logprobs(examples: Sequence[Example], prompting: Any, teacher: Engine
 
 
 @dataclass(frozen=True)
-class Estimate:
-    value: float
-    low: float
-    high: float
-    n: int  # distinct prompts (for the transfer: held-out ones)
-
-    def __str__(self) -> str:
-        return f"{self.value:.2f} [{self.low:.2f}, {self.high:.2f}] (n={self.n} prompts)"
-
-
-@dataclass(frozen=True)
 class Transfer:
-    trained: Estimate  # closure on training prompts
-    held_out: Estimate  # closure on held-out prompts
-    ratio: Estimate  # held_out / trained
+    trained: MeanEstimate  # closure on training prompts (n: those prompts)
+    held_out: MeanEstimate  # closure on held-out prompts
+    ratio: MeanEstimate  # held_out / trained (n: the held-out prompts)
     skipped: int  # prompts whose context did not raise the answer's logprob
 
 
@@ -115,7 +105,8 @@ def transfer(trained: Sequence[AnswerLogprobs], held_out: Sequence[AnswerLogprob
     values = [closure(kept[0]), closure(kept[1])]
     values.append(values[1] / values[0])
     ns = [len(kept[0]), len(kept[1]), len(kept[1])]
-    estimates = [Estimate(v, *np.percentile(draws_[:, i], [2.5, 97.5]).tolist(), ns[i]) for i, v in enumerate(values)]
+    estimates = [MeanEstimate(v, *np.percentile(draws_[:, i], [2.5, 97.5]).tolist(), ns[i])
+                 for i, v in enumerate(values)]
     return Transfer(*estimates, skipped=len(trained) + len(held_out) - sum(ns[:2]))
 
 
