@@ -50,6 +50,7 @@ from selfopd.config.settings import (  # noqa: F401  (ConfigError and setting ar
 )
 
 TeacherKind = Literal["self", "frozen", "ema", "external"]
+TeacherTokenizer = Literal["student", "own"]
 Schedule = Literal["constant", "cosine", "linear"]
 Tracker = Literal["tensorboard", "wandb"]
 WandbMode = Literal["offline", "online"]
@@ -102,6 +103,16 @@ class TeacherConfig(Section):
         "(teacher.ema_rate), 'external' the model named by teacher.model.",
     )
     model: str = setting("", "The external teacher (packaged name, folder or hub id); set iff kind = 'external'.")
+    tokenizer: TeacherTokenizer = setting(
+        "student", "kind = 'external': 'student' scores the student's exact token ids, and refuses a teacher whose "
+        "tokenizer reads them differently; 'own' prompts the teacher through its own chat template and scores the "
+        "completion's text as its own tokens. Each teacher token's logprob goes back to the student's tokens over "
+        "aligned spans (the smallest stretches of text where both tokenizations have a boundary at the same "
+        "character): a span's logprob is exactly the sum of its teacher tokens', and when a span holds several student "
+        "tokens each gets an equal share, so that every span's, and the completion's, total is exact and no position "
+        "is favoured. A completion whose text does not re-encode to itself under the teacher's tokenizer gets no "
+        "teacher signal and is counted (teacher/unaligned_share). Sampled-token loss only (loss.divergence = "
+        "'sampled'). docs/teachers.md")
     template: str = setting("teacher/reference_answer", "Prompt template that shows the teacher the privileged information.")
     ema_rate: float = setting(
         0.05, "kind = 'ema': after every optimizer step taken, ema <- (1 - rate) * ema + rate * student, from the "
@@ -122,6 +133,9 @@ class TeacherConfig(Section):
             fail(self._key("model"), "required when teacher.kind = 'external'")
         if self.kind != "external" and self.model:
             fail(self._key("model"), f"only used when teacher.kind = 'external' (kind is {self.kind!r}); leave it empty")
+        if self.kind != "external" and self.tokenizer != "student":
+            fail(self._key("tokenizer"), f"{self.tokenizer!r} needs teacher.kind = 'external' (kind is {self.kind!r}): "
+                 "the student's own weights read its own tokens")
         self._non_empty("template")
         self._non_empty("demonstration_fallback")
         if not 0.0 <= self.ema_rate <= 1.0:
@@ -307,6 +321,10 @@ class TrainConfig:
             fail("engine.teacher_url", f"{teacher_on_student[0]} is also a student server, which serves the student's "
                  f"current weights; a {self.teacher.kind!r} teacher needs a server of its own (a 'self' teacher may "
                  "share one: it is sent the weights once)")
+        if self.teacher.tokenizer == "own" and self.loss.divergence != "sampled":
+            fail("loss.divergence", f"{self.loss.divergence!r} needs the teacher's distribution over the student's "
+                 "vocabulary, which a teacher with teacher.tokenizer = 'own' does not have (its tokens cover other "
+                 "stretches of text); use loss.divergence = 'sampled'")
         if self.loss.opd_baseline == "same_engine" and self.teacher.kind != "self":
             fail("loss.opd_baseline", f"'same_engine' takes the student's logprobs from the teacher's engine, which "
                  f"serves the student's weights only with teacher.kind = 'self' (got {self.teacher.kind!r})")

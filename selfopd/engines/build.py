@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from selfopd.config import ModelConfig, TrainConfig
+from selfopd.config import ConfigError, ModelConfig, TrainConfig
 from selfopd.core.devices import DTYPES, attn_implementation, resolve_device
 from selfopd.core.distributed import World, current_world, shard_model
 from selfopd.engines.base import Engine
@@ -25,6 +25,7 @@ from selfopd.engines.local import LocalEngine
 from selfopd.engines.lora import adapter_base, adapters_off, is_adapter_folder, load_adapted
 from selfopd.core.models import from_pretrained, resolve_model
 from selfopd.engines.scoring import check_plain_head
+from selfopd.templating.token_bridge import ChatBoundaryError, TokenBridge, open_bridge
 from selfopd.templating.tokenizer_check import check_tokenizers_compatible
 
 def load_model(spec: str | Path, dtype: str = "float32", *, weights: Path | None = None, frozen: bool = False,
@@ -79,23 +80,36 @@ def frozen_engine(spec: str | Path, config: TrainConfig) -> LocalEngine:
 
 def engines_at_start(config: TrainConfig) -> tuple[Engine, Engine]:
     """In-process (student, teacher) engines with a run's starting weights; one engine twice
-    when the teacher is the student's weights (`self`, `frozen`)."""
+    when the teacher is the student's weights (`self`, `frozen`). These engines score the student's
+    token ids, so a teacher with its own tokenizer is refused here (only `selfopd train` bridges one)."""
+    if config.teacher.tokenizer == "own":
+        raise ConfigError("teacher.tokenizer", "'own' is read by `selfopd train` only; this command scores the "
+                          "student's token ids with the teacher (set teacher.tokenizer = 'student', with a teacher that "
+                          "shares the student's tokenizer)")
     student = frozen_engine(config.model.student, config)
     teacher = config.teacher.weights(config.model.student)
     return student, student if teacher == config.model.student else frozen_engine(teacher, config)
 
 
-def check_external_teacher(config: TrainConfig, tokenizer: Any) -> None:
-    """Refuse (TokenizerMismatch) an external teacher unless it maps every token to the
-    student's ids; `build_run` checks it once, before any engine opens or teacher weights load."""
+def external_teacher_bridge(config: TrainConfig, tokenizer: Any) -> TokenBridge | None:
+    """An external teacher's tokenizer, checked once by `build_run` before any engine opens or
+    teacher weights load. `teacher.tokenizer = 'student'`: refuse (TokenizerMismatch) a teacher
+    that does not map every token to the student's ids; None. `'own'`: the bridge between the two
+    tokenizers, once both chat templates pass its boundary check (`selfopd.templating.token_bridge`)."""
     from transformers import AutoConfig, AutoTokenizer
 
     teacher_dir = resolve_model(config.teacher.model)
     trust = config.model.trust_remote_code
     teacher_tokenizer = from_pretrained(AutoTokenizer, teacher_dir, trust_remote_code=trust)
     vocab_size = from_pretrained(AutoConfig, teacher_dir, trust_remote_code=trust).vocab_size
+    if config.teacher.tokenizer == "own":
+        try:
+            return open_bridge(tokenizer, teacher_tokenizer, vocab_size, config.model.student, config.teacher.model)
+        except ChatBoundaryError as error:
+            raise ConfigError("teacher.tokenizer", f"'own': {error}") from None
     check_tokenizers_compatible(tokenizer, teacher_tokenizer, vocab_size,
                                 config.model.student, config.teacher.model)
+    return None
 
 
 def open_training_engines(config: TrainConfig, model: Any, tokenizer: Any, log_dir: Path,
@@ -107,7 +121,8 @@ def open_training_engines(config: TrainConfig, model: Any, tokenizer: Any, log_d
     or external teacher is loaded on the student's device
     and, under torchrun, sharded like it. With vLLM, launched servers log to `log_dir` and
     are stopped when `resources` closes. Colocated, vLLM runs in this process
-    (`selfopd.engines.vllm_colocate`). An external teacher's tokenizer was checked by the caller."""
+    (`selfopd.engines.vllm_colocate`). An external teacher's tokenizer was checked by the caller
+    (`external_teacher_bridge`)."""
     if config.engine.kind == "vllm":
         from selfopd.engines.serving import open_vllm_engines
 

@@ -46,6 +46,9 @@ class RolloutRecord:
     answer: str
     demonstration: str | None = None  # the sibling demonstration the teacher saw; None: none (or files saved before)
     weight_version: int | None = None  # the step whose weights sampled it (rollout.max_staleness); None: files saved before
+    # Why a teacher with its own tokenizer could not read the completion (it got no teacher signal,
+    # and teacher_logprobs are the sampler's); None: it could, or the teacher reads the student's ids.
+    unaligned: str | None = None
 
     def __post_init__(self) -> None:
         length = len(self.completion_ids)

@@ -18,7 +18,7 @@ from selfopd.data import load_examples
 from selfopd.core.devices import use_device
 from selfopd.core.distributed import World, current_world, init_process_group, load_optimizer_state, shard_model
 from selfopd.training.ema import EmaWeights
-from selfopd.engines.build import check_external_teacher, load_model, model_options, open_training_engines
+from selfopd.engines.build import external_teacher_bridge, load_model, model_options, open_training_engines
 from selfopd.data.example import Example, prompt_key
 from selfopd.engines.lora import adapters_off, prepare_student, trainable_parameters
 from selfopd.core.models import resolve_model
@@ -83,10 +83,11 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
                                   gradient_checkpointing=config.model.gradient_checkpointing,
                                   master_weights=not config.model.lora, **options)
     check_plain_head(model, f"model.student {config.model.student}")
+    # Another tokenizer is refused (or, with teacher.tokenizer = 'own', bridged) before the run folder is claimed.
+    bridge = external_teacher_bridge(config, tokenizer) if config.teacher.kind == "external" else None
     check_context(config, model.config, teacher_model_config(config, model.config), tokenizer, student_template,
-                  teacher_template, fallback, train_examples, eval_examples)
-    if config.teacher.kind == "external":  # another tokenizer is refused before the run folder is claimed
-        check_external_teacher(config, tokenizer)
+                  teacher_template, fallback, train_examples, eval_examples,
+                  teacher_tokenizer=bridge.teacher if bridge is not None else None)
     model = prepare_student(model, config.model, resume_from)  # LoRA adapters, when model.lora_rank > 0
     shard_model(model, world)  # before the optimizer: it must hold the sharded parameters
     optimizer = adamw(trainable_parameters(model), config)
@@ -107,7 +108,7 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
         student_engine, teacher_engine = open_training_engines(config, model, tokenizer, folder.logs, resources, world)
         run = Run(config, folder, model, tokenizer, optimizer, scheduler, student_engine, teacher_engine,
                   student_template, teacher_template, train_examples, eval_examples, probe, step, resources,
-                  device=options["device"], world=world, demonstration_fallback=fallback,
+                  device=options["device"], world=world, demonstration_fallback=fallback, bridge=bridge,
                   ema=open_ema(config, teacher_engine, resume_from, state.get("ema"), options))
         run.rollouts = open_pipeline(run.student_side, resume_from)  # with the rollouts a checkpoint had sampled ahead
         resources.callback(run.rollouts.close)  # before the servers stop: no request outlives them

@@ -18,6 +18,7 @@ from selfopd.engines.local import pad_token_id
 from selfopd.data.example import Example
 from selfopd.core.run_folder import RunFolder
 from selfopd.templating.templates import PromptTemplate
+from selfopd.templating.token_bridge import TokenBridge
 from selfopd.training.rollout_pipeline import RolloutPipeline, StudentSide
 from selfopd.training.teacher import TeacherSide
 
@@ -46,6 +47,7 @@ class Run:
     # Set iff the teacher template uses `demonstration`: it scores rollouts that have none.
     demonstration_fallback: PromptTemplate | None = None
     ema: EmaWeights | None = None  # teacher.kind = 'ema': the averaged weights the teacher serves
+    bridge: TokenBridge | None = None  # teacher.tokenizer = 'own': the teacher's tokens and chat template
     # The student's rollouts of this and the coming steps (rollout.max_staleness); synchronous by default.
     rollouts: RolloutPipeline = field(default_factory=lambda: RolloutPipeline(0, background=False))
 
@@ -81,7 +83,7 @@ class Run:
     def teacher_side(self) -> TeacherSide:
         """What the teacher side of a step reads of this run (`selfopd.training.teacher`)."""
         return TeacherSide(self.config, self.tokenizer, self.teacher_engine, self.teacher_template,
-                           self.demonstration_fallback, self.rollouts_per_micro_batch, self.temperature)
+                           self.demonstration_fallback, self.rollouts_per_micro_batch, self.temperature, self.bridge)
 
     @property
     def temperature(self) -> float:

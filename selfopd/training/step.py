@@ -201,7 +201,7 @@ def step_metrics(run: Run, batch: Sampled, scored: list[Scored], flat: dict[str,
         **probe_gaps,
         **({"teacher/ema_distance": run.ema.distance(run.model)} if run.ema is not None else {}),
         **opd_metrics(
-            flat["teacher"], flat["student"], torch.ones_like(flat["teacher"], dtype=torch.bool),
+            flat["teacher"], flat["student"], _aligned_tokens(scored)[None],
             sampler_lp_BT=flat["sampler"], cap=cfg.loss.is_cap or None, advantage_BT=flat["advantage"],
             rewards_B=torch.tensor([s.reward for s in scored]),
         ),
@@ -210,15 +210,23 @@ def step_metrics(run: Run, batch: Sampled, scored: list[Scored], flat: dict[str,
         **_cure_metrics(cfg.loss, backward.rlsd_lam, backward.opd_weight_N, scored),
         **_engine_gap(cfg.loss, scored, flat["student"][0]),
         **preference_metrics((s.group, s.correct, signal.mean().item())
-                             for s, signal in zip(scored, signal_N.split(lengths)) if len(signal)),
+                             for s, signal in zip(scored, signal_N.split(lengths)) if len(signal) and s.aligned),
         "reward/accuracy": sum(s.correct for s in scored) / len(scored),
         **({"teacher/demonstration_share": sum(s.demonstration is not None for s in scored) / len(scored)}
            if run.demonstration_fallback is not None else {}),
+        **({"teacher/unaligned_share": sum(not s.aligned for s in scored) / len(scored)}
+           if cfg.teacher.tokenizer == "own" else {}),
         "rollout/length_mean": backward.total_tokens / len(scored),
         "rollout/truncated_share": sum(s.rollout.finish_reason == "length" for s in scored) / len(scored),
         **_staleness_metrics(run, batch),
         **timer.as_metrics(),
     }
+
+
+def _aligned_tokens(scored: Sequence[Scored]) -> torch.Tensor:
+    """(N,) over the step's completion tokens: False on a completion the teacher could not read
+    (its own tokenizer), whose teacher logprobs are a placeholder kept out of the metrics."""
+    return torch.cat([torch.full((len(s.rollout.completion_ids),), s.aligned) for s in scored])
 
 
 def _staleness_metrics(run: Run, sampled: Sampled) -> dict[str, float]:
@@ -240,7 +248,9 @@ def _opd_weights(run: Run, scored: Sequence[Scored]) -> torch.Tensor:
     if loss.pass_rate_weighting:
         total, prompts = mean_prompt_weight(correct_N, group_N)
         mean = all_sum(total, run.world) / max(all_sum(prompts, run.world), 1.0)
-    return opd_rollout_weights(correct_N, group_N, loss.opd_on, loss.pass_rate_weighting, mean)
+    weights_N = opd_rollout_weights(correct_N, group_N, loss.opd_on, loss.pass_rate_weighting, mean)
+    # A completion a teacher with its own tokenizer could not read gets no teacher signal.
+    return weights_N * torch.tensor([s.aligned for s in scored], dtype=weights_N.dtype)
 
 
 def _cure_metrics(loss: LossConfig, rlsd_lam: float, opd_weight_N: torch.Tensor, scored: Sequence[Scored]) -> dict[str, float]:
