@@ -30,7 +30,7 @@ EXPECTED_DEFAULTS = {
     "model": dict(student="smollm2-135m-instruct", dtype="float32", device="auto", attn_implementation="auto",
                   gradient_checkpointing=False, lora_rank=0, lora_alpha=32.0, lora_dropout=0.0,
                   lora_targets=("all-linear",), threads=0, trust_remote_code=False),
-    "teacher": dict(kind="self", model="", template="teacher/reference_answer", ema_rate=0.05, skip_self_success=True,
+    "teacher": dict(kind="self", model="", tokenizer="student", template="teacher/reference_answer", ema_rate=0.05, skip_self_success=True,
                     demonstration_fallback="teacher/empty"),
     "data": dict(
         spec=DEMO_DATA,
@@ -141,8 +141,10 @@ def test_round_trip_of_every_field_changed(tmp_path):
     changed = config_to_dict(config)
     for section, defaults in EXPECTED_DEFAULTS.items():
         for key, default in defaults.items():
-            # vLLM needs temperature 1, top-k a sampled baseline, LoRA with vLLM fp32: round-tripped below
-            if (section, key) not in (("rollout", "temperature"), ("loss", "opd_baseline"), ("model", "lora_rank")):
+            # vLLM needs temperature 1, top-k a sampled baseline, LoRA with vLLM fp32, top-k the student's tokenizer:
+            # round-tripped below
+            if (section, key) not in (("rollout", "temperature"), ("loss", "opd_baseline"), ("model", "lora_rank"),
+                                      ("teacher", "tokenizer")):
                 assert changed[section][key] != default, f"{section}.{key} not changed: the round trip would not test it"
     assert load_config(write(tmp_path, config_to_toml(config))) == config
     contrastive = dataclasses.replace(TrainConfig(), loss=dataclasses.replace(TrainConfig().loss, opd_baseline="wrong_context"))
@@ -151,6 +153,8 @@ def test_round_trip_of_every_field_changed(tmp_path):
     assert load_config(write(tmp_path, config_to_toml(lora))) == lora
     tempered = dataclasses.replace(config, engine=EngineConfig(), rollout=dataclasses.replace(config.rollout, temperature=0.7))
     assert load_config(write(tmp_path, config_to_toml(tempered))) == tempered
+    own = TrainConfig(teacher=dataclasses.replace(TrainConfig().teacher, kind="external", model="org/t", tokenizer="own"))
+    assert load_config(write(tmp_path, config_to_toml(own))) == own
 
 
 def test_partial_file_fills_defaults_and_int_is_accepted_for_float(tmp_path):
@@ -305,7 +309,7 @@ def literal_fields():
 
 def test_the_expected_fields_are_literals():
     assert {(s, k) for s, k, _ in literal_fields()} == {
-        ("model", "dtype"), ("model", "attn_implementation"), ("teacher", "kind"), ("loss", "normalisation"), ("loss", "divergence"),
+        ("model", "dtype"), ("model", "attn_implementation"), ("teacher", "kind"), ("teacher", "tokenizer"), ("loss", "normalisation"), ("loss", "divergence"),
         ("loss", "opd_on"), ("loss", "opd_baseline"), ("optim", "schedule"),
         ("engine", "kind"), ("engine", "weight_sync"), ("engine", "compile"), ("run", "wandb_mode"),
         ("guard", "action"),
@@ -343,7 +347,7 @@ def test_list_fields_parse_from_toml_and_set():
 def test_literal_fields_accept_their_values_and_nothing_else(section, key, allowed):
     extra = ["teacher.model=org/t"] if (section, key) == ("teacher", "kind") else []
     for value in allowed:
-        sets = extra if value == "external" else []
+        sets = extra if value == "external" else ["teacher.kind=external", "teacher.model=org/t"] if value == "own" else []
         assert getattr(getattr(load_config(None, [f"{section}.{key}={value}", *sets]), section), key) == value
     with pytest.raises(ConfigError, match=rf"^--set {section}\.{key}=bogus: {section}\.{key}: must be one of "):
         load_config(None, [f"{section}.{key}=bogus"])
