@@ -104,6 +104,7 @@ class RolloutDigest:
     opd_mean: float
     demonstration: str | None = None
     weight_version: int | None = None
+    unaligned: str | None = None
 
     @property
     def prompt(self) -> str:
@@ -122,7 +123,7 @@ def rollout_digest_lines(run_dir: Path) -> str | None:
         by_step = read_run_rollouts(run_dir)
     except (FileNotFoundError, DiagnosticsError):
         return None
-    return "".join(json.dumps(asdict(RolloutDigest.of(record))) + "\n"
+    return "".join(json.dumps(written(asdict(RolloutDigest.of(record)))) + "\n"
                    for records in by_step.values() for record in records)
 
 
@@ -136,7 +137,15 @@ def read_rollout_digest(run_dir: Path) -> list[RolloutDigest]:
 
 def write_records(path: Path, records: Iterable[RolloutRecord]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_lines_atomic(path, (asdict(record) for record in records))
+    write_lines_atomic(path, (written(asdict(record)) for record in records))
+
+
+WRITTEN_WHEN_SET = ("unaligned",)  # fields most runs never set: left out of their files, which stay as they were
+
+
+def written(fields: dict) -> dict:
+    """A record's fields as a file holds them: those of WRITTEN_WHEN_SET only when set."""
+    return {key: value for key, value in fields.items() if value is not None or key not in WRITTEN_WHEN_SET}
 
 
 def read_records(path: Path) -> list[RolloutRecord]:

@@ -90,7 +90,7 @@ def test_a_completion_the_teacher_cannot_read_gets_no_teacher_signal(tmp_path, t
                             "rollout.samples_per_prompt=4"))
     [metrics] = [m for m in _lines(run_dir) if "loss/pg" in m]
     assert metrics["teacher/unaligned_share"] > 0  # a random student writes capitals, which this teacher lowercases
-    masked = [r for r in _rollouts(run_dir) if r["unaligned"]]
+    masked = [r for r in _rollouts(run_dir) if r.get("unaligned")]
     assert masked and all("does not re-encode" in r["unaligned"] or "special token" in r["unaligned"] for r in masked)
     for r in masked:  # no teacher signal: the placeholder is the sampler's own logprobs
         assert r["teacher_logprobs"] == pytest.approx(r["sampler_logprobs"])
