@@ -122,6 +122,10 @@ class TeacherConfig(Section):
     skip_self_success: bool = setting(
         True, "Templates that use `demonstration` (teacher/sibling): a correct rollout is never its own "
         "demonstration; one whose group has no other correct sample gets none.")
+    tasks: tuple[str, ...] = setting(
+        (), "[teachers.NAME] only: the tasks of a mixed data.spec (kb:countries, rg:basic_arithmetic) routed to this "
+        "teacher. An example goes to the teacher its data row names (a `teacher` column of a file), else to the teacher "
+        "whose tasks hold its task, else to [teacher]. docs/teachers.md")
     demonstration_fallback: str = setting(
         "teacher/empty", "Templates that use `demonstration`: the template that scores a rollout with no correct "
         "sibling. 'teacher/empty' is the student's own prompt, so with a 'self' teacher such a rollout gets zero "
@@ -140,6 +144,8 @@ class TeacherConfig(Section):
         self._non_empty("demonstration_fallback")
         if not 0.0 <= self.ema_rate <= 1.0:
             fail(self._key("ema_rate"), f"must be in [0, 1], got {self.ema_rate!r}")
+        if len(set(self.tasks)) != len(self.tasks):
+            fail(self._key("tasks"), f"names a task twice: {list(self.tasks)}")
 
     @property
     def follows_student(self) -> bool:
@@ -276,11 +282,14 @@ class TrainConfig:
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    # [teachers.NAME] tables: more teachers beside [teacher] (which is named 'default'), by name.
+    teachers: dict[str, TeacherConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            if not isinstance(getattr(self, f.name), SECTIONS[f.name]):
-                fail(f"[{f.name}]", f"expected a {SECTIONS[f.name].__name__}, got {type(getattr(self, f.name)).__name__}")
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                fail(f"[{name}]", f"expected a {cls.__name__}, got {type(getattr(self, name)).__name__}")
+        check_named_teachers(self)
         # Rules across sections.
         if self.rollout.prompts_per_step % self.optim.micro_batch_prompts:
             fail(
@@ -335,20 +344,62 @@ class TrainConfig:
             )
 
 
+DEFAULT_TEACHER = "default"  # the name of [teacher] among [teachers.NAME]
+TEACHER_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+# Tables of named sections ([teachers.NAME]): field of TrainConfig -> the class of each table.
+KEYED_SECTIONS: dict[str, type[Section]] = {"teachers": TeacherConfig}
 # Section name -> class, read off TrainConfig's fields: the one list of sections.
 SECTIONS: dict[str, type[Section]] = {
     f.name: typing.get_type_hints(TrainConfig)[f.name] for f in dataclasses.fields(TrainConfig)
+    if f.name not in KEYED_SECTIONS
 }
 
 
+def check_named_teachers(config: TrainConfig) -> None:
+    """What several teachers need of each other and of the rest of the config."""
+    if config.teacher.tasks:
+        fail("teacher.tasks", "[teacher] takes every example no other teacher is routed; name tasks in a "
+             "[teachers.NAME] table")
+    routed: dict[str, str] = {}
+    for name, teacher in config.teachers.items():
+        if not isinstance(teacher, TeacherConfig):
+            fail(f"[teachers.{name}]", f"expected a TeacherConfig, got {type(teacher).__name__}")
+        if name == DEFAULT_TEACHER or not TEACHER_NAME.fullmatch(name):
+            fail(f"[teachers.{name}]", f"a teacher's name is letters, digits, '_' and '-', and not {DEFAULT_TEACHER!r} "
+                 "(the name of [teacher])")
+        for task in teacher.tasks:
+            if task in routed:
+                fail(f"teachers.{name}.tasks", f"task {task!r} is routed to teachers {routed[task]!r} and {name!r}")
+            routed[task] = name
+        if teacher.kind == "ema":
+            fail(f"teachers.{name}.kind", "an 'ema' teacher is the [teacher] table (one average per run)")
+        if teacher.tokenizer == "own" and config.loss.divergence != "sampled":
+            fail(f"teachers.{name}.tokenizer", f"'own' needs loss.divergence = 'sampled', got {config.loss.divergence!r}")
+    if not config.teachers:
+        return
+    if config.engine.kind != "local":
+        fail("engine.kind", f"[teachers.*] run in process (engine.kind = 'local'), got {config.engine.kind!r}")
+    if config.loss.divergence in FULL_VOCABULARY:
+        fail("loss.divergence", f"{config.loss.divergence!r} keeps one teacher's states per micro-batch; with "
+             "[teachers.*] use 'sampled' or 'topk_reverse_kl'")
+    if config.loss.opd_baseline == "same_engine":
+        fail("loss.opd_baseline", "'same_engine' with [teachers.*] is not supported: each teacher would need the "
+             "student's weights")
+
+
 def build_config(tables: dict[str, Any]) -> TrainConfig:
-    """A TrainConfig from nested dicts as TOML gives them; missing sections and keys take defaults."""
-    return TrainConfig(**build_sections(tables, SECTIONS))
+    """A TrainConfig from nested dicts as TOML gives them; missing sections and keys take defaults.
+    `[teachers.NAME]` tables are TeacherConfigs whose errors name `teachers.NAME.key`."""
+    tables = dict(tables)
+    keyed = {section: settings.build_keyed(tables.pop(section, {}), section, cls)
+             for section, cls in KEYED_SECTIONS.items()}
+    return TrainConfig(**build_sections(tables, SECTIONS), **keyed)
 
 
 def parse_overrides(overrides: Sequence[str]) -> dict[str, dict[str, Any]]:
     """`--set` strings parsed against the training sections (see `selfopd.config.settings.parse_overrides`)."""
-    return settings.parse_overrides(overrides, SECTIONS)
+    return settings.parse_overrides(overrides, SECTIONS, KEYED_SECTIONS)
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
@@ -357,20 +408,26 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Train
     A `--set` wins over the file. Errors name the file, or the `--set` when the bad value
     came from one.
     """
-    return load_document(path, overrides, SECTIONS, build_config)
+    return load_document(path, overrides, SECTIONS, build_config, keyed=KEYED_SECTIONS)
 
 
 def config_to_dict(config: TrainConfig) -> dict[str, dict[str, Any]]:
-    """`{section: {key: value}}`, as in the TOML file (e.g. for logging the run's config)."""
-    return dataclasses.asdict(config)
+    """`{section: {key: value}}`, as in the TOML file (e.g. for logging the run's config);
+    `teachers` only when there are any."""
+    tables = dataclasses.asdict(config)
+    if not tables["teachers"]:
+        del tables["teachers"]
+    return tables
 
 
 def config_to_toml(config: TrainConfig) -> str:
     """The full config as TOML with each field's help as a comment; `load_config` of it gives `config`."""
-    tables = ["\n".join(section_toml(section.name, getattr(config, section.name))) for section in dataclasses.fields(config)]
+    tables = ["\n".join(section_toml(name, getattr(config, name))) for name in SECTIONS]
+    tables += ["\n".join(section_toml(f"teachers.{name}", teacher)) for name, teacher in config.teachers.items()]
     return "\n\n".join(tables) + "\n"
 
 
 def flat_config(config: TrainConfig) -> dict[str, Any]:
     """`{"section.key": value}` of every field (to compare two configs key by key)."""
-    return settings.flatten({f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+    return settings.flatten({**{name: getattr(config, name) for name in SECTIONS},
+                             **{f"teachers.{name}": teacher for name, teacher in config.teachers.items()}})

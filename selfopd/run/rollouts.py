@@ -49,6 +49,7 @@ class RolloutRecord:
     # Why a teacher with its own tokenizer could not read the completion (it got no teacher signal,
     # and teacher_logprobs are the sampler's); None: it could, or the teacher reads the student's ids.
     unaligned: str | None = None
+    teacher: str | None = None  # the teacher that scored it, in a run with [teachers.NAME]; None: the only one
 
     def __post_init__(self) -> None:
         length = len(self.completion_ids)
@@ -105,6 +106,7 @@ class RolloutDigest:
     demonstration: str | None = None
     weight_version: int | None = None
     unaligned: str | None = None
+    teacher: str | None = None  # the teacher that scored it, in a run with [teachers.NAME]; None: the only one
 
     @property
     def prompt(self) -> str:
@@ -140,7 +142,7 @@ def write_records(path: Path, records: Iterable[RolloutRecord]) -> None:
     write_lines_atomic(path, (written(asdict(record)) for record in records))
 
 
-WRITTEN_WHEN_SET = ("unaligned",)  # fields most runs never set: left out of their files, which stay as they were
+WRITTEN_WHEN_SET = ("unaligned", "teacher")  # fields most runs never set: left out of their files, which stay as they were
 
 
 def written(fields: dict) -> dict:

@@ -30,7 +30,8 @@ from selfopd.training.rollout_pipeline import Sampled, batch_for_step  # noqa: F
 from selfopd.training.state import Run
 from selfopd.training.teacher import Scored
 from selfopd.engines.scoring import completion_hidden, logprobs_from_hidden, pad_completions, tempered
-from selfopd.training.teacher import States, score_rows, teacher_rows
+from selfopd.training.teacher import States, routed_rows, score_routed
+from selfopd.training.routing import teacher_metrics
 from selfopd.run.tracking import PhaseTimer
 from selfopd.training.weight_checks import check_probe, sync_weights
 
@@ -74,12 +75,12 @@ def score(run: Run, sampled: Sampled, timer: PhaseTimer) -> tuple[list[Scored], 
     """2. Verifier rewards and the teacher's prompts, then the teacher scores the student's exact
     completion ids after them (`selfopd.training.teacher`). A full-vocabulary loss keeps the
     teacher's hidden states."""
-    side, request = run.teacher_side, sampled.request
+    sides, request = run.teacher_sides, sampled.request
     with timer("verify"):
-        rows = teacher_rows(side, run.step, request.examples, request.student_messages, sampled.groups,
-                            request.first_group)
+        rows = routed_rows(sides, run.teacher_of, run.step, request.examples, request.student_messages, sampled.groups,
+                           request.first_group)
     with timer("teacher"):
-        return score_rows(side, rows, run.step)
+        return score_routed(sides, rows, run.step)
 
 
 def forward_backward(run: Run, scored: list[Scored], teacher_states: list[States], timer: PhaseTimer) -> Backward:
@@ -215,7 +216,10 @@ def step_metrics(run: Run, batch: Sampled, scored: list[Scored], flat: dict[str,
         **({"teacher/demonstration_share": sum(s.demonstration is not None for s in scored) / len(scored)}
            if run.demonstration_fallback is not None else {}),
         **({"teacher/unaligned_share": sum(not s.aligned for s in scored) / len(scored)}
-           if cfg.teacher.tokenizer == "own" else {}),
+           if any(side.table.tokenizer == "own" for side in run.teacher_sides.values()) else {}),
+        **(teacher_metrics(run.teacher_sides, [s.teacher for s in scored], lengths, signal_N,
+                           [s.aligned for s in scored], [(s.group, s.correct) for s in scored])
+           if run.named_teachers else {}),
         "rollout/length_mean": backward.total_tokens / len(scored),
         "rollout/truncated_share": sum(s.rollout.finish_reason == "length" for s in scored) / len(scored),
         **_staleness_metrics(run, batch),

@@ -24,12 +24,12 @@ logprobs read off them (the same numbers as a second forward: same weights, same
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from selfopd.config import FULL_VOCABULARY, TrainConfig
+from selfopd.config import DEFAULT_TEACHER, FULL_VOCABULARY, TeacherConfig, TrainConfig
 from selfopd.data.example import Example
 from selfopd.engines.base import Engine, Rollout, TokenScores
 from selfopd.engines.kernels import token_logprobs_from_hidden
@@ -57,6 +57,12 @@ class TeacherSide:
     per_micro: int  # rollouts per trainer micro-batch (the in-process teacher's batches)
     temperature: float  # the trained policy's temperature: the teacher's logits are tempered alike
     bridge: TokenBridge | None = None  # teacher.tokenizer = 'own': the teacher's tokens and chat template
+    settings: TeacherConfig | None = None  # a [teachers.NAME] table; None: [teacher]
+
+    @property
+    def table(self) -> TeacherConfig:
+        """This teacher's settings: its [teachers.NAME] table, or [teacher]."""
+        return self.settings or self.config.teacher
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """The teacher's prompt ids: through its own chat template when it has its own tokenizer."""
@@ -83,6 +89,7 @@ class Scored:
     # says why); it gets no teacher signal, and teacher_logprobs are a placeholder (the sampler's).
     aligned: bool = True
     unaligned: str | None = None
+    teacher: str = DEFAULT_TEACHER  # which teacher scored it ([teachers.NAME]; 'default': [teacher])
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,7 @@ class TeacherRow:
     demonstration: str | None
     wrong_prompt_ids: list[int] | None  # the wrong-context prompt, when the loss contrasts with one
     bridged: Bridged | None = None  # teacher.tokenizer = 'own': the completion as the teacher's tokens
+    teacher: str = DEFAULT_TEACHER  # the name of the teacher that scores it
 
     @property
     def teacher_completion(self) -> list[int]:
@@ -119,36 +127,69 @@ def teacher_step(side: TeacherSide, step: int, examples: Sequence[Example], stud
 
 def teacher_rows(side: TeacherSide, step: int, examples: Sequence[Example], student_messages: Sequence[list[dict]],
                  groups: Sequence[Sequence[Rollout]], first_group: int) -> list[TeacherRow]:
-    """The rows of this rank's prompt groups, in order (group `first_group` first)."""
+    """The rows of this rank's prompt groups, in order (group `first_group` first), all for `side`."""
+    return routed_rows({DEFAULT_TEACHER: side}, lambda _: DEFAULT_TEACHER, step, examples, student_messages, groups,
+                       first_group)
+
+
+def routed_rows(sides: Mapping[str, TeacherSide], route: Callable[[Example], str], step: int,
+                examples: Sequence[Example], student_messages: Sequence[list[dict]],
+                groups: Sequence[Sequence[Rollout]], first_group: int) -> list[TeacherRow]:
+    """The rows of this rank's prompt groups, in order, each group's for the teacher `route` names."""
+    rows = []
+    for group, (example, messages, rollouts) in enumerate(zip(examples, student_messages, groups), first_group):
+        name = route(example)
+        other = examples[(group - first_group + 1) % len(examples)]  # another prompt's solution and hints
+        rows += _group_rows(sides[name], name, step, group, example, messages, rollouts, other)
+    return rows
+
+
+def _group_rows(side: TeacherSide, name: str, step: int, group: int, example: Example, messages: list[dict],
+                rollouts: Sequence[Rollout], other: Example) -> list[TeacherRow]:
+    """One prompt group's rows: each rollout verified and shown to the teacher `side`."""
     cfg = side.config
     contrastive = cfg.loss.opd_baseline == "wrong_context"
     # Feedback against the wrong answer only where a template shows feedback (verifying costs time).
     shows_feedback = any("feedback" in t.variables for t in (side.template, side.demonstration_fallback) if t)
+    verdicts = [verify_example(r.text, example, partial_credit=cfg.loss.partial_credit) for r in rollouts]
+    correct = [v.correct for v in verdicts]
+    demonstrations = (pick_demonstrations([r.text for r in rollouts], correct, seed=cfg.run.seed, step=step,
+                                          group=group, skip_self=side.table.skip_self_success)
+                      if side.demonstration_fallback is not None else [None] * len(rollouts))
+    wrong_answers = (failed_sibling_answers([v.extracted for v in verdicts], correct, seed=cfg.run.seed,
+                                            step=step, group=group) if contrastive else [None] * len(rollouts))
     rows = []
-    for group, (example, messages, rollouts) in enumerate(zip(examples, student_messages, groups), first_group):
-        verdicts = [verify_example(r.text, example, partial_credit=cfg.loss.partial_credit) for r in rollouts]
-        correct = [v.correct for v in verdicts]
-        demonstrations = (pick_demonstrations([r.text for r in rollouts], correct, seed=cfg.run.seed, step=step,
-                                              group=group, skip_self=cfg.teacher.skip_self_success)
-                          if side.demonstration_fallback is not None else [None] * len(rollouts))
-        wrong_answers = (failed_sibling_answers([v.extracted for v in verdicts], correct, seed=cfg.run.seed,
-                                                step=step, group=group) if contrastive else [None] * len(rollouts))
-        other = examples[(group - first_group + 1) % len(examples)]  # another prompt's solution and hints
-        for rollout, verdict, demonstration, wrong_answer in zip(rollouts, verdicts, demonstrations, wrong_answers):
-            def prompt(shown: Example, feedback: str) -> list[int]:
-                return side.prompt_ids(render_teacher(
-                    side.template, shown, messages, rollout.text, feedback, demonstration,
-                    side.demonstration_fallback))
+    for rollout, verdict, demonstration, wrong_answer in zip(rollouts, verdicts, demonstrations, wrong_answers):
+        def prompt(shown: Example, feedback: str) -> list[int]:
+            return side.prompt_ids(render_teacher(
+                side.template, shown, messages, rollout.text, feedback, demonstration,
+                side.demonstration_fallback))
 
-            wrong = wrong_example(example, other, seed=cfg.run.seed, answer=wrong_answer) if contrastive else None
-            wrong_ids = None
-            if wrong is not None:  # verifier feedback, too, as if the wrong answer were the reference
-                wrong_ids = prompt(wrong, verify_example(rollout.text, wrong).feedback if shows_feedback
-                                   else verdict.feedback)
-            bridged = side.bridge.completion(rollout.completion_ids) if side.bridge is not None else None
-            rows.append(TeacherRow(example, group, rollout, verdict, prompt(example, verdict.feedback), demonstration,
-                                   wrong_ids, bridged))
+        wrong = wrong_example(example, other, seed=cfg.run.seed, answer=wrong_answer) if contrastive else None
+        wrong_ids = None
+        if wrong is not None:  # verifier feedback, too, as if the wrong answer were the reference
+            wrong_ids = prompt(wrong, verify_example(rollout.text, wrong).feedback if shows_feedback
+                               else verdict.feedback)
+        bridged = side.bridge.completion(rollout.completion_ids) if side.bridge is not None else None
+        rows.append(TeacherRow(example, group, rollout, verdict, prompt(example, verdict.feedback), demonstration,
+                               wrong_ids, bridged, name))
     return rows
+
+
+def score_routed(sides: Mapping[str, TeacherSide], rows: Sequence[TeacherRow], step: int
+                 ) -> tuple[list[Scored], list[States]]:
+    """Each teacher scores its rows (`score_rows`); the Scored come back in the rows' order. The
+    states a full-vocabulary loss keeps are per micro-batch of one teacher: one teacher only."""
+    names = list(dict.fromkeys(r.teacher for r in rows))
+    if len(names) <= 1:
+        return score_rows(sides[names[0] if names else DEFAULT_TEACHER], rows, step)
+    by_row: dict[int, Scored] = {}
+    for name in names:
+        mine = [r for r in rows if r.teacher == name]
+        scored, states = score_rows(sides[name], mine, step)
+        assert not states, "a full-vocabulary loss is refused with several teachers (selfopd.config)"
+        by_row |= {id(r): s for r, s in zip(mine, scored)}
+    return [by_row[id(r)] for r in rows], []
 
 
 def score_rows(side: TeacherSide, rows: Sequence[TeacherRow], step: int) -> tuple[list[Scored], list[States]]:
@@ -175,13 +216,13 @@ def score_rows(side: TeacherSide, rows: Sequence[TeacherRow], step: int) -> tupl
             scored.append(Scored(r.example, r.group, r.rollout, r.verdict.reward, r.verdict.correct, placeholder,
                                  r.prompt_ids, None, r.demonstration,
                                  placeholder if loss.opd_baseline != "student" else None,
-                                 aligned=False, unaligned=r.bridged.problem))
+                                 aligned=False, unaligned=r.bridged.problem, teacher=r.teacher))
             continue
         s, base = by_row[id(r)]
         scored.append(Scored(r.example, r.group, r.rollout, r.verdict.reward, r.verdict.correct,
                              _on_student_tokens(r, s.logprobs), r.prompt_ids,
                              (s.topk_ids, s.topk_logprobs) if top_k else None, r.demonstration,
-                             _on_student_tokens(r, base.logprobs) if base is not None else None))
+                             _on_student_tokens(r, base.logprobs) if base is not None else None, teacher=r.teacher))
     return scored, states
 
 
