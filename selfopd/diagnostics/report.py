@@ -106,11 +106,20 @@ class RunDiagnosis:
         return max(self.annotated)
 
 
+def run_teachers(run_dir: Path) -> list[str]:
+    """The names of a run's teachers: ['default'], then its [teachers.NAME] tables."""
+    from selfopd.config import DEFAULT_TEACHER, load_config
+
+    return [DEFAULT_TEACHER, *load_config(RunFolder(run_dir).config).teachers]
+
+
 def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, progress: bool = True,
-                transfer_items: int = 64) -> RunDiagnosis:
+                transfer_items: int = 64, teacher: str = "default") -> RunDiagnosis:
     """Everything the report shows, from RUN_DIR's config, saved rollouts and evaluations;
     `with_model` adds the wrong-context contrast and the gap (the run's starting weights) and,
-    when the run has a checkpoint, the transfer on `transfer_items` trained and held-out prompts."""
+    when the run has a checkpoint, the transfer on `transfer_items` trained and held-out prompts.
+    In a run with several teachers, `teacher` (a [teachers.NAME] name, or 'default' for [teacher])
+    is diagnosed on the rollouts it scored and the prompts routed to it, as if it were the only one."""
     from selfopd.config import load_config
     from selfopd.data import load_examples
     from selfopd.data.split import split_examples
@@ -122,6 +131,9 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
     by_step = read_run_rollouts(run_dir)
     examples = load_examples(config.data.spec)
     train_examples, eval_examples = split_examples(examples, eval_size=config.data.eval_size, seed=config.data.split_seed)
+    if config.teachers or teacher != "default":
+        config, by_step, train_examples, eval_examples = one_teachers_part(run_dir, config, teacher, by_step,
+                                                                           train_examples, eval_examples)
     prompting = run_prompting(run_dir, config, examples)
 
     annotated = {step: annotate_records(records, prompting, progress) for step, records in by_step.items()}
@@ -141,12 +153,33 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
         if transfer_items and checkpoint is not None:
             transfer_part = measure_transfer(config, checkpoint, prompting, teacher_engine, student_engine,
                                              train_examples, eval_examples, transfer_items)
+    label = f"{config.teacher.kind} with {prompting.teacher_template.name}"
     return RunDiagnosis(
-        run_dir.name, f"{config.teacher.kind} with {prompting.teacher_template.name}", prompting.student_template.name,
+        run_dir.name, label if teacher == "default" else f"{label} (teacher {teacher!r})", prompting.student_template.name,
         annotated, behaviour, {step: illusion_score(rollouts) for step, rollouts in annotated.items()},
         decompositions, collapse_warnings(behaviour, _read_metrics(run_dir)), summarize_run(run_dir),
         correct_preference([record for records in by_step.values() for record in records]), model_part, signals,
         transfer_part)
+
+
+def one_teachers_part(run_dir: Path, config: Any, teacher: str, by_step: dict[int, list[RolloutRecord]],
+                      train_examples: list[Example], eval_examples: list[Example]) -> tuple[Any, ...]:
+    """(the config with `teacher`'s table as [teacher] and no others, its saved rollouts by step, the
+    training and held-out examples routed to it)."""
+    from selfopd.config import DEFAULT_TEACHER
+    from selfopd.training.routing import open_router
+
+    names = [DEFAULT_TEACHER, *config.teachers]
+    if teacher not in names:
+        raise ValueError(f"{run_dir}: no teacher {teacher!r}; its teachers: {', '.join(names)}")
+    router = open_router(config, train_examples, eval_examples)
+    table = config.teacher if teacher == DEFAULT_TEACHER else dataclasses.replace(config.teachers[teacher], tasks=())
+    mine = {step: [r for r in records if (r.teacher or DEFAULT_TEACHER) == teacher] for step, records in by_step.items()}
+    mine = {step: records for step, records in mine.items() if records}
+    if not mine:
+        raise ValueError(f"{run_dir}: no saved rollout was scored by teacher {teacher!r}")
+    return (dataclasses.replace(config, teacher=table, teachers={}), mine,
+            [e for e in train_examples if router(e) == teacher], [e for e in eval_examples if router(e) == teacher])
 
 
 def write_report(diagnosis: RunDiagnosis, out: Path, heatmaps: int = 4) -> Path:

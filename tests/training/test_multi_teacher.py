@@ -152,3 +152,24 @@ def test_a_starved_teacher_is_found_once_its_streak_reaches_the_limit():
     assert starved_teachers(lines[:3], ["a", "b"], 3) == ["a"]
     assert starved_teachers(lines[:2], ["a", "b"], 3) == []
     assert starved_teachers(lines, ["a", "b"], 0) == []
+
+
+def test_diagnose_reports_each_teacher_on_its_own_rollouts(tmp_path, tiny_model_dir, capsys):
+    from selfopd.cli import main
+
+    run_dir = train(_config(tmp_path, tiny_model_dir, MIXED, "data.eval_size=4", *ARITH, "run.steps=1",
+                            "run.name=diagnosed"))
+    main(["diagnose", str(run_dir), "--no-model", "--heatmaps", "0"])
+    assert "teacher 'default':" in capsys.readouterr().out
+    records = _records(run_dir)
+    for name in ("default", "arith"):
+        summary = json.loads((run_dir / "diagnostics" / name / "summary.json").read_text())
+        assert summary["steps"] == [1]
+        assert summary["behaviour"][0]["rollouts"] == sum(r["teacher"] == name for r in records)  # its own only
+    assert "(teacher 'arith')" in json.loads((run_dir / "diagnostics" / "arith" / "summary.json").read_text())["teacher"]
+    main(["diagnose", str(run_dir), "--teacher", "arith", "--gap-items", "2", "--transfer-items", "0", "--heatmaps", "0"])
+    arith = json.loads((run_dir / "diagnostics" / "arith" / "summary.json").read_text())
+    assert arith["at_start"]["gap"] is not None and "answer_note" in arith["teacher"]
+    capsys.readouterr()
+    assert main(["diagnose", str(run_dir), "--teacher", "nobody"]) == 1
+    assert "--teacher nobody: " in (err := capsys.readouterr().err) and "has teachers default, arith" in err
