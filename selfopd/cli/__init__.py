@@ -336,7 +336,8 @@ def _add_diagnose(commands: argparse._SubParsersAction) -> None:
 
 
 def _diagnose(args: argparse.Namespace) -> None:
-    from selfopd.diagnostics.report import measure_run, run_teachers, write_report
+    from selfopd.diagnostics.report import measure_run, write_report
+    from selfopd.diagnostics.teachers import run_teachers
 
     if min(args.gap_items, args.heatmaps, args.transfer_items) < 0:
         raise UserError("--gap-items, --heatmaps and --transfer-items must be >= 0")
