@@ -173,3 +173,14 @@ def test_diagnose_reports_each_teacher_on_its_own_rollouts(tmp_path, tiny_model_
     capsys.readouterr()
     assert main(["diagnose", str(run_dir), "--teacher", "nobody"]) == 1
     assert "--teacher nobody: " in (err := capsys.readouterr().err) and "has teachers default, arith" in err
+
+
+def test_a_comparison_arm_may_add_a_teacher(tmp_path):
+    from selfopd.comparisons.compare import arm_configs, load_compare_config
+
+    (tmp_path / "base.toml").write_text(f'[data]\nspec = "{MIXED.partition("=")[2]}"\n')
+    (tmp_path / "compare.toml").write_text(
+        '[compare]\nbase = "base.toml"\nreference = "one"\n[arms.one]\nset = []\n'
+        '[arms.two]\nset = ["teachers.arith.kind=frozen", "teachers.arith.tasks=rg:basic_arithmetic"]\n')
+    configs = arm_configs(load_compare_config(tmp_path / "compare.toml"), None)
+    assert [list(c.teachers) for (arm, _), c in sorted(configs.items())] == [[], ["arith"]]
