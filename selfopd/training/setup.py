@@ -70,21 +70,19 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
     check_mixture(config, train_examples)
     # A resumed run renders from its own copies of the templates (RUN/templates/), a fresh one from the files.
     student_template = load_run_template(folder.root, config.data.student_template)
-    teacher_template = load_run_template(folder.root, config.teacher.template)
-    fallback = demonstration_fallback(config, teacher_template, folder.root)
+    tables = {DEFAULT_TEACHER: config.teacher, **config.teachers}  # every teacher's settings, by name
     router = open_router(config, train_examples, eval_examples) if config.teachers else None
     routed = routed_examples(train_examples, router)
-    for first in by_task(routed[DEFAULT_TEACHER]).values():  # each task's first item: a mixture's template branches
-        check_templates_render(student_template, teacher_template, first[0], fallback)
-    named_templates = {}
-    for name, teacher in config.teachers.items():
-        template = load_run_template(folder.root, teacher.template)
-        named_templates[name] = (template, demonstration_fallback(config, template, folder.root, teacher))
-        for first in by_task(routed[name]).values():
-            check_templates_render(student_template, *named_templates[name][:1], first[0], named_templates[name][1])
-    for teacher in (config.teacher, *config.teachers.values()):
-        if teacher.kind == "external":
-            check_external_teacher_split(teacher.model, eval_examples)
+    templates: dict[str, tuple[PromptTemplate, PromptTemplate | None]] = {}  # (template, fallback) by teacher
+    for name, table in tables.items():
+        template = load_run_template(folder.root, table.template)
+        templates[name] = (template, demonstration_fallback(config, template, folder.root,
+                                                            None if name == DEFAULT_TEACHER else table))
+        for first in by_task(routed[name]).values():  # each task's first item: a mixture's template branches
+            check_templates_render(student_template, templates[name][0], first[0], templates[name][1])
+        if table.kind == "external":
+            check_external_teacher_split(table.model, eval_examples)
+    teacher_template, fallback = templates[DEFAULT_TEACHER]
 
     if config.engine.kind == "vllm":  # a refused GPU layout stops the run before the model loads
         from selfopd.engines.serving import node_trainer_gpus, run_layout
@@ -95,16 +93,13 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
                                   master_weights=not config.model.lora, **options)
     check_plain_head(model, f"model.student {config.model.student}")
     # Another tokenizer is refused (or, with teacher.tokenizer = 'own', bridged) before the run folder is claimed.
-    bridge = external_teacher_bridge(config, tokenizer) if config.teacher.kind == "external" else None
-    check_context(config, model.config, teacher_model_config(config, model.config), tokenizer, student_template,
-                  teacher_template, fallback, routed[DEFAULT_TEACHER] or train_examples, eval_examples,
-                  teacher_tokenizer=bridge.teacher if bridge is not None else None)
-    named_bridges = {}
-    for name, teacher in config.teachers.items():
-        named_bridges[name] = external_teacher_bridge(config, tokenizer, teacher) if teacher.kind == "external" else None
-        check_context(config, model.config, teacher_model_config(config, model.config, teacher), tokenizer,
-                      student_template, *named_templates[name], routed[name], eval_examples,
-                      teacher_tokenizer=named_bridges[name].teacher if named_bridges[name] is not None else None)
+    bridges = {name: external_teacher_bridge(config, tokenizer, None if name == DEFAULT_TEACHER else table)
+               if table.kind == "external" else None for name, table in tables.items()}
+    for name, table in tables.items():
+        if routed[name]:  # each teacher's prompts, of the examples routed to it (all of them: [teacher] alone)
+            check_context(config, model.config, teacher_model_config(config, model.config, table), tokenizer,
+                          student_template, *templates[name], routed[name], eval_examples,
+                          teacher_tokenizer=bridges[name].teacher if bridges[name] is not None else None)
     model = prepare_student(model, config.model, resume_from)  # LoRA adapters, when model.lora_rank > 0
     shard_model(model, world)  # before the optimizer: it must hold the sharded parameters
     optimizer = adamw(trainable_parameters(model), config)
@@ -127,10 +122,10 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
                          if config.teachers else {})
         run = Run(config, folder, model, tokenizer, optimizer, scheduler, student_engine, teacher_engine,
                   student_template, teacher_template, train_examples, eval_examples, probe, step, resources,
-                  device=options["device"], world=world, demonstration_fallback=fallback, bridge=bridge,
-                  named_teachers={name: NamedTeacher(teacher, named_engines[name], *named_templates[name],
-                                                     named_bridges[name])
-                                  for name, teacher in config.teachers.items()},
+                  device=options["device"], world=world, demonstration_fallback=fallback,
+                  bridge=bridges[DEFAULT_TEACHER],
+                  named_teachers={name: NamedTeacher(table, named_engines[name], *templates[name], bridges[name])
+                                  for name, table in config.teachers.items()},
                   router=router,
                   ema=open_ema(config, teacher_engine, resume_from, state.get("ema"), options))
         run.rollouts = open_pipeline(run.student_side, resume_from)  # with the rollouts a checkpoint had sampled ahead
