@@ -46,6 +46,17 @@ def test_examples_reach_their_teachers_and_metrics_match_hand_counts(tmp_path, t
                                   dtype=torch.float64)
             assert line[f"teacher/{name}/advantage_mean"] == pytest.approx(signal.mean().item(), abs=1e-6)
             assert line[f"teacher/{name}/reverse_kl"] == pytest.approx(-signal.mean().item(), abs=1e-6)
+            # teacher-prefers-correct: per group with both outcomes, correct minus wrong mean signal
+            groups = {}
+            for r in theirs:
+                mean = sum(t - s for t, s in zip(r["teacher_logprobs"], r["student_logprobs"])) / len(r["completion_ids"])
+                groups.setdefault(r["group"], {True: [], False: []})[r["correct"]].append(mean)
+            contrasts = [sum(g[True]) / len(g[True]) - sum(g[False]) / len(g[False]) for g in groups.values()
+                         if g[True] and g[False]]
+            if contrasts:
+                assert line[f"teacher/{name}/correct_preference"] == pytest.approx(sum(contrasts) / len(contrasts), abs=1e-6)
+            else:
+                assert f"teacher/{name}/correct_preference" not in line
     assert "[teachers.arith]" in (run_dir / "config.toml").read_text()
     assert "teacher/answer_note" in json.loads((run_dir / "templates" / "index.json").read_text())  # kept for a resume
 
@@ -184,3 +195,24 @@ def test_a_comparison_arm_may_add_a_teacher(tmp_path):
         '[arms.two]\nset = ["teachers.arith.kind=frozen", "teachers.arith.tasks=rg:basic_arithmetic"]\n')
     configs = arm_configs(load_compare_config(tmp_path / "compare.toml"), None)
     assert [list(c.teachers) for (arm, _), c in sorted(configs.items())] == [[], ["arith"]]
+
+
+def test_teacher_metrics_on_a_hand_computed_case():
+    from selfopd.training.routing import teacher_metrics
+
+    # Rollouts: (teacher, tokens, group, correct); per-token signal teacher - student.
+    teacher_of = ["a", "a", "b", "a", "b"]
+    lengths = [2, 1, 3, 2, 0]
+    signal = torch.tensor([1.0, 3.0, -1.0, 0.5, 0.5, 0.5, 4.0, 0.0])
+    outcomes = [(0, True), (0, False), (1, True), (2, False), (1, False)]
+    metrics = teacher_metrics(["default", "a", "b"], teacher_of, lengths, signal, [True] * 5, outcomes)
+    assert metrics["teacher/default/token_share"] == 0.0 and "teacher/default/advantage_mean" not in metrics
+    assert metrics["teacher/a/token_share"] == 5 / 8 and metrics["teacher/b/token_share"] == 3 / 8
+    assert metrics["teacher/a/advantage_mean"] == pytest.approx((1 + 3 - 1 + 4 + 0) / 5)
+    assert metrics["teacher/b/reverse_kl"] == pytest.approx(-0.5)
+    # group 0 (teacher a): correct rollout mean 2.0, wrong one -1.0: contrast 3.0; group 2 has one outcome only
+    assert metrics["teacher/a/correct_preference"] == pytest.approx(3.0)
+    assert "teacher/b/correct_preference" not in metrics  # its wrong rollout of group 1 has no tokens
+    masked = teacher_metrics(["a"], teacher_of, lengths, signal, [False, True, True, True, True], outcomes)
+    assert masked["teacher/a/token_share"] == 5 / 8  # an unreadable completion counts in the share...
+    assert masked["teacher/a/advantage_mean"] == pytest.approx((-1 + 4 + 0) / 3)  # ... not in the means
