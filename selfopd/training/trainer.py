@@ -117,13 +117,14 @@ def _train_loop(run: Run, log: MetricsLog | None, resume: bool, initial_eval: Pa
                disable=not (config.run.progress and run.world.is_main))
     skipped_in_row = 0
     teacher_lines: list[dict] = []  # with [teachers.*]: the step lines, for the starved-teacher warning
+    routed_to = sorted({run.teacher_of(example) for example in run.train_examples})  # the teachers data reaches
     while run.step < config.run.steps:
         metrics = train_step(run)
         fired = guard.watch(run.folder, config, history, metrics) if run.world.is_main else []  # marks `metrics`
         record(metrics)
         if run.named_teachers and run.world.is_main:
             teacher_lines.append(metrics)
-            warn_starved(run, teacher_lines)
+            warn_starved(run, teacher_lines, routed_to)
         skipped_in_row = skipped_in_row + 1 if metrics.get("skipped") else 0
         if skipped_in_row >= config.optim.max_nonfinite_steps:
             raise NonFiniteLoss(_nonfinite_message(run, skipped_in_row))
@@ -142,9 +143,10 @@ def _train_loop(run: Run, log: MetricsLog | None, resume: bool, initial_eval: Pa
     bar.close()
 
 
-def warn_starved(run: Run, lines: list[dict]) -> None:
-    """One line for each teacher whose run of steps without tokens has just reached guard.starved_teacher_steps."""
-    steps, names = run.config.guard.starved_teacher_steps, list(run.teacher_sides)
+def warn_starved(run: Run, lines: list[dict], names: list[str]) -> None:
+    """One line for each teacher of `names` (those the training data reaches) whose run of steps without
+    tokens has just reached guard.starved_teacher_steps."""
+    steps = run.config.guard.starved_teacher_steps
     for name in sorted(set(starved_teachers(lines, names, steps)) - set(starved_teachers(lines[:-1], names, steps))):
         where = "[teacher]" if name == DEFAULT_TEACHER else f"teachers.{name}.tasks"
         print(f"selfopd: teacher {name!r} has received no completion tokens for {steps} steps in a row (up to step "

@@ -216,3 +216,17 @@ def test_teacher_metrics_on_a_hand_computed_case():
     masked = teacher_metrics(["a"], teacher_of, lengths, signal, [False, True, True, True, True], outcomes)
     assert masked["teacher/a/token_share"] == 5 / 8  # an unreadable completion counts in the share...
     assert masked["teacher/a/advantage_mean"] == pytest.approx((-1 + 4 + 0) / 3)  # ... not in the means
+
+
+def test_the_starved_teacher_warning_is_printed_once_per_streak(tmp_path, tiny_model_dir, capsys):
+    """A teacher that a row names but that few steps reach: its share is 0 on most steps. [teacher],
+    which this data never reaches, is never warned about."""
+    names = ["notes"] * 19 + ["rare"]
+    path = _jsonl(tmp_path, names)
+    train(_config(tmp_path, tiny_model_dir, f"data.spec={path}", "data.eval_size=2", "teachers.notes.kind=frozen",
+                  "teachers.rare.kind=frozen", "guard.starved_teacher_steps=2", "run.steps=5", "run.name=starved",
+                  "rollout.prompts_per_step=1", "optim.micro_batch_prompts=1"))
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "has received no completion tokens" in line]
+    assert lines and all("'rare'" in line for line in lines) and not any("'default'" in line for line in err.splitlines())
+    assert len(lines) <= 2  # once per streak of >= 2 steps, not every step
