@@ -6,7 +6,7 @@ import argparse
 import sys
 import textwrap
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from selfopd.cli.common import DEFAULT_DATA, DEFAULT_MODEL, UserError, add_overrides, command
 from selfopd.cli.compare import add_compare_command
@@ -327,6 +327,9 @@ def _add_diagnose(commands: argparse._SubParsersAction) -> None:
     diagnose.add_argument("--gap-items", type=int, default=100,
                           help="held-out items for the accuracy gap with vs without context (default: 100)")
     diagnose.add_argument("--heatmaps", type=int, default=4, help="heatmap PNGs per reported step (default: 4)")
+    diagnose.add_argument("--teacher", metavar="NAME", default=None,
+                          help="a run with several teachers ([teachers.NAME]): diagnose this one ('default' is "
+                               "[teacher]); default: each, in RUN_DIR/diagnostics/NAME/")
     diagnose.add_argument("--transfer-items", type=int, default=64,
                           help="trained and held-out items each for the transfer of the teacher's advantage, start vs "
                                "latest checkpoint (default: 64; 0: skip)")
@@ -334,12 +337,25 @@ def _add_diagnose(commands: argparse._SubParsersAction) -> None:
 
 def _diagnose(args: argparse.Namespace) -> None:
     from selfopd.diagnostics.report import measure_run, write_report
+    from selfopd.diagnostics.teachers import run_teachers
 
     if min(args.gap_items, args.heatmaps, args.transfer_items) < 0:
         raise UserError("--gap-items, --heatmaps and --transfer-items must be >= 0")
-    diagnosis = measure_run(args.run_dir, with_model=not args.no_model, gap_items=args.gap_items, progress=True,
-                            transfer_items=args.transfer_items)
-    report = write_report(diagnosis, RunFolder(args.run_dir).diagnostics, args.heatmaps)
+    teachers = run_teachers(args.run_dir) if RunFolder(args.run_dir).is_run() else ["default"]
+    if args.teacher is not None and args.teacher not in teachers:
+        raise UserError(f"--teacher {args.teacher}: {args.run_dir} has teachers {', '.join(teachers)}")
+    chosen = [args.teacher] if args.teacher is not None else teachers
+    for teacher in chosen:
+        diagnosis = measure_run(args.run_dir, with_model=not args.no_model, gap_items=args.gap_items, progress=True,
+                                transfer_items=args.transfer_items, teacher=teacher)
+        out = RunFolder(args.run_dir).diagnostics
+        report = write_report(diagnosis, out if len(teachers) == 1 else out / teacher, args.heatmaps)
+        if len(teachers) > 1:
+            print(f"teacher {teacher!r}:")
+        _print_diagnosis(diagnosis, report)
+
+
+def _print_diagnosis(diagnosis: Any, report: Path) -> None:
     for step in sorted({diagnosis.first, diagnosis.last}):
         score = diagnosis.illusion[step]
         flag = "  WARNING" if score.warning else ""

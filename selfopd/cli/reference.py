@@ -40,6 +40,11 @@ def config_reference() -> str:
     for name, section in SECTIONS.items():
         parts += _section_table(f"[{name}]", section, {k.partition(".")[2]: v for k, v in demo.items()
                                                         if k.startswith(name + ".")})
+    parts += ["## [teachers.NAME]", "",
+              "More teachers beside `[teacher]` (which is named `default`), one table each, with the keys of "
+              "`[teacher]`; `tasks` routes a mixed `data.spec`'s tasks to it, and a data file's `teacher` column names "
+              "each row's teacher. On the command line: `--set teachers.NAME.key=value`. See "
+              "[teachers](../teachers.md#several-teachers-in-one-run).", ""]
     parts += ["## Comparisons and fine-tuning", "",
               "`selfopd compare FILE` reads `[compare]`, `[arms.NAME]` (one per arm) and an optional `[sft]`; "
               "`selfopd sft FILE` reads a training config plus `[sft]`. `selfopd compare FILE --show-config` prints "

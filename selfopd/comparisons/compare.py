@@ -2,7 +2,7 @@
 
 A comparison is a base training config plus named arms, each a short list of `--set`
 overrides. Arms may change only who teaches and how the loss weighs it (`teacher.*`,
-`loss.*`, `optim.*`): seeds, data, rollout budget, model, eval and engine are shared, so a
+`teachers.NAME.*`, `loss.*`, `optim.*`): seeds, data, rollout budget, model, eval and engine are shared, so a
 difference between arms is a difference of method, not of luck or budget.
 
     [compare]
@@ -40,7 +40,7 @@ from selfopd.core.faults import fault_point
 from selfopd.core.run_folder import RunFolder
 from selfopd.config.settings import Section, build_sections, check_key, read_toml, section_toml, setting, toml_value
 
-ARM_SECTIONS = ("teacher", "loss", "optim")  # what arms may change; everything else is shared
+ARM_SECTIONS = ("teacher", "teachers", "loss", "optim")  # what arms may change; everything else is shared
 # ... and these keys of other sections: they change how the same prompts are sampled, not which.
 ARM_KEYS = ("rollout.max_staleness",)
 
@@ -233,7 +233,7 @@ def compare_config_toml(compare: CompareConfig) -> str:
     for arm in compare.arms:
         runs_with = flat_config(configs[arm.name, compare.seeds[0]])
         changed = [f"#   {key} = {toml_value(value)}" for key, value in runs_with.items()
-                   if arm_may_change(key) and value != shared[key]]
+                   if arm_may_change(key) and (key not in shared or value != shared[key])]
         lines += ["", f"[arms.{arm.name}]", f"description = {toml_value(arm.description)}",
                   f"set = {toml_value(arm.overrides)}", "# runs with (where it differs from the shared config):",
                   *(changed or ["#   nothing: the shared config as it is"])]

@@ -159,7 +159,7 @@ def run_tournament(config: TrainConfig, templates: Sequence[PromptTemplate], pro
 
     from selfopd.data import load_examples
     from selfopd.engines.base import SamplingParams
-    from selfopd.engines.build import check_external_teacher, engines_at_start
+    from selfopd.engines.build import engines_at_start, external_teacher_bridge
     from selfopd.core.models import from_pretrained, resolve_model
     from selfopd.data.split import distinct_prompts, split_examples
     from selfopd.templating.templates import load_template
@@ -171,7 +171,7 @@ def run_tournament(config: TrainConfig, templates: Sequence[PromptTemplate], pro
     items = tournament_prompts(train, prompts, config.rollout.prompts_per_step, config.run.seed)
     gap_examples = held_out[:gap_items]
     if config.teacher.kind == "external":  # another tokenizer is refused before any weights load
-        check_external_teacher(config, from_pretrained(AutoTokenizer, resolve_model(config.model.student),
+        external_teacher_bridge(config, from_pretrained(AutoTokenizer, resolve_model(config.model.student),
                                                        trust_remote_code=config.model.trust_remote_code))
     student_engine, teacher_engine = engines_at_start(config)
     student = ScoreCache(student_engine)

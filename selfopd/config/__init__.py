@@ -38,6 +38,13 @@ from selfopd.config.compute import (  # noqa: F401  (sections of TrainConfig, pu
 )
 from selfopd.config.loss import FULL_VOCABULARY, Divergence, LossConfig, Normalisation  # noqa: F401  (public here too)
 from selfopd.config.guard import GuardConfig  # noqa: F401  (a section of TrainConfig, public here too)
+from selfopd.config.teachers import (  # noqa: F401  (a section of TrainConfig and its names, public here too)
+    DEFAULT_TEACHER,
+    TeacherConfig,
+    TeacherKind,
+    TeacherTokenizer,
+    check_named_teachers,
+)
 from selfopd.config.settings import (  # noqa: F401  (ConfigError and setting are this module's public names too)
     ConfigError,
     Section,
@@ -49,7 +56,6 @@ from selfopd.config.settings import (  # noqa: F401  (ConfigError and setting ar
     setting,
 )
 
-TeacherKind = Literal["self", "frozen", "ema", "external"]
 Schedule = Literal["constant", "cosine", "linear"]
 Tracker = Literal["tensorboard", "wandb"]
 WandbMode = Literal["offline", "online"]
@@ -90,56 +96,6 @@ class RunConfig(Section):
         self._at_least("rollouts_to_save", 0)
         if len(set(self.trackers)) != len(self.trackers):
             fail(self._key("trackers"), f"names a tracker twice: {list(self.trackers)}")
-
-
-@dataclass(frozen=True)
-class TeacherConfig(Section):
-    SECTION: ClassVar[str] = "teacher"
-    kind: TeacherKind = setting(
-        "self",
-        "Who scores the rollouts: 'self' is the current student given privileged information, "
-        "'frozen' a copy of the initial student, 'ema' an exponential moving average of the student's weights "
-        "(teacher.ema_rate), 'external' the model named by teacher.model.",
-    )
-    model: str = setting("", "The external teacher (packaged name, folder or hub id); set iff kind = 'external'.")
-    template: str = setting("teacher/reference_answer", "Prompt template that shows the teacher the privileged information.")
-    ema_rate: float = setting(
-        0.05, "kind = 'ema': after every optimizer step taken, ema <- (1 - rate) * ema + rate * student, from the "
-        "initial weights; 1 is the 'self' teacher, 0 the 'frozen' one. 0.05 (a half-life of ~14 steps) is SDPO's "
-        "per-step rate; TRL's SDFT/SDPO teacher_update_rate defaults to 0.6 but is applied only every "
-        "teacher_sync_steps = 512 steps, far longer than a selfopd run.")
-    skip_self_success: bool = setting(
-        True, "Templates that use `demonstration` (teacher/sibling): a correct rollout is never its own "
-        "demonstration; one whose group has no other correct sample gets none.")
-    demonstration_fallback: str = setting(
-        "teacher/empty", "Templates that use `demonstration`: the template that scores a rollout with no correct "
-        "sibling. 'teacher/empty' is the student's own prompt, so with a 'self' teacher such a rollout gets zero "
-        "self-distillation signal (exactly, but for the rounding of a micro-batch padded to longer teacher prompts).")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.kind == "external" and not self.model.strip():
-            fail(self._key("model"), "required when teacher.kind = 'external'")
-        if self.kind != "external" and self.model:
-            fail(self._key("model"), f"only used when teacher.kind = 'external' (kind is {self.kind!r}); leave it empty")
-        self._non_empty("template")
-        self._non_empty("demonstration_fallback")
-        if not 0.0 <= self.ema_rate <= 1.0:
-            fail(self._key("ema_rate"), f"must be in [0, 1], got {self.ema_rate!r}")
-
-    @property
-    def follows_student(self) -> bool:
-        """The teacher serves the student's current weights (`self`): synced after every step."""
-        return self.kind == "self"
-
-    @property
-    def receives_weights(self) -> bool:
-        """The teacher is sent weights after every step: the student's (`self`) or their average (`ema`)."""
-        return self.kind in ("self", "ema")
-
-    def weights(self, student: str) -> str:
-        """The model whose weights the teacher runs: `teacher.model`, or the (initial) student."""
-        return self.model if self.kind == "external" else student
 
 
 @dataclass(frozen=True)
@@ -262,11 +218,14 @@ class TrainConfig:
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    # [teachers.NAME] tables: more teachers beside [teacher] (which is named 'default'), by name.
+    teachers: dict[str, TeacherConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            if not isinstance(getattr(self, f.name), SECTIONS[f.name]):
-                fail(f"[{f.name}]", f"expected a {SECTIONS[f.name].__name__}, got {type(getattr(self, f.name)).__name__}")
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                fail(f"[{name}]", f"expected a {cls.__name__}, got {type(getattr(self, name)).__name__}")
+        check_named_teachers(self)
         # Rules across sections.
         if self.rollout.prompts_per_step % self.optim.micro_batch_prompts:
             fail(
@@ -307,6 +266,10 @@ class TrainConfig:
             fail("engine.teacher_url", f"{teacher_on_student[0]} is also a student server, which serves the student's "
                  f"current weights; a {self.teacher.kind!r} teacher needs a server of its own (a 'self' teacher may "
                  "share one: it is sent the weights once)")
+        if self.teacher.tokenizer == "own" and self.loss.divergence != "sampled":
+            fail("loss.divergence", f"{self.loss.divergence!r} needs the teacher's distribution over the student's "
+                 "vocabulary, which a teacher with teacher.tokenizer = 'own' does not have (its tokens cover other "
+                 "stretches of text); use loss.divergence = 'sampled'")
         if self.loss.opd_baseline == "same_engine" and self.teacher.kind != "self":
             fail("loss.opd_baseline", f"'same_engine' takes the student's logprobs from the teacher's engine, which "
                  f"serves the student's weights only with teacher.kind = 'self' (got {self.teacher.kind!r})")
@@ -317,20 +280,27 @@ class TrainConfig:
             )
 
 
+# Tables of named sections ([teachers.NAME]): field of TrainConfig -> the class of each table.
+KEYED_SECTIONS: dict[str, type[Section]] = {"teachers": TeacherConfig}
 # Section name -> class, read off TrainConfig's fields: the one list of sections.
 SECTIONS: dict[str, type[Section]] = {
     f.name: typing.get_type_hints(TrainConfig)[f.name] for f in dataclasses.fields(TrainConfig)
+    if f.name not in KEYED_SECTIONS
 }
 
 
 def build_config(tables: dict[str, Any]) -> TrainConfig:
-    """A TrainConfig from nested dicts as TOML gives them; missing sections and keys take defaults."""
-    return TrainConfig(**build_sections(tables, SECTIONS))
+    """A TrainConfig from nested dicts as TOML gives them; missing sections and keys take defaults.
+    `[teachers.NAME]` tables are TeacherConfigs whose errors name `teachers.NAME.key`."""
+    tables = dict(tables)
+    keyed = {section: settings.build_keyed(tables.pop(section, {}), section, cls)
+             for section, cls in KEYED_SECTIONS.items()}
+    return TrainConfig(**build_sections(tables, SECTIONS), **keyed)
 
 
 def parse_overrides(overrides: Sequence[str]) -> dict[str, dict[str, Any]]:
     """`--set` strings parsed against the training sections (see `selfopd.config.settings.parse_overrides`)."""
-    return settings.parse_overrides(overrides, SECTIONS)
+    return settings.parse_overrides(overrides, SECTIONS, KEYED_SECTIONS)
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
@@ -339,20 +309,26 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Train
     A `--set` wins over the file. Errors name the file, or the `--set` when the bad value
     came from one.
     """
-    return load_document(path, overrides, SECTIONS, build_config)
+    return load_document(path, overrides, SECTIONS, build_config, keyed=KEYED_SECTIONS)
 
 
 def config_to_dict(config: TrainConfig) -> dict[str, dict[str, Any]]:
-    """`{section: {key: value}}`, as in the TOML file (e.g. for logging the run's config)."""
-    return dataclasses.asdict(config)
+    """`{section: {key: value}}`, as in the TOML file (e.g. for logging the run's config);
+    `teachers` only when there are any."""
+    tables = dataclasses.asdict(config)
+    if not tables["teachers"]:
+        del tables["teachers"]
+    return tables
 
 
 def config_to_toml(config: TrainConfig) -> str:
     """The full config as TOML with each field's help as a comment; `load_config` of it gives `config`."""
-    tables = ["\n".join(section_toml(section.name, getattr(config, section.name))) for section in dataclasses.fields(config)]
+    tables = ["\n".join(section_toml(name, getattr(config, name))) for name in SECTIONS]
+    tables += ["\n".join(section_toml(f"teachers.{name}", teacher)) for name, teacher in config.teachers.items()]
     return "\n\n".join(tables) + "\n"
 
 
 def flat_config(config: TrainConfig) -> dict[str, Any]:
     """`{"section.key": value}` of every field (to compare two configs key by key)."""
-    return settings.flatten({f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+    return settings.flatten({**{name: getattr(config, name) for name in SECTIONS},
+                             **{f"teachers.{name}": teacher for name, teacher in config.teachers.items()}})

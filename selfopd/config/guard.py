@@ -40,6 +40,9 @@ class GuardConfig(Section):
         0.0, "Teacher prefers wrong: the 95% upper bound of the teacher-prefers-correct measure pooled over the "
         "window's prompt groups (opd/correct_preference_*) is at or below this...")
     preference_groups: int = setting(8, "... over at least this many prompt groups with both right and wrong samples.")
+    starved_teacher_steps: int = setting(
+        5, "With [teachers.*]: print a warning when a teacher has received no completion tokens for this many steps in "
+        "a row (0: never). A starved teacher logs no advantage or KL: its metrics fall silent rather than look bad.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -49,3 +52,4 @@ class GuardConfig(Section):
         if not 0.0 <= self.truncated_share <= 1.0:
             fail(self._key("truncated_share"), f"must be in [0, 1], got {self.truncated_share!r}")
         self._at_least("preference_groups", 2)
+        self._at_least("starved_teacher_steps", 0)

@@ -125,22 +125,30 @@ def did_you_mean(name: str, choices: Any) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def parse_overrides(overrides: Sequence[str], schema: Mapping[str, type]) -> dict[str, dict[str, Any]]:
+def parse_overrides(overrides: Sequence[str], schema: Mapping[str, type],
+                    keyed: Mapping[str, type] = {}) -> dict[str, dict[str, Any]]:
     """`["optim.lr=3e-6", "run.progress=false"]` -> `{"optim": {"lr": 3e-6}, "run": {"progress": False}}`.
 
     The text after `=` is read as the field's type: int, float ("1e-6" and "3" both work),
     bool ("true" / "false"), a Literal's allowed string, or a str taken verbatim (no quotes).
     A key given twice keeps its last value, as on a command line. Range checks happen when
-    the config is built, not here.
+    the config is built, not here. A section of `keyed` takes a name: `teachers.NAME.kind=frozen`
+    gives `{"teachers": {"NAME": {"kind": "frozen"}}}`.
     """
     parsed: dict[str, dict[str, Any]] = {}
     for override in overrides:
         path, eq, text = override.partition("=")
         parts = path.strip().split(".")
-        if not eq or len(parts) != 2 or not all(parts):
+        named = len(parts) == 3 and parts[0] in keyed
+        if not eq or len(parts) != 2 + named or not all(parts):
             raise ConfigError("", "expected section.key=value, e.g. --set optim.lr=3e-6", source=f"--set {override}")
-        section, key = parts
+        section, key = parts[0], parts[-1]
         try:
+            if named:
+                check_key(f"{section}.{parts[1]}", keyed[section], key)
+                tp = field_types(keyed[section])[key]
+                parsed.setdefault(section, {}).setdefault(parts[1], {})[key] = parse_value(path.strip(), tp, text)
+                continue
             tp = field_types(section_class(schema, section, key))[key]
             parsed.setdefault(section, {})[key] = parse_value(f"{section}.{key}", tp, text)
         except ConfigError as error:
@@ -167,6 +175,21 @@ def section_class(schema: Mapping[str, type], section: str, key: str | None = No
     if key is not None:
         check_key(section, cls, key)
     return cls
+
+
+def build_keyed(tables: Any, section: str, cls: type) -> dict[str, Any]:
+    """`{name: cls(**table)}` of the `[section.NAME]` tables; an error names `section.NAME.key`."""
+    if not isinstance(tables, dict) or not all(isinstance(table, dict) for table in tables.values()):
+        fail(f"[{section}]", f"expected [{section}.NAME] tables, each a section of its own")
+    built = {}
+    for name, table in tables.items():
+        for key in table:
+            check_key(f"{section}.{name}", cls, key)
+        try:
+            built[name] = cls(**table)
+        except ConfigError as error:  # the class names its key `SECTION.key`
+            raise ConfigError(f"{section}.{name}.{error.key.rpartition('.')[2]}", error.message) from None
+    return built
 
 
 def build_sections(tables: Mapping[str, Any], schema: Mapping[str, type]) -> dict[str, Any]:
@@ -218,16 +241,23 @@ def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
 
 
 def load_document(path: str | Path | None, overrides: Sequence[str], schema: Mapping[str, type],
-                  build: Callable[[dict[str, Any]], T], what: str = "config file") -> T:
+                  build: Callable[[dict[str, Any]], T], what: str = "config file",
+                  keyed: Mapping[str, type] = {}) -> T:
     """`build(tables)` of the TOML file at `path` (None: no file) with `--set` overrides merged in.
 
     A `--set` wins over the file. A ConfigError raised while building names the `--set` the
     bad value came from, else the file.
     """
     tables: dict[str, Any] = {} if path is None else read_toml(path, what)
-    for section, values in parse_overrides(overrides, schema).items():
+    for section, values in parse_overrides(overrides, schema, keyed).items():
         table = tables.setdefault(section, {})
-        if isinstance(table, dict):  # else build reports the file's top-level key
+        if not isinstance(table, dict):  # build reports the file's top-level key
+            continue
+        if section in keyed:  # {NAME: {key: value}}: merged table by table
+            for name, named in values.items():
+                if isinstance(table.setdefault(name, {}), dict):
+                    table[name].update(named)
+        else:
             table.update(values)
     set_by = {override.partition("=")[0].strip(): override for override in overrides}  # last wins
     try:

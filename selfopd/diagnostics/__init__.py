@@ -11,6 +11,7 @@ over training, and measure the accuracy gap a context opens before training.
     measures  decompose, illusion_score, ...         numbers with bootstrap intervals
     context   privileged_gains, context_gap, ...     the parts that need a model
     report    measure_run, write_report              `selfopd diagnose RUN_DIR`
+    teachers  one_teachers_part, run_teachers        one teacher of a run with several
 """
 
 from selfopd.diagnostics.context import (Prompting, annotate_records, context_gap, fresh_records, privileged_gains,

@@ -1,5 +1,4 @@
-"""`selfopd diagnose RUN_DIR` (`measure_run`, then `write_report`): a markdown report on
-where a run's teacher signal came from.
+"""`selfopd diagnose RUN_DIR` (`measure_run`, then `write_report`): where a run's teacher signal came from.
 
 From the saved rollouts alone: the |advantage| decomposition by token class, the illusion
 score per step, and length, epistemic words and leakage over training. With a model (the
@@ -25,6 +24,7 @@ from selfopd.diagnostics.measures import (Annotated, ClassRow, ContextContrast, 
                                           as_jsonable, collapse_warnings, context_contrast, correct_preference,
                                           decompose, illusion_score, step_behaviour)
 from selfopd.run.rollouts import RolloutRecord, read_run_rollouts
+from selfopd.diagnostics.teachers import one_teachers_part
 from selfopd.diagnostics.transfer import Transfer, measure_transfer, transfer_line
 from selfopd.diagnostics.signals_report import (SignalDiagnosis, measure_signals, render_signals, signals_json,
                                                 write_signal_outputs)
@@ -107,10 +107,10 @@ class RunDiagnosis:
 
 
 def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, progress: bool = True,
-                transfer_items: int = 64) -> RunDiagnosis:
+                transfer_items: int = 64, teacher: str = "default") -> RunDiagnosis:
     """Everything the report shows, from RUN_DIR's config, saved rollouts and evaluations;
-    `with_model` adds the wrong-context contrast and the gap (the run's starting weights) and,
-    when the run has a checkpoint, the transfer on `transfer_items` trained and held-out prompts."""
+    `with_model` adds the wrong-context contrast and the gap (the run's starting weights) and, with a
+    checkpoint, the transfer on `transfer_items` trained and held-out prompts. `teacher`: one of several."""
     from selfopd.config import load_config
     from selfopd.data import load_examples
     from selfopd.data.split import split_examples
@@ -122,6 +122,9 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
     by_step = read_run_rollouts(run_dir)
     examples = load_examples(config.data.spec)
     train_examples, eval_examples = split_examples(examples, eval_size=config.data.eval_size, seed=config.data.split_seed)
+    if config.teachers or teacher != "default":
+        config, by_step, train_examples, eval_examples = one_teachers_part(run_dir, config, teacher, by_step,
+                                                                           train_examples, eval_examples)
     prompting = run_prompting(run_dir, config, examples)
 
     annotated = {step: annotate_records(records, prompting, progress) for step, records in by_step.items()}
@@ -141,8 +144,9 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
         if transfer_items and checkpoint is not None:
             transfer_part = measure_transfer(config, checkpoint, prompting, teacher_engine, student_engine,
                                              train_examples, eval_examples, transfer_items)
+    suffix = "" if teacher == "default" else f" (teacher {teacher!r})"
     return RunDiagnosis(
-        run_dir.name, f"{config.teacher.kind} with {prompting.teacher_template.name}", prompting.student_template.name,
+        run_dir.name, f"{config.teacher.kind} with {prompting.teacher_template.name}{suffix}", prompting.student_template.name,
         annotated, behaviour, {step: illusion_score(rollouts) for step, rollouts in annotated.items()},
         decompositions, collapse_warnings(behaviour, _read_metrics(run_dir)), summarize_run(run_dir),
         correct_preference([record for records in by_step.values() for record in records]), model_part, signals,
@@ -188,12 +192,8 @@ def _illusion_json(score: IllusionScore) -> dict[str, Any]:
 def _write_figures(diagnosis: RunDiagnosis, out: Path, heatmaps: int) -> dict[str, str]:
     """Figures under out/figures and heatmaps.html; returns {key: path relative to out}."""
     from selfopd.diagnostics.figures import plot_behaviour, plot_class_shares
-    from selfopd.core.heatmaps import (
-        plot_token_heatmap,
-        plot_token_heatmaps_side_by_side,
-        save_token_heatmap_html,
-        token_heatmap_html,
-    )
+    from selfopd.core.heatmaps import (plot_token_heatmap, plot_token_heatmaps_side_by_side, save_token_heatmap_html,
+                                       token_heatmap_html)
 
     folder = out / "figures"
     folder.mkdir(exist_ok=True)

@@ -11,13 +11,12 @@ new engine kind or device is added in one module.
 from __future__ import annotations
 
 import contextlib
-import functools
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from selfopd.config import ModelConfig, TrainConfig
+from selfopd.config import ConfigError, ModelConfig, TeacherConfig, TrainConfig
 from selfopd.core.devices import DTYPES, attn_implementation, resolve_device
 from selfopd.core.distributed import World, current_world, shard_model
 from selfopd.engines.base import Engine
@@ -25,6 +24,7 @@ from selfopd.engines.local import LocalEngine
 from selfopd.engines.lora import adapter_base, adapters_off, is_adapter_folder, load_adapted
 from selfopd.core.models import from_pretrained, resolve_model
 from selfopd.engines.scoring import check_plain_head
+from selfopd.templating.token_bridge import ChatBoundaryError, TokenBridge, open_bridge
 from selfopd.templating.tokenizer_check import check_tokenizers_compatible
 
 def load_model(spec: str | Path, dtype: str = "float32", *, weights: Path | None = None, frozen: bool = False,
@@ -79,23 +79,44 @@ def frozen_engine(spec: str | Path, config: TrainConfig) -> LocalEngine:
 
 def engines_at_start(config: TrainConfig) -> tuple[Engine, Engine]:
     """In-process (student, teacher) engines with a run's starting weights; one engine twice
-    when the teacher is the student's weights (`self`, `frozen`)."""
+    when the teacher is the student's weights (`self`, `frozen`). These engines score the student's
+    token ids, so a teacher with its own tokenizer is refused here (only `selfopd train` bridges one)."""
+    if config.teacher.tokenizer == "own":
+        raise ConfigError("teacher.tokenizer", "'own' is read by `selfopd train` only; this command scores the "
+                          "student's token ids with the teacher (set teacher.tokenizer = 'student', with a teacher that "
+                          "shares the student's tokenizer)")
     student = frozen_engine(config.model.student, config)
     teacher = config.teacher.weights(config.model.student)
     return student, student if teacher == config.model.student else frozen_engine(teacher, config)
 
 
-def check_external_teacher(config: TrainConfig, tokenizer: Any) -> None:
-    """Refuse (TokenizerMismatch) an external teacher unless it maps every token to the
-    student's ids; `build_run` checks it once, before any engine opens or teacher weights load."""
+def external_teacher_bridge(config: TrainConfig, tokenizer: Any, teacher: TeacherConfig | None = None
+                            ) -> TokenBridge | None:
+    """An external teacher's tokenizer, checked once by `build_run` before any engine opens or
+    teacher weights load. `teacher.tokenizer = 'student'`: refuse (TokenizerMismatch) a teacher
+    that does not map every token to the student's ids; None. `'own'`: the bridge between the two
+    tokenizers, once both chat templates pass its boundary check (`selfopd.templating.token_bridge`).
+    `teacher`: a [teachers.NAME] table instead of [teacher]."""
     from transformers import AutoConfig, AutoTokenizer
 
-    teacher_dir = resolve_model(config.teacher.model)
+    teacher = teacher or config.teacher
+    teacher_dir = resolve_model(teacher.model)
     trust = config.model.trust_remote_code
     teacher_tokenizer = from_pretrained(AutoTokenizer, teacher_dir, trust_remote_code=trust)
     vocab_size = from_pretrained(AutoConfig, teacher_dir, trust_remote_code=trust).vocab_size
-    check_tokenizers_compatible(tokenizer, teacher_tokenizer, vocab_size,
-                                config.model.student, config.teacher.model)
+    if teacher.tokenizer == "own":
+        try:
+            return open_bridge(tokenizer, teacher_tokenizer, vocab_size, config.model.student, teacher.model)
+        except ChatBoundaryError as error:
+            key = "teacher" if teacher is config.teacher else f"teachers.{teacher_name(config, teacher)}"
+            raise ConfigError(f"{key}.tokenizer", f"'own': {error}") from None
+    check_tokenizers_compatible(tokenizer, teacher_tokenizer, vocab_size, config.model.student, teacher.model)
+    return None
+
+
+def teacher_name(config: TrainConfig, teacher: TeacherConfig) -> str:
+    """The name of a [teachers.NAME] table."""
+    return next(name for name, table in config.teachers.items() if table is teacher)
 
 
 def open_training_engines(config: TrainConfig, model: Any, tokenizer: Any, log_dir: Path,
@@ -107,7 +128,8 @@ def open_training_engines(config: TrainConfig, model: Any, tokenizer: Any, log_d
     or external teacher is loaded on the student's device
     and, under torchrun, sharded like it. With vLLM, launched servers log to `log_dir` and
     are stopped when `resources` closes. Colocated, vLLM runs in this process
-    (`selfopd.engines.vllm_colocate`). An external teacher's tokenizer was checked by the caller."""
+    (`selfopd.engines.vllm_colocate`). An external teacher's tokenizer was checked by the caller
+    (`external_teacher_bridge`)."""
     if config.engine.kind == "vllm":
         from selfopd.engines.serving import open_vllm_engines
 
@@ -120,23 +142,54 @@ def open_training_engines(config: TrainConfig, model: Any, tokenizer: Any, log_d
         from selfopd.engines.vllm_colocate import open_colocated_engines
 
         return open_colocated_engines(config, resources)
-    # Every in-process engine computes in the run's precision (bf16: an autocast region per forward).
-    engine = functools.partial(LocalEngine, batch_size=config.engine.batch_size, precision=config.model.dtype)
-    student = engine(model, tokenizer)
-    if config.teacher.kind == "self":
-        return student, student
+    student = local_engine(config, model, tokenizer)
+    return student, open_local_teacher(config.teacher, config, model, tokenizer, student, world)
+
+
+def local_engine(config: TrainConfig, model: Any, tokenizer: Any, **options: Any) -> LocalEngine:
+    """An in-process engine of a training run: in the run's precision (bf16: an autocast region per forward)."""
+    return LocalEngine(model, tokenizer, batch_size=config.engine.batch_size, precision=config.model.dtype, **options)
+
+
+def open_local_teacher(teacher: TeacherConfig, config: TrainConfig, model: Any, tokenizer: Any, student: LocalEngine,
+                       world: World = World()) -> LocalEngine:
+    """The in-process engine of one teacher (`[teacher]` or a `[teachers.NAME]` table): the student's own
+    for `self`; a frozen copy of the initial weights for `frozen` and `ema` (whose copy
+    `selfopd.training.ema` then averages in place); the external model, on the student's device and,
+    under torchrun, sharded like it."""
+    if teacher.kind == "self":
+        return student
     options = model_options(config.model, world)
-    if config.teacher.kind in ("frozen", "ema"):  # an `ema` teacher starts from the initial weights too
+    if teacher.kind in ("frozen", "ema"):  # an `ema` teacher starts from the initial weights too
         if config.model.lora:  # the initial weights are the live student's with its adapters off: no second copy
-            return student, engine(model, tokenizer, forward_context=lambda: adapters_off(model))
+            return local_engine(config, model, tokenizer, forward_context=lambda: adapters_off(model))
         # The student's own precision (fp32 weights, `model.dtype` autocast): the two then
         # compute alike, bit for bit at step 0. bf16 weights would differ from the student's
         # autocast by up to 0.75 nats a token (SmolLM2, measured), a teacher-student gap of noise.
         frozen, _ = load_model(config.model.student, "float32", frozen=True, **options)
         shard_model(frozen, world)
-        return student, engine(frozen, tokenizer)
-    teacher_dir = resolve_model(config.teacher.model)
-    teacher, teacher_tokenizer = load_model(teacher_dir, config.model.dtype, frozen=True, **options)
-    check_plain_head(teacher, f"teacher.model {config.teacher.model}")
-    shard_model(teacher, world)
-    return student, engine(teacher, teacher_tokenizer)
+        return local_engine(config, frozen, tokenizer)
+    teacher_dir = resolve_model(teacher.model)
+    external, teacher_tokenizer = load_model(teacher_dir, config.model.dtype, frozen=True, **options)
+    check_plain_head(external, f"teacher.model {teacher.model}")
+    shard_model(external, world)
+    return local_engine(config, external, teacher_tokenizer)
+
+
+def open_named_teachers(config: TrainConfig, model: Any, tokenizer: Any, student: LocalEngine, default: Engine,
+                        world: World = World()) -> dict[str, LocalEngine]:
+    """The engines of the `[teachers.NAME]` tables, in process: teachers of the same weights share
+    one engine (every `self` teacher the student's, every `frozen` one a single frozen copy, one per
+    external model), and `[teacher]`'s engine is reused where its weights are the same."""
+    def weights(teacher: TeacherConfig) -> tuple[str, str]:
+        return teacher.kind, teacher.model
+
+    opened: dict[tuple[str, str], LocalEngine] = {("self", ""): student}
+    if config.teacher.kind != "ema":  # an average is not the initial weights after the first step
+        opened[weights(config.teacher)] = default
+    engines = {}
+    for name, teacher in config.teachers.items():
+        if weights(teacher) not in opened:
+            opened[weights(teacher)] = open_local_teacher(teacher, config, model, tokenizer, student, world)
+        engines[name] = opened[weights(teacher)]
+    return engines

@@ -46,6 +46,10 @@ class RolloutRecord:
     answer: str
     demonstration: str | None = None  # the sibling demonstration the teacher saw; None: none (or files saved before)
     weight_version: int | None = None  # the step whose weights sampled it (rollout.max_staleness); None: files saved before
+    # Why a teacher with its own tokenizer could not read the completion (it got no teacher signal,
+    # and teacher_logprobs are the sampler's); None: it could, or the teacher reads the student's ids.
+    unaligned: str | None = None
+    teacher: str | None = None  # the teacher that scored it, in a run with [teachers.NAME]; None: the only one
 
     def __post_init__(self) -> None:
         length = len(self.completion_ids)
@@ -101,6 +105,8 @@ class RolloutDigest:
     opd_mean: float
     demonstration: str | None = None
     weight_version: int | None = None
+    unaligned: str | None = None
+    teacher: str | None = None  # the teacher that scored it, in a run with [teachers.NAME]; None: the only one
 
     @property
     def prompt(self) -> str:
@@ -119,7 +125,7 @@ def rollout_digest_lines(run_dir: Path) -> str | None:
         by_step = read_run_rollouts(run_dir)
     except (FileNotFoundError, DiagnosticsError):
         return None
-    return "".join(json.dumps(asdict(RolloutDigest.of(record))) + "\n"
+    return "".join(json.dumps(written(asdict(RolloutDigest.of(record)))) + "\n"
                    for records in by_step.values() for record in records)
 
 
@@ -133,7 +139,15 @@ def read_rollout_digest(run_dir: Path) -> list[RolloutDigest]:
 
 def write_records(path: Path, records: Iterable[RolloutRecord]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_lines_atomic(path, (asdict(record) for record in records))
+    write_lines_atomic(path, (written(asdict(record)) for record in records))
+
+
+WRITTEN_WHEN_SET = ("unaligned", "teacher")  # fields most runs never set: left out of their files, which stay as they were
+
+
+def written(fields: dict) -> dict:
+    """A record's fields as a file holds them: those of WRITTEN_WHEN_SET only when set."""
+    return {key: value for key, value in fields.items() if value is not None or key not in WRITTEN_WHEN_SET}
 
 
 def read_records(path: Path) -> list[RolloutRecord]:

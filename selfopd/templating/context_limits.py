@@ -36,11 +36,14 @@ def context_limits(config: TrainConfig, student_config: Any, teacher_config: Any
 
 def check_context(config: TrainConfig, student_config: Any, teacher_config: Any, tokenizer: Any,
                   student: PromptTemplate, teacher: PromptTemplate, fallback: PromptTemplate | None,
-                  train_examples: Sequence[Example], eval_examples: Sequence[Example]) -> None:
+                  train_examples: Sequence[Example], eval_examples: Sequence[Example],
+                  teacher_tokenizer: Any | None = None) -> None:
     """Refuse, before any engine starts, a prompt that leaves no room for its completion.
     Only the longest prompts by characters are tokenized (a large dataset costs no start-up
     time). A teacher prompt is counted with its worst case: every completion the template
-    shows it (`attempt`, `demonstration`) at rollout.max_tokens, then the scored completion."""
+    shows it (`attempt`, `demonstration`) at rollout.max_tokens, then the scored completion;
+    through `teacher_tokenizer` when the teacher has its own (its tokens of a completion can be more
+    than the student's: each step's rows are checked again as they are scored)."""
     (student_limit, student_what), (teacher_limit, teacher_what) = context_limits(config, student_config,
                                                                                   teacher_config)
     for key, completion, examples in (("rollout.max_tokens", config.rollout.max_tokens, train_examples),
@@ -58,7 +61,7 @@ def check_context(config: TrainConfig, student_config: Any, teacher_config: Any,
         messages = render_teacher(teacher, example, render_student(student, example), attempt="", feedback="",
                                   demonstration=SAMPLE_DEMONSTRATION if uses_demonstration(teacher) else None,
                                   fallback=fallback)
-        tokens = len(prompt_token_ids(tokenizer, messages))
+        tokens = len(prompt_token_ids(teacher_tokenizer or tokenizer, messages))
         if tokens + worst > teacher_limit:
             shows = f", the {' and '.join(shown)} it shows" if shown else ""
             raise ConfigError("teacher.template", f"data row {example.id!r} of {config.data.spec}: the teacher's prompt "

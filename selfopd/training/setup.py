@@ -12,18 +12,20 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from selfopd.config import VLLM_KINDS, ConfigError, TrainConfig
+from selfopd.config import DEFAULT_TEACHER, VLLM_KINDS, ConfigError, TeacherConfig, TrainConfig
 from selfopd.templating.context_limits import check_context
 from selfopd.data import load_examples
 from selfopd.core.devices import use_device
 from selfopd.core.distributed import World, current_world, init_process_group, load_optimizer_state, shard_model
 from selfopd.training.ema import EmaWeights
-from selfopd.engines.build import check_external_teacher, load_model, model_options, open_training_engines
+from selfopd.engines.build import (external_teacher_bridge, load_model, model_options, open_named_teachers,
+                                   open_training_engines, teacher_name)
+from selfopd.training.routing import open_router
 from selfopd.data.example import Example, prompt_key
 from selfopd.engines.lora import adapters_off, prepare_student, trainable_parameters
 from selfopd.core.models import resolve_model
 from selfopd.core.run_folder import RunFolder
-from selfopd.training.state import Run
+from selfopd.training.state import NamedTeacher, Run
 from selfopd.engines.scoring import check_plain_head
 from selfopd.data.mixture import by_task
 from selfopd.data.split import split_examples
@@ -68,12 +70,19 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
     check_mixture(config, train_examples)
     # A resumed run renders from its own copies of the templates (RUN/templates/), a fresh one from the files.
     student_template = load_run_template(folder.root, config.data.student_template)
-    teacher_template = load_run_template(folder.root, config.teacher.template)
-    fallback = demonstration_fallback(config, teacher_template, folder.root)
-    for first in by_task(train_examples).values():  # each task's first item: a mixture's template branches
-        check_templates_render(student_template, teacher_template, first[0], fallback)
-    if config.teacher.kind == "external":
-        check_external_teacher_split(config.teacher.model, eval_examples)
+    tables = {DEFAULT_TEACHER: config.teacher, **config.teachers}  # every teacher's settings, by name
+    router = open_router(config, train_examples, eval_examples) if config.teachers else None
+    routed = routed_examples(train_examples, router)
+    templates: dict[str, tuple[PromptTemplate, PromptTemplate | None]] = {}  # (template, fallback) by teacher
+    for name, table in tables.items():
+        template = load_run_template(folder.root, table.template)
+        templates[name] = (template, demonstration_fallback(config, template, folder.root,
+                                                            None if name == DEFAULT_TEACHER else table))
+        for first in by_task(routed[name]).values():  # each task's first item: a mixture's template branches
+            check_templates_render(student_template, templates[name][0], first[0], templates[name][1])
+        if table.kind == "external":
+            check_external_teacher_split(table.model, eval_examples)
+    teacher_template, fallback = templates[DEFAULT_TEACHER]
 
     if config.engine.kind == "vllm":  # a refused GPU layout stops the run before the model loads
         from selfopd.engines.serving import node_trainer_gpus, run_layout
@@ -83,10 +92,14 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
                                   gradient_checkpointing=config.model.gradient_checkpointing,
                                   master_weights=not config.model.lora, **options)
     check_plain_head(model, f"model.student {config.model.student}")
-    check_context(config, model.config, teacher_model_config(config, model.config), tokenizer, student_template,
-                  teacher_template, fallback, train_examples, eval_examples)
-    if config.teacher.kind == "external":  # another tokenizer is refused before the run folder is claimed
-        check_external_teacher(config, tokenizer)
+    # Another tokenizer is refused (or, with teacher.tokenizer = 'own', bridged) before the run folder is claimed.
+    bridges = {name: external_teacher_bridge(config, tokenizer, None if name == DEFAULT_TEACHER else table)
+               if table.kind == "external" else None for name, table in tables.items()}
+    for name, table in tables.items():
+        if routed[name]:  # each teacher's prompts, of the examples routed to it (all of them: [teacher] alone)
+            check_context(config, model.config, teacher_model_config(config, model.config, table), tokenizer,
+                          student_template, *templates[name], routed[name], eval_examples,
+                          teacher_tokenizer=bridges[name].teacher if bridges[name] is not None else None)
     model = prepare_student(model, config.model, resume_from)  # LoRA adapters, when model.lora_rank > 0
     shard_model(model, world)  # before the optimizer: it must hold the sharded parameters
     optimizer = adamw(trainable_parameters(model), config)
@@ -105,9 +118,15 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
         if claim is not None:
             resources.enter_context(claim())
         student_engine, teacher_engine = open_training_engines(config, model, tokenizer, folder.logs, resources, world)
+        named_engines = (open_named_teachers(config, model, tokenizer, student_engine, teacher_engine, world)
+                         if config.teachers else {})
         run = Run(config, folder, model, tokenizer, optimizer, scheduler, student_engine, teacher_engine,
                   student_template, teacher_template, train_examples, eval_examples, probe, step, resources,
                   device=options["device"], world=world, demonstration_fallback=fallback,
+                  bridge=bridges[DEFAULT_TEACHER],
+                  named_teachers={name: NamedTeacher(table, named_engines[name], *templates[name], bridges[name])
+                                  for name, table in config.teachers.items()},
+                  router=router,
                   ema=open_ema(config, teacher_engine, resume_from, state.get("ema"), options))
         run.rollouts = open_pipeline(run.student_side, resume_from)  # with the rollouts a checkpoint had sampled ahead
         resources.callback(run.rollouts.close)  # before the servers stop: no request outlives them
@@ -157,16 +176,17 @@ def open_ema(config: TrainConfig, teacher_engine: Any, resume_from: Path | None,
     return ema
 
 
-def demonstration_fallback(config: TrainConfig, teacher: PromptTemplate, run_dir: Path | None = None
-                           ) -> PromptTemplate | None:
+def demonstration_fallback(config: TrainConfig, teacher: PromptTemplate, run_dir: Path | None = None,
+                           table: TeacherConfig | None = None) -> PromptTemplate | None:
     """The template for rollouts without a sibling demonstration, when `teacher` uses one;
-    it must not use `demonstration` itself."""
+    it must not use `demonstration` itself. `table`: a [teachers.NAME] table instead of [teacher]."""
     if not uses_demonstration(teacher):
         return None
-    name = config.teacher.demonstration_fallback
+    name = (table or config.teacher).demonstration_fallback
     fallback = load_run_template(run_dir, name) if run_dir is not None else load_template(name)
     if uses_demonstration(fallback):
-        raise ConfigError("teacher.demonstration_fallback", f"{fallback.name!r} uses 'demonstration' itself; the "
+        key = "teacher" if table is None else f"teachers.{teacher_name(config, table)}"
+        raise ConfigError(f"{key}.demonstration_fallback", f"{fallback.name!r} uses 'demonstration' itself; the "
                           "fallback scores rollouts that have none (e.g. teacher/empty)")
     return fallback
 
@@ -230,15 +250,25 @@ def check_mixture(config: TrainConfig, train_examples: list) -> None:
                           "share of prompts from each task")
 
 
-def teacher_model_config(config: TrainConfig, student_config: Any) -> Any:
-    """The teacher's transformers config: the student's, or an external teacher's own."""
-    if config.teacher.kind != "external":
+def teacher_model_config(config: TrainConfig, student_config: Any, table: TeacherConfig | None = None) -> Any:
+    """The teacher's transformers config: the student's, or an external teacher's own. `table`: a
+    [teachers.NAME] table instead of [teacher]."""
+    teacher = table or config.teacher
+    if teacher.kind != "external":
         return student_config
     from transformers import AutoConfig
 
     from selfopd.core.models import from_pretrained
 
-    return from_pretrained(AutoConfig, resolve_model(config.teacher.model), trust_remote_code=config.model.trust_remote_code)
+    return from_pretrained(AutoConfig, resolve_model(teacher.model), trust_remote_code=config.model.trust_remote_code)
+
+
+def routed_examples(examples: Sequence[Example], router: Callable[[Example], str] | None) -> dict[str, list[Example]]:
+    """The examples each teacher scores, by name ('default' first, even with none)."""
+    routed: dict[str, list[Example]] = {DEFAULT_TEACHER: []}
+    for example in examples:
+        routed.setdefault(router(example) if router is not None else DEFAULT_TEACHER, []).append(example)
+    return routed
 
 
 def check_external_teacher_split(teacher: str, eval_examples: Sequence[Example]) -> None:

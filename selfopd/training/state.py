@@ -5,11 +5,11 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from selfopd.config import TrainConfig
+from selfopd.config import DEFAULT_TEACHER, TeacherConfig, TrainConfig
 from selfopd.core.devices import autocast
 from selfopd.core.distributed import World
 from selfopd.training.ema import EmaWeights
@@ -18,8 +18,21 @@ from selfopd.engines.local import pad_token_id
 from selfopd.data.example import Example
 from selfopd.core.run_folder import RunFolder
 from selfopd.templating.templates import PromptTemplate
+from selfopd.templating.token_bridge import TokenBridge
 from selfopd.training.rollout_pipeline import RolloutPipeline, StudentSide
 from selfopd.training.teacher import TeacherSide
+
+
+@dataclass(frozen=True)
+class NamedTeacher:
+    """A [teachers.NAME] teacher of a run: its settings, engine (shared with every teacher of the same
+    weights: `self` scores with the student's), templates and, with its own tokenizer, its bridge."""
+
+    settings: TeacherConfig
+    engine: Engine
+    template: PromptTemplate
+    demonstration_fallback: PromptTemplate | None = None
+    bridge: TokenBridge | None = None
 
 
 @dataclass
@@ -46,6 +59,9 @@ class Run:
     # Set iff the teacher template uses `demonstration`: it scores rollouts that have none.
     demonstration_fallback: PromptTemplate | None = None
     ema: EmaWeights | None = None  # teacher.kind = 'ema': the averaged weights the teacher serves
+    bridge: TokenBridge | None = None  # teacher.tokenizer = 'own': the teacher's tokens and chat template
+    named_teachers: dict[str, NamedTeacher] = field(default_factory=dict)  # [teachers.NAME], beside [teacher]
+    router: Callable[[Example], str] | None = None  # with named teachers: each example's teacher
     # The student's rollouts of this and the coming steps (rollout.max_staleness); synchronous by default.
     rollouts: RolloutPipeline = field(default_factory=lambda: RolloutPipeline(0, background=False))
 
@@ -81,7 +97,21 @@ class Run:
     def teacher_side(self) -> TeacherSide:
         """What the teacher side of a step reads of this run (`selfopd.training.teacher`)."""
         return TeacherSide(self.config, self.tokenizer, self.teacher_engine, self.teacher_template,
-                           self.demonstration_fallback, self.rollouts_per_micro_batch, self.temperature)
+                           self.demonstration_fallback, self.rollouts_per_micro_batch, self.temperature, self.bridge)
+
+    @property
+    def teacher_sides(self) -> dict[str, TeacherSide]:
+        """Every teacher's side by name, [teacher] as 'default' first."""
+        sides = {DEFAULT_TEACHER: self.teacher_side}
+        for name, teacher in self.named_teachers.items():
+            sides[name] = TeacherSide(self.config, self.tokenizer, teacher.engine, teacher.template,
+                                      teacher.demonstration_fallback, self.rollouts_per_micro_batch, self.temperature,
+                                      teacher.bridge, teacher.settings)
+        return sides
+
+    def teacher_of(self, example: Example) -> str:
+        """The name of the teacher that scores `example` ('default' without named teachers)."""
+        return self.router(example) if self.router is not None else DEFAULT_TEACHER
 
     @property
     def temperature(self) -> float:

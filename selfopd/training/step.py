@@ -30,7 +30,8 @@ from selfopd.training.rollout_pipeline import Sampled, batch_for_step  # noqa: F
 from selfopd.training.state import Run
 from selfopd.training.teacher import Scored
 from selfopd.engines.scoring import completion_hidden, logprobs_from_hidden, pad_completions, tempered
-from selfopd.training.teacher import States, score_rows, teacher_rows
+from selfopd.training.teacher import States, routed_rows, score_routed
+from selfopd.training.routing import teacher_metrics
 from selfopd.run.tracking import PhaseTimer
 from selfopd.training.weight_checks import check_probe, sync_weights
 
@@ -74,12 +75,12 @@ def score(run: Run, sampled: Sampled, timer: PhaseTimer) -> tuple[list[Scored], 
     """2. Verifier rewards and the teacher's prompts, then the teacher scores the student's exact
     completion ids after them (`selfopd.training.teacher`). A full-vocabulary loss keeps the
     teacher's hidden states."""
-    side, request = run.teacher_side, sampled.request
+    sides, request = run.teacher_sides, sampled.request
     with timer("verify"):
-        rows = teacher_rows(side, run.step, request.examples, request.student_messages, sampled.groups,
-                            request.first_group)
+        rows = routed_rows(sides, run.teacher_of, run.step, request.examples, request.student_messages, sampled.groups,
+                           request.first_group)
     with timer("teacher"):
-        return score_rows(side, rows, run.step)
+        return score_routed(sides, rows, run.step)
 
 
 def forward_backward(run: Run, scored: list[Scored], teacher_states: list[States], timer: PhaseTimer) -> Backward:
@@ -201,7 +202,7 @@ def step_metrics(run: Run, batch: Sampled, scored: list[Scored], flat: dict[str,
         **probe_gaps,
         **({"teacher/ema_distance": run.ema.distance(run.model)} if run.ema is not None else {}),
         **opd_metrics(
-            flat["teacher"], flat["student"], torch.ones_like(flat["teacher"], dtype=torch.bool),
+            flat["teacher"], flat["student"], _aligned_tokens(scored)[None],
             sampler_lp_BT=flat["sampler"], cap=cfg.loss.is_cap or None, advantage_BT=flat["advantage"],
             rewards_B=torch.tensor([s.reward for s in scored]),
         ),
@@ -210,15 +211,26 @@ def step_metrics(run: Run, batch: Sampled, scored: list[Scored], flat: dict[str,
         **_cure_metrics(cfg.loss, backward.rlsd_lam, backward.opd_weight_N, scored),
         **_engine_gap(cfg.loss, scored, flat["student"][0]),
         **preference_metrics((s.group, s.correct, signal.mean().item())
-                             for s, signal in zip(scored, signal_N.split(lengths)) if len(signal)),
+                             for s, signal in zip(scored, signal_N.split(lengths)) if len(signal) and s.aligned),
         "reward/accuracy": sum(s.correct for s in scored) / len(scored),
         **({"teacher/demonstration_share": sum(s.demonstration is not None for s in scored) / len(scored)}
            if run.demonstration_fallback is not None else {}),
+        **({"teacher/unaligned_share": sum(not s.aligned for s in scored) / len(scored)}
+           if any(side.table.tokenizer == "own" for side in run.teacher_sides.values()) else {}),
+        **(teacher_metrics(run.teacher_sides, [s.teacher for s in scored], lengths, signal_N,
+                           [s.aligned for s in scored], [(s.group, s.correct) for s in scored])
+           if run.named_teachers else {}),
         "rollout/length_mean": backward.total_tokens / len(scored),
         "rollout/truncated_share": sum(s.rollout.finish_reason == "length" for s in scored) / len(scored),
         **_staleness_metrics(run, batch),
         **timer.as_metrics(),
     }
+
+
+def _aligned_tokens(scored: Sequence[Scored]) -> torch.Tensor:
+    """(N,) over the step's completion tokens: False on a completion the teacher could not read
+    (its own tokenizer), whose teacher logprobs are a placeholder kept out of the metrics."""
+    return torch.cat([torch.full((len(s.rollout.completion_ids),), s.aligned) for s in scored])
 
 
 def _staleness_metrics(run: Run, sampled: Sampled) -> dict[str, float]:
@@ -240,7 +252,9 @@ def _opd_weights(run: Run, scored: Sequence[Scored]) -> torch.Tensor:
     if loss.pass_rate_weighting:
         total, prompts = mean_prompt_weight(correct_N, group_N)
         mean = all_sum(total, run.world) / max(all_sum(prompts, run.world), 1.0)
-    return opd_rollout_weights(correct_N, group_N, loss.opd_on, loss.pass_rate_weighting, mean)
+    weights_N = opd_rollout_weights(correct_N, group_N, loss.opd_on, loss.pass_rate_weighting, mean)
+    # A completion a teacher with its own tokenizer could not read gets no teacher signal.
+    return weights_N * torch.tensor([s.aligned for s in scored], dtype=weights_N.dtype)
 
 
 def _cure_metrics(loss: LossConfig, rlsd_lam: float, opd_weight_N: torch.Tensor, scored: Sequence[Scored]) -> dict[str, float]:

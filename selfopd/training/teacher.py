@@ -14,19 +14,22 @@ The scoring (`score_step`): in process, in the trainer's micro-batches, so that 
 empty-context control the teacher computes exactly what the student does, bit for bit (same
 batch, same padding). An engine that schedules its own batches (vLLM: `Engine.batches_itself`)
 gets the whole step in one call, the baseline's pairs in the same call, each distinct sequence
-once. A full-vocabulary loss needs the teacher's whole next-token distributions: its final
+once. A teacher with its own tokenizer (`teacher.tokenizer = 'own'`) is prompted through its own
+chat template and scores the completion's text as its own tokens (`selfopd.templating.token_bridge`);
+its logprobs come back onto the student's tokens over aligned spans, and a completion that cannot be
+aligned is masked (`Scored.aligned`). A full-vocabulary loss needs the teacher's whole next-token distributions: its final
 hidden states are computed once per micro-batch, kept for the loss, and the sampled tokens'
 logprobs read off them (the same numbers as a second forward: same weights, same batches)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from selfopd.config import FULL_VOCABULARY, TrainConfig
+from selfopd.config import DEFAULT_TEACHER, FULL_VOCABULARY, TeacherConfig, TrainConfig
 from selfopd.data.example import Example
 from selfopd.engines.base import Engine, Rollout, TokenScores
 from selfopd.engines.kernels import token_logprobs_from_hidden
@@ -34,6 +37,7 @@ from selfopd.engines.scoring import right_pad
 from selfopd.templating.context_limits import check_teacher_rows
 from selfopd.templating.demonstrations import pick_demonstrations
 from selfopd.templating.templates import PromptTemplate, prompt_token_ids, render_teacher
+from selfopd.templating.token_bridge import Bridged, TokenBridge
 from selfopd.templating.wrong_context import failed_sibling_answers, wrong_example
 from selfopd.verifiers import VerifyResult, verify_example
 
@@ -52,6 +56,17 @@ class TeacherSide:
     demonstration_fallback: PromptTemplate | None  # set iff the template uses `demonstration`
     per_micro: int  # rollouts per trainer micro-batch (the in-process teacher's batches)
     temperature: float  # the trained policy's temperature: the teacher's logits are tempered alike
+    bridge: TokenBridge | None = None  # teacher.tokenizer = 'own': the teacher's tokens and chat template
+    settings: TeacherConfig | None = None  # a [teachers.NAME] table; None: [teacher]
+
+    @property
+    def table(self) -> TeacherConfig:
+        """This teacher's settings: its [teachers.NAME] table, or [teacher]."""
+        return self.settings or self.config.teacher
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """The teacher's prompt ids: through its own chat template when it has its own tokenizer."""
+        return self.bridge.prompt_ids(messages) if self.bridge else prompt_token_ids(self.tokenizer, messages)
 
 
 @dataclass(frozen=True)
@@ -70,6 +85,11 @@ class Scored:
     # (T,) the teacher engine under the baseline prompt of loss.opd_baseline (a wrong context, or the
     # student's own prompt for 'same_engine'); None for 'student'.
     baseline_logprobs: torch.Tensor | None = None
+    # False: a teacher with its own tokenizer could not read this completion as text (`unaligned`
+    # says why); it gets no teacher signal, and teacher_logprobs are a placeholder (the sampler's).
+    aligned: bool = True
+    unaligned: str | None = None
+    teacher: str = DEFAULT_TEACHER  # which teacher scored it ([teachers.NAME]; 'default': [teacher])
 
 
 @dataclass(frozen=True)
@@ -83,6 +103,17 @@ class TeacherRow:
     prompt_ids: list[int]
     demonstration: str | None
     wrong_prompt_ids: list[int] | None  # the wrong-context prompt, when the loss contrasts with one
+    bridged: Bridged | None = None  # teacher.tokenizer = 'own': the completion as the teacher's tokens
+    teacher: str = DEFAULT_TEACHER  # the name of the teacher that scores it
+
+    @property
+    def teacher_completion(self) -> list[int]:
+        """The completion ids the teacher scores: the student's own, or the teacher's tokens of its text."""
+        return self.bridged.teacher_ids if self.bridged is not None else self.rollout.completion_ids
+
+    @property
+    def aligned(self) -> bool:
+        return self.bridged is None or self.bridged.alignment is not None
 
 
 def teacher_step(side: TeacherSide, step: int, examples: Sequence[Example], student_messages: Sequence[list[dict]],
@@ -96,56 +127,109 @@ def teacher_step(side: TeacherSide, step: int, examples: Sequence[Example], stud
 
 def teacher_rows(side: TeacherSide, step: int, examples: Sequence[Example], student_messages: Sequence[list[dict]],
                  groups: Sequence[Sequence[Rollout]], first_group: int) -> list[TeacherRow]:
-    """The rows of this rank's prompt groups, in order (group `first_group` first)."""
+    """The rows of this rank's prompt groups, in order (group `first_group` first), all for `side`."""
+    return routed_rows({DEFAULT_TEACHER: side}, lambda _: DEFAULT_TEACHER, step, examples, student_messages, groups,
+                       first_group)
+
+
+def routed_rows(sides: Mapping[str, TeacherSide], route: Callable[[Example], str], step: int,
+                examples: Sequence[Example], student_messages: Sequence[list[dict]],
+                groups: Sequence[Sequence[Rollout]], first_group: int) -> list[TeacherRow]:
+    """The rows of this rank's prompt groups, in order, each group's for the teacher `route` names."""
+    rows = []
+    for group, (example, messages, rollouts) in enumerate(zip(examples, student_messages, groups), first_group):
+        name = route(example)
+        other = examples[(group - first_group + 1) % len(examples)]  # another prompt's solution and hints
+        rows += _group_rows(sides[name], name, step, group, example, messages, rollouts, other)
+    return rows
+
+
+def _group_rows(side: TeacherSide, name: str, step: int, group: int, example: Example, messages: list[dict],
+                rollouts: Sequence[Rollout], other: Example) -> list[TeacherRow]:
+    """One prompt group's rows: each rollout verified and shown to the teacher `side`."""
     cfg = side.config
     contrastive = cfg.loss.opd_baseline == "wrong_context"
     # Feedback against the wrong answer only where a template shows feedback (verifying costs time).
     shows_feedback = any("feedback" in t.variables for t in (side.template, side.demonstration_fallback) if t)
+    verdicts = [verify_example(r.text, example, partial_credit=cfg.loss.partial_credit) for r in rollouts]
+    correct = [v.correct for v in verdicts]
+    demonstrations = (pick_demonstrations([r.text for r in rollouts], correct, seed=cfg.run.seed, step=step,
+                                          group=group, skip_self=side.table.skip_self_success)
+                      if side.demonstration_fallback is not None else [None] * len(rollouts))
+    wrong_answers = (failed_sibling_answers([v.extracted for v in verdicts], correct, seed=cfg.run.seed,
+                                            step=step, group=group) if contrastive else [None] * len(rollouts))
     rows = []
-    for group, (example, messages, rollouts) in enumerate(zip(examples, student_messages, groups), first_group):
-        verdicts = [verify_example(r.text, example, partial_credit=cfg.loss.partial_credit) for r in rollouts]
-        correct = [v.correct for v in verdicts]
-        demonstrations = (pick_demonstrations([r.text for r in rollouts], correct, seed=cfg.run.seed, step=step,
-                                              group=group, skip_self=cfg.teacher.skip_self_success)
-                          if side.demonstration_fallback is not None else [None] * len(rollouts))
-        wrong_answers = (failed_sibling_answers([v.extracted for v in verdicts], correct, seed=cfg.run.seed,
-                                                step=step, group=group) if contrastive else [None] * len(rollouts))
-        other = examples[(group - first_group + 1) % len(examples)]  # another prompt's solution and hints
-        for rollout, verdict, demonstration, wrong_answer in zip(rollouts, verdicts, demonstrations, wrong_answers):
-            def prompt(shown: Example, feedback: str) -> list[int]:
-                return prompt_token_ids(side.tokenizer, render_teacher(
-                    side.template, shown, messages, rollout.text, feedback, demonstration,
-                    side.demonstration_fallback))
+    for rollout, verdict, demonstration, wrong_answer in zip(rollouts, verdicts, demonstrations, wrong_answers):
+        def prompt(shown: Example, feedback: str) -> list[int]:
+            return side.prompt_ids(render_teacher(
+                side.template, shown, messages, rollout.text, feedback, demonstration,
+                side.demonstration_fallback))
 
-            wrong = wrong_example(example, other, seed=cfg.run.seed, answer=wrong_answer) if contrastive else None
-            wrong_ids = None
-            if wrong is not None:  # verifier feedback, too, as if the wrong answer were the reference
-                wrong_ids = prompt(wrong, verify_example(rollout.text, wrong).feedback if shows_feedback
-                                   else verdict.feedback)
-            rows.append(TeacherRow(example, group, rollout, verdict, prompt(example, verdict.feedback), demonstration,
-                                   wrong_ids))
+        wrong = wrong_example(example, other, seed=cfg.run.seed, answer=wrong_answer) if contrastive else None
+        wrong_ids = None
+        if wrong is not None:  # verifier feedback, too, as if the wrong answer were the reference
+            wrong_ids = prompt(wrong, verify_example(rollout.text, wrong).feedback if shows_feedback
+                               else verdict.feedback)
+        bridged = side.bridge.completion(rollout.completion_ids) if side.bridge is not None else None
+        rows.append(TeacherRow(example, group, rollout, verdict, prompt(example, verdict.feedback), demonstration,
+                               wrong_ids, bridged, name))
     return rows
+
+
+def score_routed(sides: Mapping[str, TeacherSide], rows: Sequence[TeacherRow], step: int
+                 ) -> tuple[list[Scored], list[States]]:
+    """Each teacher scores its rows (`score_rows`); the Scored come back in the rows' order. The
+    states a full-vocabulary loss keeps are per micro-batch of one teacher: one teacher only."""
+    names = list(dict.fromkeys(r.teacher for r in rows))
+    if len(names) <= 1:
+        return score_rows(sides[names[0] if names else DEFAULT_TEACHER], rows, step)
+    by_row: dict[int, Scored] = {}
+    for name in names:
+        mine = [r for r in rows if r.teacher == name]
+        scored, states = score_rows(sides[name], mine, step)
+        assert not states, "a full-vocabulary loss is refused with several teachers (selfopd.config)"
+        by_row |= {id(r): s for r, s in zip(mine, scored)}
+    return [by_row[id(r)] for r in rows], []
 
 
 def score_rows(side: TeacherSide, rows: Sequence[TeacherRow], step: int) -> tuple[list[Scored], list[States]]:
     """The teacher's logprobs of each row's completion after its prompt (and, for the loss's
-    baseline, after the baseline prompt), once every prompt is known to fit the teacher's context."""
+    baseline, after the baseline prompt), once every prompt is known to fit the teacher's context.
+    A row the teacher cannot read (its own tokenizer, a text that does not re-encode) is not scored."""
     loss = side.config.loss
-    check_teacher_rows([(r.example.id, ids, r.rollout.completion_ids) for r in rows
+    live = [r for r in rows if r.aligned]
+    check_teacher_rows([(r.example.id, ids, r.teacher_completion) for r in live
                         for ids in (r.prompt_ids, r.wrong_prompt_ids) if ids is not None], side.engine, step + 1)
     top_k = loss.top_k if loss.divergence == "topk_reverse_kl" else 0
-    baseline_pairs = ([(r.wrong_prompt_ids, r.rollout.completion_ids) for r in rows]
+    baseline_pairs = ([(r.wrong_prompt_ids, r.teacher_completion) for r in live]
                       if loss.opd_baseline == "wrong_context"
-                      else [(r.rollout.prompt_ids, r.rollout.completion_ids) for r in rows]
+                      else [(r.rollout.prompt_ids, r.rollout.completion_ids) for r in live]
                       if loss.opd_baseline == "same_engine" else None)
     scores, states, baseline_scores = score_step(
-        side.engine, [(r.prompt_ids, r.rollout.completion_ids) for r in rows], baseline_pairs, side.per_micro, top_k,
+        side.engine, [(r.prompt_ids, r.teacher_completion) for r in live], baseline_pairs, side.per_micro, top_k,
         side.temperature, keep_states=loss.divergence in FULL_VOCABULARY)
-    scored = [Scored(r.example, r.group, r.rollout, r.verdict.reward, r.verdict.correct, s.logprobs, r.prompt_ids,
-                     (s.topk_ids, s.topk_logprobs) if top_k else None, r.demonstration,
-                     base.logprobs if base is not None else None)
-              for r, s, base in zip(rows, scores, baseline_scores or [None] * len(rows))]
+    by_row = dict(zip(map(id, live), zip(scores, baseline_scores or [None] * len(live))))
+    scored = []
+    for r in rows:
+        if id(r) not in by_row:  # masked: the sampler's logprobs stand in, and its OPD weight is 0
+            placeholder = torch.tensor(r.rollout.sampler_logprobs, dtype=torch.float32)
+            scored.append(Scored(r.example, r.group, r.rollout, r.verdict.reward, r.verdict.correct, placeholder,
+                                 r.prompt_ids, None, r.demonstration,
+                                 placeholder if loss.opd_baseline != "student" else None,
+                                 aligned=False, unaligned=r.bridged.problem, teacher=r.teacher))
+            continue
+        s, base = by_row[id(r)]
+        scored.append(Scored(r.example, r.group, r.rollout, r.verdict.reward, r.verdict.correct,
+                             _on_student_tokens(r, s.logprobs), r.prompt_ids,
+                             (s.topk_ids, s.topk_logprobs) if top_k else None, r.demonstration,
+                             _on_student_tokens(r, base.logprobs) if base is not None else None, teacher=r.teacher))
     return scored, states
+
+
+def _on_student_tokens(row: TeacherRow, teacher_logprobs: torch.Tensor) -> torch.Tensor:
+    """Logprobs over the teacher's completion ids, carried onto the student's tokens when the teacher
+    has its own tokenizer (the exact same tensor otherwise)."""
+    return row.bridged.student_logprobs(teacher_logprobs) if row.bridged is not None else teacher_logprobs
 
 
 def score_step(engine: Engine, pairs: Pairs, baseline_pairs: Pairs | None, per_micro: int, top_k: int,

@@ -7,17 +7,19 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from pathlib import Path
 from typing import Iterator
 
 from tqdm.auto import tqdm
 
 from selfopd.training import guard
-from selfopd.config import TrainConfig, config_to_toml
+from selfopd.config import DEFAULT_TEACHER, TrainConfig, config_to_toml
 from selfopd.core.distributed import all_sum, barrier, close_process_group, current_world
 from selfopd.run.folder_guard import check_not_in_use, check_writable, claimed_run_folder, refuse_finished, writing
 from selfopd.core.run_folder import RunFolder
 from selfopd.training.outputs import plot_run, prune_checkpoints, reuse_eval, run_eval, save_checkpoint
+from selfopd.training.routing import starved_teachers
 from selfopd.training.setup import build_run  # noqa: F401  (public here: tests and benchmarks build a run, then step it)
 from selfopd.training.state import Run
 from selfopd.run.templates import config_template_names, save_run_templates
@@ -114,10 +116,15 @@ def _train_loop(run: Run, log: MetricsLog | None, resume: bool, initial_eval: Pa
     bar = tqdm(total=config.run.steps, initial=run.step, desc=config.run.name, unit="step",
                disable=not (config.run.progress and run.world.is_main))
     skipped_in_row = 0
+    teacher_lines: list[dict] = []  # with [teachers.*]: the step lines, for the starved-teacher warning
+    routed_to = sorted({run.teacher_of(example) for example in run.train_examples})  # the teachers data reaches
     while run.step < config.run.steps:
         metrics = train_step(run)
         fired = guard.watch(run.folder, config, history, metrics) if run.world.is_main else []  # marks `metrics`
         record(metrics)
+        if run.named_teachers and run.world.is_main:
+            teacher_lines.append(metrics)
+            warn_starved(run, teacher_lines, routed_to)
         skipped_in_row = skipped_in_row + 1 if metrics.get("skipped") else 0
         if skipped_in_row >= config.optim.max_nonfinite_steps:
             raise NonFiniteLoss(_nonfinite_message(run, skipped_in_row))
@@ -134,6 +141,17 @@ def _train_loop(run: Run, log: MetricsLog | None, resume: bool, initial_eval: Pa
         if stop:
             raise GuardStop(guard.stop_message(run.folder, run.step, fired), run.step)
     bar.close()
+
+
+def warn_starved(run: Run, lines: list[dict], names: list[str]) -> None:
+    """One line for each teacher of `names` (those the training data reaches) whose run of steps without
+    tokens has just reached guard.starved_teacher_steps."""
+    steps = run.config.guard.starved_teacher_steps
+    for name in sorted(set(starved_teachers(lines, names, steps)) - set(starved_teachers(lines[:-1], names, steps))):
+        where = "[teacher]" if name == DEFAULT_TEACHER else f"teachers.{name}.tasks"
+        print(f"selfopd: teacher {name!r} has received no completion tokens for {steps} steps in a row (up to step "
+              f"{run.step}): no example of these steps was routed to it; check {where} and the data's "
+              "'teacher' column", file=sys.stderr)
 
 
 def _nonfinite_message(run: Run, count: int) -> str:

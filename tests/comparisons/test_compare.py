@@ -85,7 +85,7 @@ def test_the_cures_comparison_parses_with_each_cure_on_in_its_arm_and_on_both_ta
 @pytest.mark.parametrize(
     "arms, extra, message",
     [
-        ('[arms.a]\nset = ["rollout.max_tokens=64"]', "", "arms may only change teacher.*, loss.*, optim.*, rollout.max_staleness"),
+        ('[arms.a]\nset = ["rollout.max_tokens=64"]', "", "arms may only change teacher.*, teachers.*, loss.*, optim.*, rollout.max_staleness"),
         ('[arms.a]\nset = ["run.seed=3"]', "", "arms may only change"),
         ('[arms.a]\nset = "loss.lambda_rl=0"', "", "expected a list"),
         ('[arms.a]\nsett = []', "", "arms.a.sett: unknown key (did you mean 'set'?)"),

@@ -30,7 +30,7 @@ EXPECTED_DEFAULTS = {
     "model": dict(student="smollm2-135m-instruct", dtype="float32", device="auto", attn_implementation="auto",
                   gradient_checkpointing=False, lora_rank=0, lora_alpha=32.0, lora_dropout=0.0,
                   lora_targets=("all-linear",), threads=0, trust_remote_code=False),
-    "teacher": dict(kind="self", model="", template="teacher/reference_answer", ema_rate=0.05, skip_self_success=True,
+    "teacher": dict(kind="self", model="", tokenizer="student", template="teacher/reference_answer", ema_rate=0.05, skip_self_success=True, tasks=(),
                     demonstration_fallback="teacher/empty"),
     "data": dict(
         spec=DEMO_DATA,
@@ -57,7 +57,7 @@ EXPECTED_DEFAULTS = {
                    tensor_parallel_size=1, teacher_tensor_parallel_size=0, sleep_mode=True, api_key_env=""),
     "guard": dict(action="warn", window=6, kl_drop=0.1, accuracy_drop=0.05, truncated_share=0.5, truncated_rise=0.1,
                   truncated_z=1.645,
-                  preference_max=0.0, preference_groups=8),
+                  preference_max=0.0, preference_groups=8, starved_teacher_steps=5),
 }
 
 
@@ -136,13 +136,16 @@ def test_round_trip_of_every_field_changed(tmp_path):
                             student_servers=2, student_gpus="1,2,3,4", teacher_gpus="5,6,7", tensor_parallel_size=2,
                             teacher_tensor_parallel_size=3, sleep_mode=False, api_key_env="MY_KEY"),
         guard=GuardConfig(action="stop", window=5, kl_drop=0.2, accuracy_drop=0.1, truncated_share=0.75,
-                          truncated_rise=0.2, truncated_z=2.5, preference_max=-0.1, preference_groups=12),
+                          truncated_rise=0.2, truncated_z=2.5, preference_max=-0.1, preference_groups=12,
+                          starved_teacher_steps=3),
     )
     changed = config_to_dict(config)
     for section, defaults in EXPECTED_DEFAULTS.items():
         for key, default in defaults.items():
-            # vLLM needs temperature 1, top-k a sampled baseline, LoRA with vLLM fp32: round-tripped below
-            if (section, key) not in (("rollout", "temperature"), ("loss", "opd_baseline"), ("model", "lora_rank")):
+            # vLLM needs temperature 1, top-k a sampled baseline, LoRA with vLLM fp32, top-k the student's tokenizer:
+            # round-tripped below
+            if (section, key) not in (("rollout", "temperature"), ("loss", "opd_baseline"), ("model", "lora_rank"),
+                                      ("teacher", "tokenizer"), ("teacher", "tasks")):
                 assert changed[section][key] != default, f"{section}.{key} not changed: the round trip would not test it"
     assert load_config(write(tmp_path, config_to_toml(config))) == config
     contrastive = dataclasses.replace(TrainConfig(), loss=dataclasses.replace(TrainConfig().loss, opd_baseline="wrong_context"))
@@ -151,6 +154,8 @@ def test_round_trip_of_every_field_changed(tmp_path):
     assert load_config(write(tmp_path, config_to_toml(lora))) == lora
     tempered = dataclasses.replace(config, engine=EngineConfig(), rollout=dataclasses.replace(config.rollout, temperature=0.7))
     assert load_config(write(tmp_path, config_to_toml(tempered))) == tempered
+    own = TrainConfig(teacher=dataclasses.replace(TrainConfig().teacher, kind="external", model="org/t", tokenizer="own"))
+    assert load_config(write(tmp_path, config_to_toml(own))) == own
 
 
 def test_partial_file_fills_defaults_and_int_is_accepted_for_float(tmp_path):
@@ -305,7 +310,7 @@ def literal_fields():
 
 def test_the_expected_fields_are_literals():
     assert {(s, k) for s, k, _ in literal_fields()} == {
-        ("model", "dtype"), ("model", "attn_implementation"), ("teacher", "kind"), ("loss", "normalisation"), ("loss", "divergence"),
+        ("model", "dtype"), ("model", "attn_implementation"), ("teacher", "kind"), ("teacher", "tokenizer"), ("loss", "normalisation"), ("loss", "divergence"),
         ("loss", "opd_on"), ("loss", "opd_baseline"), ("optim", "schedule"),
         ("engine", "kind"), ("engine", "weight_sync"), ("engine", "compile"), ("run", "wandb_mode"),
         ("guard", "action"),
@@ -343,7 +348,7 @@ def test_list_fields_parse_from_toml_and_set():
 def test_literal_fields_accept_their_values_and_nothing_else(section, key, allowed):
     extra = ["teacher.model=org/t"] if (section, key) == ("teacher", "kind") else []
     for value in allowed:
-        sets = extra if value == "external" else []
+        sets = extra if value == "external" else ["teacher.kind=external", "teacher.model=org/t"] if value == "own" else []
         assert getattr(getattr(load_config(None, [f"{section}.{key}={value}", *sets]), section), key) == value
     with pytest.raises(ConfigError, match=rf"^--set {section}\.{key}=bogus: {section}\.{key}: must be one of "):
         load_config(None, [f"{section}.{key}=bogus"])
