@@ -44,6 +44,7 @@ from selfopd.config.teachers import (  # noqa: F401  (a section of TrainConfig a
     TeacherKind,
     TeacherTokenizer,
     check_named_teachers,
+    teacher_key,
 )
 from selfopd.config.settings import (  # noqa: F401  (ConfigError and setting are this module's public names too)
     ConfigError,

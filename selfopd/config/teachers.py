@@ -89,6 +89,13 @@ class TeacherConfig(Section):
         return self.model if self.kind == "external" else student
 
 
+def teacher_key(config: TrainConfig, table: TeacherConfig) -> str:
+    """Where a teacher's settings live, as errors name them: 'teacher', or 'teachers.NAME'."""
+    if table is config.teacher:
+        return "teacher"
+    return "teachers." + next(name for name, named in config.teachers.items() if named is table)
+
+
 def check_named_teachers(config: TrainConfig) -> None:
     """What several teachers need of each other and of the rest of the config."""
     if config.teacher.tasks:

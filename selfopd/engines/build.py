@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from selfopd.config import ConfigError, ModelConfig, TeacherConfig, TrainConfig
+from selfopd.config import ConfigError, ModelConfig, TeacherConfig, TrainConfig, teacher_key
 from selfopd.core.devices import DTYPES, attn_implementation, resolve_device
 from selfopd.core.distributed import World, current_world, shard_model
 from selfopd.engines.base import Engine
@@ -108,15 +108,9 @@ def external_teacher_bridge(config: TrainConfig, tokenizer: Any, teacher: Teache
         try:
             return open_bridge(tokenizer, teacher_tokenizer, vocab_size, config.model.student, teacher.model)
         except ChatBoundaryError as error:
-            key = "teacher" if teacher is config.teacher else f"teachers.{teacher_name(config, teacher)}"
-            raise ConfigError(f"{key}.tokenizer", f"'own': {error}") from None
+            raise ConfigError(f"{teacher_key(config, teacher)}.tokenizer", f"'own': {error}") from None
     check_tokenizers_compatible(tokenizer, teacher_tokenizer, vocab_size, config.model.student, teacher.model)
     return None
-
-
-def teacher_name(config: TrainConfig, teacher: TeacherConfig) -> str:
-    """The name of a [teachers.NAME] table."""
-    return next(name for name, table in config.teachers.items() if table is teacher)
 
 
 def open_training_engines(config: TrainConfig, model: Any, tokenizer: Any, log_dir: Path,

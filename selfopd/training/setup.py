@@ -12,14 +12,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from selfopd.config import DEFAULT_TEACHER, VLLM_KINDS, ConfigError, TeacherConfig, TrainConfig
+from selfopd.config import DEFAULT_TEACHER, VLLM_KINDS, ConfigError, TeacherConfig, TrainConfig, teacher_key
 from selfopd.templating.context_limits import check_context
 from selfopd.data import load_examples
 from selfopd.core.devices import use_device
 from selfopd.core.distributed import World, current_world, init_process_group, load_optimizer_state, shard_model
 from selfopd.training.ema import EmaWeights
 from selfopd.engines.build import (external_teacher_bridge, load_model, model_options, open_named_teachers,
-                                   open_training_engines, teacher_name)
+                                   open_training_engines)
 from selfopd.training.routing import open_router
 from selfopd.data.example import Example, prompt_key
 from selfopd.engines.lora import adapters_off, prepare_student, trainable_parameters
@@ -76,8 +76,7 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
     templates: dict[str, tuple[PromptTemplate, PromptTemplate | None]] = {}  # (template, fallback) by teacher
     for name, table in tables.items():
         template = load_run_template(folder.root, table.template)
-        templates[name] = (template, demonstration_fallback(config, template, folder.root,
-                                                            None if name == DEFAULT_TEACHER else table))
+        templates[name] = (template, demonstration_fallback(config, template, folder.root, table))
         for first in by_task(routed[name]).values():  # each task's first item: a mixture's template branches
             check_templates_render(student_template, templates[name][0], first[0], templates[name][1])
         if table.kind == "external":
@@ -93,7 +92,7 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
                                   master_weights=not config.model.lora, **options)
     check_plain_head(model, f"model.student {config.model.student}")
     # Another tokenizer is refused (or, with teacher.tokenizer = 'own', bridged) before the run folder is claimed.
-    bridges = {name: external_teacher_bridge(config, tokenizer, None if name == DEFAULT_TEACHER else table)
+    bridges = {name: external_teacher_bridge(config, tokenizer, table)
                if table.kind == "external" else None for name, table in tables.items()}
     for name, table in tables.items():
         if routed[name]:  # each teacher's prompts, of the examples routed to it (all of them: [teacher] alone)
@@ -185,8 +184,7 @@ def demonstration_fallback(config: TrainConfig, teacher: PromptTemplate, run_dir
     name = (table or config.teacher).demonstration_fallback
     fallback = load_run_template(run_dir, name) if run_dir is not None else load_template(name)
     if uses_demonstration(fallback):
-        key = "teacher" if table is None else f"teachers.{teacher_name(config, table)}"
-        raise ConfigError(f"{key}.demonstration_fallback", f"{fallback.name!r} uses 'demonstration' itself; the "
+        raise ConfigError(f"{teacher_key(config, table or config.teacher)}.demonstration_fallback", f"{fallback.name!r} uses 'demonstration' itself; the "
                           "fallback scores rollouts that have none (e.g. teacher/empty)")
     return fallback
 

@@ -230,3 +230,11 @@ def test_the_starved_teacher_warning_is_printed_once_per_streak(tmp_path, tiny_m
     lines = [line for line in err.splitlines() if "has received no completion tokens" in line]
     assert lines and all("'rare'" in line for line in lines) and not any("'default'" in line for line in err.splitlines())
     assert len(lines) <= 2  # once per streak of >= 2 steps, not every step
+
+
+@pytest.mark.parametrize("table", ["teacher", "teachers.arith"])
+def test_errors_name_the_table_of_the_teacher_they_concern(tmp_path, tiny_model_dir, table):
+    sets = [f"{table}.template=teacher/sibling", f"{table}.demonstration_fallback=teacher/sibling"]
+    with pytest.raises(ConfigError) as error:
+        build_run(_config(tmp_path, tiny_model_dir, MIXED, "data.eval_size=2", *ARITH, *sets, "run.name=fallback"))
+    assert error.value.key == f"{table}.demonstration_fallback" and "uses 'demonstration' itself" in str(error.value)
