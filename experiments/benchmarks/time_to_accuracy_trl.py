@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--vllm", action="store_true",
+                        help="generate with vLLM in the trainer's process (TRL's colocate mode; needs vllm in this "
+                             "environment): each line then carries TRL's sampler-vs-trainer logprob metrics")
     args = parser.parse_args()
+    if args.vllm:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache for vLLM on a CPU
 
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -75,7 +81,8 @@ def main() -> None:
         scale_rewards="group", mask_truncated_completions=False, shuffle_dataset=False, seed=args.seed,
         save_strategy="steps", save_steps=args.save_every, save_only_model=True, report_to="none",
         logging_steps=1, use_cpu=True, bf16=False, disable_tqdm=True, remove_unused_columns=False,
-        dataloader_num_workers=0, log_completions=False)
+        dataloader_num_workers=0, log_completions=False, gradient_checkpointing=False,
+        **({"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": 512} if args.vllm else {}))
     phases = Phases()
     rewards: list[float] = []
     prompt_ids: list[str] = []  # a digest of each step's prompt token ids, to check both trainers saw the same
@@ -88,7 +95,9 @@ def main() -> None:
         return scores
 
     def step_fields() -> dict:
-        return {"reward_mean": sum(rewards) / max(1, len(rewards)), "prompts": prompt_ids[-1] if prompt_ids else None}
+        logged = trainer.state.log_history[-1] if trainer.state.log_history else {}  # the step before's
+        return {"reward_mean": sum(rewards) / max(1, len(rewards)), "prompts": prompt_ids[-1] if prompt_ids else None,
+                "sampling": {k: v for k, v in logged.items() if k.startswith("sampling/")}}
 
     timer = step_timer(phases, args.out, rewards.clear, step_fields)
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=config, train_dataset=dataset,

@@ -118,7 +118,8 @@ def main() -> None:
         max_steps=steps, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
         max_completion_length=args.max_tokens, temperature=1.0, top_p=1.0, top_k=0, beta=1.0,
         shuffle_dataset=False, report_to="none", logging_steps=1, save_strategy="no", use_cpu=True, bf16=False,
-        seed=args.seed, max_grad_norm=1.0, dataloader_num_workers=0, disable_tqdm=True)
+        seed=args.seed, max_grad_norm=1.0, dataloader_num_workers=0, disable_tqdm=True,
+        gradient_checkpointing=False)  # TRL's default is on; selfopd's, and the shared config's, off
     phases = Phases()
     generated: list[int] = []
     prompt_ids: list[str] = []  # a digest of each step's prompt token ids, to check both trainers saw the same
