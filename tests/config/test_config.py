@@ -49,7 +49,7 @@ EXPECTED_DEFAULTS = {
     ),
     "eval": dict(max_tokens=48, batch_size=32),
     "probe": dict(tolerance=3e-4, bf16_tolerance=0.25),
-    "engine": dict(kind="local", batch_size=64, student_urls="", teacher_url="", teacher_engine="vllm", host="127.0.0.1", port=8100, max_model_len=2048,
+    "engine": dict(kind="local", batch_size=64, packed_sampling=False, student_urls="", teacher_url="", teacher_engine="vllm", host="127.0.0.1", port=8100, max_model_len=2048,
                    weight_sync="auto", sync_port=0, sync_timeout_s=60.0, sync_buffer_mb=512,
                    trainer_address="127.0.0.1", compile="auto", gpu_memory_utilization=0.4,
                    cpu_kv_cache_gb=1, extra_server_args="", startup_timeout_s=900.0, request_timeout_s=600.0,
@@ -143,9 +143,10 @@ def test_round_trip_of_every_field_changed(tmp_path):
     for section, defaults in EXPECTED_DEFAULTS.items():
         for key, default in defaults.items():
             # vLLM needs temperature 1, top-k a sampled baseline, LoRA with vLLM fp32, top-k the student's tokenizer,
-            # a teacher scored in process no teacher server: round-tripped below
+            # a teacher scored in process no teacher server, packed sampling the local engine: round-tripped below
             if (section, key) not in (("rollout", "temperature"), ("loss", "opd_baseline"), ("model", "lora_rank"),
-                                      ("teacher", "tokenizer"), ("teacher", "tasks"), ("engine", "teacher_engine")):
+                                      ("teacher", "tokenizer"), ("teacher", "tasks"), ("engine", "teacher_engine"),
+                                      ("engine", "packed_sampling")):
                 assert changed[section][key] != default, f"{section}.{key} not changed: the round trip would not test it"
     assert load_config(write(tmp_path, config_to_toml(config))) == config
     contrastive = dataclasses.replace(TrainConfig(), loss=dataclasses.replace(TrainConfig().loss, opd_baseline="wrong_context"))
@@ -154,6 +155,8 @@ def test_round_trip_of_every_field_changed(tmp_path):
     assert load_config(write(tmp_path, config_to_toml(lora))) == lora
     tempered = dataclasses.replace(config, engine=EngineConfig(), rollout=dataclasses.replace(config.rollout, temperature=0.7))
     assert load_config(write(tmp_path, config_to_toml(tempered))) == tempered
+    packed = TrainConfig(engine=dataclasses.replace(TrainConfig().engine, packed_sampling=True))
+    assert load_config(write(tmp_path, config_to_toml(packed))) == packed
     scored_here = dataclasses.replace(config, engine=dataclasses.replace(config.engine, teacher_url="", teacher_gpus="",
                                                                          teacher_engine="local"))
     assert load_config(write(tmp_path, config_to_toml(scored_here))) == scored_here
