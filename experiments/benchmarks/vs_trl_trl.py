@@ -48,6 +48,47 @@ class Phases:
         return wrapper
 
 
+def step_timer(phases: Phases, out: Path, reset: Callable[[], None], fields: Callable[[], dict]) -> Any:
+    """A TrainerCallback that times each optimizer step from its start to its end (a checkpoint write
+    after it is not in it) and its optimizer phase, and appends one JSON line per step to `out`:
+    {"step", "wall_s", "phases", "others_cores", **fields()}. `reset` clears a step's own records."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, *_: Any, **__: Any) -> None:
+            phases.seconds.clear()
+            reset()
+            self.start = snapshot()
+
+        def on_pre_optimizer_step(self, *_: Any, **__: Any) -> None:
+            self.optimizer_start = time.perf_counter()
+
+        def on_optimizer_step(self, *_: Any, **__: Any) -> None:
+            phases.seconds["optimizer"] = phases.seconds.get("optimizer", 0.0) + time.perf_counter() - self.optimizer_start
+
+        def on_step_end(self, state_args: Any, state: Any, control: Any, **__: Any) -> None:
+            end = snapshot()
+            record = {"step": state.global_step, "wall_s": end.wall - self.start.wall, "phases": dict(phases.seconds),
+                      "others_cores": others_cores(self.start, end), **fields()}
+            with out.open("a") as file:
+                file.write(json.dumps(record) + "\n")
+
+    return StepTimer()
+
+
+def train_timed(trainer: Any, phases: Phases) -> None:
+    """Time the trainer's backward and its optimizer phase (gradient clipping too, as in selfopd's
+    optim phase), print the versions that run, and train."""
+    import transformers
+    import trl
+
+    trainer.accelerator.backward = phases.timed("backward", trainer.accelerator.backward)
+    trainer._clip_grad_norm = phases.timed("optimizer", trainer._clip_grad_norm)
+    print(json.dumps({"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
+                      "optim": str(trainer.args.optim), "threads": torch.get_num_threads()}), flush=True)
+    trainer.train()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
@@ -59,10 +100,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
-    import transformers
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    import trl
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DistillationConfig, DistillationTrainer
     from trl.trainer import distillation_trainer
 
@@ -79,33 +118,18 @@ def main() -> None:
         max_steps=steps, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
         max_completion_length=args.max_tokens, temperature=1.0, top_p=1.0, top_k=0, beta=1.0,
         shuffle_dataset=False, report_to="none", logging_steps=1, save_strategy="no", use_cpu=True, bf16=False,
-        seed=args.seed, max_grad_norm=1.0, dataloader_num_workers=0, disable_tqdm=True)
+        seed=args.seed, max_grad_norm=1.0, dataloader_num_workers=0, disable_tqdm=True,
+        gradient_checkpointing=False)  # TRL's default is on; selfopd's, and the shared config's, off
     phases = Phases()
     generated: list[int] = []
     prompt_ids: list[str] = []  # a digest of each step's prompt token ids, to check both trainers saw the same
 
-    class StepTimer(TrainerCallback):
-        def on_step_begin(self, *_: Any, **__: Any) -> None:
-            phases.seconds.clear()
-            generated.clear()
-            self.start = snapshot()
+    def step_fields() -> dict:
+        return {"generated_tokens": sum(generated), "prompts": prompt_ids[-1]}
 
-        def on_pre_optimizer_step(self, *_: Any, **__: Any) -> None:
-            self.optimizer_start = time.perf_counter()
-
-        def on_optimizer_step(self, *_: Any, **__: Any) -> None:
-            phases.seconds["optimizer"] = phases.seconds.get("optimizer", 0.0) + time.perf_counter() - self.optimizer_start
-
-        def on_step_end(self, state_args: Any, state: Any, control: Any, **__: Any) -> None:
-            end = snapshot()
-            record = {"step": state.global_step, "wall_s": end.wall - self.start.wall,
-                      "generated_tokens": sum(generated), "phases": dict(phases.seconds),
-                      "others_cores": others_cores(self.start, end), "prompts": prompt_ids[-1]}
-            with args.out.open("a") as out:
-                out.write(json.dumps(record) + "\n")
-
+    timer = step_timer(phases, args.out, generated.clear, step_fields)
     trainer = DistillationTrainer(model=student, teacher_model=teacher, args=config, train_dataset=dataset,
-                                  processing_class=tokenizer, callbacks=[StepTimer()])
+                                  processing_class=tokenizer, callbacks=[timer])
     generate_one_turn = trainer._generate_single_turn
 
     def counted_generation(*a: Any, **k: Any) -> Any:
@@ -127,11 +151,7 @@ def main() -> None:
         lambda: "student_forward" if torch.is_grad_enabled() else "teacher_forward", trainer._get_last_hidden_state)
     distillation_trainer._chunked_divergence_loss = phases.timed("head_divergence",
                                                                  distillation_trainer._chunked_divergence_loss)
-    trainer.accelerator.backward = phases.timed("backward", trainer.accelerator.backward)
-    trainer._clip_grad_norm = phases.timed("optimizer", trainer._clip_grad_norm)  # selfopd's optim phase clips too
-    print(json.dumps({"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
-                      "optim": str(config.optim), "threads": torch.get_num_threads()}), flush=True)
-    trainer.train()
+    train_timed(trainer, phases)
 
 
 if __name__ == "__main__":

@@ -125,8 +125,8 @@ def measure_seed_run(run_dir: Path, seed: int) -> SeedRun | None:
     return SeedRun(
         seed=seed, steps=curve[-1].step, finished=curve[-1].step == config.run.steps, base=base, final=final,
         vs_base=paired_change(base, final), generated_tokens=tokens, train_seconds=seconds,
-        kl_first=steps[0]["opd/reverse_kl"] if steps else math.nan,
-        kl_last=steps[-1]["opd/reverse_kl"] if steps else math.nan, curve=curve,
+        kl_first=steps[0].get("opd/reverse_kl", math.nan) if steps else math.nan,  # nan: no teacher
+        kl_last=steps[-1].get("opd/reverse_kl", math.nan) if steps else math.nan, curve=curve,
         guard_stopped=_guard_stopped(RunFolder(run_dir)),
     )
 

@@ -235,13 +235,15 @@ class TrainConfig:
             )
         if self.optim.warmup_steps > self.run.steps:
             fail("optim.warmup_steps", f"must be <= run.steps ({self.run.steps}), got {self.optim.warmup_steps}")
-        if self.loss.divergence in FULL_VOCABULARY and self.engine.kind != "local":
+        if self.loss.divergence in FULL_VOCABULARY and not self.engine.teacher_in_process:
             fail("loss.divergence", f"{self.loss.divergence!r} needs the teacher's full distribution in process "
-                  "(engine.kind = 'local'); with vLLM use 'sampled' or 'topk_reverse_kl'")
-        if self.engine.kind in VLLM_KINDS and self.rollout.temperature != 1.0:
+                  "(engine.kind = 'local', or 'vllm' with engine.teacher_engine = 'local'); with a vLLM teacher use "
+                  "'sampled' or 'topk_reverse_kl'")
+        if not self.engine.teacher_in_process and self.rollout.temperature != 1.0:
             fail("rollout.temperature", f"must be 1 with engine.kind = {self.engine.kind!r}, got {self.rollout.temperature}: vLLM "
                  "scores (prompt logprobs) from the raw logits only, so a vLLM teacher cannot score the tempered "
-                 "distribution the student samples from; use engine.kind = 'local' for other temperatures")
+                 "distribution the student samples from; use engine.kind = 'local', or engine.teacher_engine = "
+                 "'local' (vLLM samples at any temperature, the trainer scores)")
         if self.rollout.top_p < 1.0 and self.loss.is_cap:
             fail("loss.is_cap", f"must be 0 with rollout.top_p = {self.rollout.top_p} < 1: the sampler's logprobs are "
                  "over the renormalised nucleus, the trainer's over the whole tempered distribution, so their ratio "
@@ -271,6 +273,8 @@ class TrainConfig:
             fail("loss.divergence", f"{self.loss.divergence!r} needs the teacher's distribution over the student's "
                  "vocabulary, which a teacher with teacher.tokenizer = 'own' does not have (its tokens cover other "
                  "stretches of text); use loss.divergence = 'sampled'")
+        if self.teacher.kind == "none":
+            check_no_teacher(self)
         if self.loss.opd_baseline == "same_engine" and self.teacher.kind != "self":
             fail("loss.opd_baseline", f"'same_engine' takes the student's logprobs from the teacher's engine, which "
                  f"serves the student's weights only with teacher.kind = 'self' (got {self.teacher.kind!r})")
@@ -333,3 +337,18 @@ def flat_config(config: TrainConfig) -> dict[str, Any]:
     """`{"section.key": value}` of every field (to compare two configs key by key)."""
     return settings.flatten({**{name: getattr(config, name) for name in SECTIONS},
                              **{f"teachers.{name}": teacher for name, teacher in config.teachers.items()}})
+
+
+def check_no_teacher(config: TrainConfig) -> None:
+    """teacher.kind = 'none' (GRPO alone): nothing in the loss may need a teacher's logprobs."""
+    loss = config.loss
+    needs = [(key, why) for key, why in (
+        ("loss.lambda_opd", loss.lambda_opd != 0), ("loss.rlsd_weight", loss.rlsd_weight != 0),
+        ("loss.divergence", loss.divergence != "sampled"), ("loss.opd_baseline", loss.opd_baseline != "student"),
+        ("engine.teacher_url", bool(config.engine.urls("teacher_url"))), ("[teachers.*]", bool(config.teachers)),
+    ) if why]
+    if needs:
+        key = needs[0][0]
+        fail(key, "asks for a teacher, and teacher.kind is 'none': GRPO alone needs loss.lambda_opd = 0, "
+             "loss.rlsd_weight = 0, loss.divergence = 'sampled', loss.opd_baseline = 'student', no teacher server and "
+             "no [teachers.*]; set those, or choose a teacher")

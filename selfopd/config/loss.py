@@ -27,7 +27,7 @@ class LossConfig(Section):
         "What the OPD term minimises at each completion position. 'sampled': policy gradient on teacher_lp - "
         "student_lp of the sampled token (reverse KL, one-sample estimate; any engine). 'topk_reverse_kl': exact "
         "reverse KL over the teacher's top-k tokens plus one tail bucket (any engine that returns top-k). "
-        "'reverse_kl', 'forward_kl', 'jsd': full vocabulary, needs the teacher in process (engine.kind = 'local').")
+        "'reverse_kl', 'forward_kl', 'jsd': full vocabulary, needs the teacher in process (engine.kind = 'local', or engine.teacher_engine = 'local').")
     top_k: int = setting(20, "Teacher top-k for divergence = 'topk_reverse_kl'.")
     jsd_beta: float = setting(0.5, "beta of the generalised JSD (0: forward KL, 1: reverse KL), for divergence = 'jsd'.")
     token_clip: float = setting(

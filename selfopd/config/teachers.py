@@ -14,7 +14,7 @@ from selfopd.config.settings import Section, fail, setting
 if TYPE_CHECKING:
     from selfopd.config import TrainConfig
 
-TeacherKind = Literal["self", "frozen", "ema", "external"]
+TeacherKind = Literal["self", "frozen", "ema", "external", "none"]
 TeacherTokenizer = Literal["student", "own"]
 DEFAULT_TEACHER = "default"  # the name of [teacher] among [teachers.NAME]
 TEACHER_NAME = re.compile(r"[A-Za-z0-9_-]+")
@@ -27,7 +27,9 @@ class TeacherConfig(Section):
         "self",
         "Who scores the rollouts: 'self' is the current student given privileged information, "
         "'frozen' a copy of the initial student, 'ema' an exponential moving average of the student's weights "
-        "(teacher.ema_rate), 'external' the model named by teacher.model.",
+        "(teacher.ema_rate), 'external' the model named by teacher.model, 'none' nobody: GRPO alone on the verifier "
+        "reward (loss.lambda_opd = 0), with no teacher forward and no opd/ metrics (saved rollouts' teacher_logprobs "
+        "are then the sampler's).",
     )
     model: str = setting("", "The external teacher (packaged name, folder or hub id); set iff kind = 'external'.")
     tokenizer: TeacherTokenizer = setting(
@@ -112,14 +114,15 @@ def check_named_teachers(config: TrainConfig) -> None:
             if task in routed:
                 fail(f"teachers.{name}.tasks", f"task {task!r} is routed to teachers {routed[task]!r} and {name!r}")
             routed[task] = name
-        if teacher.kind == "ema":
-            fail(f"teachers.{name}.kind", "an 'ema' teacher is the [teacher] table (one average per run)")
+        if teacher.kind in ("ema", "none"):
+            fail(f"teachers.{name}.kind", f"{teacher.kind!r} is for the [teacher] table (one per run)")
         if teacher.tokenizer == "own" and config.loss.divergence != "sampled":
             fail(f"teachers.{name}.tokenizer", f"'own' needs loss.divergence = 'sampled', got {config.loss.divergence!r}")
     if not config.teachers:
         return
-    if config.engine.kind != "local":
-        fail("engine.kind", f"[teachers.*] run in process (engine.kind = 'local'), got {config.engine.kind!r}")
+    if not config.engine.teacher_in_process:
+        fail("engine.kind", f"[teachers.*] score in process (engine.kind = 'local', or 'vllm' with "
+             f"engine.teacher_engine = 'local'), got {config.engine.kind!r}")
     if config.loss.divergence in FULL_VOCABULARY:
         fail("loss.divergence", f"{config.loss.divergence!r} keeps one teacher's states per micro-batch; with "
              "[teachers.*] use 'sampled' or 'topk_reverse_kl'")

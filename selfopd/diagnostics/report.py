@@ -1,10 +1,9 @@
 """`selfopd diagnose RUN_DIR` (`measure_run`, then `write_report`): where a run's teacher signal came from.
 
-From the saved rollouts alone: the |advantage| decomposition by token class, the illusion
-score per step, and length, epistemic words and leakage over training. With a model (the
-run's starting weights, the default): on the first saved step, the wrong-context contrast,
-teachability, the contrastive gain and the DOPD split (`signals_report`); and the accuracy
-gap the privileged context opens before training.
+From the saved rollouts alone: the |advantage| decomposition by token class, the illusion score per step,
+and length, epistemic words and leakage over training. With a model (the run's starting weights, the
+default): on the first saved step, the wrong-context contrast, teachability, the contrastive gain and
+the DOPD split (`signals_report`); and the accuracy gap the privileged context opens before training.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from selfopd.diagnostics.context import (ContextGap, Prompting, annotate_records
 from selfopd.diagnostics.measures import (Annotated, ClassRow, ContextContrast, IllusionScore, StepBehaviour,
                                           as_jsonable, collapse_warnings, context_contrast, correct_preference,
                                           decompose, illusion_score, step_behaviour)
-from selfopd.run.rollouts import RolloutRecord, read_run_rollouts
+from selfopd.run.rollouts import DiagnosticsError, RolloutRecord, read_run_rollouts
 from selfopd.diagnostics.teachers import one_teachers_part
 from selfopd.diagnostics.transfer import Transfer, measure_transfer, transfer_line
 from selfopd.diagnostics.signals_report import (SignalDiagnosis, measure_signals, render_signals, signals_json,
@@ -118,7 +117,8 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
 
     if not RunFolder(run_dir).is_run():
         raise FileNotFoundError(f"{run_dir}: not a run folder (no config.toml)")
-    config = load_config(RunFolder(run_dir).config)
+    if (config := load_config(RunFolder(run_dir).config)).teacher.kind == "none":
+        raise DiagnosticsError(f"{run_dir}: teacher.kind = 'none' (GRPO alone): no teacher signal to diagnose")
     by_step = read_run_rollouts(run_dir)
     examples = load_examples(config.data.spec)
     train_examples, eval_examples = split_examples(examples, eval_size=config.data.eval_size, seed=config.data.split_seed)

@@ -65,6 +65,9 @@ class Rollout:
     # The trainer step whose weights sampled it (the engine's weight version when the trainer
     # asked); None when the caller did not say (evals, tools). Set by `selfopd.training.rollout_pipeline`.
     weight_version: int | None = None
+    # With requests in flight across weight pushes (rollout.max_staleness >= 2 on vLLM servers): the
+    # newest weights that may have sampled a token of it, when newer than weight_version; else None.
+    last_weight_version: int | None = None
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from selfopd.core.devices import DTYPES, attn_implementation, resolve_device
 from selfopd.core.distributed import World, current_world, shard_model
 from selfopd.engines.base import Engine
 from selfopd.engines.local import LocalEngine
+from selfopd.engines.packed import packing_problem
 from selfopd.engines.lora import adapter_base, adapters_off, is_adapter_folder, load_adapted
 from selfopd.core.models import from_pretrained, resolve_model
 from selfopd.engines.scoring import check_plain_head
@@ -121,23 +122,35 @@ def open_training_engines(config: TrainConfig, model: Any, tokenizer: Any, log_d
     with another prompt); a frozen, ema (whose copy `selfopd.training.ema` then averages in place)
     or external teacher is loaded on the student's device
     and, under torchrun, sharded like it. With vLLM, launched servers log to `log_dir` and
-    are stopped when `resources` closes. Colocated, vLLM runs in this process
+    are stopped when `resources` closes; with engine.teacher_engine = 'local' they only sample, and
+    the teacher is in process as above. Colocated, vLLM runs in this process
     (`selfopd.engines.vllm_colocate`). An external teacher's tokenizer was checked by the caller
     (`external_teacher_bridge`)."""
     if config.engine.kind == "vllm":
-        from selfopd.engines.serving import open_vllm_engines
+        from selfopd.engines.serving import open_vllm_engines, open_vllm_engines_on_ranks
 
-        if world.distributed:
-            from selfopd.engines.serving import open_vllm_engines_on_ranks
-
-            return open_vllm_engines_on_ranks(config, log_dir, resources, world)
-        return open_vllm_engines(config, log_dir, resources, progress=config.run.progress)
+        student, teacher = (open_vllm_engines_on_ranks(config, log_dir, resources, world) if world.distributed
+                            else open_vllm_engines(config, log_dir, resources, progress=config.run.progress))
+        if teacher is None:  # engine.teacher_engine = 'local': vLLM samples, the trainer scores
+            teacher = open_local_teacher(config.teacher, config, model, tokenizer,
+                                         local_engine(config, model, tokenizer), world)
+        return student, teacher
     if config.engine.kind == "vllm_colocate":
         from selfopd.engines.vllm_colocate import open_colocated_engines
 
         return open_colocated_engines(config, resources)
-    student = local_engine(config, model, tokenizer)
+    student = local_engine(config, model, tokenizer, packed=packed_sampling(config, model))
     return student, open_local_teacher(config.teacher, config, model, tokenizer, student, world)
+
+
+def packed_sampling(config: TrainConfig, model: Any) -> bool:
+    """engine.packed_sampling, refused (naming why) where MKL's packed products cannot run."""
+    if not config.engine.packed_sampling:
+        return False
+    problem = packing_problem(model, config.model.dtype)
+    if problem is not None:
+        raise ConfigError("engine.packed_sampling", f"needs fp32 sampling on a CPU: {problem}")
+    return True
 
 
 def local_engine(config: TrainConfig, model: Any, tokenizer: Any, **options: Any) -> LocalEngine:
@@ -151,7 +164,7 @@ def open_local_teacher(teacher: TeacherConfig, config: TrainConfig, model: Any, 
     for `self`; a frozen copy of the initial weights for `frozen` and `ema` (whose copy
     `selfopd.training.ema` then averages in place); the external model, on the student's device and,
     under torchrun, sharded like it."""
-    if teacher.kind == "self":
+    if teacher.kind in ("self", "none"):  # 'none': never asked to score
         return student
     options = model_options(config.model, world)
     if teacher.kind in ("frozen", "ema"):  # an `ema` teacher starts from the initial weights too
@@ -170,20 +183,22 @@ def open_local_teacher(teacher: TeacherConfig, config: TrainConfig, model: Any, 
     return local_engine(config, external, teacher_tokenizer)
 
 
-def open_named_teachers(config: TrainConfig, model: Any, tokenizer: Any, student: LocalEngine, default: Engine,
+def open_named_teachers(config: TrainConfig, model: Any, tokenizer: Any, student: Engine, default: Engine,
                         world: World = World()) -> dict[str, LocalEngine]:
     """The engines of the `[teachers.NAME]` tables, in process: teachers of the same weights share
-    one engine (every `self` teacher the student's, every `frozen` one a single frozen copy, one per
-    external model), and `[teacher]`'s engine is reused where its weights are the same."""
+    one engine (every `self` teacher one over the trainer's module: the student's own in process, every
+    `frozen` one a single frozen copy, one per external model), and `[teacher]`'s engine is reused where
+    its weights are the same."""
     def weights(teacher: TeacherConfig) -> tuple[str, str]:
         return teacher.kind, teacher.model
 
-    opened: dict[tuple[str, str], LocalEngine] = {("self", ""): student}
+    live = student if getattr(student, "model", None) is model else local_engine(config, model, tokenizer)
+    opened: dict[tuple[str, str], Any] = {("self", ""): live}
     if config.teacher.kind != "ema":  # an average is not the initial weights after the first step
         opened[weights(config.teacher)] = default
     engines = {}
     for name, teacher in config.teachers.items():
         if weights(teacher) not in opened:
-            opened[weights(teacher)] = open_local_teacher(teacher, config, model, tokenizer, student, world)
+            opened[weights(teacher)] = open_local_teacher(teacher, config, model, tokenizer, live, world)
         engines[name] = opened[weights(teacher)]
     return engines

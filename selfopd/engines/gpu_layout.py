@@ -133,7 +133,8 @@ def server_slots(config: TrainConfig) -> list[ServerSlot]:
             slots.append(ServerSlot(name="student" if engine.student_servers == 1 else f"student-{i}",
                                     port=engine.port + i, gpus=tuple(gpus[i * tp:(i + 1) * tp]),
                                     tensor_parallel_size=tp, synced=True))
-    if not engine.urls("teacher_url"):
+    # No server for a teacher the trainer scores (engine.teacher_engine = 'local') or for none at all.
+    if engine.teacher_engine == "vllm" and config.teacher.kind != "none" and not engine.urls("teacher_url"):
         slots.append(ServerSlot(name="teacher", port=engine.port + engine.student_servers,
                                 gpus=tuple(engine.gpus("teacher_gpus")),
                                 tensor_parallel_size=engine.teacher_parallel_size(),

@@ -16,6 +16,7 @@ import torch
 from selfopd.core.devices import autocast, model_device
 from selfopd.core.distributed import gathered_for_generation, is_sharded
 from selfopd.engines.base import Rollout, SamplingParams, TokenScores, WeightSource, as_source
+from selfopd.engines.packed import packed_linears
 from selfopd.engines.scoring import completion_hidden, left_pad, logprobs_from_hidden, tempered, topk_from_hidden
 
 
@@ -24,8 +25,10 @@ class LocalEngine:
 
     def __init__(self, model: Any, tokenizer: Any, batch_size: int = 16, chunk_size: int = 256,
                  forward_context: Callable[[], ContextManager[Any]] | None = None,
-                 precision: str = "float32") -> None:
+                 precision: str = "float32", packed: bool = False) -> None:
         self.model = model
+        # Sample through MKL's packed products (`selfopd.engines.packed`); scoring is unchanged.
+        self.packed = packed
         # Entered around every forward pass: a `frozen` teacher that is the live LoRA student
         # with its adapters off (selfopd.engines.lora.adapters_off) reads the base weights this way.
         self.forward_context = forward_context or contextlib.nullcontext
@@ -129,8 +132,9 @@ class LocalEngine:
         width = ids_BT.shape[1]
         policy = SampledPolicy(params.temperature, params.top_p)
         sharded = is_sharded(self.model)
+        packing = packed_linears(self.model, len(prompts)) if self.packed else contextlib.nullcontext()
         with (torch.no_grad(), eval_mode(self.model), self.forward_context(), gathered_for_generation(self.model),
-              neutral_generation_config(self.model), self._autocast(cache=True)):
+              neutral_generation_config(self.model), self._autocast(cache=True), packing):
             new_BS = self.model.generate(
                 input_ids=ids_BT,
                 attention_mask=mask_BT,

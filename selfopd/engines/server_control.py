@@ -39,15 +39,19 @@ class ServerControl:
             raise ServerError(f"{self.url}{path}: HTTP {response.status_code}: {' '.join(response.text.split())[:400]}")
         return response.json() if response.content else None
 
-    def pause(self) -> None:
-        self.request("POST", "/pause", params={"mode": "wait"})
+    def pause(self, keep: bool = False) -> None:
+        """Stop serving for a weight update: once the requests in flight finish, or (`keep`) at
+        once, with the requests in flight frozen where they are, to go on after `resume`."""
+        self.request("POST", "/pause", params={"mode": "keep" if keep else "wait"})
 
     def resume(self) -> None:
         self.request("POST", "/resume")
 
-    def reset_prefix_cache(self) -> None:
-        """Drop the prefix cache; vLLM answers success false (HTTP 200) while blocks are still held."""
-        answer = self.request("POST", "/reset_prefix_cache")
+    def reset_prefix_cache(self, running: bool = False) -> None:
+        """Drop the prefix cache; vLLM answers success false (HTTP 200) while blocks are still held.
+        `running`: also the cache of the requests frozen by `pause(keep=True)`, which vLLM preempts:
+        each recomputes its prompt and the tokens it has so far with the new weights when it resumes."""
+        answer = self.request("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"} if running else None)
         if not isinstance(answer, dict) or answer.get("success") is not True:
             raise ServerError(f"{self.url}/reset_prefix_cache: the server did not reset its prefix cache ({answer!r}); "
                               "prefixes cached with the old weights would make the next rollouts off-policy")

@@ -111,6 +111,13 @@ def weight_sync_plan(config: TrainConfig, student_urls: Sequence[str],
     return plan
 
 
+def in_flight_sampling(config: TrainConfig) -> bool:
+    """Several sampling requests run on the student servers while the trainer trains and syncs
+    (`rollout.max_staleness` >= 2, `selfopd.training.rollout_pipeline`): a push freezes them
+    instead of waiting for them."""
+    return config.rollout.max_staleness >= 2
+
+
 def open_weight_transfers(config: TrainConfig, student_urls: Sequence[str],
                           teacher_urls: Sequence[str]) -> tuple[WeightTransfer, WeightTransfer | None]:
     """(the transfer of the student's weights, the teacher engine's transfer or None): one object for
@@ -125,7 +132,8 @@ def open_weight_transfers(config: TrainConfig, student_urls: Sequence[str],
         controls = [[ServerControl(target.url, engine.request_timeout_s, engine.api_key()) for target in group]
                     for group in groups]
         transfers[role] = WeightTransfer(controls, backend=weight_sync_kind(config), host=engine.trainer_address,
-                                         port=port, timeout_s=engine.sync_timeout_s, buffer_mb=engine.sync_buffer_mb)
+                                         port=port, timeout_s=engine.sync_timeout_s, buffer_mb=engine.sync_buffer_mb,
+                                         keep_requests=role == "student" and in_flight_sampling(config))
         port = port + len(groups) if port else 0
     student = transfers["student"]
     return student, (student if config.teacher.follows_student else transfers.get("ema"))
@@ -152,8 +160,9 @@ def log_layout(layout: GPULayout, log_dir: Path, progress: bool) -> None:
 
 def open_vllm_engines(config: TrainConfig, log_dir: Path, stack: contextlib.ExitStack, progress: bool = True,
                       trainer_gpus: Sequence[int] | None = None,
-                      weight_sync: bool = True) -> tuple[VLLMEngine, VLLMEngine]:
-    """(student engine, teacher engine), launching missing servers; `stack` closes them all.
+                      weight_sync: bool = True) -> tuple[VLLMEngine, VLLMEngine | None]:
+    """(student engine, teacher engine), launching missing servers; `stack` closes them all. The
+    teacher engine is None with engine.teacher_engine = 'local' (the trainer scores it).
 
     The GPU layout is checked first, before any server starts (`run_layout`; build_run
     checks it before the model loads, too). `weight_sync=False` opens the engines without a
@@ -173,12 +182,15 @@ def open_vllm_engines(config: TrainConfig, log_dir: Path, stack: contextlib.Exit
 
 def client_engines(config: TrainConfig, student_urls: Sequence[str], teacher_urls: Sequence[str],
                    stack: contextlib.ExitStack, student_sync: WeightTransfer | None = None,
-                   teacher_sync: WeightTransfer | None = None) -> tuple[VLLMEngine, VLLMEngine]:
-    """(student engine, teacher engine) over running servers; `stack` closes the clients."""
+                   teacher_sync: WeightTransfer | None = None) -> tuple[VLLMEngine, VLLMEngine | None]:
+    """(student engine, teacher engine or None without teacher servers) over running servers; `stack`
+    closes the clients."""
     options = dict(max_concurrency=config.engine.max_concurrency, timeout_s=config.engine.request_timeout_s,
                    retries=config.engine.retries, api_key=config.engine.api_key())
     student = VLLMEngine(student_urls, weight_sync=student_sync, **options)
     stack.callback(student.close)
+    if not teacher_urls:
+        return student, None
     teacher = VLLMEngine(teacher_urls, weight_sync=teacher_sync, **options)
     stack.callback(teacher.close)
     return student, teacher
@@ -193,7 +205,7 @@ def node_trainer_gpus(world: World) -> list[int] | None:
 
 
 def open_vllm_engines_on_ranks(config: TrainConfig, log_dir: Path, stack: contextlib.ExitStack,
-                               world: World) -> tuple[VLLMEngine, VLLMEngine]:
+                               world: World) -> tuple[VLLMEngine, VLLMEngine | None]:
     """Under torchrun: rank 0 checks the layout (this node's trainer GPUs: one per local
     rank), launches the missing servers and holds the weight syncs; every other rank opens
     clients of the same servers, whose URLs rank 0 sends. Servers launched here listen on
@@ -205,7 +217,7 @@ def open_vllm_engines_on_ranks(config: TrainConfig, log_dir: Path, stack: contex
             opened = open_vllm_engines(config, log_dir, stack, config.run.progress, trainer_gpus=trainer_gpus)
         except BaseException as exc:  # the other ranks must hear of it, not wait forever
             error = exc
-    urls = all_gather(None if opened is None else (opened[0].urls, opened[1].urls), world)[0]
+    urls = all_gather(None if opened is None else (opened[0].urls, opened[1].urls if opened[1] else []), world)[0]
     if error is not None:
         raise error
     if urls is None:

@@ -170,7 +170,7 @@ def open_colocated_engines(config: TrainConfig, stack: contextlib.ExitStack) -> 
     check_colocate_config(config)
     teacher_urls = config.engine.urls("teacher_url")
     teacher = None
-    if config.teacher.kind != "self":  # reached first: a wrong URL fails before vLLM loads
+    if config.teacher.kind not in ("self", "none"):  # reached first: a wrong URL fails before vLLM loads
         teacher = VLLMEngine(teacher_urls, max_concurrency=config.engine.max_concurrency,
                              timeout_s=config.engine.request_timeout_s, retries=config.engine.retries,
                              api_key=config.engine.api_key())
@@ -190,7 +190,7 @@ def check_colocate_config(config: TrainConfig) -> None:
     """Refuse, naming the key, what one in-process vLLM instance on one device cannot do."""
     engine = config.engine
     colocate = "engine.kind = 'vllm_colocate'"
-    if config.teacher.kind != "self" and not engine.urls("teacher_url"):
+    if config.teacher.kind not in ("self", "none") and not engine.urls("teacher_url"):
         raise ConfigError("engine.teacher_url", f"{colocate} with teacher.kind = {config.teacher.kind!r} needs the "
                           "teacher on a running vLLM server given here: the trainer's process holds one vLLM "
                           "instance, the student's (or use engine.kind = 'vllm' or 'local')")

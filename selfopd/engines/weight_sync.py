@@ -17,7 +17,11 @@ step (`WeightSyncError`). At set-up the names the trainer sends must cover every
 
 Around each update the servers are paused (in-flight requests finish first); after it their
 prefix cache is reset (a prefix cached with old weights would make the next rollouts
-off-policy) and the weight version is the trainer's step. A push that fails leaves the servers
+off-policy) and the weight version is the trainer's step. With `keep_requests` (several
+sampling requests in flight, `rollout.max_staleness` >= 2) the requests in flight are frozen
+instead of waited for, and preempted when the cache is reset: each resumes by recomputing its
+prompt and its tokens so far with the new weights, so every later token is the new weights'
+(a rollout's tokens may then come from several versions, each with the logprobs it was drawn with). A push that fails leaves the servers
 paused, never serving a half-loaded model; the next push (a `--resume`) replaces it.
 """
 
@@ -47,11 +51,13 @@ class WeightTransfer:
     `groups`: the servers, as the groups of the collective (one group on a CPU). `host`: where
     the servers reach this process (`engine.trainer_address`); `port`: the first group's TCP
     store (group i on port + i; 0: free ports). `timeout_s` bounds the rendezvous, each
-    collective and each control call of a push."""
+    collective and each control call of a push. `keep_requests`: a push does not wait for the
+    requests in flight; they are frozen, and go on with the new weights after it (module docstring)."""
 
     def __init__(self, groups: Sequence[Sequence[ServerControl]], backend: Backend = "gloo", host: str = "127.0.0.1",
-                 port: int = 0, timeout_s: float = 60.0, buffer_mb: int = 512) -> None:
+                 port: int = 0, timeout_s: float = 60.0, buffer_mb: int = 512, keep_requests: bool = False) -> None:
         self.server_groups = [list(group) for group in groups if group]
+        self.keep_requests = keep_requests
         self.controls = [control for group in self.server_groups for control in group]
         self.backend, self.timeout_s, self.buffer_bytes = backend, timeout_s, buffer_mb * 2**20
         self.groups: list[Group] = []
@@ -151,7 +157,7 @@ class WeightTransfer:
         paused: list[ServerControl] = []
         try:
             for control in self.controls:
-                control.pause()
+                control.pause(keep=self.keep_requests)
                 paused.append(control)
                 control.request("POST", "/start_weight_update", timeout=self.timeout_s)
             posts = [(control, in_background(lambda c=control: c.request(
@@ -168,7 +174,7 @@ class WeightTransfer:
             self._verify(expected, version)
             verify_s = time.perf_counter() - tick
             for control in self.controls:
-                control.reset_prefix_cache()
+                control.reset_prefix_cache(running=self.keep_requests)
         except BaseException as error:
             self._broken = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
             for group in self.groups:  # the peers still inside a broadcast fail at once instead of timing out

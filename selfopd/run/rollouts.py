@@ -46,6 +46,8 @@ class RolloutRecord:
     answer: str
     demonstration: str | None = None  # the sibling demonstration the teacher saw; None: none (or files saved before)
     weight_version: int | None = None  # the step whose weights sampled it (rollout.max_staleness); None: files saved before
+    # Sampled across weight pushes (several requests in flight): the newest weights that may have sampled a token of it.
+    last_weight_version: int | None = None
     # Why a teacher with its own tokenizer could not read the completion (it got no teacher signal,
     # and teacher_logprobs are the sampler's); None: it could, or the teacher reads the student's ids.
     unaligned: str | None = None
@@ -105,6 +107,7 @@ class RolloutDigest:
     opd_mean: float
     demonstration: str | None = None
     weight_version: int | None = None
+    last_weight_version: int | None = None
     unaligned: str | None = None
     teacher: str | None = None  # the teacher that scored it, in a run with [teachers.NAME]; None: the only one
 
@@ -142,7 +145,7 @@ def write_records(path: Path, records: Iterable[RolloutRecord]) -> None:
     write_lines_atomic(path, (written(asdict(record)) for record in records))
 
 
-WRITTEN_WHEN_SET = ("unaligned", "teacher")  # fields most runs never set: left out of their files, which stay as they were
+WRITTEN_WHEN_SET = ("unaligned", "teacher", "last_weight_version")  # fields most runs never set: left out of their files, which stay as they were
 
 
 def written(fields: dict) -> dict:

@@ -128,7 +128,8 @@ def save_rollouts(run: Run, scored: Sequence[Scored], student_lp_N: torch.Tensor
             sampler_logprobs=list(s.rollout.sampler_logprobs), student_logprobs=student.tolist(),
             teacher_logprobs=s.teacher_logprobs.tolist(), advantage=advantage.tolist(), reward=s.reward,
             correct=s.correct, answer=s.example.answer, demonstration=s.demonstration,
-            weight_version=s.rollout.weight_version, unaligned=s.unaligned,
+            weight_version=s.rollout.weight_version, last_weight_version=s.rollout.last_weight_version,
+            unaligned=s.unaligned,
             teacher=s.teacher if run.named_teachers else None,
         )
         for s, (student, advantage) in zip(scored[:limit], per_rollout)

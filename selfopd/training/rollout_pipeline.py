@@ -2,19 +2,27 @@
 
 With k = 0 each step samples its own prompts with the weights it is about to train: the
 synchronous loop. With k >= 1 step s, once it has taken its own rollouts, asks the engine for
-step s + k's with the weights it holds now (version s), and trains while the engine samples;
-before the next weight sync the trainer waits for that request to finish. So each request
-runs under one version only, every rollout of step b >= k was sampled by the weights of step
-b - k (those of steps b < k by the initial weights), and a run is the same whatever the
+step s + k's with the weights it holds now (version s), and trains while the engine samples.
+
+k = 1: before the next weight sync the trainer waits for that request to finish. So each
+request runs under one version only, every rollout of step b >= 1 was sampled by the weights
+of step b - 1 (those of step 0 by the initial weights), and a run is the same whatever the
 timing: a resumed run regenerates nothing, since the rollouts sampled ahead are saved with
 each checkpoint (`pending_json` / `load_pending`).
 
-One request is in flight at a time, so k >= 2 adds staleness, not speed: one step's sampling
-overlaps one step's training. The overlap happens only where sampling runs in other processes
-(`Engine.samples_in_background`: vLLM servers). An in-process engine (the transformers one,
-the colocated vLLM that sleeps while the trainer trains) samples the same rollouts at the
-moment they are asked for: the staleness of a k-step pipeline, without its speed, which is
-what a laptop needs to study staleness.
+k >= 2 with servers: up to k requests are in flight at once (the servers batch them together)
+and nothing waits for them before a weight sync: the push freezes them, and they go on with
+the new weights (`selfopd.engines.weight_sync`, `keep_requests`). A rollout of step b was asked
+for with the weights of step b - k (`weight_version`) and may have later tokens from newer ones,
+up to `last_weight_version`; each token carries the logprob it was drawn with, so the importance
+ratio stays exact per token. Which tokens come from which weights depends on timing: such a run
+is not reproduced bit for bit by a resume.
+
+The overlap happens only where sampling runs in other processes (`Engine.samples_in_background`:
+vLLM servers). An in-process engine (the transformers one, the colocated vLLM that sleeps while
+the trainer trains) samples the same rollouts at the moment they are asked for: the staleness of
+a k-step pipeline, every request under one version, without its speed, which is what a laptop
+needs to study staleness.
 
 The loss stays correct off-policy because nothing but the sampling is stale: the trainer
 recomputes the student's logprobs with its current weights, the teacher scores at the
@@ -31,7 +39,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from transformers import PreTrainedTokenizerBase
 
@@ -77,8 +85,9 @@ class Sampled:
 
     request: Request
     groups: list[list[Rollout]]
-    version: int  # the trainer step whose weights sampled the rollouts
+    version: int  # the trainer step whose weights sampled the rollouts (asked with, when several were in flight)
     sample_seconds: float = 0.0  # the engine's time on them (in the background, with k >= 1 and servers)
+    last_version: int | None = None  # in flight across weight pushes: the newest weights that may have sampled a token
 
 
 def request_for_step(side: StudentSide, step: int) -> Request:
@@ -96,13 +105,18 @@ def request_for_step(side: StudentSide, step: int) -> Request:
     return Request(step, examples, messages, prompts, params, first_group)
 
 
-def sample_request(engine: Engine, request: Request, version: int) -> Sampled:
-    """The engine's rollouts for `request`, each stamped with the weight version that sampled it."""
+def sample_request(engine: Engine, request: Request, version: int, newest: Callable[[], int] | None = None) -> Sampled:
+    """The engine's rollouts for `request`, each stamped with the weight version that sampled it.
+    `newest`: with requests in flight across weight pushes, the newest version announced to the
+    engine so far, read when the request is back (an upper bound on the weights that sampled it)."""
     started = time.perf_counter()
     groups = engine.sample(request.prompts, request.params)
     seconds = time.perf_counter() - started
-    stamped = [[replace(rollout, weight_version=version) for rollout in group] for group in groups]
-    return Sampled(request, stamped, version, seconds)
+    last = newest() if newest is not None else version
+    later = last if last > version else None
+    stamped = [[replace(rollout, weight_version=version, last_weight_version=later) for rollout in group]
+               for group in groups]
+    return Sampled(request, stamped, version, seconds, later)
 
 
 def batch_for_step(examples: Sequence[Example], step: int, size: int, seed: int | str) -> list[Example]:
@@ -125,12 +139,17 @@ def batch_for_step(examples: Sequence[Example], step: int, size: int, seed: int 
 
 class RolloutPipeline:
     """The rollouts of the coming steps: taken by the step that trains on them, asked for up to
-    `max_staleness` steps ahead. Each step calls `take`, then `settle` before its weight sync."""
+    `max_staleness` steps ahead. Each step calls `take`, then `before_weight_change` before its weight sync."""
 
-    def __init__(self, max_staleness: int, background: bool, pending: dict[int, Sampled] | None = None) -> None:
+    def __init__(self, max_staleness: int, background: bool, pending: dict[int, Sampled] | None = None,
+                 version: int = 0) -> None:
         self.max_staleness = max_staleness
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="selfopd-sampler") if background else None
+        # k >= 2 in other processes: k requests may run at once, across weight pushes.
+        self.in_flight = background and max_staleness >= 2
+        workers = max_staleness if self.in_flight else 1
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="selfopd-sampler") if background else None
         self._ahead: dict[int, Sampled | Future[Sampled]] = dict(pending or {})
+        self._newest = version  # the newest weight version the engine has been or is being sent
 
     def take(self, side: StudentSide, step: int, timer: PhaseTimer) -> Sampled:
         """Step `step`'s rollouts (sampled now when none were asked for: k = 0, the first step),
@@ -154,7 +173,17 @@ class RolloutPipeline:
         if self._executor is None:
             self._ahead[step] = sample_request(side.engine, request, version)
         else:
-            self._ahead[step] = self._executor.submit(sample_request, side.engine, request, version)
+            newest = (lambda: self._newest) if self.in_flight else None
+            self._ahead[step] = self._executor.submit(sample_request, side.engine, request, version, newest)
+
+    def before_weight_change(self, version: int) -> None:
+        """Called before the engines are sent weight version `version`. One request at a time: wait
+        for it, so that it ran under one version. Several in flight: let them run on (the push
+        freezes them), from now on tagged as possibly sampled by `version` too."""
+        if self.in_flight:
+            self._newest = version
+        else:
+            self.settle()
 
     def settle(self) -> None:
         """Wait until no request runs: the weights may change only between requests (an
@@ -173,9 +202,10 @@ class RolloutPipeline:
             self._executor.shutdown(wait=True, cancel_futures=True)
 
 
-def open_pipeline(side: StudentSide, checkpoint: Path | None) -> RolloutPipeline:
-    """The run's pipeline, holding the rollouts a resumed checkpoint had sampled ahead; said
-    once on stderr when k >= 1 cannot overlap (an in-process engine)."""
+def open_pipeline(side: StudentSide, checkpoint: Path | None, step: int = 0) -> RolloutPipeline:
+    """The run's pipeline at step `step` (the engines hold its weights), holding the rollouts a
+    resumed checkpoint had sampled ahead; said once on stderr when k >= 1 cannot overlap (an
+    in-process engine)."""
     cfg = side.config
     k = cfg.rollout.max_staleness
     background = k > 0 and side.engine.samples_in_background
@@ -184,7 +214,7 @@ def open_pipeline(side: StudentSide, checkpoint: Path | None) -> RolloutPipeline
               f"rollouts sampled {k} step{'s' if k > 1 else ''} earlier, in the trainer's process, so sampling does "
               "not overlap training", file=sys.stderr)
     pending = load_pending(side, checkpoint) if checkpoint is not None else {}
-    return RolloutPipeline(k, background, pending)
+    return RolloutPipeline(k, background, pending, version=step)
 
 
 def pending_json(pipeline: RolloutPipeline, world: World) -> str | None:
@@ -194,7 +224,8 @@ def pending_json(pipeline: RolloutPipeline, world: World) -> str | None:
     gathered = all_gather([[asdict(r) for group in b.groups for r in group] for b in batches], world)
     if not world.is_main or not batches:
         return None
-    saved = [{"step": b.request.step, "version": b.version, "rollouts": [r for part in gathered for r in part[index]]}
+    saved = [{"step": b.request.step, "version": b.version, "rollouts": [r for part in gathered for r in part[index]],
+              **({} if b.last_version is None else {"last_version": b.last_version})}
              for index, b in enumerate(batches)]
     return json.dumps({"max_staleness": pipeline.max_staleness, "batches": saved})
 
@@ -219,6 +250,6 @@ def load_pending(side: StudentSide, checkpoint: Path) -> dict[int, Sampled]:
                 raise ValueError(f"{path}: the rollouts sampled ahead for step {batch['step']} are not of the prompts "
                                  "that step asks for now (the data, template or rollout settings changed since the "
                                  "checkpoint): resume with the run's own config.toml and templates")
-        pending[batch["step"]] = Sampled(request, groups, batch["version"])
+        pending[batch["step"]] = Sampled(request, groups, batch["version"], last_version=batch.get("last_version"))
     return pending
 

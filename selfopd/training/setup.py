@@ -41,7 +41,8 @@ from selfopd.templating.templates import (
     uses_demonstration,
 )
 from selfopd.training.rollout_pipeline import open_pipeline
-from selfopd.training.weight_checks import check_frozen_teacher, check_probe, probe_logprobs, sync_weights
+from selfopd.training.weight_checks import (check_frozen_teacher, check_probe, check_sampler, probe_logprobs,
+                                            sync_weights)
 
 PROBE_COMPLETION = "Let me think step by step. The answer is 42."
 
@@ -127,13 +128,14 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
                                   for name, table in config.teachers.items()},
                   router=router,
                   ema=open_ema(config, teacher_engine, resume_from, state.get("ema"), options))
-        run.rollouts = open_pipeline(run.student_side, resume_from)  # with the rollouts a checkpoint had sampled ahead
+        run.rollouts = open_pipeline(run.student_side, resume_from, run.step)  # with the rollouts a checkpoint had sampled ahead
         resources.callback(run.rollouts.close)  # before the servers stop: no request outlives them
         if config.engine.kind in VLLM_KINDS:
             # vLLM starts from the model folder (or was running already): give it the
             # trainer's weights (a resumed checkpoint's, say) before the first rollout.
             sync_weights(run)
             check_probe(run)
+            check_sampler(run)
             if config.loss.divergence == "topk_reverse_kl":
                 check_teacher_top_k(run.teacher_engine, config.loss.top_k, probe)
         if config.teacher.kind == "frozen":
@@ -165,7 +167,7 @@ def open_ema(config: TrainConfig, teacher_engine: Any, resume_from: Path | None,
     if resume_from is not None and saved is None:
         raise ConfigError("teacher.kind", f"{resume_from} holds no EMA weights: the run was not started with "
                           "teacher.kind = 'ema'")
-    if config.engine.kind == "local":
+    if config.engine.teacher_in_process:
         model = teacher_engine.model
     else:
         model = load_model(config.model.student, "float32", frozen=True, **options)[0]

@@ -58,9 +58,9 @@ def train_step(run: Run) -> dict[str, float]:
     rest_engines(run.student_engine, run.teacher_engine)  # a colocated vLLM frees the GPU until its next call
     backward = forward_backward(run, scored, teacher_states, timer)
     finite, grad_norm = optimizer_step(run, backward.loss_total, timer)
-    if run.config.rollout.max_staleness:
-        with timer("sample_wait"):  # the weights change only between sampling requests
-            run.rollouts.settle()
+    if run.config.rollout.max_staleness and finite:
+        with timer("sample_wait"):  # k = 1: the weights change only between sampling requests
+            run.rollouts.before_weight_change(run.step)
     probe_gaps = sync_engines(run, timer) if finite else {}  # a skipped step changed no weight: nothing to sync
     scored = [s for part in all_gather(scored, run.world) for s in part]  # the whole step's, in rank order
     flat = {key: torch.cat([t for part in all_gather(values, run.world) for t in part])[None]
@@ -201,17 +201,17 @@ def step_metrics(run: Run, batch: Sampled, scored: list[Scored], flat: dict[str,
         "optim/grad_norm": grad_norm,
         **probe_gaps,
         **({"teacher/ema_distance": run.ema.distance(run.model)} if run.ema is not None else {}),
-        **opd_metrics(
+        **without_teacher(run, opd_metrics(
             flat["teacher"], flat["student"], _aligned_tokens(scored)[None],
             sampler_lp_BT=flat["sampler"], cap=cfg.loss.is_cap or None, advantage_BT=flat["advantage"],
             rewards_B=torch.tensor([s.reward for s in scored]),
-        ),
+        )),
         **({} if sampled else {f"loss/{cfg.loss.divergence}": flat["divergence"].double().mean().item()}),
         **({"opd/clipped_share": flat["clipped"].double().mean().item()} if cfg.loss.token_clip else {}),
         **_cure_metrics(cfg.loss, backward.rlsd_lam, backward.opd_weight_N, scored),
         **_engine_gap(cfg.loss, scored, flat["student"][0]),
-        **preference_metrics((s.group, s.correct, signal.mean().item())
-                             for s, signal in zip(scored, signal_N.split(lengths)) if len(signal) and s.aligned),
+        **without_teacher(run, preference_metrics((s.group, s.correct, signal.mean().item())
+                             for s, signal in zip(scored, signal_N.split(lengths)) if len(signal) and s.aligned)),
         "reward/accuracy": sum(s.correct for s in scored) / len(scored),
         **({"teacher/demonstration_share": sum(s.demonstration is not None for s in scored) / len(scored)}
            if run.demonstration_fallback is not None else {}),
@@ -227,6 +227,13 @@ def step_metrics(run: Run, batch: Sampled, scored: list[Scored], flat: dict[str,
     }
 
 
+def without_teacher(run: Run, metrics: dict[str, float]) -> dict[str, float]:
+    """`metrics` less the teacher's (opd/) when the run has none (teacher.kind = 'none')."""
+    if run.config.teacher.kind != "none":
+        return metrics
+    return {key: value for key, value in metrics.items() if not key.startswith("opd/")}
+
+
 def _aligned_tokens(scored: Sequence[Scored]) -> torch.Tensor:
     """(N,) over the step's completion tokens: False on a completion the teacher could not read
     (its own tokenizer), whose teacher logprobs are a placeholder kept out of the metrics."""
@@ -238,8 +245,9 @@ def _staleness_metrics(run: Run, sampled: Sampled) -> dict[str, float]:
     and the engine's own time on the rollouts (overlapped with training, with servers)."""
     if not run.config.rollout.max_staleness:
         return {}
+    newest = {} if sampled.last_version is None else {"rollout/last_weight_version": sampled.last_version}
     return {"rollout/weight_version": sampled.version, "rollout/staleness": run.step - 1 - sampled.version,
-            "time/sample_engine": sampled.sample_seconds}
+            **newest, "time/sample_engine": sampled.sample_seconds}
 
 
 def _opd_weights(run: Run, scored: Sequence[Scored]) -> torch.Tensor:

@@ -197,6 +197,10 @@ def score_rows(side: TeacherSide, rows: Sequence[TeacherRow], step: int) -> tupl
     baseline, after the baseline prompt), once every prompt is known to fit the teacher's context.
     A row the teacher cannot read (its own tokenizer, a text that does not re-encode) is not scored."""
     loss = side.config.loss
+    if side.table.kind == "none":  # GRPO alone: the sampler's logprobs stand in, and nothing reads them
+        return [Scored(r.example, r.group, r.rollout, r.verdict.reward, r.verdict.correct,
+                       torch.tensor(r.rollout.sampler_logprobs, dtype=torch.float32), r.prompt_ids, teacher=r.teacher)
+                for r in rows], []
     live = [r for r in rows if r.aligned]
     check_teacher_rows([(r.example.id, ids, r.teacher_completion) for r in live
                         for ids in (r.prompt_ids, r.wrong_prompt_ids) if ids is not None], side.engine, step + 1)

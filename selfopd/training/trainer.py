@@ -128,7 +128,8 @@ def _train_loop(run: Run, log: MetricsLog | None, resume: bool, initial_eval: Pa
         skipped_in_row = skipped_in_row + 1 if metrics.get("skipped") else 0
         if skipped_in_row >= config.optim.max_nonfinite_steps:
             raise NonFiniteLoss(_nonfinite_message(run, skipped_in_row))
-        bar.set_postfix(kl=f"{metrics['opd/reverse_kl']:.3f}", acc=f"{metrics['reward/accuracy']:.2f}")
+        bar.set_postfix(**({"kl": f"{metrics['opd/reverse_kl']:.3f}"} if "opd/reverse_kl" in metrics else {}),
+                        acc=f"{metrics['reward/accuracy']:.2f}")
         bar.update(1)
         fired_any = all_sum(float(bool(fired)), run.world) > 0  # rank 0 decided; every rank checkpoints
         stop = fired_any and config.guard.action == "stop"

@@ -11,8 +11,8 @@ import torch
 
 from selfopd.core.devices import autocast, model_device
 from selfopd.core.distributed import is_sharded
-from selfopd.engines.base import Engine
-from selfopd.engines.local import eval_mode
+from selfopd.engines.base import Engine, SamplingParams
+from selfopd.engines.local import LocalEngine, eval_mode
 from selfopd.engines.lora import served_weights
 from selfopd.engines.weight_digest import WeightSyncError  # noqa: F401  (public here: the probe raises it too)
 from selfopd.training.state import Run
@@ -161,6 +161,37 @@ def check_probe(run: Run) -> dict[str, float]:
                     f"{what} = {tolerance}) is {gaps[key]:.3g}: {cause}")
             worst = {metric: max(worst[metric], gaps[metric]) for metric in worst}
     return worst
+
+
+@torch.no_grad()
+def check_sampler(run: Run) -> dict[str, float]:
+    """The student engine samples the policy the trainer trains: a few tokens drawn after the
+    probe's prompt at the run's temperature, on every replica, must carry the logprobs the
+    trainer gives them (`probe_rule`'s tolerance). A server that reports the raw logits' logprobs
+    (started without --logprobs-mode processed_logprobs) or applies a setting of its own fails
+    here, before any step trains on its rollouts. Skipped for an in-process student (it is the
+    trainer's module), greedy decoding and top_p < 1 (the sampler's nucleus is renormalised)."""
+    rollout, student = run.config.rollout, run.student_engine
+    if serves_live_model(student, run) or rollout.temperature == 0 or rollout.top_p < 1.0:
+        return {}
+    prompt = run.probe[0]
+    replicas = getattr(student, "urls", ["the student engine"])
+    params = SamplingParams(max_tokens=8, temperature=rollout.temperature, n=1, seed=run.config.run.seed)
+    drawn = [group[0] for group in student.sample([prompt] * len(replicas), params)]
+    trainer = LocalEngine(run.model, run.tokenizer, precision=run.config.model.dtype)
+    key, tolerance, what = probe_rule(run)
+    worst = 0.0
+    for replica, sample in zip(replicas, drawn):
+        reference = trainer.score([(prompt, sample.completion_ids)], temperature=rollout.temperature)[0].logprobs
+        gap = probe_gaps(torch.tensor(sample.sampler_logprobs), reference)[key]
+        if not gap <= tolerance:
+            raise WeightSyncError(
+                f"{replica} samples another policy than the trainer's: the logprobs of its tokens at temperature "
+                f"{rollout.temperature} differ from the trainer's by {what} = {tolerance}) {gap:.3g}; a vLLM server "
+                "must report the sampled distribution's logprobs (--logprobs-mode processed_logprobs, as `selfopd "
+                "serve` starts it)")
+        worst = max(worst, gap)
+    return {"probe/sampler_gap": worst}
 
 
 @torch.no_grad()

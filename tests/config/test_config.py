@@ -49,7 +49,7 @@ EXPECTED_DEFAULTS = {
     ),
     "eval": dict(max_tokens=48, batch_size=32),
     "probe": dict(tolerance=3e-4, bf16_tolerance=0.25),
-    "engine": dict(kind="local", batch_size=64, student_urls="", teacher_url="", host="127.0.0.1", port=8100, max_model_len=2048,
+    "engine": dict(kind="local", batch_size=64, packed_sampling=False, student_urls="", teacher_url="", teacher_engine="vllm", host="127.0.0.1", port=8100, max_model_len=2048,
                    weight_sync="auto", sync_port=0, sync_timeout_s=60.0, sync_buffer_mb=512,
                    trainer_address="127.0.0.1", compile="auto", gpu_memory_utilization=0.4,
                    cpu_kv_cache_gb=1, extra_server_args="", startup_timeout_s=900.0, request_timeout_s=600.0,
@@ -142,10 +142,11 @@ def test_round_trip_of_every_field_changed(tmp_path):
     changed = config_to_dict(config)
     for section, defaults in EXPECTED_DEFAULTS.items():
         for key, default in defaults.items():
-            # vLLM needs temperature 1, top-k a sampled baseline, LoRA with vLLM fp32, top-k the student's tokenizer:
-            # round-tripped below
+            # vLLM needs temperature 1, top-k a sampled baseline, LoRA with vLLM fp32, top-k the student's tokenizer,
+            # a teacher scored in process no teacher server, packed sampling the local engine: round-tripped below
             if (section, key) not in (("rollout", "temperature"), ("loss", "opd_baseline"), ("model", "lora_rank"),
-                                      ("teacher", "tokenizer"), ("teacher", "tasks")):
+                                      ("teacher", "tokenizer"), ("teacher", "tasks"), ("engine", "teacher_engine"),
+                                      ("engine", "packed_sampling")):
                 assert changed[section][key] != default, f"{section}.{key} not changed: the round trip would not test it"
     assert load_config(write(tmp_path, config_to_toml(config))) == config
     contrastive = dataclasses.replace(TrainConfig(), loss=dataclasses.replace(TrainConfig().loss, opd_baseline="wrong_context"))
@@ -154,6 +155,11 @@ def test_round_trip_of_every_field_changed(tmp_path):
     assert load_config(write(tmp_path, config_to_toml(lora))) == lora
     tempered = dataclasses.replace(config, engine=EngineConfig(), rollout=dataclasses.replace(config.rollout, temperature=0.7))
     assert load_config(write(tmp_path, config_to_toml(tempered))) == tempered
+    packed = TrainConfig(engine=dataclasses.replace(TrainConfig().engine, packed_sampling=True))
+    assert load_config(write(tmp_path, config_to_toml(packed))) == packed
+    scored_here = dataclasses.replace(config, engine=dataclasses.replace(config.engine, teacher_url="", teacher_gpus="",
+                                                                         teacher_engine="local"))
+    assert load_config(write(tmp_path, config_to_toml(scored_here))) == scored_here
     own = TrainConfig(teacher=dataclasses.replace(TrainConfig().teacher, kind="external", model="org/t", tokenizer="own"))
     assert load_config(write(tmp_path, config_to_toml(own))) == own
 
@@ -312,7 +318,7 @@ def test_the_expected_fields_are_literals():
     assert {(s, k) for s, k, _ in literal_fields()} == {
         ("model", "dtype"), ("model", "attn_implementation"), ("teacher", "kind"), ("teacher", "tokenizer"), ("loss", "normalisation"), ("loss", "divergence"),
         ("loss", "opd_on"), ("loss", "opd_baseline"), ("optim", "schedule"),
-        ("engine", "kind"), ("engine", "weight_sync"), ("engine", "compile"), ("run", "wandb_mode"),
+        ("engine", "kind"), ("engine", "teacher_engine"), ("engine", "weight_sync"), ("engine", "compile"), ("run", "wandb_mode"),
         ("guard", "action"),
     }
 
@@ -348,7 +354,9 @@ def test_list_fields_parse_from_toml_and_set():
 def test_literal_fields_accept_their_values_and_nothing_else(section, key, allowed):
     extra = ["teacher.model=org/t"] if (section, key) == ("teacher", "kind") else []
     for value in allowed:
-        sets = extra if value == "external" else ["teacher.kind=external", "teacher.model=org/t"] if value == "own" else []
+        sets = (extra if value == "external" else ["teacher.kind=external", "teacher.model=org/t"] if value == "own"
+                else ["engine.kind=vllm", "rollout.temperature=1"] if (section, key) == ("engine", "teacher_engine")
+                else ["loss.lambda_opd=0", "loss.lambda_rl=1"] if value == "none" else [])
         assert getattr(getattr(load_config(None, [f"{section}.{key}={value}", *sets]), section), key) == value
     with pytest.raises(ConfigError, match=rf"^--set {section}\.{key}=bogus: {section}\.{key}: must be one of "):
         load_config(None, [f"{section}.{key}=bogus"])
@@ -404,3 +412,24 @@ def test_engine_urls_are_split_and_checked():
         load_config(None, ["engine.student_urls=http://b:2,a:1"])
     with pytest.raises(ConfigError, match="engine.teacher_url: takes one URL"):
         load_config(None, ["engine.teacher_url=http://a:1,http://b:2"])
+
+
+def test_a_teacher_scored_by_the_trainer_lifts_the_limits_of_a_vllm_teacher():
+    """engine.teacher_engine = 'local' (vLLM samples, the trainer scores): full-vocabulary losses, other
+    temperatures and several teachers are allowed, as in process; it needs engine.kind = 'vllm' and no
+    teacher server."""
+    hybrid = ["engine.kind=vllm", "engine.teacher_engine=local"]
+    config = load_config(None, [*hybrid, "rollout.temperature=0.7", "loss.divergence=reverse_kl"])
+    assert config.engine.teacher_in_process and config.rollout.temperature == 0.7
+    assert load_config(None, [*hybrid, "rollout.temperature=1", "teachers.anchor.kind=frozen"]).teachers
+    for refused, key, words in [
+        (["engine.kind=vllm", "loss.divergence=jsd", "rollout.temperature=1"], "loss.divergence", "needs the teacher's full"),
+        (["engine.kind=vllm", "rollout.temperature=0.7"], "rollout.temperature", "must be 1 with engine.kind = 'vllm'"),
+        (["engine.teacher_engine=local"], "engine.teacher_engine", "'local' is for engine.kind = 'vllm'"),
+        (["engine.kind=vllm_colocate", "engine.teacher_engine=local", "rollout.temperature=1"], "engine.teacher_engine",
+         "engine.kind is 'vllm_colocate'"),
+        ([*hybrid, "engine.teacher_url=http://t:1"], "engine.teacher_url", "leave it empty"),
+    ]:
+        with pytest.raises(ConfigError, match=words) as error:
+            load_config(None, refused)
+        assert error.value.key == key

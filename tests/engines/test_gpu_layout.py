@@ -203,6 +203,19 @@ def test_the_weight_sync_plan_covers_every_server_of_the_students_weights():
     assert [slot.name for slot in server_slots(config("teacher.kind=ema")) if slot.synced][-1] == "teacher"
 
 
+def test_a_teacher_scored_in_process_gets_no_server_and_no_push():
+    """engine.teacher_engine = 'local': the student servers alone are launched and sent the weights;
+    the teacher's GPU keys belong to a server and are refused."""
+    here = config("engine.teacher_engine=local", "engine.teacher_gpus=", "engine.teacher_tensor_parallel_size=0")
+    assert [slot.name for slot in server_slots(here)] == ["student-0", "student-1"]
+    assert [s.name for s in check_layout(here, TRAINER, 8).servers] == ["student-0", "student-1"]
+    plan = weight_sync_plan(here, ["http://s0:8100", "http://s1:8101"], [])
+    assert [[t.role for t in group] for group in plan["student"]] == [["student"] * 2] and list(plan) == ["student"]
+    with pytest.raises(ConfigError, match=r"engine.teacher_gpus: is for a teacher server; with engine.teacher_engine "
+                                          r"= 'local' the trainer scores the teacher"):
+        config("engine.teacher_engine=local")
+
+
 def test_servers_sharing_a_gpu_go_to_separate_nccl_groups():
     """NCCL refuses one GPU twice in a communicator: two servers on one GPU are two groups (two
     broadcasts); gloo has no such rule (one group)."""

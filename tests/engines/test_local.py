@@ -139,3 +139,42 @@ def test_the_checkpoint_generation_config_does_not_shape_the_policy(smollm2_mode
     for rollout, score in zip(greedy, best):
         assert score.topk_ids[:, 0].tolist() == rollout.completion_ids
     assert model.generation_config.repetition_penalty == 1.5  # given back as it was
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_packed_sampling_samples_the_same_policy_and_restores_the_model(smollm2_model, smollm2_tokenizer, prompts,
+                                                                        temperature):
+    """MKL's packed products (`selfopd.engines.packed`) change only the order of summation: the drawn
+    tokens' logprobs are the trainer's (float64 scoring) within 1e-4, the seeded draws mostly the same
+    tokens as plain sgemm, and every linear layer computes as before once sampling returns."""
+    from selfopd.engines.packed import packed_linears
+
+    params = SamplingParams(max_tokens=24, temperature=temperature, n=2, seed=3)
+    plain = LocalEngine(smollm2_model, smollm2_tokenizer, batch_size=6).sample(prompts, params)
+    packed = LocalEngine(smollm2_model, smollm2_tokenizer, batch_size=6, packed=True).sample(prompts, params)
+    flat = [r for group in packed for r in group]
+    reference = LocalEngine(smollm2_model, smollm2_tokenizer).score([(r.prompt_ids, r.completion_ids) for r in flat],
+                                                                    temperature=temperature)
+    for rollout, score in zip(flat, reference):
+        torch.testing.assert_close(torch.tensor(rollout.sampler_logprobs), score.logprobs, atol=1e-4, rtol=0)
+    same = sum(a.completion_ids == b.completion_ids for ga, gb in zip(plain, packed) for a, b in zip(ga, gb))
+    assert same >= 4, f"only {same} of 6 seeded samples kept their tokens"
+    linears = [m for m in smollm2_model.modules() if type(m) is torch.nn.Linear]
+    assert all("forward" not in m.__dict__ for m in linears)
+    x = torch.randn(2, 5, linears[0].in_features)
+    with torch.no_grad(), packed_linears(smollm2_model, rows=2):
+        assert "forward" in linears[0].__dict__
+        torch.testing.assert_close(linears[0](x), torch.nn.functional.linear(x, linears[0].weight))  # prefill rows
+        torch.testing.assert_close(linears[0](x[:, :1]), torch.nn.functional.linear(x[:, :1], linears[0].weight))
+    assert all("forward" not in m.__dict__ for m in linears)
+
+
+def test_packed_sampling_is_refused_where_it_cannot_run(tmp_path, tiny_model_dir):
+    from selfopd.config import ConfigError, load_config
+    from selfopd.training.trainer import build_run
+
+    with pytest.raises(ConfigError, match=r"engine.packed_sampling: needs fp32 sampling on a CPU: model.dtype is 'bfloat16'"):
+        build_run(load_config(None, [f"model.student={tiny_model_dir}", "model.dtype=bfloat16", "engine.packed_sampling=true",
+                                     f"run.out_dir={tmp_path}", "data.spec=rg:chain_sum?size=20&seed=2", "data.eval_size=4"]))
+    with pytest.raises(ConfigError, match=r"engine.packed_sampling: is for the in-process sampler"):
+        load_config(None, ["engine.packed_sampling=true", "engine.kind=vllm", "rollout.temperature=1"])

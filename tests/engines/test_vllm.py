@@ -286,6 +286,110 @@ def test_sampling_ahead_runs_on_the_servers_while_the_trainer_trains(servers, en
         assert samples[step + 1][1] < trains[step][1], f"step {step + 1}'s request waited for step {step}'s training"
 
 
+def test_a_push_with_requests_in_flight_freezes_them_and_their_later_tokens_are_the_new_weights(
+        servers, engines, smollm2_model, smollm2_tokenizer, base_weights_after):
+    """WeightTransfer(keep_requests=True), as rollout.max_staleness >= 2 pushes: long requests are
+    running when the push starts; it does not wait for them. Every token they return carries the
+    logprob of the weights that drew it: the old ones' up to some position, the new ones' after it
+    (recomputed prefix, no stale KV cache), and some rollout crosses the push."""
+    import copy
+    import threading
+
+    changed_model = copy.deepcopy(smollm2_model)
+    with torch.no_grad():
+        changed_model.model.norm.weight.mul_(1.3)  # every next-token distribution moves
+    prompts = chat_prompts(smollm2_tokenizer, ["Write a long story about a lighthouse keeper and a cat."])
+    params = SamplingParams(max_tokens=300, temperature=1.0, n=4, seed=21)
+    result: dict = {}
+    sampling = threading.Thread(target=lambda: result.update(groups=engines["student"].sample(prompts, params)))
+    sampling.start()
+    time.sleep(3.0)  # the requests are decoding
+    assert sampling.is_alive(), "the requests ended before the push: make them longer"
+    transfer = WeightTransfer([[ServerControl(servers["student"])]], keep_requests=True)
+    try:
+        transfer.push(dict(changed_model.named_parameters()), version=3)
+        assert sampling.is_alive(), "the push waited for the requests in flight"
+    finally:
+        transfer.close()
+    sampling.join(timeout=600)
+    crossed = 0
+    for rollout in result["groups"][0]:
+        old = hf_logprobs(smollm2_model, rollout.prompt_ids, rollout.completion_ids)
+        new = hf_logprobs(changed_model, rollout.prompt_ids, rollout.completion_ids)
+        drawn = torch.tensor(rollout.sampler_logprobs, dtype=torch.float64)
+        is_old, is_new = (drawn - old).abs() <= TOLERANCE, (drawn - new).abs() <= TOLERANCE
+        assert bool((is_old | is_new).all()), "a token's logprob is neither the old weights' nor the new ones'"
+        decided_new = (is_new & ~is_old).nonzero()
+        first_new = int(decided_new[0]) if len(decided_new) else len(drawn)
+        assert bool(is_old[:first_new].all()) and bool(is_new[first_new:].all()), "old and new weights interleave"
+        crossed += 0 < first_new < len(drawn)
+    assert crossed, "no rollout had tokens of both weights"
+
+
+def test_two_requests_in_flight_with_the_teacher_scored_by_the_trainer(servers, engines, base_weights_after, tmp_path,
+                                                                       monkeypatch):
+    """engine.teacher_engine = 'local' (the student server samples at T = 0.7, the trainer scores a
+    full-vocabulary loss) and rollout.max_staleness = 2: two sampling requests run on the server at
+    once, a weight push does not wait for them, every probe passes, and the rollouts say which
+    weights may have drawn them. The start checks the sampler: a server whose policy is not the
+    trainer's is refused."""
+    import time as clock
+
+    from selfopd.training.trainer import WeightSyncError, build_run, train_step
+    from selfopd.training.weight_checks import check_sampler
+
+    overrides = ("optim.lr=1e-4", "optim.warmup_steps=0", "rollout.max_staleness=2", "rollout.temperature=0.7",
+                 "engine.teacher_url=", "engine.teacher_engine=local", "loss.divergence=reverse_kl",
+                 "rollout.max_tokens=24")
+    run = build_run(train_config(servers, tmp_path, "run.name=in-flight", *overrides))
+    assert run.teacher_engine.model is run.model  # the self teacher is the trainer's own module
+    calls: list[tuple[float, float]] = []
+    real_sample = run.student_engine.sample
+
+    def timed(*args, **kwargs):
+        start = clock.perf_counter()
+        result = real_sample(*args, **kwargs)
+        calls.append((start, clock.perf_counter()))
+        return result
+
+    monkeypatch.setattr(run.student_engine, "sample", timed)
+    try:
+        metrics = [train_step(run) for _ in range(4)]
+        assert [m["rollout/staleness"] for m in metrics] == [0, 1, 2, 2]
+        assert all(m["probe/max_abs_diff"] <= TOLERANCE for m in metrics if "probe/max_abs_diff" in m)
+        overlapping = [(a, b) for i, a in enumerate(calls) for b in calls[i + 1:] if a[0] < b[1] and b[0] < a[1]]
+        assert overlapping, f"no two sampling requests were in flight at once: {calls}"
+        # A server that samples another policy than the trainer's is refused by the start check.
+        changed = {name: tensor * 1.3 if name == "model.norm.weight" else tensor
+                   for name, tensor in run.model.named_parameters()}
+        run.rollouts.settle()
+        push_weights([servers["student"]], changed, version=99)
+        with pytest.raises(WeightSyncError, match=rf"^{servers['student']} samples another policy than the trainer's"):
+            check_sampler(run)
+    finally:
+        run.close()
+
+
+def test_the_sampler_is_the_trained_policy_with_the_teacher_scored_by_the_trainer(servers, base_weights_after,
+                                                                                   tmp_path):
+    """k = 0, vLLM sampling at T = 0.7, the trainer scoring: the logprobs the server drew each token
+    with are the trainer's own tempered logprobs of it (saved rollouts: sampler vs student), within
+    1e-3 on every token, fp32."""
+    from selfopd.run.rollouts import read_records
+    from selfopd.training.trainer import build_run, train_step
+
+    run = build_run(train_config(servers, tmp_path, "run.name=hybrid", "rollout.temperature=0.7",
+                                 "engine.teacher_url=", "engine.teacher_engine=local", "run.rollouts_to_save=64"))
+    try:
+        metrics = train_step(run)
+        records = read_records(run.folder.rollouts_file(1))
+    finally:
+        run.close()
+    gaps = [abs(s - t) for r in records for s, t in zip(r.sampler_logprobs, r.student_logprobs)]
+    assert len(gaps) > 10 and max(gaps) < 1e-3, max(gaps)
+    assert metrics["is/sampler_logprob_abs_diff"] < 1e-4
+
+
 def test_an_ema_teacher_server_is_sent_the_average_not_the_students_weights(servers, engines, base_weights_after,
                                                                            tmp_path):
     from selfopd.training.trainer import build_run, train_step

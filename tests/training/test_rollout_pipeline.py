@@ -70,7 +70,7 @@ class SampleAtStepStart:
             request, groups = _sample_by_hand(self.run, step, side.engine)
         return Sampled(request, groups, step)
 
-    def settle(self) -> None:
+    def before_weight_change(self, version: int) -> None:
         pass
 
 

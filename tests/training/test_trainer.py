@@ -273,6 +273,34 @@ def test_token_clip_is_logged_and_bounds_the_opd_advantage(tmp_path, tiny_model_
         assert max(abs(a) for a in advantages) <= 1e-5 + 1e-9
 
 
+def test_no_teacher_is_grpo_alone_without_a_teacher_forward(tmp_path, tiny_model_dir, monkeypatch):
+    """teacher.kind = 'none': the metrics (less the teacher's opd/ ones) and weights of a `self` teacher
+    run with loss.lambda_opd = 0, step for step, and no engine is ever asked to score."""
+    grpo = ("run.steps=2", "loss.lambda_opd=0", "loss.lambda_rl=1", "run.checkpoint_every=2")
+    scored = train(_config(tmp_path, tiny_model_dir, "run.name=scored", *grpo))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a run without a teacher asked an engine to score")
+
+    monkeypatch.setattr(LocalEngine, "score", refuse)
+    monkeypatch.setattr(LocalEngine, "completion_states", refuse)
+    alone = train(_config(tmp_path, tiny_model_dir, "run.name=alone", "teacher.kind=none", *grpo))
+    untimed = lambda lines: [{k: v for k, v in line.items() if not k.startswith("time/")} for line in lines]  # noqa: E731
+    without_opd = [{k: v for k, v in line.items() if not k.startswith("opd/")} for line in untimed(_lines(scored))]
+    assert untimed(_lines(alone)) == without_opd
+    assert not any(key.startswith("opd/") for line in _lines(alone) for key in line)
+    weights = [load_model(run / "checkpoints" / "step_00002", "float32")[0].state_dict() for run in (scored, alone)]
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+    from selfopd.config import ConfigError
+    from selfopd.diagnostics.report import measure_run
+    from selfopd.run.rollouts import DiagnosticsError
+
+    with pytest.raises(DiagnosticsError, match="no teacher signal to diagnose"):
+        measure_run(alone, with_model=False, progress=False)
+    with pytest.raises(ConfigError, match=r"^loss.lambda_opd: asks for a teacher, and teacher.kind is 'none'"):
+        load_config(None, ["teacher.kind=none"])
+
+
 def test_full_vocabulary_divergence_with_vllm_is_refused():
     from selfopd.config import ConfigError
 
