@@ -142,6 +142,12 @@ class RolloutConfig(Section):
         if not 0.0 < self.top_p <= 1.0:
             fail(self._key("top_p"), f"must be in (0, 1], got {self.top_p!r}")
 
+    @property
+    def in_flight(self) -> bool:
+        """k >= 2: with vLLM servers, several sampling requests may run at once, across weight pushes
+        (which freeze them instead of waiting: `selfopd.training.rollout_pipeline`)."""
+        return self.max_staleness >= 2
+
 
 @dataclass(frozen=True)
 class OptimConfig(Section):

@@ -111,13 +111,6 @@ def weight_sync_plan(config: TrainConfig, student_urls: Sequence[str],
     return plan
 
 
-def in_flight_sampling(config: TrainConfig) -> bool:
-    """Several sampling requests run on the student servers while the trainer trains and syncs
-    (`rollout.max_staleness` >= 2, `selfopd.training.rollout_pipeline`): a push freezes them
-    instead of waiting for them."""
-    return config.rollout.max_staleness >= 2
-
-
 def open_weight_transfers(config: TrainConfig, student_urls: Sequence[str],
                           teacher_urls: Sequence[str]) -> tuple[WeightTransfer, WeightTransfer | None]:
     """(the transfer of the student's weights, the teacher engine's transfer or None): one object for
@@ -133,7 +126,7 @@ def open_weight_transfers(config: TrainConfig, student_urls: Sequence[str],
                     for group in groups]
         transfers[role] = WeightTransfer(controls, backend=weight_sync_kind(config), host=engine.trainer_address,
                                          port=port, timeout_s=engine.sync_timeout_s, buffer_mb=engine.sync_buffer_mb,
-                                         keep_requests=role == "student" and in_flight_sampling(config))
+                                         keep_requests=role == "student" and config.rollout.in_flight)
         port = port + len(groups) if port else 0
     student = transfers["student"]
     return student, (student if config.teacher.follows_student else transfers.get("ema"))

@@ -87,7 +87,12 @@ class Sampled:
     groups: list[list[Rollout]]
     version: int  # the trainer step whose weights sampled the rollouts (asked with, when several were in flight)
     sample_seconds: float = 0.0  # the engine's time on them (in the background, with k >= 1 and servers)
-    last_version: int | None = None  # in flight across weight pushes: the newest weights that may have sampled a token
+
+    @property
+    def last_version(self) -> int | None:
+        """In flight across weight pushes: the newest weights that may have sampled a token (the
+        rollouts' `last_weight_version`, the same for the whole request); None otherwise."""
+        return next((rollout.last_weight_version for group in self.groups for rollout in group), None)
 
 
 def request_for_step(side: StudentSide, step: int) -> Request:
@@ -116,7 +121,7 @@ def sample_request(engine: Engine, request: Request, version: int, newest: Calla
     later = last if last > version else None
     stamped = [[replace(rollout, weight_version=version, last_weight_version=later) for rollout in group]
                for group in groups]
-    return Sampled(request, stamped, version, seconds, later)
+    return Sampled(request, stamped, version, seconds)
 
 
 def batch_for_step(examples: Sequence[Example], step: int, size: int, seed: int | str) -> list[Example]:
@@ -142,10 +147,10 @@ class RolloutPipeline:
     `max_staleness` steps ahead. Each step calls `take`, then `before_weight_change` before its weight sync."""
 
     def __init__(self, max_staleness: int, background: bool, pending: dict[int, Sampled] | None = None,
-                 version: int = 0) -> None:
+                 version: int = 0, in_flight: bool = False) -> None:
         self.max_staleness = max_staleness
-        # k >= 2 in other processes: k requests may run at once, across weight pushes.
-        self.in_flight = background and max_staleness >= 2
+        # In other processes (`background`), k >= 2 (`RolloutConfig.in_flight`): k requests may run at once.
+        self.in_flight = background and in_flight
         workers = max_staleness if self.in_flight else 1
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="selfopd-sampler") if background else None
         self._ahead: dict[int, Sampled | Future[Sampled]] = dict(pending or {})
@@ -214,7 +219,7 @@ def open_pipeline(side: StudentSide, checkpoint: Path | None, step: int = 0) -> 
               f"rollouts sampled {k} step{'s' if k > 1 else ''} earlier, in the trainer's process, so sampling does "
               "not overlap training", file=sys.stderr)
     pending = load_pending(side, checkpoint) if checkpoint is not None else {}
-    return RolloutPipeline(k, background, pending, version=step)
+    return RolloutPipeline(k, background, pending, version=step, in_flight=cfg.rollout.in_flight)
 
 
 def pending_json(pipeline: RolloutPipeline, world: World) -> str | None:
@@ -224,8 +229,7 @@ def pending_json(pipeline: RolloutPipeline, world: World) -> str | None:
     gathered = all_gather([[asdict(r) for group in b.groups for r in group] for b in batches], world)
     if not world.is_main or not batches:
         return None
-    saved = [{"step": b.request.step, "version": b.version, "rollouts": [r for part in gathered for r in part[index]],
-              **({} if b.last_version is None else {"last_version": b.last_version})}
+    saved = [{"step": b.request.step, "version": b.version, "rollouts": [r for part in gathered for r in part[index]]}
              for index, b in enumerate(batches)]
     return json.dumps({"max_staleness": pipeline.max_staleness, "batches": saved})
 
@@ -250,6 +254,6 @@ def load_pending(side: StudentSide, checkpoint: Path) -> dict[int, Sampled]:
                 raise ValueError(f"{path}: the rollouts sampled ahead for step {batch['step']} are not of the prompts "
                                  "that step asks for now (the data, template or rollout settings changed since the "
                                  "checkpoint): resume with the run's own config.toml and templates")
-        pending[batch["step"]] = Sampled(request, groups, batch["version"], last_version=batch.get("last_version"))
+        pending[batch["step"]] = Sampled(request, groups, batch["version"])
     return pending
 
