@@ -145,6 +145,8 @@ def _estimate(value: dict | None) -> str:
 def _transfer(value: dict | None) -> str:
     if not value:
         return "not measured"
+    if "not_measured" in value:
+        return "not measured: " + value["not_measured"].split(": ")[-1]
     ratio, held, trained = value["ratio"], value["held_out"], value["trained"]
     if trained["low"] <= 0:  # no gap closed on the training prompts: the ratio is not read
         return f"none to measure ({held['value']:.2f} / {trained['value']:.2f})"

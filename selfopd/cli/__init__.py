@@ -360,7 +360,9 @@ def _print_diagnosis(diagnosis: Any, report: Path) -> None:
         score = diagnosis.illusion[step]
         flag = "  WARNING" if score.warning else ""
         print(f"illusion score at step {step}: {score.share} (interval over {score.share.n} distinct prompts){flag}")
-    if diagnosis.transfer is not None:
+    if isinstance(diagnosis.transfer, str):
+        print(f"transfer of the teacher's advantage: not measured, {diagnosis.transfer}")
+    elif diagnosis.transfer is not None:
         print(f"transfer of the teacher's advantage, held-out / trained: {diagnosis.transfer.ratio}")
     for warning in diagnosis.warnings:
         print(f"warning: {warning}")

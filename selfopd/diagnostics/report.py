@@ -24,7 +24,7 @@ from selfopd.diagnostics.measures import (Annotated, ClassRow, ContextContrast, 
                                           decompose, illusion_score, step_behaviour)
 from selfopd.run.rollouts import DiagnosticsError, RolloutRecord, read_run_rollouts
 from selfopd.diagnostics.teachers import one_teachers_part
-from selfopd.diagnostics.transfer import Transfer, measure_transfer, transfer_line
+from selfopd.diagnostics.transfer import NothingToTransfer, Transfer, measure_transfer, transfer_line
 from selfopd.diagnostics.signals_report import (SignalDiagnosis, measure_signals, render_signals, signals_json,
                                                 write_signal_outputs)
 from selfopd.engines.base import Engine
@@ -94,7 +94,8 @@ class RunDiagnosis:
     preference: MeanEstimate | None  # teacher signal on correct - wrong samples of a prompt, all saved steps
     model_part: TemplateDiagnosis | None  # with the starting weights
     signals: SignalDiagnosis | None = None  # teachability, contrastive gain, DOPD split; starting weights
-    transfer: Transfer | None = None  # the gap closed on held-out vs trained prompts; start and final weights
+    transfer: Transfer | str | None = None  # the gap closed on held-out vs trained prompts (start and final
+    # weights), or why there was none to measure
 
     @property
     def first(self) -> int:
@@ -142,8 +143,11 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
                                   config.rollout.temperature, config.eval.batch_size)
         checkpoint = RunFolder(run_dir).latest_checkpoint()
         if transfer_items and checkpoint is not None:
-            transfer_part = measure_transfer(config, checkpoint, prompting, teacher_engine, student_engine,
-                                             train_examples, eval_examples, transfer_items)
+            try:
+                transfer_part = measure_transfer(config, checkpoint, prompting, teacher_engine, student_engine,
+                                                 train_examples, eval_examples, transfer_items)
+            except NothingToTransfer as error:  # the rest of the diagnosis stands
+                transfer_part = str(error)
     suffix = "" if teacher == "default" else f" (teacher {teacher!r})"
     return RunDiagnosis(
         run_dir.name, f"{config.teacher.kind} with {prompting.teacher_template.name}{suffix}", prompting.student_template.name,
@@ -169,8 +173,10 @@ def write_report(diagnosis: RunDiagnosis, out: Path, heatmaps: int = 4) -> Path:
         summary["at_start"] = {"privileged_gain_decomposition": as_jsonable(part.decomposition),
                                "illusion": _illusion_json(part.illusion), "contrast": as_jsonable(part.contrast),
                                "gap": as_jsonable(part.gap)}
-    if diagnosis.transfer is not None:
+    if isinstance(diagnosis.transfer, Transfer):
         summary["transfer"] = as_jsonable(diagnosis.transfer)
+    elif diagnosis.transfer is not None:
+        summary["transfer"] = {"not_measured": diagnosis.transfer}
     if diagnosis.signals is not None:
         summary["signals"] = signals_json(diagnosis.signals)
         figures |= write_signal_outputs(diagnosis.signals, out)
@@ -274,8 +280,10 @@ def render_report(diagnosis: RunDiagnosis, figures: dict[str, str]) -> str:
     if d.model_part is not None:
         lines.append(f"- Before training, privileged gain (same weights, with minus without context): illusion score "
                      f"**{d.model_part.illusion.share}**.")
-    if d.transfer is not None:
+    if isinstance(d.transfer, Transfer):
         lines.append(transfer_line(d.transfer))
+    elif d.transfer is not None:
+        lines.append(f"- Transfer of the teacher's advantage on the reference answer: not measured, {d.transfer}.")
     lines += [f"- {w}" for w in d.warnings] or ["- No collapse of length or epistemic words, no leaked phrases in outputs."]
     lines += [
         "",

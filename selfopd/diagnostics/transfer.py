@@ -88,11 +88,15 @@ def closure(rows: Sequence[AnswerLogprobs]) -> float:
     return sum(r.end - r.start for r in rows) / gap if gap > 0 else float("nan")
 
 
+class NothingToTransfer(ValueError):
+    """No prompt of a split has a gap to close: the measure is undefined there, not zero."""
+
+
 def transfer(trained: Sequence[AnswerLogprobs], held_out: Sequence[AnswerLogprobs], seed: int = 0) -> Transfer:
     """Closure on each split and their ratio, with bootstrap intervals over prompts."""
     kept = [[r for r in rows if r.teacher - r.start > MIN_GAP] for rows in (trained, held_out)]
     if not kept[0] or not kept[1]:
-        raise ValueError("no prompt whose privileged context raises the reference answer's logprob in "
+        raise NothingToTransfer("no prompt whose privileged context raises the reference answer's logprob in "
                          f"{'the trained' if not kept[0] else 'the held-out'} split: nothing to transfer")
     rng = np.random.default_rng(seed)
     arrays = [np.array([[r.teacher - r.start, r.end - r.start] for r in rows]) for rows in kept]

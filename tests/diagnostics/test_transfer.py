@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from selfopd.data import load_examples
-from selfopd.diagnostics.transfer import (AnswerLogprobs, answer_logprobs, answer_tokens, closure, transfer,
-                                          transfer_line)
+from selfopd.diagnostics.transfer import (AnswerLogprobs, NothingToTransfer, answer_logprobs, answer_tokens, closure,
+                                          transfer, transfer_line)
 
 
 def _rows(gaps, gains):
@@ -24,7 +24,7 @@ def test_closure_and_transfer_on_a_hand_computed_case():
     assert "held-out / trained" in transfer_line(result)  # every trained prompt gained: the ratio is read
     lost = transfer(_rows([2.0, 4.0, 3.0], [-1.0, -2.0, -1.5]), held_out)  # training lowered the answer's logprob
     assert lost.trained.high < 0 and "the ratio is not read" in transfer_line(lost)
-    with pytest.raises(ValueError, match="held-out"):
+    with pytest.raises(NothingToTransfer, match="held-out"):
         transfer(trained, _rows([0.0], [1.0]))
 
 
@@ -58,3 +58,20 @@ def test_answer_logprobs_are_the_models_own_over_the_answer_tokens(tiny_model_di
         logprobs = torch.log_softmax(model(torch.tensor([prompt + ids])).logits[0].double(), -1)
     expected = sum(float(logprobs[len(prompt) - 1 + t, ids[t]]) for t in range(len(ids)) if mask[t])
     assert rows[0].start == pytest.approx(expected, abs=1e-4)
+
+
+def test_diagnose_reports_a_transfer_with_no_gap_and_keeps_the_rest(tmp_path, tiny_model_dir, capsys):
+    """The student's own prompt as the teacher's context opens no gap on any prompt: the transfer
+    is undefined, and the diagnosis says so instead of failing."""
+    import json
+
+    from selfopd.cli import main
+    from selfopd.training.trainer import train
+    from tests.training.test_trainer import _config
+
+    run_dir = train(_config(tmp_path, tiny_model_dir, "run.steps=1", "run.name=no_gap", "teacher.template=teacher/empty"))
+    assert main(["diagnose", str(run_dir), "--gap-items", "2", "--transfer-items", "4", "--heatmaps", "0"]) == 0
+    assert "transfer of the teacher's advantage: not measured, no prompt whose" in capsys.readouterr().out
+    summary = json.loads((run_dir / "diagnostics" / "summary.json").read_text())
+    assert "nothing to transfer" in summary["transfer"]["not_measured"] and summary["illusion"]
+    assert "reference answer: not measured, no prompt" in (run_dir / "diagnostics" / "report.md").read_text()
