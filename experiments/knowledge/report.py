@@ -28,6 +28,7 @@ from selfopd.core.plots import decorate, new_figure, save_figure
 from selfopd.diagnostics.measures import as_jsonable
 from selfopd.core.stats import PairedDifference, mean_interval, pooled_accuracy, pooled_change
 from selfopd.config import load_config
+from selfopd.core.run_folder import RunFolder
 from selfopd.data import load_examples
 from selfopd.data.example import prompt_key
 from selfopd.run.evaluate import read_eval_outcomes
@@ -135,6 +136,11 @@ def _fmt(value, signed: bool = False) -> str:
     return f"{number:{sign}.3f} [{value.low:{sign}.3f}, {value.high:{sign}.3f}]"
 
 
+def _difference(a, b) -> str:
+    """Of two accuracies on different prompts (no pairing, so no interval)."""
+    return "not yet run" if a is None or b is None else f"{a.value - b.value:+.3f}"
+
+
 def _estimate(value: dict | None) -> str:
     """An estimate stored as JSON ({value, low, high, n}), with its n."""
     if not value:
@@ -216,6 +222,8 @@ def measure(out: Path) -> dict:
             row["arithmetic_vs_sft_gold"] = paired(arms["sft_gold"].arithmetic, arm.arithmetic)
         if "arithmetic" in start:
             row["arithmetic_vs_start"] = against_start(start["arithmetic"], arm.arithmetic)
+        if "unseen" in start:
+            row["unseen_vs_start"] = against_start(start["unseen"], arm.unseen)
         rows[name] = row
     for name in ("grpo_only", study.PRIMARY_OPD):  # the mixture against the same arm on this task alone
         if f"mixed_{name}" in arms and name in arms:
@@ -230,7 +238,30 @@ def measure(out: Path) -> dict:
     diagnoses["demo task: the demo recipe (start)"] = diagnosis_row(out / "illusion" / "start")
     sft_steps = [json.loads(p.read_text())["steps"] for p in sorted((out / "sft").glob("*/summary.json"))]
     return {"arms": arms, "rows": rows, "start": start, "diagnoses": diagnoses, "results": results,
-            "sft_steps": sft_steps[0] if sft_steps else None}
+            "sft_steps": sft_steps[0] if sft_steps else None, "longer": measure_longer(out, spec, grid, arms)}
+
+
+def measure_longer(out: Path, spec: str, grid: CompareConfig, arms: dict[str, Arm]) -> dict | None:
+    """The best OPD arm at 3x the steps: its held-out (b) at the last step against the same runs'
+    step 40, paired by prompt and seed, and whether those runs' step 40 repeats the grid's (same
+    seeds, same data order, a constant lr)."""
+    best = study.best_opd_arm(grid)
+    if best is None:
+        return None
+    steps = load_config(study.CONFIG).run.steps
+    config = study.comparison(out, Path("start"), spec, "knowledge_3x", only=(best,))
+    restore_runs(config, study.ARCHIVE / config.name)
+    at, last, same = {}, {}, 0
+    for seed in study.SEEDS:
+        folder = RunFolder(config.arm_dir(best, seed))
+        if not folder.finished.is_file() or not (evals := folder.eval_steps()) or evals[-1] != 3 * steps:
+            continue
+        at[seed], last[seed] = (read_eval_outcomes(folder.eval_dir(step)) for step in (steps, 3 * steps))
+        grid_final = arms[best].held_out.get(seed, {})
+        same += sum(grid_final.get(key) == value for key, value in at[seed].items())
+    return {"arm": best, "steps": (steps, 3 * steps), "seeds": sorted(last),
+            "at_steps": pooled(at), "at_3x": pooled(last), "change": paired(at, last),
+            "same_as_grid": (same, sum(len(v) for v in at.values()))}
 
 
 def verdicts(rows: dict) -> dict[str, dict]:
@@ -243,6 +274,51 @@ def verdicts(rows: dict) -> dict[str, dict]:
                        "beats_grpo_bonferroni": None if row.get("vs_grpo_99") is None else row["vs_grpo_99"].low > 0,
                        "not_worse_than_sft_on_forgetting": None if forget is None else forget.low >= -0.05}
     return calls
+
+
+FACT_SHEET_OPD = tuple(name for name in study.OPD_ARMS if name != "external_sft")
+ANSWER_NOTE = "demo task: answer note, full weight"
+
+
+def _ratio(row: dict | None) -> tuple[float, float] | None:
+    """The transfer ratio's interval, when the run closed a gap on its training prompts (else None)."""
+    value = (row or {}).get("transfer") or {}
+    if "ratio" not in value or value["trained"]["low"] <= 0:
+        return None
+    return value["ratio"]["low"], value["ratio"]["high"]
+
+
+def regimes_told_apart(diagnoses: dict, learners: list[str]) -> dict | None:
+    """Amendment 2's criterion: the transfer tells the regimes apart when every learning arm's ratio
+    lies above 0.5 and the answer note's does not (below 0.5, or no gap closed on its training
+    prompts); the answer-token lift, when it warns on the answer note and on no learning arm."""
+    note = diagnoses.get(ANSWER_NOTE)
+    if note is None or any(diagnoses.get(name) is None for name in learners):
+        return None
+    note_ratio = _ratio(note)
+    return {"learners": learners,
+            "transfer": all((r := _ratio(diagnoses[name])) is not None and r[0] > 0.5 for name in learners)
+            and (note_ratio is None or note_ratio[1] < 0.5),
+            "lift": bool(note["warning_last"]) and not any(diagnoses[name]["warning_last"] for name in learners)}
+
+
+def recipe_call(calls: dict, longer: dict | None) -> str:
+    """The pre-registered recipe rule: beats GRPO, not worse than SFT on forgetting, and no lower at
+    3x the steps than at 1x (the paired interval's upper end at or above 0)."""
+    undecided = [name for name in study.OPD_ARMS if calls[name]["beats_grpo"] is None
+                 or (calls[name]["beats_grpo"] and calls[name]["not_worse_than_sft_on_forgetting"] is None)]
+    qualifying = [name for name in study.OPD_ARMS
+                  if calls[name]["beats_grpo"] and calls[name]["not_worse_than_sft_on_forgetting"]]
+    if undecided:
+        return f"Recipe: not decided until {', '.join(undecided)} {'has' if len(undecided) == 1 else 'have'} every measure."
+    if not qualifying:
+        return ("**No recipe is shipped:** no OPD arm both beats GRPO alone and is not worse than SFT on "
+                "forgetting.")
+    if longer is None or longer["change"] is None:
+        return f"Recipe: waits for the 3x-steps runs ({', '.join(qualifying)} qualify so far)."
+    if longer["arm"] in qualifying and longer["change"].high >= 0:
+        return f"**Recipe: `{longer['arm']}`**: beats GRPO, not worse than SFT on forgetting, holds at 3x the steps."
+    return f"**No recipe is shipped:** `{longer['arm']}` at 3x the steps: {_fmt(longer['change'])}."
 
 
 def render(measured: dict, figure: Path | None) -> str:
@@ -275,14 +351,15 @@ def render(measured: dict, figure: Path | None) -> str:
                      f"{_tokens(row['tokens'])} |")
     lines += ["", "## Forgetting and split (c)", "",
               "| arm | arithmetic after | vs start | vs sft_gold | drift KL(trained \\|\\| start) per token | split (c) "
-              "| fresh phrasings of trained facts |",
-              "|---|---|---|---|---|---|---|"]
+              "| split (c) vs start | (b) - (c) | fresh phrasings of trained facts |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for name in order:
         if name in rows:
             row = rows[name]
             lines.append(f"| `{name}` | {_fmt(row['arithmetic'])} | {_fmt(row.get('arithmetic_vs_start'))} | "
                          f"{_fmt(row.get('arithmetic_vs_sft_gold')) if name != 'sft_gold' else '(reference)'} | "
-                         f"{_fmt(row['drift'])} | {_fmt(row['unseen'])} | {_fmt(row['fresh'])} |")
+                         f"{_fmt(row['drift'])} | {_fmt(row['unseen'])} | {_fmt(row.get('unseen_vs_start'))} | "
+                         f"{_difference(row['held_out'], row['unseen'])} | {_fmt(row['fresh'])} |")
     lines += ["", "## Against SFT at matched tokens", "", "| arm | vs sft_gold | vs sft_teacher |", "|---|---|---|"]
     for name in (*study.OPD_ARMS, "shuffled", "grpo_only"):
         if name in rows:
@@ -310,8 +387,27 @@ def render(measured: dict, figure: Path | None) -> str:
                      f"{_estimate(prefers)} | "
                      f"{', '.join(row['guard']) or 'none'} | {_transfer(row['transfer'])} | "
                      f"{'' if call is None else 'yes' if call else 'no'} |")
+    told = regimes_told_apart(measured["diagnoses"], [n for n in FACT_SHEET_OPD if calls.get(n, {}).get("beats_grpo")])
+    if told is not None:
+        vacuous = " (vacuously for the fact-sheet arms: none beats GRPO)" if not told["learners"] else ""
+        lines += ["", "Amendment 2's criterion, the answer note at full weight against the fact-sheet OPD arms that "
+                  f"beat GRPO{vacuous}: the transfer tells the regimes apart: **{'yes' if told['transfer'] else 'no'}**; "
+                  f"the answer-token lift: **{'yes' if told['lift'] else 'no'}**."]
+        if (outside := regimes_told_apart(measured["diagnoses"], ["external_sft"])) is not None:
+            lines += ["", "Exploratory, the same criterion with `external_sft` (the arm that learns the facts, from a "
+                      "teacher that stores them) as the learning arm: the transfer "
+                      f"**{'yes' if outside['transfer'] else 'no'}**, the lift **{'yes' if outside['lift'] else 'no'}**."]
     if figure is not None:
         lines += ["", f"![held-out accuracy against steps and generated tokens]({figure.name})"]
+    longer = measured["longer"]
+    if longer is not None and longer["seeds"]:
+        first, last = longer["steps"]
+        same, of = longer["same_as_grid"]
+        lines += ["", f"## 3x the steps: `{longer['arm']}`, {last} steps", "",
+                  f"Seeds {', '.join(map(str, longer['seeds']))}; held-out (b) at step {first} "
+                  f"{_fmt(longer['at_steps'])}, at step {last} {_fmt(longer['at_3x'])}; change "
+                  f"{_fmt(longer['change'])} (paired by prompt and seed). At step {first} these runs give the grid's "
+                  f"outcome on {same} of {of} prompt x seed pairs."]
     lines += ["", "## Verdicts", ""]
     for name, call in calls.items():
         if call["beats_grpo"] is not None:
@@ -319,6 +415,7 @@ def render(measured: dict, figure: Path | None) -> str:
                          f" (with a Bonferroni 99% interval: {'yes' if call['beats_grpo_bonferroni'] else 'no'}); "
                          f"not worse than SFT on forgetting: "
                          f"{'not yet measured' if call['not_worse_than_sft_on_forgetting'] is None else 'yes' if call['not_worse_than_sft_on_forgetting'] else 'no'}.")
+    lines += ["", recipe_call(calls, longer)]
     return "\n".join(lines) + "\n"
 
 
@@ -353,7 +450,7 @@ def main() -> None:
     report = write_text_atomic(args.out_dir / "knowledge_report.md", render(measured, figure))
     write_json_atomic(args.out_dir / "knowledge_summary.json",
                       {"rows": as_jsonable(measured["rows"]), "verdicts": verdicts(measured["rows"]),
-                       "diagnoses": measured["diagnoses"]})
+                       "diagnoses": measured["diagnoses"], "longer": as_jsonable(measured["longer"])})
     print(f"wrote {report}")
 
 

@@ -118,3 +118,46 @@ def test_the_report_says_what_has_not_run_yet(runner, tmp_path, monkeypatch):
     text = report.render(measured, None)
     assert text.count("not yet run") >= 11 and "## Verdicts" in text
     assert all(value is None for call in report.verdicts(measured["rows"]).values() for value in call.values())
+    assert "Recipe: not decided until" in text
+
+
+def _diagnosis(ratio=None, trained_low=0.1, warns=False):
+    transfer = None if ratio is None else {"ratio": {"value": sum(ratio) / 2, "low": ratio[0], "high": ratio[1]},
+                                           "trained": {"value": 0.2, "low": trained_low, "high": 0.3}}
+    return {"transfer": transfer, "warning_last": warns}
+
+
+def test_the_regimes_criterion_on_hand_cases():
+    report = importlib.import_module("experiments.knowledge.report")
+    note = report.ANSWER_NOTE
+    learner = {"a": _diagnosis((0.7, 1.2), warns=True)}
+    told = report.regimes_told_apart({**learner, note: _diagnosis((0.1, 0.4), warns=True)}, ["a"])
+    assert told == {"learners": ["a"], "transfer": True, "lift": False}  # the lift warns on the learning arm too
+    # the note closed no gap on its training prompts: its ratio is not read, and it does not count as transfer
+    assert report.regimes_told_apart({**learner, note: _diagnosis((0.6, 2.0), trained_low=-0.1)}, ["a"])["transfer"]
+    assert not report.regimes_told_apart({**learner, note: _diagnosis((0.3, 0.6))}, ["a"])["transfer"]  # crosses 0.5
+    assert not report.regimes_told_apart({"a": _diagnosis((0.4, 1.2)), note: _diagnosis((0.1, 0.4))}, ["a"])["transfer"]
+    assert report.regimes_told_apart({"a": _diagnosis(), note: _diagnosis(warns=True)}, ["a"]) == \
+        {"learners": ["a"], "transfer": False, "lift": True}  # a learning arm without a transfer fails it
+    assert report.regimes_told_apart(learner, ["a"]) is None  # the answer note has not run
+
+
+def test_the_recipe_rule_on_hand_cases():
+    from selfopd.core.stats import PairedDifference
+
+    report = importlib.import_module("experiments.knowledge.report")
+
+    def calls(**passing):
+        return {name: {"beats_grpo": name in passing, "not_worse_than_sft_on_forgetting": passing.get(name, False)}
+                for name in report.study.OPD_ARMS}
+
+    def longer(arm, high):
+        return {"arm": arm, "change": PairedDifference(high - 0.1, high - 0.2, high, 64, 3)}
+
+    assert "No recipe" in report.recipe_call(calls(), None)
+    assert "No recipe" in report.recipe_call(calls(external_sft=False), longer("external_sft", 0.1))
+    assert "waits for the 3x" in report.recipe_call(calls(opd_topk=True), None)
+    assert "Recipe: `opd_topk`" in report.recipe_call(calls(opd_topk=True), longer("opd_topk", 0.0))
+    assert "No recipe" in report.recipe_call(calls(opd_topk=True), longer("opd_topk", -0.01))  # lower at 3x
+    undecided = {**calls(), "opd_topk": {"beats_grpo": True, "not_worse_than_sft_on_forgetting": None}}
+    assert "not decided until opd_topk" in report.recipe_call(undecided, None)
