@@ -238,7 +238,8 @@ def measure(out: Path) -> dict:
     diagnoses["demo task: the demo recipe (start)"] = diagnosis_row(out / "illusion" / "start")
     sft_steps = [json.loads(p.read_text())["steps"] for p in sorted((out / "sft").glob("*/summary.json"))]
     return {"arms": arms, "rows": rows, "start": start, "diagnoses": diagnoses, "results": results,
-            "sft_steps": sft_steps[0] if sft_steps else None, "longer": measure_longer(out, spec, grid, arms)}
+            "sft_steps": sft_steps[0] if sft_steps else None, "longer": measure_longer(out, spec, grid, arms),
+            "time": study_time(out)}
 
 
 def measure_longer(out: Path, spec: str, grid: CompareConfig, arms: dict[str, Arm]) -> dict | None:
@@ -274,6 +275,50 @@ def verdicts(rows: dict) -> dict[str, dict]:
                        "beats_grpo_bonferroni": None if row.get("vs_grpo_99") is None else row["vs_grpo_99"].low > 0,
                        "not_worse_than_sft_on_forgetting": None if forget is None else forget.low >= -0.05}
     return calls
+
+
+GRIDS = {"knowledge": "grid", "knowledge_shuffled": "shuffled", "knowledge_mixed": "mixed", "knowledge_3x": "3x steps"}
+
+
+def study_time(out: Path) -> dict:
+    """Wall seconds of what ran, per stage: each training run as timed (evals included), the gap
+    after it until the next run finished minus that run's own time (its retention measures and
+    diagnosis) where the two ran back to back, and the SFT runs' own totals. Runs that shared the
+    machine or were paused are in the sums; the medians say what an idle machine takes."""
+    stages = {}
+    for grid, label in GRIDS.items():
+        path = out / grid / "timing.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+        runs = [r for r in rows if r["wall_seconds"] > 1]  # an arm restored from the archive logs 0 s
+        after = [b["finished_at"] - a["finished_at"] - b["wall_seconds"] for a, b in zip(runs, runs[1:])]
+        stages[label] = {"runs": len(runs), "seconds": [r["wall_seconds"] for r in runs],
+                         "measures": [gap for gap in after if 0 < gap < 900]}  # longer: an interruption
+    sft = [json.loads(p.read_text())["seconds"]["total"] for p in sorted((out / "sft").glob("*/summary.json"))]
+    stages["sft"] = {"runs": len(sft), "seconds": sft, "measures": []}
+    single = [sum(json.loads(line).get("time/step", 0.0) for line in (run / "metrics.jsonl").read_text().splitlines())
+              for run in (out / "start", out / "illusion" / "answer_note_full") if (run / "metrics.jsonl").is_file()]
+    stages["start and illusion (steps only)"] = {"runs": len(single), "seconds": single, "measures": []}
+    return stages
+
+
+def _time_lines(stages: dict) -> list[str]:
+    measures = [gap for stage in stages.values() for gap in stage["measures"]]
+    per_run = float(np.median(measures)) if measures else 0.0
+    lines = ["", "## Time", "", f"Each run's retention measures and seed-0 diagnosis after it: median {per_run / 60:.1f} "
+             f"min (over {len(measures)} runs that ran back to back).", "",
+             "| stage | runs | wall time as measured | median run | idle estimate with measures |", "|---|---|---|---|---|"]
+    total = 0.0
+    for label, stage in stages.items():
+        if not stage["runs"]:
+            continue
+        median = float(np.median(stage["seconds"]))
+        estimate = stage["runs"] * (median + per_run)
+        total += estimate
+        lines.append(f"| {label} | {stage['runs']} | {sum(stage['seconds']) / 3600:.2f} h | {median / 60:.1f} min | "
+                     f"{estimate / 3600:.2f} h |")
+    lines += ["", f"Idle-machine estimate of what has run: **{total / 3600:.1f} h** on 2 cores (the wall times as "
+              "measured include time when the machine was shared or the study paused)."]
+    return lines
 
 
 FACT_SHEET_OPD = tuple(name for name in study.OPD_ARMS if name != "external_sft")
@@ -416,6 +461,7 @@ def render(measured: dict, figure: Path | None) -> str:
                          f"not worse than SFT on forgetting: "
                          f"{'not yet measured' if call['not_worse_than_sft_on_forgetting'] is None else 'yes' if call['not_worse_than_sft_on_forgetting'] else 'no'}.")
     lines += ["", recipe_call(calls, longer)]
+    lines += _time_lines(measured["time"])
     return "\n".join(lines) + "\n"
 
 

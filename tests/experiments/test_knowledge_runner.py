@@ -161,3 +161,20 @@ def test_the_recipe_rule_on_hand_cases():
     assert "No recipe" in report.recipe_call(calls(opd_topk=True), longer("opd_topk", -0.01))  # lower at 3x
     undecided = {**calls(), "opd_topk": {"beats_grpo": True, "not_worse_than_sft_on_forgetting": None}}
     assert "not decided until opd_topk" in report.recipe_call(undecided, None)
+
+
+def test_the_study_time_on_a_hand_made_timing_file(tmp_path):
+    report = importlib.import_module("experiments.knowledge.report")
+    rows = [("grpo_only seed 0", 400, 1000), ("opd_sampled seed 0", 500, 1650),  # 150 s of measures after the first
+            ("opd_topk seed 0", 300, 5000), ("sft", 0.001, 5001)]  # 3050 s: an interruption, not a measure
+    (tmp_path / "knowledge").mkdir()
+    (tmp_path / "knowledge" / "timing.jsonl").write_text(
+        "".join(json.dumps({"what": w, "wall_seconds": s, "finished_at": t}) + "\n" for w, s, t in rows))
+    (tmp_path / "sft" / "sft_gold_seed0").mkdir(parents=True)
+    (tmp_path / "sft" / "sft_gold_seed0" / "summary.json").write_text(json.dumps({"seconds": {"total": 300.0}}))
+    stages = report.study_time(tmp_path)
+    assert stages["grid"] == {"runs": 3, "seconds": [400, 500, 300], "measures": [150]}
+    assert stages["sft"]["seconds"] == [300.0] and stages["mixed"]["runs"] == 0
+    text = "\n".join(report._time_lines(stages))
+    assert "| grid | 3 | 0.33 h | 6.7 min | 0.46 h |" in text  # 3 x (400 + 150) s
+    assert "**0.6 h**" in text  # + (300 + 150) s of SFT
