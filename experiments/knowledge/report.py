@@ -433,15 +433,20 @@ def render(measured: dict, figure: Path | None) -> str:
                      f"{', '.join(row['guard']) or 'none'} | {_transfer(row['transfer'])} | "
                      f"{'' if call is None else 'yes' if call else 'no'} |")
     told = regimes_told_apart(measured["diagnoses"], [n for n in FACT_SHEET_OPD if calls.get(n, {}).get("beats_grpo")])
-    if told is not None:
-        vacuous = " (vacuously for the fact-sheet arms: none beats GRPO)" if not told["learners"] else ""
+    if told is not None and not told["learners"]:
+        note = measured["diagnoses"][ANSWER_NOTE]
         lines += ["", "Amendment 2's criterion, the answer note at full weight against the fact-sheet OPD arms that "
-                  f"beat GRPO{vacuous}: the transfer tells the regimes apart: **{'yes' if told['transfer'] else 'no'}**; "
+                  "beat GRPO: **not decided**, no fact-sheet arm beats GRPO, so it has no learning arm to test. On the "
+                  f"answer note alone: the transfer {'credits it' if _ratio(note) and _ratio(note)[0] > 0.5 else 'does not credit it'}"
+                  f", the lift {'warns' if note['warning_last'] else 'does not warn'}."]
+    elif told is not None:
+        lines += ["", "Amendment 2's criterion, the answer note at full weight against the fact-sheet OPD arms that "
+                  f"beat GRPO: the transfer tells the regimes apart: **{'yes' if told['transfer'] else 'no'}**; "
                   f"the answer-token lift: **{'yes' if told['lift'] else 'no'}**."]
-        if (outside := regimes_told_apart(measured["diagnoses"], ["external_sft"])) is not None:
-            lines += ["", "Exploratory, the same criterion with `external_sft` (the arm that learns the facts, from a "
-                      "teacher that stores them) as the learning arm: the transfer "
-                      f"**{'yes' if outside['transfer'] else 'no'}**, the lift **{'yes' if outside['lift'] else 'no'}**."]
+    if (outside := regimes_told_apart(measured["diagnoses"], ["external_sft"])) is not None:
+        lines += ["", "Exploratory, the same criterion with `external_sft` (the arm that learns the facts, from a "
+                  "teacher that stores them) as the learning arm: the transfer "
+                  f"**{'yes' if outside['transfer'] else 'no'}**, the lift **{'yes' if outside['lift'] else 'no'}**."]
     if figure is not None:
         lines += ["", f"![held-out accuracy against steps and generated tokens]({figure.name})"]
     longer = measured["longer"]
