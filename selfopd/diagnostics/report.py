@@ -24,7 +24,8 @@ from selfopd.diagnostics.measures import (Annotated, ClassRow, ContextContrast, 
                                           decompose, illusion_score, step_behaviour)
 from selfopd.run.rollouts import DiagnosticsError, RolloutRecord, read_run_rollouts
 from selfopd.diagnostics.teachers import one_teachers_part
-from selfopd.diagnostics.transfer import NothingToTransfer, Transfer, measure_transfer, transfer_line
+from selfopd.diagnostics.transfer import (NothingToTransfer, Transfer, TransferRows, measure_transfer_rows, transfer,
+                                          transfer_line, write_transfer_rows)
 from selfopd.diagnostics.signals_report import (SignalDiagnosis, measure_signals, render_signals, signals_json,
                                                 write_signal_outputs)
 from selfopd.engines.base import Engine
@@ -96,6 +97,7 @@ class RunDiagnosis:
     signals: SignalDiagnosis | None = None  # teachability, contrastive gain, DOPD split; starting weights
     transfer: Transfer | str | None = None  # the gap closed on held-out vs trained prompts (start and final
     # weights), or why there was none to measure
+    transfer_rows: TransferRows | None = None  # what it was computed from, one row per prompt
 
     @property
     def first(self) -> int:
@@ -132,7 +134,7 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
     behaviour = [step_behaviour(step, rollouts, config.rollout.max_tokens) for step, rollouts in annotated.items()]
     first, last = min(annotated), max(annotated)
     decompositions = {f"step {step}": decompose(annotated[step]) for step in sorted({first, last})}
-    model_part = signals = transfer_part = None
+    model_part = signals = transfer_part = rows = None
     if with_model:
         from selfopd.engines.build import engines_at_start
 
@@ -143,9 +145,10 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
                                   config.rollout.temperature, config.eval.batch_size)
         checkpoint = RunFolder(run_dir).latest_checkpoint()
         if transfer_items and checkpoint is not None:
+            rows = measure_transfer_rows(config, checkpoint, prompting, teacher_engine, student_engine,
+                                         train_examples, eval_examples, transfer_items)
             try:
-                transfer_part = measure_transfer(config, checkpoint, prompting, teacher_engine, student_engine,
-                                                 train_examples, eval_examples, transfer_items)
+                transfer_part = transfer(*rows)
             except NothingToTransfer as error:  # the rest of the diagnosis stands
                 transfer_part = str(error)
     suffix = "" if teacher == "default" else f" (teacher {teacher!r})"
@@ -154,7 +157,7 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
         annotated, behaviour, {step: illusion_score(rollouts) for step, rollouts in annotated.items()},
         decompositions, collapse_warnings(behaviour, _read_metrics(run_dir)), summarize_run(run_dir),
         correct_preference([record for records in by_step.values() for record in records]), model_part, signals,
-        transfer_part)
+        transfer_part, rows)
 
 
 def write_report(diagnosis: RunDiagnosis, out: Path, heatmaps: int = 4) -> Path:
@@ -177,6 +180,8 @@ def write_report(diagnosis: RunDiagnosis, out: Path, heatmaps: int = 4) -> Path:
         summary["transfer"] = as_jsonable(diagnosis.transfer)
     elif diagnosis.transfer is not None:
         summary["transfer"] = {"not_measured": diagnosis.transfer}
+    if diagnosis.transfer_rows is not None:
+        write_transfer_rows(diagnosis.transfer_rows, out / "transfer.jsonl")
     if diagnosis.signals is not None:
         summary["signals"] = signals_json(diagnosis.signals)
         figures |= write_signal_outputs(diagnosis.signals, out)

@@ -21,6 +21,8 @@ accuracy too. Intervals: 95% bootstrap over prompts, each split resampled on its
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -81,9 +83,9 @@ class Transfer:
     skipped: int  # prompts whose context did not raise the answer's logprob
 
 
-def closure(rows: Sequence[AnswerLogprobs]) -> float:
+def closure(rows: Sequence[AnswerLogprobs], min_gap: float = MIN_GAP) -> float:
     """Share of the context's advantage on the answer that the trained student has by itself."""
-    rows = [r for r in rows if r.teacher - r.start > MIN_GAP]
+    rows = [r for r in rows if r.teacher - r.start > min_gap]
     gap = sum(r.teacher - r.start for r in rows)
     return sum(r.end - r.start for r in rows) / gap if gap > 0 else float("nan")
 
@@ -92,9 +94,11 @@ class NothingToTransfer(ValueError):
     """No prompt of a split has a gap to close: the measure is undefined there, not zero."""
 
 
-def transfer(trained: Sequence[AnswerLogprobs], held_out: Sequence[AnswerLogprobs], seed: int = 0) -> Transfer:
-    """Closure on each split and their ratio, with bootstrap intervals over prompts."""
-    kept = [[r for r in rows if r.teacher - r.start > MIN_GAP] for rows in (trained, held_out)]
+def transfer(trained: Sequence[AnswerLogprobs], held_out: Sequence[AnswerLogprobs], seed: int = 0,
+             min_gap: float = MIN_GAP) -> Transfer:
+    """Closure on each split and their ratio, with bootstrap intervals over prompts; a prompt
+    counts when its context raises the answer's logprob by more than `min_gap` nats."""
+    kept = [[r for r in rows if r.teacher - r.start > min_gap] for rows in (trained, held_out)]
     if not kept[0] or not kept[1]:
         raise NothingToTransfer("no prompt whose privileged context raises the reference answer's logprob in "
                          f"{'the trained' if not kept[0] else 'the held-out'} split: nothing to transfer")
@@ -106,7 +110,7 @@ def transfer(trained: Sequence[AnswerLogprobs], held_out: Sequence[AnswerLogprob
         draws.append([s[1] / s[0] for s in sums])
     draws_ = np.array(draws)
     draws_ = np.column_stack([draws_, draws_[:, 1] / draws_[:, 0]])
-    values = [closure(kept[0]), closure(kept[1])]
+    values = [closure(kept[0], min_gap), closure(kept[1], min_gap)]
     values.append(values[1] / values[0])
     ns = [len(kept[0]), len(kept[1]), len(kept[1])]
     estimates = [MeanEstimate(v, *np.percentile(draws_[:, i], [2.5, 97.5]).tolist(), ns[i])
@@ -114,10 +118,13 @@ def transfer(trained: Sequence[AnswerLogprobs], held_out: Sequence[AnswerLogprob
     return Transfer(*estimates, skipped=len(trained) + len(held_out) - sum(ns[:2]))
 
 
-def measure_transfer(config: Any, checkpoint: Any, prompting: Any, teacher: Engine, start: Engine,
-                     train_examples: Sequence[Example], eval_examples: Sequence[Example], items: int) -> Transfer:
-    """A run's transfer: its teacher and student at the start, its `checkpoint` at the end, on a
-    seeded sample of `items` training prompts and its first `items` held-out ones."""
+TransferRows = tuple[list[AnswerLogprobs], list[AnswerLogprobs]]  # trained, held out
+
+
+def measure_transfer_rows(config: Any, checkpoint: Any, prompting: Any, teacher: Engine, start: Engine,
+                          train_examples: Sequence[Example], eval_examples: Sequence[Example], items: int) -> TransferRows:
+    """A run's per-prompt answer logprobs: its teacher and student at the start, its `checkpoint`
+    at the end, on a seeded sample of `items` training prompts and its first `items` held-out ones."""
     import random
 
     from selfopd.engines.build import frozen_engine
@@ -126,8 +133,26 @@ def measure_transfer(config: Any, checkpoint: Any, prompting: Any, teacher: Engi
     trained = random.Random(f"{config.data.split_seed}/transfer").sample(list(train_examples), min(items, len(train_examples)))
     held_out = list(eval_examples[:items])
     size = config.eval.batch_size
-    return transfer(answer_logprobs(trained, prompting, teacher, start, end, size),
-                    answer_logprobs(held_out, prompting, teacher, start, end, size))
+    return (answer_logprobs(trained, prompting, teacher, start, end, size),
+            answer_logprobs(held_out, prompting, teacher, start, end, size))
+
+
+def write_transfer_rows(rows: TransferRows, path: Any) -> None:
+    """One JSON line per prompt (split, id and the three logprobs): the transfer can be recomputed
+    under another rule without scoring again."""
+    from selfopd.core.atomic import write_text_atomic
+
+    lines = [json.dumps({"split": split, **dataclasses.asdict(row)})
+             for split, part in zip(("trained", "held_out"), rows) for row in part]
+    write_text_atomic(path, "".join(line + "\n" for line in lines))
+
+
+def read_transfer_rows(path: Any) -> TransferRows:
+    rows: TransferRows = ([], [])
+    for line in open(path).read().splitlines():
+        record = json.loads(line)
+        rows[record.pop("split") == "held_out"].append(AnswerLogprobs(**record))
+    return rows
 
 
 def transfer_line(t: Transfer) -> str:

@@ -25,6 +25,8 @@ from selfopd.diagnostics import (
     read_run_rollouts,
     wrong_example,
 )
+from selfopd.diagnostics.transfer import read_transfer_rows
+from selfopd.diagnostics.transfer import transfer as recompute
 from selfopd.engines.local import LocalEngine
 from selfopd.data.example import Example
 from selfopd.templating.templates import load_template
@@ -157,6 +159,8 @@ def test_diagnose_writes_a_report_with_figures(runs, capsys):
     assert "- Teacher prefers correct attempts" in report
     transfer = summary["transfer"]  # the run's final checkpoint against its start, 6 trained and 6 held-out items
     assert 0 < transfer["trained"]["n"] <= 6 and 0 < transfer["held_out"]["n"] <= 6
+    rows = read_transfer_rows(out / "transfer.jsonl")  # what it was computed from, one row per prompt
+    assert [len(part) for part in rows] == [6, 6] and recompute(*rows).ratio.value == transfer["ratio"]["value"]
     assert "Transfer of the teacher's advantage" in report and "held-out / trained" in printed
     preference = summary["teacher_prefers_correct"]
     assert preference is None or preference["low"] <= preference["value"] <= preference["high"]

@@ -3,7 +3,7 @@ import torch
 
 from selfopd.data import load_examples
 from selfopd.diagnostics.transfer import (AnswerLogprobs, NothingToTransfer, answer_logprobs, answer_tokens, closure,
-                                          transfer, transfer_line)
+                                          read_transfer_rows, transfer, transfer_line, write_transfer_rows)
 
 
 def _rows(gaps, gains):
@@ -26,6 +26,19 @@ def test_closure_and_transfer_on_a_hand_computed_case():
     assert lost.trained.high < 0 and "the ratio is not read" in transfer_line(lost)
     with pytest.raises(NothingToTransfer, match="held-out"):
         transfer(trained, _rows([0.0], [1.0]))
+    # a larger min_gap leaves out the prompts whose context barely helps
+    small = _rows([0.3, 4.0], [3.0, 1.0])  # the first prompt's 0.3-nat gap is "closed" 10 times over
+    assert transfer(trained, small).held_out.value == pytest.approx(4.0 / 4.3)
+    assert transfer(trained, small, min_gap=0.5).held_out.value == pytest.approx(1.0 / 4.0)
+    assert transfer(trained, small, min_gap=0.5).skipped == 1
+    with pytest.raises(NothingToTransfer, match="trained"):
+        transfer(trained, small, min_gap=5.0)
+
+
+def test_transfer_rows_round_trip(tmp_path):
+    rows = (_rows([2.0, 4.0], [1.0, 3.0]), _rows([0.5], [-0.25]))
+    write_transfer_rows(rows, tmp_path / "transfer.jsonl")
+    assert read_transfer_rows(tmp_path / "transfer.jsonl") == rows
 
 
 @pytest.mark.parametrize("answer", ["Truaholm", "57", "salamander"])
@@ -75,3 +88,6 @@ def test_diagnose_reports_a_transfer_with_no_gap_and_keeps_the_rest(tmp_path, ti
     summary = json.loads((run_dir / "diagnostics" / "summary.json").read_text())
     assert "nothing to transfer" in summary["transfer"]["not_measured"] and summary["illusion"]
     assert "reference answer: not measured, no prompt" in (run_dir / "diagnostics" / "report.md").read_text()
+    trained, held_out = read_transfer_rows(run_dir / "diagnostics" / "transfer.jsonl")  # kept, to recompute under
+    assert len(trained) == 4 and len(held_out) == 4  # another rule; here every gap is exactly 0
+    assert all(row.teacher == row.start for row in trained + held_out)
