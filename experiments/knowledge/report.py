@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from selfopd.comparisons.records import restore_runs
 from selfopd.core.atomic import write_json_atomic, write_text_atomic
 from selfopd.core.plots import decorate, new_figure, save_figure
 from selfopd.diagnostics.measures import as_jsonable
+from selfopd.diagnostics.transfer import NothingToTransfer, read_transfer_rows, transfer
 from selfopd.core.stats import PairedDifference, mean_interval, pooled_accuracy, pooled_change
 from selfopd.config import load_config
 from selfopd.core.run_folder import RunFolder
@@ -176,6 +178,17 @@ def guard_events(run_dir: Path) -> list[str]:
     return [f"{event.condition}@{event.step}" for event in replay(run_dir)]
 
 
+def transfer_at_least_doubled(rows: Path) -> dict | None:
+    """Amendment 5 (exploratory): the transfer over the prompts whose context at least doubles the
+    reference answer's probability (a gap of ln 2 nats or more), from the diagnosis's rows."""
+    if not rows.is_file():
+        return None
+    try:
+        return as_jsonable(transfer(*read_transfer_rows(rows), min_gap=math.log(2)))
+    except NothingToTransfer as error:
+        return {"not_measured": str(error)}
+
+
 def diagnosis_row(run_dir: Path) -> dict | None:
     path = run_dir / "diagnostics" / "summary.json"
     if not path.is_file():
@@ -185,6 +198,7 @@ def diagnosis_row(run_dir: Path) -> dict | None:
     first, last = summary["illusion"][steps[0]], summary["illusion"][steps[-1]]
     return {"lift_first": first["lift"], "lift_last": last["lift"], "warning_first": first["warning"],
             "warning_last": last["warning"], "transfer": summary.get("transfer"),
+            "transfer_doubling": transfer_at_least_doubled(run_dir / "diagnostics" / "transfer.jsonl"),
             "prefers_correct": summary.get("teacher_prefers_correct"), "guard": guard_events(run_dir)}
 
 
@@ -325,9 +339,9 @@ FACT_SHEET_OPD = tuple(name for name in study.OPD_ARMS if name != "external_sft"
 ANSWER_NOTE = "demo task: answer note, full weight"
 
 
-def _ratio(row: dict | None) -> tuple[float, float] | None:
+def _ratio(row: dict | None, key: str = "transfer") -> tuple[float, float] | None:
     """The transfer ratio's interval, when the run closed a gap on its training prompts (else None)."""
-    value = (row or {}).get("transfer") or {}
+    value = (row or {}).get(key) or {}
     if "ratio" not in value or value["trained"]["low"] <= 0:
         return None
     return value["ratio"]["low"], value["ratio"]["high"]
@@ -345,6 +359,29 @@ def regimes_told_apart(diagnoses: dict, learners: list[str]) -> dict | None:
             "transfer": all((r := _ratio(diagnoses[name])) is not None and r[0] > 0.5 for name in learners)
             and (note_ratio is None or note_ratio[1] < 0.5),
             "lift": bool(note["warning_last"]) and not any(diagnoses[name]["warning_last"] for name in learners)}
+
+
+def credited(row: dict | None, key: str) -> bool | None:
+    """Whether a transfer credits the run with learned information (its ratio's interval above 0.5);
+    None without a diagnosis or the rows that transfer needs."""
+    if row is None or not row.get(key):
+        return None
+    return (ratio := _ratio(row, key)) is not None and ratio[0] > 0.5
+
+
+def doubling_line(diagnoses: dict) -> list[str]:
+    """Amendment 5's reading: the transfer over prompts whose context at least doubles the answer's
+    probability should credit the arm that learns the facts and neither the answer note nor the
+    wrong sheet."""
+    calls = {name: credited(diagnoses.get(name), "transfer_doubling") for name in ("external_sft", ANSWER_NOTE, "shuffled")}
+    if None in calls.values():
+        return []
+    said = {True: "credits", False: "does not credit"}
+    apart = calls["external_sft"] and not calls[ANSWER_NOTE] and not calls["shuffled"]
+    return ["", f"Amendment 5 (exploratory): the transfer where the context doubles the answer's probability "
+            f"{said[calls['external_sft']]} `external_sft`, {said[calls[ANSWER_NOTE]]} the answer note at full weight and "
+            f"{said[calls['shuffled']]} the shuffled sheet: it tells learnable information from the rest: "
+            f"**{'yes' if apart else 'no'}**."]
 
 
 def recipe_call(calls: dict, longer: dict | None) -> str:
@@ -420,8 +457,9 @@ def render(measured: dict, figure: Path | None) -> str:
                   f"{_fmt(rows[name].get('arithmetic_vs_single_task'))} |" for name in mixed]
     lines += ["", "## The illusion diagnostics (seed 0)", "",
               "| arm | answer-token lift first -> last (warns at 1.5) | teacher prefers correct | guard events | "
-              "transfer: held-out / trained closure | beats GRPO |",
-              "|---|---|---|---|---|---|"]
+              "transfer: held-out / trained closure | the same where the context doubles the answer's probability "
+              "(exploratory) | beats GRPO |",
+              "|---|---|---|---|---|---|---|"]
     for name, row in measured["diagnoses"].items():
         if row is None:
             continue
@@ -431,6 +469,7 @@ def render(measured: dict, figure: Path | None) -> str:
                      f"{row['lift_last']:.2f}{' (warns)' if row['warning_last'] else ''} | "
                      f"{_estimate(prefers)} | "
                      f"{', '.join(row['guard']) or 'none'} | {_transfer(row['transfer'])} | "
+                     f"{_transfer(row['transfer_doubling']) if row['transfer_doubling'] else 'no rows kept'} | "
                      f"{'' if call is None else 'yes' if call else 'no'} |")
     told = regimes_told_apart(measured["diagnoses"], [n for n in FACT_SHEET_OPD if calls.get(n, {}).get("beats_grpo")])
     if told is not None and not told["learners"]:
@@ -447,6 +486,7 @@ def render(measured: dict, figure: Path | None) -> str:
         lines += ["", "Exploratory, the same criterion with `external_sft` (the arm that learns the facts, from a "
                   "teacher that stores them) as the learning arm: the transfer "
                   f"**{'yes' if outside['transfer'] else 'no'}**, the lift **{'yes' if outside['lift'] else 'no'}**."]
+    lines += doubling_line(measured["diagnoses"])
     if figure is not None:
         lines += ["", f"![held-out accuracy against steps and generated tokens]({figure.name})"]
     longer = measured["longer"]

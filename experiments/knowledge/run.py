@@ -1,7 +1,7 @@
 """The pre-registered knowledge comparison (experiments/knowledge/PREREGISTRATION.md), stage by stage.
 
     python -m experiments.knowledge.run                  # every stage, in order; rerun to resume
-    python -m experiments.knowledge.run --stage sft      # or one: start, compare, sft, shuffled, longer
+    python -m experiments.knowledge.run --stage sft      # or one: start, compare, sft, shuffled, illusion, mixed, rows, longer
 
 Stages:
   start     (always first) the demo recipe, trained once (experiments/demo/demo.toml): every arm
@@ -16,6 +16,8 @@ Stages:
             `selfopd diagnose` on it and on the start run (the demo recipe itself)
   mixed     grpo_only and opd_forward_kl on the mixture of this task and the demo's, one teacher
             template per task (teacher/fact_sheet_or_answer_note): learning and forgetting in one run
+  rows      (exploratory) the transfer's per-prompt rows of the seed-0 runs diagnosed before
+            `selfopd diagnose` kept them: each diagnosed again from its weights
 
 As each run finishes, while its weights are the newest on disk: its retention (the start model's
 arithmetic on the demo's 200 held-out sums; split c, the countries no run trains on; the drift,
@@ -138,6 +140,34 @@ def diagnose_run(run_dir: Path) -> None:
         selfopd("diagnose", str(run_dir), "--gap-items", "64", "--heatmaps", "0")
 
 
+def transfer_rows(out: Path, grids: list[CompareConfig]) -> None:
+    """Amendment 5 (exploratory): the transfer's per-prompt rows of each seed-0 run diagnosed before
+    `selfopd diagnose` kept them, by diagnosing it again from its weights on disk (the transfer it
+    gives must repeat the first diagnosis's); its records are then kept again, with the rows."""
+    for config in grids:
+        for arm in config.arms:
+            run_dir = config.arm_dir(arm.name, config.seeds[0])
+            if rediagnose(run_dir):
+                keep_run(config, run_dir, ARCHIVE / config.name)
+    archive = RecordArchive(ARCHIVE, "illusion")
+    for name, run_dir in (("answer_note_full", out / "illusion" / "answer_note_full"), ("start", out / "start")):
+        if rediagnose(run_dir):
+            archive.replace_folder(name, run_records(run_dir))
+
+
+def rediagnose(run_dir: Path) -> bool:
+    """Diagnose a run again when its diagnosis lacks the transfer's rows and its weights are here."""
+    summary = run_dir / "diagnostics" / "summary.json"
+    if (not summary.is_file() or (run_dir / "diagnostics" / "transfer.jsonl").is_file()
+            or RunFolder(run_dir).latest_checkpoint() is None):
+        return False
+    before = json.loads(summary.read_text()).get("transfer")
+    selfopd("diagnose", str(run_dir), "--gap-items", "64", "--heatmaps", "0")
+    after = json.loads(summary.read_text()).get("transfer")
+    print(f"{run_dir}: the transfer {'repeats' if after == before else 'differs'}: {before} -> {after}", flush=True)
+    return True
+
+
 def restore_folder(out: Path, folder: str) -> None:
     """Copy each run the archive keeps under `folder/` that --out lacks into --out/folder (a run
     already there is never overwritten)."""
@@ -256,7 +286,8 @@ def best_opd_arm(config: CompareConfig) -> str | None:
 def main() -> None:
     global ARCHIVE
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stage", choices=("all", "start", "compare", "sft", "shuffled", "illusion", "mixed", "longer"), default="all")
+    parser.add_argument("--stage", choices=("all", "start", "compare", "sft", "shuffled", "illusion", "mixed", "rows",
+                                            "longer"), default="all")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "knowledge")
     parser.add_argument("--archive", type=Path, default=ARCHIVE, help="the records kept of finished runs, restored "
                         "into --out and added to (default: the study's)")
@@ -265,19 +296,21 @@ def main() -> None:
     out = args.out.resolve()
     start = start_model(out)
     spec = load_config(CONFIG).data.spec
-    stages = ("compare", "sft", "shuffled", "illusion", "mixed", "longer") if args.stage == "all" else (args.stage,)
+    stages = ("compare", "sft", "shuffled", "illusion", "mixed", "rows", "longer") if args.stage == "all" else (args.stage,)
     main_grid = comparison(out, start, spec)
     if "compare" in stages:
         run_grid(main_grid, start, spec)
     if "sft" in stages:
         sft(out, start, spec)
+    shuffled = comparison(out, start, spec, "knowledge_shuffled", only=(PRIMARY_OPD,), extra=(f"data.spec={spec}&sheet=shuffled",))
     if "shuffled" in stages:
-        run_grid(comparison(out, start, spec, "knowledge_shuffled", only=(PRIMARY_OPD,),
-                            extra=(f"data.spec={spec}&sheet=shuffled",)), start, spec)
+        run_grid(shuffled, start, spec)
     if "illusion" in stages:
         illusion_regime(out)
     if "mixed" in stages:
         run_grid(mixed_grid(out, start, spec), start, spec)
+    if "rows" in stages:
+        transfer_rows(out, [main_grid, shuffled, mixed_grid(out, start, spec)])
     if "longer" in stages:
         best = best_opd_arm(main_grid)
         if best is None:

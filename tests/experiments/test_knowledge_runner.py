@@ -178,3 +178,27 @@ def test_the_study_time_on_a_hand_made_timing_file(tmp_path):
     text = "\n".join(report._time_lines(stages))
     assert "| grid | 3 | 0.33 h | 6.7 min | 0.46 h |" in text  # 3 x (400 + 150) s
     assert "**0.6 h**" in text  # + (300 + 150) s of SFT
+
+
+def test_amendment_5s_reading_on_hand_cases(tmp_path):
+    report = importlib.import_module("experiments.knowledge.report")
+    from selfopd.diagnostics.transfer import AnswerLogprobs, write_transfer_rows
+
+    def rows(gaps, gains):
+        return [AnswerLogprobs(f"p{i}", -5.0 + gap, -5.0, -5.0 + gain) for i, (gap, gain) in enumerate(zip(gaps, gains))]
+
+    path = tmp_path / "transfer.jsonl"  # the 0.1-nat gaps leave the measure at ln 2: only the 2-nat ones count
+    write_transfer_rows((rows([2.0, 2.0, 0.1], [1.0, 1.2, 0.5]), rows([2.0, 2.0, 0.1], [0.9, 1.1, 0.6])), path)
+    doubled = report.transfer_at_least_doubled(path)
+    assert doubled["trained"]["n"] == 2 and doubled["held_out"]["value"] == pytest.approx(2.0 / 4.0)
+    assert doubled["ratio"]["value"] == pytest.approx((2.0 / 4.0) / (2.2 / 4.0))
+    write_transfer_rows((rows([0.1], [0.5]), rows([2.0], [1.0])), path)
+    assert "nothing to transfer" in report.transfer_at_least_doubled(path)["not_measured"]
+    assert report.transfer_at_least_doubled(tmp_path / "absent.jsonl") is None
+
+    learns = {"transfer_doubling": {"ratio": {"low": 0.8, "high": 1.2}, "trained": {"low": 0.2}}}
+    wrong = {"transfer_doubling": {"not_measured": "no prompt ...: nothing to transfer"}}
+    lines = report.doubling_line({"external_sft": learns, report.ANSWER_NOTE: wrong, "shuffled": wrong})
+    assert "credits `external_sft`, does not credit the answer note" in lines[1] and lines[1].endswith("**yes**.")
+    assert report.doubling_line({"external_sft": learns, report.ANSWER_NOTE: wrong, "shuffled": learns})[1].endswith("**no**.")
+    assert report.doubling_line({"external_sft": learns, report.ANSWER_NOTE: wrong}) == []  # a diagnosis missing
