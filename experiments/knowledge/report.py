@@ -23,7 +23,7 @@ import numpy as np
 from experiments.knowledge import run as study
 from selfopd.comparisons.compare import CompareConfig
 from selfopd.comparisons.compare_report import ArmResult, measure_comparison
-from selfopd.comparisons.records import restore_runs
+from selfopd.comparisons.records import TIMING, restore_runs
 from selfopd.core.atomic import write_json_atomic, write_text_atomic
 from selfopd.core.plots import decorate, new_figure, save_figure
 from selfopd.diagnostics.measures import as_jsonable
@@ -252,15 +252,16 @@ def measure(out: Path) -> dict:
     diagnoses["demo task: the demo recipe (start)"] = diagnosis_row(out / "illusion" / "start")
     sft_steps = [json.loads(p.read_text())["steps"] for p in sorted((out / "sft").glob("*/summary.json"))]
     return {"arms": arms, "rows": rows, "start": start, "diagnoses": diagnoses, "results": results,
-            "sft_steps": sft_steps[0] if sft_steps else None, "longer": measure_longer(out, spec, grid, arms),
+            "sft_steps": sft_steps[0] if sft_steps else None, "longer": measure_longer(out, spec, grid, arms, results),
             "time": study_time(out)}
 
 
-def measure_longer(out: Path, spec: str, grid: CompareConfig, arms: dict[str, Arm]) -> dict | None:
+def measure_longer(out: Path, spec: str, grid: CompareConfig, arms: dict[str, Arm],
+                   results: list[ArmResult]) -> dict | None:
     """The best OPD arm at 3x the steps: its held-out (b) at the last step against the same runs'
     step 40, paired by prompt and seed, and whether those runs' step 40 repeats the grid's (same
     seeds, same data order, a constant lr)."""
-    best = study.best_opd_arm(grid)
+    best = study.best_opd_arm(grid, results)
     if best is None:
         return None
     steps = load_config(study.CONFIG).run.steps
@@ -301,7 +302,7 @@ def study_time(out: Path) -> dict:
     machine or were paused are in the sums; the medians say what an idle machine takes."""
     stages = {}
     for grid, label in GRIDS.items():
-        path = out / grid / "timing.jsonl"
+        path = out / grid / TIMING
         rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
         runs = [r for r in rows if r["wall_seconds"] > 1]  # an arm restored from the archive logs 0 s
         after = [b["finished_at"] - a["finished_at"] - b["wall_seconds"] for a, b in zip(runs, runs[1:])]
@@ -356,7 +357,7 @@ def regimes_told_apart(diagnoses: dict, learners: list[str]) -> dict | None:
         return None
     note_ratio = _ratio(note)
     return {"learners": learners,
-            "transfer": all((r := _ratio(diagnoses[name])) is not None and r[0] > 0.5 for name in learners)
+            "transfer": all(credited(diagnoses[name], "transfer") for name in learners)
             and (note_ratio is None or note_ratio[1] < 0.5),
             "lift": bool(note["warning_last"]) and not any(diagnoses[name]["warning_last"] for name in learners)}
 

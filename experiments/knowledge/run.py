@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 
 from selfopd.comparisons.compare import CompareConfig, load_compare_config, run_compare
-from selfopd.comparisons.compare_report import measure_comparison, write_compare_report
+from selfopd.comparisons.compare_report import ArmResult, measure_comparison, write_compare_report
 from selfopd.comparisons.records import RecordArchive, keep_run, restore_runs, run_records, unkept_runs
 from selfopd.config import load_config
 from selfopd.core.run_folder import RunFolder
@@ -279,9 +279,10 @@ def mixed_grid(out: Path, start: Path, spec: str) -> CompareConfig:
                              "teacher.template=teacher/fact_sheet_or_answer_note"))
 
 
-def best_opd_arm(config: CompareConfig) -> str | None:
-    """The OPD arm with the largest pooled held-out change vs grpo_only; None until every run is finished."""
-    results = measure_comparison(config)
+def best_opd_arm(config: CompareConfig, results: list[ArmResult] | None = None) -> str | None:
+    """The OPD arm with the largest pooled held-out change vs grpo_only; None until every run is
+    finished. `results`: the grid's `measure_comparison`, when the caller has it already."""
+    results = measure_comparison(config) if results is None else results
     if len(results) < len(config.arms) or not all(r.finished and len(r.per_seed) == len(SEEDS) for r in results):
         return None
     changes = {r.name: r.vs_reference.mean for r in results if r.name in OPD_ARMS and r.vs_reference is not None}
@@ -312,10 +313,11 @@ def main() -> None:
         run_grid(shuffled, start, spec)
     if "illusion" in stages:
         illusion_regime(out)
+    mixed = mixed_grid(out, start, spec)
     if "mixed" in stages:
-        run_grid(mixed_grid(out, start, spec), start, spec)
+        run_grid(mixed, start, spec)
     if "rows" in stages:
-        transfer_rows(out, [main_grid, shuffled, mixed_grid(out, start, spec)])
+        transfer_rows(out, [main_grid, shuffled, mixed])
     if "longer" in stages:
         best = best_opd_arm(main_grid)
         if best is None:
