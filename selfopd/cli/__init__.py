@@ -360,10 +360,10 @@ def _print_diagnosis(diagnosis: Any, report: Path) -> None:
         score = diagnosis.illusion[step]
         flag = "  WARNING" if score.warning else ""
         print(f"illusion score at step {step}: {score.share} (interval over {score.share.n} distinct prompts){flag}")
-    if isinstance(diagnosis.transfer, str):
-        print(f"transfer of the teacher's advantage: not measured, {diagnosis.transfer}")
+    if diagnosis.transfer is not None and isinstance(result := diagnosis.transfer.result, str):
+        print(f"transfer of the teacher's advantage: not measured, {result}")
     elif diagnosis.transfer is not None:
-        print(f"transfer of the teacher's advantage, held-out / trained: {diagnosis.transfer.ratio}")
+        print(f"transfer of the teacher's advantage, held-out / trained: {result.ratio}")
     for warning in diagnosis.warnings:
         print(f"warning: {warning}")
     print(f"report: {report}")

@@ -24,8 +24,7 @@ from selfopd.diagnostics.measures import (Annotated, ClassRow, ContextContrast, 
                                           decompose, illusion_score, step_behaviour)
 from selfopd.run.rollouts import DiagnosticsError, RolloutRecord, read_run_rollouts
 from selfopd.diagnostics.teachers import one_teachers_part
-from selfopd.diagnostics.transfer import (NothingToTransfer, Transfer, TransferRows, measure_transfer_rows, transfer,
-                                          transfer_line, write_transfer_rows)
+from selfopd.diagnostics.transfer import MeasuredTransfer, measure_transfer
 from selfopd.diagnostics.signals_report import (SignalDiagnosis, measure_signals, render_signals, signals_json,
                                                 write_signal_outputs)
 from selfopd.engines.base import Engine
@@ -95,9 +94,7 @@ class RunDiagnosis:
     preference: MeanEstimate | None  # teacher signal on correct - wrong samples of a prompt, all saved steps
     model_part: TemplateDiagnosis | None  # with the starting weights
     signals: SignalDiagnosis | None = None  # teachability, contrastive gain, DOPD split; starting weights
-    transfer: Transfer | str | None = None  # the gap closed on held-out vs trained prompts (start and final
-    # weights), or why there was none to measure
-    transfer_rows: TransferRows | None = None  # what it was computed from, one row per prompt
+    transfer: MeasuredTransfer | None = None  # the gap closed on held-out vs trained prompts; start and final weights
 
     @property
     def first(self) -> int:
@@ -134,7 +131,7 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
     behaviour = [step_behaviour(step, rollouts, config.rollout.max_tokens) for step, rollouts in annotated.items()]
     first, last = min(annotated), max(annotated)
     decompositions = {f"step {step}": decompose(annotated[step]) for step in sorted({first, last})}
-    model_part = signals = transfer_part = rows = None
+    model_part = signals = transfer_part = None
     if with_model:
         from selfopd.engines.build import engines_at_start
 
@@ -145,19 +142,15 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
                                   config.rollout.temperature, config.eval.batch_size)
         checkpoint = RunFolder(run_dir).latest_checkpoint()
         if transfer_items and checkpoint is not None:
-            rows = measure_transfer_rows(config, checkpoint, prompting, teacher_engine, student_engine,
-                                         train_examples, eval_examples, transfer_items)
-            try:
-                transfer_part = transfer(*rows)
-            except NothingToTransfer as error:  # the rest of the diagnosis stands
-                transfer_part = str(error)
+            transfer_part = measure_transfer(config, checkpoint, prompting, teacher_engine, student_engine,
+                                             train_examples, eval_examples, transfer_items)
     suffix = "" if teacher == "default" else f" (teacher {teacher!r})"
     return RunDiagnosis(
         run_dir.name, f"{config.teacher.kind} with {prompting.teacher_template.name}{suffix}", prompting.student_template.name,
         annotated, behaviour, {step: illusion_score(rollouts) for step, rollouts in annotated.items()},
         decompositions, collapse_warnings(behaviour, _read_metrics(run_dir)), summarize_run(run_dir),
         correct_preference([record for records in by_step.values() for record in records]), model_part, signals,
-        transfer_part, rows)
+        transfer_part)
 
 
 def write_report(diagnosis: RunDiagnosis, out: Path, heatmaps: int = 4) -> Path:
@@ -176,12 +169,8 @@ def write_report(diagnosis: RunDiagnosis, out: Path, heatmaps: int = 4) -> Path:
         summary["at_start"] = {"privileged_gain_decomposition": as_jsonable(part.decomposition),
                                "illusion": _illusion_json(part.illusion), "contrast": as_jsonable(part.contrast),
                                "gap": as_jsonable(part.gap)}
-    if isinstance(diagnosis.transfer, Transfer):
-        summary["transfer"] = as_jsonable(diagnosis.transfer)
-    elif diagnosis.transfer is not None:
-        summary["transfer"] = {"not_measured": diagnosis.transfer}
-    if diagnosis.transfer_rows is not None:
-        write_transfer_rows(diagnosis.transfer_rows, out / "transfer.jsonl")
+    if diagnosis.transfer is not None:
+        summary["transfer"] = diagnosis.transfer.save(out)
     if diagnosis.signals is not None:
         summary["signals"] = signals_json(diagnosis.signals)
         figures |= write_signal_outputs(diagnosis.signals, out)
@@ -285,10 +274,8 @@ def render_report(diagnosis: RunDiagnosis, figures: dict[str, str]) -> str:
     if d.model_part is not None:
         lines.append(f"- Before training, privileged gain (same weights, with minus without context): illusion score "
                      f"**{d.model_part.illusion.share}**.")
-    if isinstance(d.transfer, Transfer):
-        lines.append(transfer_line(d.transfer))
-    elif d.transfer is not None:
-        lines.append(f"- Transfer of the teacher's advantage on the reference answer: not measured, {d.transfer}.")
+    if d.transfer is not None:
+        lines.append(d.transfer.line())
     lines += [f"- {w}" for w in d.warnings] or ["- No collapse of length or epistemic words, no leaked phrases in outputs."]
     lines += [
         "",

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -121,10 +122,31 @@ def transfer(trained: Sequence[AnswerLogprobs], held_out: Sequence[AnswerLogprob
 TransferRows = tuple[list[AnswerLogprobs], list[AnswerLogprobs]]  # trained, held out
 
 
-def measure_transfer_rows(config: Any, checkpoint: Any, prompting: Any, teacher: Engine, start: Engine,
-                          train_examples: Sequence[Example], eval_examples: Sequence[Example], items: int) -> TransferRows:
-    """A run's per-prompt answer logprobs: its teacher and student at the start, its `checkpoint`
-    at the end, on a seeded sample of `items` training prompts and its first `items` held-out ones."""
+@dataclass(frozen=True)
+class MeasuredTransfer:
+    """A run's transfer, or why a split had no gap to close (the rest of a diagnosis stands), and
+    the per-prompt rows it was computed from."""
+
+    result: Transfer | str
+    rows: TransferRows
+
+    def line(self) -> str:
+        if isinstance(self.result, str):
+            return f"- Transfer of the teacher's advantage on the reference answer: not measured, {self.result}."
+        return transfer_line(self.result)
+
+    def save(self, out: Path) -> dict:
+        """Write the rows to out/transfer.jsonl; returns the diagnosis summary's entry."""
+        from selfopd.diagnostics.measures import as_jsonable
+
+        write_transfer_rows(self.rows, out / "transfer.jsonl")
+        return {"not_measured": self.result} if isinstance(self.result, str) else as_jsonable(self.result)
+
+
+def measure_transfer(config: Any, checkpoint: Any, prompting: Any, teacher: Engine, start: Engine,
+                     train_examples: Sequence[Example], eval_examples: Sequence[Example], items: int) -> MeasuredTransfer:
+    """A run's transfer from its per-prompt answer logprobs: its teacher and student at the start, its
+    `checkpoint` at the end, on a seeded sample of `items` training prompts and its first `items` held-out ones."""
     import random
 
     from selfopd.engines.build import frozen_engine
@@ -133,8 +155,12 @@ def measure_transfer_rows(config: Any, checkpoint: Any, prompting: Any, teacher:
     trained = random.Random(f"{config.data.split_seed}/transfer").sample(list(train_examples), min(items, len(train_examples)))
     held_out = list(eval_examples[:items])
     size = config.eval.batch_size
-    return (answer_logprobs(trained, prompting, teacher, start, end, size),
+    rows = (answer_logprobs(trained, prompting, teacher, start, end, size),
             answer_logprobs(held_out, prompting, teacher, start, end, size))
+    try:
+        return MeasuredTransfer(transfer(*rows), rows)
+    except NothingToTransfer as error:
+        return MeasuredTransfer(str(error), rows)
 
 
 def write_transfer_rows(rows: TransferRows, path: Any) -> None:
