@@ -202,6 +202,12 @@ def diagnosis_row(run_dir: Path) -> dict | None:
             "prefers_correct": summary.get("teacher_prefers_correct"), "guard": guard_events(run_dir)}
 
 
+def start_records(out: Path) -> Path:
+    """The start run's folder: trained here, or its records as the archive keeps them (illusion/start)."""
+    trained = out / "start"
+    return trained if (trained / "retention").is_dir() else out / "illusion" / "start"
+
+
 def measure(out: Path) -> dict:
     spec = load_config(study.CONFIG).data.spec
     grid = study.comparison(out, Path("start"), spec)
@@ -217,8 +223,9 @@ def measure(out: Path) -> dict:
     arms |= grid_arms(mixed, {name: f"mixed_{name}" for name in ("grpo_only", study.PRIMARY_OPD)},
                       only_prompts=knowledge_prompts)[0]
     arms |= sft_arms(out)
-    start = {name: read_eval_outcomes(out / "start" / "retention" / name) for name in ("arithmetic", "unseen", "fresh")
-             if (out / "start" / "retention" / name / "eval.jsonl").is_file()}
+    start_dir = start_records(out)
+    start = {name: read_eval_outcomes(start_dir / "retention" / name) for name in ("arithmetic", "unseen", "fresh")
+             if (start_dir / "retention" / name / "eval.jsonl").is_file()}
     reference = arms.get("grpo_only")
     rows = {}
     for name, arm in arms.items():
@@ -267,7 +274,7 @@ def measure_longer(out: Path, spec: str, grid: CompareConfig, arms: dict[str, Ar
     steps = load_config(study.CONFIG).run.steps
     config = study.comparison(out, Path("start"), spec, "knowledge_3x", only=(best,))
     restore_runs(config, study.ARCHIVE / config.name)
-    at, last, same = {}, {}, 0
+    at, last, same, longer = {}, {}, 0, Arm(best)
     for seed in study.SEEDS:
         folder = RunFolder(config.arm_dir(best, seed))
         if not folder.finished.is_file() or not (evals := folder.eval_steps()) or evals[-1] != 3 * steps:
@@ -275,9 +282,15 @@ def measure_longer(out: Path, spec: str, grid: CompareConfig, arms: dict[str, Ar
         at[seed], last[seed] = (read_eval_outcomes(folder.eval_dir(step)) for step in (steps, 3 * steps))
         grid_final = arms[best].held_out.get(seed, {})
         same += sum(grid_final.get(key) == value for key, value in at[seed].items())
+        read_retention(longer, seed, folder.root)
+    shorter, gold = arms[best], arms.get("sft_gold")
     return {"arm": best, "steps": (steps, 3 * steps), "seeds": sorted(last),
             "at_steps": pooled(at), "at_3x": pooled(last), "change": paired(at, last),
-            "same_as_grid": (same, sum(len(v) for v in at.values()))}
+            "same_as_grid": (same, sum(len(v) for v in at.values())),
+            "arithmetic": pooled(longer.arithmetic), "arithmetic_change": paired(shorter.arithmetic, longer.arithmetic),
+            "arithmetic_vs_sft_gold": paired(gold.arithmetic, longer.arithmetic) if gold else None,
+            "drift": pooled_drift(longer.drift), "unseen": pooled(longer.unseen), "fresh": pooled(longer.fresh),
+            "fresh_change": paired(shorter.fresh, longer.fresh)}
 
 
 def verdicts(rows: dict) -> dict[str, dict]:
@@ -311,7 +324,7 @@ def study_time(out: Path) -> dict:
     sft = [json.loads(p.read_text())["seconds"]["total"] for p in sorted((out / "sft").glob("*/summary.json"))]
     stages["sft"] = {"runs": len(sft), "seconds": sft, "measures": []}
     single = [sum(json.loads(line).get("time/step", 0.0) for line in (run / "metrics.jsonl").read_text().splitlines())
-              for run in (out / "start", out / "illusion" / "answer_note_full") if (run / "metrics.jsonl").is_file()]
+              for run in (start_records(out), out / "illusion" / "answer_note_full") if (run / "metrics.jsonl").is_file()]
     stages["start and illusion (steps only)"] = {"runs": len(single), "seconds": single, "measures": []}
     return stages
 
@@ -498,7 +511,13 @@ def render(measured: dict, figure: Path | None) -> str:
                   f"Seeds {', '.join(map(str, longer['seeds']))}; held-out (b) at step {first} "
                   f"{_fmt(longer['at_steps'])}, at step {last} {_fmt(longer['at_3x'])}; change "
                   f"{_fmt(longer['change'])} (paired by prompt and seed). At step {first} these runs give the grid's "
-                  f"outcome on {same} of {of} prompt x seed pairs."]
+                  f"outcome on {same} of {of} prompt x seed pairs.", "",
+                  f"| at step {last} | value | against the same arm at step {first} |", "|---|---|---|",
+                  f"| arithmetic (start 0.640) | {_fmt(longer['arithmetic'])} | {_fmt(longer['arithmetic_change'])} |",
+                  f"| arithmetic minus `sft_gold`'s | {_fmt(longer['arithmetic_vs_sft_gold'])} | |",
+                  f"| fresh phrasings of trained facts | {_fmt(longer['fresh'])} | {_fmt(longer['fresh_change'])} |",
+                  f"| split (c) | {_fmt(longer['unseen'])} | |",
+                  f"| drift KL(trained \\|\\| start) per token | {_fmt(longer['drift'])} | |"]
     lines += ["", "## Verdicts", ""]
     for name, call in calls.items():
         if call["beats_grpo"] is not None:

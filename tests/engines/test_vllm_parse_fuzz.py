@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 
 from selfopd.engines.vllm import make_rollout, parse_prompt_logprobs
 from selfopd.engines.vllm_server import ServerError
-from tests.fuzz_settings import examples
 
 URL = "http://127.0.0.1:8000"
 CLAMPED = -9999.0  # what vLLM's JSON says for -inf

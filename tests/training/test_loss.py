@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from selfopd.config import ConfigError, LossConfig
 from selfopd.training.advantages import (cure_advantage, grpo_advantage, mean_prompt_weight, opd_advantage,
