@@ -37,7 +37,7 @@ def training_texts(eval_size: int = 200, split_seed: int = 0) -> list[str]:
     return [f"{e.prompt}\n{e.solution}" for e in train]
 
 
-def build_student(out: Path, steps: int = 600, seed: int = 0, batch_size: int = 32, lr: float = 1e-3) -> Path:
+def build_student(out: Path, steps: int = 300, seed: int = 0, batch_size: int = 32, lr: float = 1e-3) -> Path:
     """Tokenizer, random init and `steps` of language-model pretraining on the training texts; saved to `out`."""
     torch.manual_seed(seed)
     texts = training_texts()
@@ -79,7 +79,7 @@ def build_student(out: Path, steps: int = 600, seed: int = 0, batch_size: int = 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=300)  # PREREGISTRATION.md, amendment 1
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     out = build_student(args.out, args.steps, args.seed)
