@@ -1,6 +1,7 @@
 """The cross-tokenizer study's numbers (PREREGISTRATION.md), from its runs.
 
-    python -m experiments.cross_tokenizer.report      # writes experiments/results/cross_tokenizer_report.md
+    python -m experiments.cross_tokenizer.report                              # runs/cross_tokenizer/
+    python -m experiments.cross_tokenizer.report --out-dir experiments/results  # the shipped copy
 
 Restores the finished runs kept in results/cross_tokenizer_runs.tar.xz (so it works on a fresh
 clone), writes each comparison's own report (`selfopd compare`'s), and adds what that report
@@ -9,6 +10,7 @@ does not show: the share of completions the teacher could not read, and seconds 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 from pathlib import Path
@@ -61,6 +63,9 @@ def _change(d) -> str:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "runs" / "cross_tokenizer")
+    args = parser.parse_args()
     lines = ["# Cross-tokenizer on-policy distillation: the numbers", "",
              "Pre-registered in `experiments/cross_tokenizer/PREREGISTRATION.md`; written by "
              "`python -m experiments.cross_tokenizer.report`. Held out: the demo's 200 distinct sums, none "
@@ -77,7 +82,7 @@ def main() -> None:
         lines += ["", f"## `{name}` ({label})", "",
                   f"Start (the warm-started student): {start.accuracy:.3f} [{start.low:.3f}, {start.high:.3f}]. "
                   f"`selfopd compare`'s own report: `{report}`.", "", *arm_lines(config, results)]
-    out = ROOT / "experiments" / "results" / "cross_tokenizer_report.md"
+    out = args.out_dir / "cross_tokenizer_report.md"
     write_text_atomic(out, "\n".join(lines) + "\n")
     print(out.read_text())
 
