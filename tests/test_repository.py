@@ -56,8 +56,12 @@ def _named(pattern: re.Pattern, text: str) -> set[str]:
 
 
 def _exists(name: str) -> bool:
-    """A file or folder, or the stem of files (`--out experiments/x/results/name` -> name.json, name.png)."""
+    """A file or folder, or the stem of files (`--out experiments/x/results/name` -> name.json, name.png),
+    or a folder inside a study's archive (`--keep-records x/results/runs.tar.xz/comparison`): the archive."""
     path = ROOT / name
+    archive = re.match(r"(.+?\.tar\.xz)/", name)
+    if archive:
+        return (ROOT / archive.group(1)).is_file()
     return path.exists() or any(path.parent.glob(f"{path.name}.*"))
 
 
