@@ -96,6 +96,7 @@ def run_selfopd(trainer: str, seed: int, args: argparse.Namespace, scratch: Path
     """One `selfopd train` process; its step times, phases and in-run evals."""
     name = f"{trainer}-seed{seed}"
     overrides = demo_config(seed, args.steps, args.eval_every, scratch, name, TRAINERS[trainer])
+    shutil.rmtree(scratch / name, ignore_errors=True)  # what a stopped earlier invocation left
     started = time.perf_counter()
     run_child([sys.executable, "-m", "selfopd", "train", str(DEMO), *[f"--set={o}" for o in overrides]])
     process_s = time.perf_counter() - started
@@ -113,6 +114,7 @@ def run_trl(seed: int, args: argparse.Namespace, scratch: Path, rows_file: Path)
     from selfopd.core.models import resolve_model
 
     out_dir, out = scratch / f"trl-seed{seed}", scratch / f"trl-seed{seed}.jsonl"
+    shutil.rmtree(out_dir, ignore_errors=True)  # what a stopped earlier invocation left
     started = time.perf_counter()
     run_child([str(args.trl_python), "-m", "experiments.benchmarks.time_to_accuracy_trl",
                "--model", str(resolve_model("smollm2-135m-instruct")), "--rows", str(rows_file),
@@ -145,6 +147,24 @@ def held_out_accuracy(model: Path, out_dir: Path) -> tuple[float, dict[str, list
     finally:
         engine.close()
     return accuracy.value, read_eval_outcomes(out_dir)
+
+
+def finished_run(work_dir: Path, trainer: str, seed: int, args: argparse.Namespace) -> dict[str, Any] | None:
+    """A run kept by an earlier invocation with the same steps and eval spacing, or None."""
+    path = work_dir / f"{trainer}-seed{seed}.result.json"
+    if not path.is_file():
+        return None
+    result = json.loads(path.read_text())
+    if (result["steps_asked"], result["eval_every"]) != (args.steps, args.eval_every):
+        raise SystemExit(f"{path}: kept for {result['steps_asked']} steps, eval every {result['eval_every']}; "
+                         f"this invocation asks {args.steps}, every {args.eval_every}: use another --work-dir")
+    result["evals"] = {int(k): v for k, v in result["evals"].items()}
+    return result
+
+
+def keep_run(work_dir: Path, trainer: str, seed: int, args: argparse.Namespace, result: dict[str, Any]) -> None:
+    result.update(steps_asked=args.steps, eval_every=args.eval_every, selfopd_commit=git_commit())
+    (work_dir / f"{trainer}-seed{seed}.result.json").write_text(json.dumps(result) + "\n")
 
 
 def run_child(command: list[str]) -> None:
@@ -253,6 +273,9 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.40, help="the fixed held-out accuracy to reach")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "benchmarks" / "time_to_accuracy.json")
     parser.add_argument("--tables-of", type=Path, help="print the tables of a report this script wrote, and stop")
+    parser.add_argument("--work-dir", type=Path,
+                        help="keep each finished (trainer, seed) run's result here and skip it when run again, so a "
+                             "measurement stopped part way resumes with the next run (default: a temporary folder)")
     args = parser.parse_args()
     if args.tables_of:
         return print_tables(json.loads(args.tables_of.read_text()))
@@ -261,7 +284,8 @@ def main() -> None:
         raise SystemExit(f"{args.trl_python}: no such interpreter; `make bench-trl` makes .venv-trl with the pinned TRL")
     seeds = [int(s) for s in args.seeds.split(",")]
     started = time.time()
-    scratch = Path(tempfile.mkdtemp(prefix="time_to_accuracy-"))
+    scratch = args.work_dir or Path(tempfile.mkdtemp(prefix="time_to_accuracy-"))
+    scratch.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {t: [] for t in trainers}
     digests_match: dict[str, list[bool]] = {}
     for seed in seeds:
@@ -269,9 +293,14 @@ def main() -> None:
         rows_file = scratch / f"rows-seed{seed}.json"
         rows_file.write_text(json.dumps(rows))
         for trainer in trainers:
-            print(f"seed {seed}: {trainer} ...", flush=True)
-            result = (run_trl(seed, args, scratch, rows_file) if trainer == "trl"
-                      else run_selfopd(trainer, seed, args, scratch))
+            result = finished_run(scratch, trainer, seed, args)
+            if result is None:
+                print(f"seed {seed}: {trainer} ...", flush=True)
+                result = (run_trl(seed, args, scratch, rows_file) if trainer == "trl"
+                          else run_selfopd(trainer, seed, args, scratch))
+                keep_run(scratch, trainer, seed, args, result)
+            else:
+                print(f"seed {seed}: {trainer}: kept from an earlier invocation ({result['selfopd_commit']})", flush=True)
             results[trainer].append(result)
             if trainer == "trl":
                 digests_match.setdefault("trl", []).append([s["prompts"] for s in result["steps"]] == digests)
@@ -303,7 +332,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     plot(summary, args.target, args.out.with_suffix(".png"))
-    shutil.rmtree(scratch, ignore_errors=True)
+    if args.work_dir is None:
+        shutil.rmtree(scratch, ignore_errors=True)
     print_tables(report)
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 

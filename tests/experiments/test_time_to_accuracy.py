@@ -1,5 +1,6 @@
 """The time-to-accuracy benchmark's arithmetic, on hand-made runs: curves, the time to the target,
-intervals over seeds and the ratio to TRL paired by seed; and its training rows are selfopd's."""
+intervals over seeds and the ratio to TRL paired by seed; its training rows are selfopd's; a kept run
+resumes only under the same steps and eval spacing."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import math
 import pytest
 
 from experiments.benchmarks.cpu_load import prompt_digest
-from experiments.benchmarks.time_to_accuracy import curve, ratio_interval, summarise, t_interval, time_to, training_rows
+from experiments.benchmarks.time_to_accuracy import (curve, finished_run, keep_run, ratio_interval, summarise, t_interval,
+                                                      time_to, training_rows)
 
 
 def run(step_seconds: list[float], evals: dict[int, float], trl: bool = False) -> dict:
@@ -63,3 +65,17 @@ def test_the_training_rows_are_the_prompts_selfopd_trains_on():
     held_out_messages = [render_student(template, e) for e in held_out]
     assert rows[0]["messages"] == render_student(template, batch_for_step(train, 0, 8, 1)[0])
     assert not any(r["messages"] in held_out_messages for r in rows)  # none of them held out
+
+
+def test_a_kept_run_comes_back_whole_and_only_for_the_same_schedule(tmp_path):
+    import argparse
+
+    asked = argparse.Namespace(steps=24, eval_every=3)
+    assert finished_run(tmp_path, "selfopd", 0, asked) is None
+    kept = run([10, 12, 11], {3: 0.25})
+    keep_run(tmp_path, "selfopd", 0, asked, kept)
+    back = finished_run(tmp_path, "selfopd", 0, asked)
+    assert back["steps"] == kept["steps"] and back["evals"] == {3: 0.25} and back["process_s"] == kept["process_s"]
+    assert finished_run(tmp_path, "selfopd", 1, asked) is None and finished_run(tmp_path, "trl", 0, asked) is None
+    with pytest.raises(SystemExit, match="selfopd-seed0.result.json: kept for 24 steps, eval every 3"):
+        finished_run(tmp_path, "selfopd", 0, argparse.Namespace(steps=12, eval_every=3))
