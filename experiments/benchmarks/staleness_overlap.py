@@ -14,8 +14,8 @@ every configuration alike.
 
 Bounds, from the synchronous loop's own phases: in this design only sampling overlaps the
 rest of a step, so no step can be faster than max(sample, rest), the "overlap bound"; the
-general bound max(phase) / sum(phases) is printed beside it. k = 2 keeps one request in
-flight as k = 1 does: it adds staleness, not overlap.
+general bound max(phase) / sum(phases) is printed beside it. k = 2 keeps up to two requests
+in flight (k = 1 one), so its sampling may run two steps ahead of the trainer.
 """
 
 from __future__ import annotations

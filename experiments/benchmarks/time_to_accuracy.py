@@ -163,7 +163,7 @@ def finished_run(work_dir: Path, trainer: str, seed: int, args: argparse.Namespa
 
 
 def keep_run(work_dir: Path, trainer: str, seed: int, args: argparse.Namespace, result: dict[str, Any]) -> None:
-    result.update(steps_asked=args.steps, eval_every=args.eval_every, selfopd_commit=git_commit())
+    result.update(steps_asked=args.steps, eval_every=args.eval_every)
     (work_dir / f"{trainer}-seed{seed}.result.json").write_text(json.dumps(result) + "\n")
 
 
@@ -235,8 +235,11 @@ def summarise(results: dict[str, list[dict]], seeds: list[int], base: float, tar
     summary["ratio_to_trl"] = {trainer: ratio_interval(times[trainer], times["trl"])
                                for trainer in results if trainer != "trl" and "trl" in times
                                and None not in times[trainer] + times["trl"]}
-    summary["final_accuracy"] = {trainer: t_interval([points[-1][2] for points in per_seed])
-                                 for trainer, per_seed in curves.items()}
+    final = {trainer: [points[-1][2] for points in per_seed] for trainer, per_seed in curves.items()}
+    summary["final_accuracy"] = {trainer: t_interval(values) for trainer, values in final.items()}
+    summary["final_accuracy_minus_trl"] = {  # paired by seed: a difference in learning, not in speed
+        trainer: t_interval([a - b for a, b in zip(values, final["trl"])])
+        for trainer, values in final.items() if trainer != "trl" and "trl" in final}
     summary["process_s"] = {trainer: [run["process_s"] for run in runs] for trainer, runs in results.items()}
     return summary
 
@@ -296,11 +299,13 @@ def main() -> None:
             result = finished_run(scratch, trainer, seed, args)
             if result is None:
                 print(f"seed {seed}: {trainer} ...", flush=True)
+                commit = git_commit()  # the code this run starts from
                 result = (run_trl(seed, args, scratch, rows_file) if trainer == "trl"
                           else run_selfopd(trainer, seed, args, scratch))
-                keep_run(scratch, trainer, seed, args, result)
+                keep_run(scratch, trainer, seed, args, {**result, "selfopd_commit": commit})
             else:
-                print(f"seed {seed}: {trainer}: kept from an earlier invocation ({result['selfopd_commit']})", flush=True)
+                print(f"seed {seed}: {trainer}: kept from an earlier invocation "
+                      f"({result.get('selfopd_commit', 'commit not recorded')})", flush=True)
             results[trainer].append(result)
             if trainer == "trl":
                 digests_match.setdefault("trl", []).append([s["prompts"] for s in result["steps"]] == digests)
@@ -341,21 +346,24 @@ def main() -> None:
 def print_tables(report: dict[str, Any]) -> None:
     target = report["target"]
     print(f"\ntime to held-out accuracy {target:.2f} (training seconds; base {report['base_accuracy']:.3f})")
-    print(f"{'trainer':<14}{'per seed':>28}{'mean [95% t, seeds]':>30}{'vs TRL (paired)':>30}")
+    print(f"{'trainer':<16}{'per seed':>26}{'mean [95% t, seeds]':>30}{'vs TRL (paired)':>30}")
     for trainer, times in report["time_to_target_s"].items():
         seeds = ", ".join("never" if t is None else f"{t:.0f}" for t in times)
         mean = report["time_to_target"].get(trainer)
         ratio = report["ratio_to_trl"].get(trainer)
-        print(f"{trainer:<14}{seeds:>28}"
+        print(f"{trainer:<16}{seeds:>26}"
               + (f"{mean['mean']:>12.0f} [{mean['low']:.0f}, {mean['high']:.0f}]" if mean else f"{'-':>30}")
               + (f"{ratio['ratio']:>14.2f}x [{ratio['low']:.2f}, {ratio['high']:.2f}]" if ratio else ""))
     print("\nfinal held-out accuracy (mean over seeds [95% t])")
     for trainer, final in report["final_accuracy"].items():
         if final:
-            print(f"  {trainer:<14}{final['mean']:.3f} [{final['low']:.3f}, {final['high']:.3f}]")
+            difference = report.get("final_accuracy_minus_trl", {}).get(trainer)
+            print(f"  {trainer:<16}{final['mean']:.3f} [{final['low']:.3f}, {final['high']:.3f}]"
+                  + (f"   minus TRL, paired by seed: {difference['mean']:+.3f} [{difference['low']:+.3f}, "
+                     f"{difference['high']:+.3f}]" if difference else ""))
     print("\nmedian seconds of a step, by phase")
     for trainer, groups in report["phases_s"].items():
-        print(f"  {trainer:<14}" + ", ".join(f"{name} {seconds:.2f}" for name, seconds in groups.items()))
+        print(f"  {trainer:<16}" + ", ".join(f"{name} {seconds:.2f}" for name, seconds in groups.items()))
     if report.get("evaluator_check"):
         print(f"\nevaluator check: {report['evaluator_check']}")
     print(f"TRL's prompts per step equal selfopd's: {report['same_prompt_ids_as_selfopd']}")

@@ -37,6 +37,11 @@ def test_curves_times_and_the_paired_ratio_by_hand():
     assert (ratio["low"], ratio["high"]) == pytest.approx((math.exp(mean - half), math.exp(mean + half)))
     assert summary["time_to_target"]["selfopd"]["mean"] == pytest.approx(40.0)
     assert summary["final_accuracy"]["trl"]["mean"] == pytest.approx((0.4 + 0.6 + 0.45) / 3)
+    differences = [0.5 - 0.4, 0.5 - 0.6, 0.41 - 0.45]  # selfopd minus TRL at the last eval, seed by seed
+    spread = math.sqrt(sum((d - sum(differences) / 3) ** 2 for d in differences) / 2) * 4.302652729911275 / math.sqrt(3)
+    difference = summary["final_accuracy_minus_trl"]["selfopd"]
+    assert difference["mean"] == pytest.approx(sum(differences) / 3)
+    assert difference["high"] - difference["mean"] == pytest.approx(spread)
     # Phase groups of the same work, after each process's first step.
     assert summary["phases_s"]["selfopd"]["sampling"] == 1.0 and summary["phases_s"]["trl"]["forward, backward"] == 2.0
     # A seed that never reaches the target leaves no mean and no ratio.
