@@ -155,16 +155,18 @@ def finished_run(work_dir: Path, trainer: str, seed: int, args: argparse.Namespa
     if not path.is_file():
         return None
     result = json.loads(path.read_text())
-    if (result["steps_asked"], result["eval_every"]) != (args.steps, args.eval_every):
-        raise SystemExit(f"{path}: kept for {result['steps_asked']} steps, eval every {result['eval_every']}; "
+    steps, eval_every = result.pop("steps_asked"), result.pop("eval_every")
+    if (steps, eval_every) != (args.steps, args.eval_every):
+        raise SystemExit(f"{path}: kept for {steps} steps, eval every {eval_every}; "
                          f"this invocation asks {args.steps}, every {args.eval_every}: use another --work-dir")
     result["evals"] = {int(k): v for k, v in result["evals"].items()}
     return result
 
 
 def keep_run(work_dir: Path, trainer: str, seed: int, args: argparse.Namespace, result: dict[str, Any]) -> None:
-    result.update(steps_asked=args.steps, eval_every=args.eval_every)
-    (work_dir / f"{trainer}-seed{seed}.result.json").write_text(json.dumps(result) + "\n")
+    """Write a finished run's result beside the schedule it ran under (what `finished_run` checks)."""
+    record = {**result, "steps_asked": args.steps, "eval_every": args.eval_every}
+    (work_dir / f"{trainer}-seed{seed}.result.json").write_text(json.dumps(record) + "\n")
 
 
 def run_child(command: list[str]) -> None:
@@ -302,7 +304,8 @@ def main() -> None:
                 commit = git_commit()  # the code this run starts from
                 result = (run_trl(seed, args, scratch, rows_file) if trainer == "trl"
                           else run_selfopd(trainer, seed, args, scratch))
-                keep_run(scratch, trainer, seed, args, {**result, "selfopd_commit": commit})
+                result["selfopd_commit"] = commit  # a fresh run and a kept one carry the same fields
+                keep_run(scratch, trainer, seed, args, result)
             else:
                 print(f"seed {seed}: {trainer}: kept from an earlier invocation "
                       f"({result.get('selfopd_commit', 'commit not recorded')})", flush=True)

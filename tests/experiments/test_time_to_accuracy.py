@@ -81,6 +81,7 @@ def test_a_kept_run_comes_back_whole_and_only_for_the_same_schedule(tmp_path):
     keep_run(tmp_path, "selfopd", 0, asked, kept)
     back = finished_run(tmp_path, "selfopd", 0, asked)
     assert back["steps"] == kept["steps"] and back["evals"] == {3: 0.25} and back["process_s"] == kept["process_s"]
+    assert back == kept  # the same fields as a fresh run: the schedule is checked, not carried into the report
     assert finished_run(tmp_path, "selfopd", 1, asked) is None and finished_run(tmp_path, "trl", 0, asked) is None
     with pytest.raises(SystemExit, match="selfopd-seed0.result.json: kept for 24 steps, eval every 3"):
         finished_run(tmp_path, "selfopd", 0, argparse.Namespace(steps=12, eval_every=3))
