@@ -1,25 +1,45 @@
 """Whole files or none: every result a run writes goes to a temporary name in the same folder,
 is flushed to disk, then renamed over its place (`os.replace` is atomic on POSIX). A process
-killed at any moment leaves the old file or the new one, never half of one."""
+killed at any moment leaves the old file or the new one, never half of one.
+
+The temporary file is new and unique (created with O_CREAT | O_EXCL, which never follows a
+link), and the rename replaces a link at the target rather than writing through it: a link
+planted in an output folder cannot redirect a write elsewhere."""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 
+def _new_temporary(path: Path) -> Path:
+    """A fresh, empty file `.NAME.RANDOM.partial` beside `path`, made by this call."""
+    for _ in range(100):
+        temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}.partial")
+        try:
+            os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
+        except FileExistsError:
+            continue
+        return temporary
+    raise FileExistsError(f"{path.parent}: no free temporary name for {path.name}")
+
+
 def replace_atomic(path: str | Path, write: Callable[[Path], object]) -> Path:
-    """Call `write(temporary)` to make the file under a temporary name beside `path` (a
-    figure's `savefig`, a `write_text`), fsync it, then rename it to `path`. The temporary
-    name is fixed (`.NAME.partial`), so what a killed write leaves is replaced by the next."""
+    """Call `write(temporary)` to make the file under a new temporary name beside `path` (a
+    figure's `savefig`, a `write_text`), fsync it, then rename it to `path`. What a killed write
+    leaves is a hidden `.NAME.*.partial` file, never read."""
     path = Path(path)
-    temporary = path.with_name(f".{path.name}.partial")
+    temporary = _new_temporary(path)
     try:
         write(temporary)
-        with temporary.open("rb+") as handle:
-            os.fsync(handle.fileno())
+        fd = os.open(temporary, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
