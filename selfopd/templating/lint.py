@@ -27,6 +27,7 @@ from selfopd.templating.templates import (
     TEACHER_VARIABLES,
     PromptTemplate,
     TemplateError,
+    TemplateLimitError,
     privileged_fields,
     render_student,
     render_teacher,
@@ -80,6 +81,8 @@ def lint_template(
             teacher_messages = render_teacher(template, example, student_messages, attempt, feedback, demonstration)
         except TemplateError as error:
             findings.append(Finding("error", template.name, f"row {example.id}: {error}"))
+            if isinstance(error, TemplateLimitError):
+                break  # a template past a limit is past it on every row: once is enough, and fast
             continue
         question = student_messages[-1]["content"]
         if answer_follows_question(teacher_messages[-1]["content"], question, example.answer, tail_chars):

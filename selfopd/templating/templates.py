@@ -7,10 +7,11 @@ the empty-context control (`teacher/empty`) teacher and student prompts are iden
 
 Templates run in Jinja's immutable sandbox with StrictUndefined: a template shared by a
 colleague cannot call into Python, and a misspelt or unavailable variable is an error
-that names the file, the line and the variable instead of rendering an empty string. Any
-other error of a template's own code (an include outside the search path, `1/0`, a
-`range(10**9)` or `'x' * 10**9` the sandbox refuses) is a TemplateError naming file and
-line too. Rendering has no time limit: nested loops can still keep a core busy.
+that names the file, the line and the variable instead of rendering an empty string. A
+template includes, extends or imports only `.jinja` files of its own folder and of
+`prompts/` (`template_files`), and rendering one prompt is bounded in size, work and CPU
+time (`sandbox`). Any error of a template's own code (a refused include, `1/0`, a
+`range(10**9)`, a value or prompt past a limit) is a TemplateError naming file and line.
 
 Variables:
 - student templates: `prompt`, `id`, `meta` (never the answer: the student cannot have it);
@@ -24,17 +25,18 @@ Variables:
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import jinja2
 from jinja2 import meta as jinja_meta
-from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+from jinja2.sandbox import SecurityError
 
 from selfopd.data.example import Example
+from selfopd.templating.sandbox import MAX_RENDER_CHARS, LIMITS_DOC, RenderLimit, Sandbox, render_budget
+from selfopd.templating.template_files import FolderLoader, IncludeRefused, TemplateFileError, read_template_file
 
 Message = dict[str, str]
 
@@ -62,12 +64,14 @@ class TemplateError(ValueError):
     """A template that cannot be found, parsed or rendered; the message names the file."""
 
 
+class TemplateLimitError(TemplateError):
+    """A template that went past a size, work or time limit while rendering."""
+
+
 # What expressions in a template can raise while rendering: the template's fault, reported
 # as a TemplateError with its file and line rather than a traceback from inside Jinja.
 RENDER_ERRORS = (jinja2.TemplateError, ArithmeticError, LookupError, TypeError, ValueError, RecursionError,
                  MemoryError)
-MAX_REPEAT_LENGTH = 1_000_000  # `'x' * n` in a template: longer is a mistake or an attack
-MAX_POWER_DIGITS = 100_000  # `a ** b` of integers: 9 ** (9 ** 9) would run for hours
 
 
 @dataclass(frozen=True)
@@ -82,15 +86,17 @@ class PromptTemplate:
     def render(self, variables: dict[str, Any]) -> list[Message]:
         """Render to chat messages; errors name this file, the line and the variable."""
         try:
-            blocks = self.template.blocks
-            if "user" not in blocks:
-                return [{"role": "user", "content": self.template.render(variables).strip()}]
-            context = self.template.new_context(variables)
-            messages = []
-            for role in ("system", "user"):
-                if role in blocks:
-                    messages.append({"role": role, "content": "".join(blocks[role](context)).strip()})
-            return messages
+            with render_budget():
+                try:
+                    return self._messages(variables)
+                except Exception:
+                    self.template.environment.handle_exception()  # frames of the template's file and lines
+        except TemplateError:
+            raise
+        except RenderLimit as error:
+            raise TemplateLimitError(f"{_template_location(error, self.path)}: {error}") from None
+        except IncludeRefused as error:
+            raise TemplateError(f"{_template_location(error, self.path)}: template {error}") from None
         except jinja2.UndefinedError as error:
             raise TemplateError(
                 f"{_template_location(error, self.path)}: variable {error.message}; "
@@ -101,10 +107,33 @@ class PromptTemplate:
         except jinja2.TemplateNotFound as error:
             raise TemplateError(
                 f"{_template_location(error, self.path)}: no template {error.name!r} to include or extend "
-                f"(searched {self.path.parent} and {PROMPTS_DIR}; a path with '..' is refused)"
+                f"(searched {self.path.parent} and {PROMPTS_DIR})"
             ) from None
         except RENDER_ERRORS as error:  # the template's own code failed (1/0, range(10**9), ...)
             raise TemplateError(f"{_template_location(error, self.path)}: {type(error).__name__}: {error}") from None
+
+    def _messages(self, variables: dict[str, Any]) -> list[Message]:
+        blocks = self.template.blocks
+        if "user" not in blocks:
+            return [{"role": "user", "content": self._text(self.template.generate(variables), 0)}]
+        context = self.template.new_context(variables)
+        messages: list[Message] = []
+        for role in ("system", "user"):
+            if role in blocks:
+                messages.append({"role": role, "content": self._text(blocks[role](context), sum(
+                    len(m["content"]) for m in messages))})
+        return messages
+
+    def _text(self, pieces: Iterable[str], before: int) -> str:
+        """The rendered pieces joined, stopping once the prompt passes MAX_RENDER_CHARS."""
+        text: list[str] = []
+        for piece in pieces:
+            text.append(piece)
+            before += len(piece)
+            if before > MAX_RENDER_CHARS:
+                raise TemplateLimitError(f"{self.path}: renders over {MAX_RENDER_CHARS:,} characters, the size limit "
+                                         f"of a prompt ({LIMITS_DOC})")
+        return "".join(text).strip()
 
 
 def load_template(name_or_path: str | os.PathLike[str], root: Path | None = None) -> PromptTemplate:
@@ -114,8 +143,12 @@ def load_template(name_or_path: str | os.PathLike[str], root: Path | None = None
     path = _find_template(str(name_or_path), root)
     environment = _environment(path.parent, root)
     try:
-        template = environment.get_template(path.name)
-        parsed = environment.parse(path.read_text(), name=path.name, filename=str(path))
+        source = read_template_file(path)
+        code = environment.compile(source, path.name, str(path))
+        template = environment.template_class.from_code(environment, code, environment.make_globals(None))
+        parsed = environment.parse(source, name=path.name, filename=str(path))
+    except TemplateFileError as error:
+        raise TemplateError(str(error)) from None
     except jinja2.TemplateSyntaxError as error:
         raise TemplateError(f"{path}:{error.lineno}: template syntax error: {error.message}") from None
     variables = frozenset(jinja_meta.find_undeclared_variables(parsed))
@@ -228,46 +261,17 @@ def _find_template(name: str, root: Path | None = None) -> Path:
     )
 
 
-class _Sandbox(ImmutableSandboxedEnvironment):
-    """Jinja's immutable sandbox, which only bounds range(), plus bounds on the two operators
-    that can exhaust memory or a core in one expression: `*` repeating a string or list, and
-    `**` of integers."""
-
-    intercepted_binops = frozenset({"*", "**"})
-
-    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        if _too_costly(operator, left, right):
-            raise SecurityError(f"{operator!r} on {type(left).__name__} and {type(right).__name__} would be too "
-                                "large to compute in a template")
-        return super().call_binop(context, operator, left, right)
-
-
-def _too_costly(operator: str, left: Any, right: Any) -> bool:
-    if operator == "*":
-        for sequence, count in ((left, right), (right, left)):
-            if isinstance(sequence, (str, list, tuple)) and isinstance(count, int):
-                return len(sequence) * count > MAX_REPEAT_LENGTH
-        return False
-    if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
-        return right * math.log10(abs(left)) > MAX_POWER_DIGITS
-    return False
-
-
-def _environment(template_dir: Path, root: Path | None = None) -> ImmutableSandboxedEnvironment:
-    # Both the template's folder and prompts/ are searchable, so shipped templates can be
-    # extended or included from templates kept elsewhere.
-    roots = [template_dir, *([root] if root is not None else []), PROMPTS_DIR]
-    loader = jinja2.FileSystemLoader([str(folder) for folder in roots])
-    environment = _Sandbox(
-        loader=loader,
+def _environment(template_dir: Path, root: Path | None = None) -> Sandbox:
+    # The template's folder, a run's templates/ and prompts/ are searchable, so shipped templates
+    # can be extended or included from templates kept elsewhere.
+    return Sandbox(
+        loader=FolderLoader([template_dir, *([root] if root is not None else []), PROMPTS_DIR]),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
         keep_trailing_newline=False,
         autoescape=False,
     )
-    del environment.globals["lipsum"]  # lorem ipsum of any length: no use in a prompt, lipsum(10**9) hangs
-    return environment
 
 
 def _display_name(path: Path, root: Path | None = None) -> str:

@@ -35,14 +35,17 @@ sys.addaudithook(_record_opens)  # audit hooks cannot be removed; this one only 
 
 @pytest.fixture
 def sandbox_dir(tmp_path, monkeypatch):
-    """A prompts/ folder of our own (PROMPTS_DIR points at it) and, beside it, canary files
-    that no template may read: one next to prompts/, one beside the template's folder."""
+    """A prompts/ folder of our own (PROMPTS_DIR points at it) and canary files that no template
+    may read: next to prompts/, and beside the template itself (a text file, and a .jinja link
+    leading out of prompts/)."""
     prompts = tmp_path / "prompts"
     (prompts / "teacher").mkdir(parents=True)
     (prompts / "student").mkdir()
     (prompts / "student" / "plain.jinja").write_text("{{ prompt }}")
     (tmp_path / "canary.txt").write_text(CANARY_TEXT)
     (tmp_path / "canary.jinja").write_text(CANARY_TEXT)
+    (prompts / "teacher" / "canary_sibling.txt").write_text(CANARY_TEXT)
+    (prompts / "teacher" / "canary_link.jinja").symlink_to(tmp_path / "canary.jinja")
     monkeypatch.setattr(selfopd.templating.templates, "PROMPTS_DIR", prompts)
     _opened.clear()
     return tmp_path
@@ -165,6 +168,10 @@ INCLUDES = [
     "{% extends '../canary.jinja' %}",
     "{% import '../canary.jinja' as c %}",
     "{% from '../canary.jinja' import x %}",
+    "{% include 'canary_sibling.txt' %}",
+    "{% include 'teacher/canary_sibling.txt' %}",
+    "{% include 'canary_link.jinja' %}",
+    "{% extends 'teacher/canary_link.jinja' %}",
 ]
 
 
@@ -178,7 +185,7 @@ def test_hostile_template_raises_template_error_or_renders_harmlessly(sandbox_di
 
 @pytest.mark.parametrize("source", INCLUDES)
 def test_includes_outside_prompts_are_refused_with_a_clear_message(sandbox_dir, source):
-    with pytest.raises(TemplateError, match=r"evil\.jinja:1: no template .* to include or extend"):
+    with pytest.raises(TemplateError, match=r"evil\.jinja:1: (template '.*' refused: |no template .* to include or extend)"):
         _render_source(sandbox_dir, source)
 
 
@@ -194,7 +201,7 @@ PIECES = ["{{", "}}", "{%", "%}", "(", ")", "[", "]", "|", ".", ",", "'", "=", "
           "_TemplateReference__context", "self", "cycler", "joiner", "namespace", "lipsum", "range", "dict",
           "config", "request", "prompt", "meta", "hints", "answer", "attr", "format", "join", "map", "select",
           "include", "import", "extends", "from", "set", "for", "in", "if", "endfor", "endif", "macro", "call",
-          "'../canary.txt'", "'canary.jinja'", "'/etc/passwd'", "10**9", "9", "0", "-1", "'{0.__class__}'",
+          "'../canary.txt'", "'canary.jinja'", "'canary_sibling.txt'", "'canary_link.jinja'", "'/etc/passwd'", "10**9", "9", "0", "-1", "'{0.__class__}'",
           "open", "os", "popen", "read", "mro", "items", "x"]
 
 
