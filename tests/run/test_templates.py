@@ -10,7 +10,7 @@ import pytest
 from selfopd.cli import main
 from selfopd.data.example import Example
 from selfopd.run.templates import load_run_template, save_run_templates
-from selfopd.templating.templates import load_template, render_teacher
+from selfopd.templating.templates import TemplateError, load_template, render_teacher
 
 EXAMPLE = Example(id="q1", prompt="What is 2 + 3?", answer="5")
 STUDENT = [{"role": "user", "content": EXAMPLE.prompt}]
@@ -73,3 +73,56 @@ def test_a_run_keeps_its_templates_and_diagnose_uses_them(tmp_path, tiny_model_d
     template.write_text("{{ prompt }} {{ no_such_variable }}")  # the file changes after the run
     diagnosis = measure_run(run_dir, with_model=True, gap_items=2, progress=False)
     assert diagnosis.model_part is not None and diagnosis.annotated
+
+
+def _kept_run(tmp_path):
+    """A run folder that kept teacher/answer_note, and a secret beside the run."""
+    run = tmp_path / "run"
+    save_run_templates(run / "templates", ["teacher/answer_note"])
+    (tmp_path / "secret.jinja").write_text("SECRET {{ answer }}")
+    return run
+
+
+def _point_index_at(run, entry) -> None:
+    path = run / "templates" / "index.json"
+    path.write_text(json.dumps({"teacher/answer_note": entry}))
+
+
+@pytest.mark.parametrize("file", ["{tmp}/secret.jinja", "../../secret.jinja", "teacher/../../../secret.jinja",
+                                  "link.jinja", "..\\\\..\\\\secret.jinja"])
+def test_a_kept_template_outside_the_run_folder_is_refused(tmp_path, file):
+    run = _kept_run(tmp_path)
+    (run / "templates" / "link.jinja").symlink_to(tmp_path / "secret.jinja")
+    file = file.format(tmp=tmp_path)
+    _point_index_at(run, {"file": file, "name": "teacher/answer_note"})
+    with pytest.raises(TemplateError) as error:
+        load_run_template(run, "teacher/answer_note")
+    assert str(error.value) == (f"{run}/templates/index.json: entry 'teacher/answer_note': file {file!r} leads outside "
+                                f"{run}/templates; a run folder's templates must lie inside its templates/ folder")
+
+
+@pytest.mark.parametrize("index, expected", [
+    ('{"teacher/answer_note": "teacher/answer_note.jinja"}', r"index\.json: entry 'teacher/answer_note': expected \{\"file\""),
+    ('{"teacher/answer_note": {"file": 3, "name": "x"}}', r"index\.json: entry 'teacher/answer_note': expected \{\"file\""),
+    ('{"teacher/answer_note": {"file": "teacher/answer_note.jinja", "name": "x\\u001b[2J"}}',
+     r"index\.json: entry 'teacher/answer_note': expected \{\"file\""),
+    ('["teacher/answer_note"]', r"index\.json: expected a JSON object of templates, got list"),
+    ('{"teacher/answer_note": ', r"index\.json: not a readable JSON index of templates: "),
+    (b'\xff\xfe{}', r"index\.json: not a readable JSON index of templates: "),
+])
+def test_a_garbled_index_is_one_line_naming_it(tmp_path, index, expected):
+    run = _kept_run(tmp_path)
+    path = run / "templates" / "index.json"
+    path.write_bytes(index if isinstance(index, bytes) else index.encode())
+    with pytest.raises(TemplateError, match=rf"^{run}/templates/{expected}") as error:
+        load_run_template(run, "teacher/answer_note")
+    assert "\n" not in str(error.value)
+
+
+def test_a_kept_template_includes_only_templates_of_the_run_folder(tmp_path):
+    """A copy in the run folder that includes a file beside it (not a template) is refused."""
+    run = _kept_run(tmp_path)
+    (run / "templates" / "teacher" / "answer_note.jinja").write_text("{{ prompt }}{% include 'notes.txt' %}")
+    (run / "templates" / "teacher" / "notes.txt").write_text("SECRET")
+    with pytest.raises(TemplateError, match=r"answer_note\.jinja:1: template 'notes\.txt' refused: not a \.jinja"):
+        _teacher_text(load_run_template(run, "teacher/answer_note"))
