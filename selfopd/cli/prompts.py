@@ -110,6 +110,8 @@ def _prompts_lint(args: argparse.Namespace) -> int:
     from selfopd.templating.lint import lint_template, missing_fields
     from selfopd.templating.templates import list_templates, load_template
 
+    if args.sample < 1:
+        raise UserError(f"--sample must be >= 1, got {args.sample}: linting on no rows would check nothing")
     sample = load_examples(args.data)[: args.sample]
     student = load_template(args.student)
     names = args.templates or list_templates()

@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,42 @@ def test_lint_exit_codes(capsys, tmp_path):
     broken = tmp_path / "broken.jinja"
     broken.write_text("{{ student_prompt }} {{ nope }}")
     assert main(["prompts", "lint", str(broken), "--data", SMALL_DATA]) == 1
+
+
+@pytest.mark.parametrize("sample", ["0", "-1"])
+def test_lint_on_no_rows_is_refused_not_ok(capsys, sample):
+    assert main(["prompts", "lint", "teacher/empty", "--data", SMALL_DATA, "--sample", sample]) == 1
+    captured = capsys.readouterr()
+    assert "ok:" not in captured.out
+    assert captured.err.strip() == (f"selfopd: error: --sample must be >= 1, got {sample}: linting on no rows would "
+                                    "check nothing")
+
+
+# Templates past the size and time limits: `render` and `lint` name the template and the limit.
+PAST_LIMITS = [
+    ("{{ student_prompt }}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+     r"slow\.jinja:1: rendering took over 2 s of CPU time, the time limit of a prompt"),
+    ("{{ student_prompt }}{% for i in range(99999) %}{{ answer * 99 }}{% endfor %}",
+     r"slow\.jinja: renders over 4,000,000 characters, the size limit of a prompt"),
+    ("{{ student_prompt }}\n{{ answer | center(10**9) }}",
+     r"slow\.jinja:2: filter 'center' would make over 4,000,000 characters, the size limit of a prompt"),
+]
+
+
+@pytest.mark.parametrize("source, expected", PAST_LIMITS, ids=["time", "prompt-size", "value-size"])
+def test_render_and_lint_refuse_a_template_past_a_limit(tmp_path, capsys, source, expected):
+    template = tmp_path / "slow.jinja"
+    template.write_text(source)
+    assert main(["prompts", "render", str(template), "--data", SMALL_DATA]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(rf"^selfopd: error: {re.escape(str(tmp_path))}/{expected}", err), err
+    started = time.monotonic()
+    assert main(["prompts", "lint", str(template), "--data", SMALL_DATA]) == 1
+    out = capsys.readouterr().out
+    assert re.search(rf"^error: {re.escape(str(template))}: row \S+: {re.escape(str(tmp_path))}/{expected}", out,
+                     re.MULTILINE), out
+    assert out.count("error:") == 1 and "ok:" not in out  # one row tells it; the others are not rendered
+    assert time.monotonic() - started < 30
 
 
 @pytest.mark.slow
