@@ -139,6 +139,22 @@ FRESH: list[Case] = [
     ("sandbox-escape", lambda s: s.train(s.setting(
         "data.student_template", "t.jinja", "{{ prompt }}\n{{ cycler.__init__.__globals__.os.popen('id').read() }}")),
      r"{tmp}/t\.jinja:2: "),
+    ("template-includes-a-sibling-file", lambda s: s.file("secret.txt", "sk-live-123") and s.train(s.setting(
+        "data.student_template", "t.jinja", "{{ prompt }}\n{% include 'secret.txt' %}")),
+     r"{tmp}/t\.jinja:2: template 'secret\.txt' refused: not a \.jinja template"),
+    ("template-not-utf8", lambda s: s.train("teacher.template=" + str(
+        (p := s.file("t.jinja", "")).write_bytes("{{ prompt }} café".encode("latin-1")) and p)),
+     r"{tmp}/t\.jinja: not UTF-8 text \(byte 0xe9 at offset 16\)"),
+    ("template-renders-too-much", lambda s: s.train(s.setting(
+        "teacher.template", "t.jinja", "{{ prompt }}{% for i in range(99999) %}{{ prompt * 9 }}{% endfor %}")),
+     r"{tmp}/t\.jinja: renders over 4,000,000 characters, the size limit of a prompt"),
+    ("template-value-too-large", lambda s: s.train(s.setting(
+        "data.student_template", "t.jinja", "{{ prompt }}\n{{ '%999999999s' % prompt }}")),
+     r"{tmp}/t\.jinja:2: '%' would make over 4,000,000 characters, the size limit of a prompt"),
+    ("template-renders-too-long", lambda s: s.train(s.setting(
+        "teacher.template", "t.jinja", "{{ prompt }}{% for i in range(99999) %}{% for j in range(99999) %}"
+                                       "{% endfor %}{% endfor %}")),
+     r"{tmp}/t\.jinja:1: rendering took over 2 s of CPU time, the time limit of a prompt"),
     ("external-teacher-without-model", lambda s: s.train("teacher.kind=external"),
      r"run\.toml: teacher\.model: required when teacher\.kind = 'external'"),
     ("external-teacher-other-tokenizer", lambda s: s.train("teacher.kind=external", f"teacher.model={_other_vocab_teacher(s)}"),
