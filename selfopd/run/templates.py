@@ -45,6 +45,9 @@ def save_run_templates(folder: Path, names: Iterable[str]) -> None:
             continue
         template = load_template(name)
         for target, text in _sources(template).items():
+            if not (folder / target).parent.resolve().is_relative_to(folder.resolve()):  # a planted link
+                raise TemplateError(f"{folder / target.parent}: leads outside {folder}; a run folder's templates "
+                                    "must lie inside its templates/ folder")
             (folder / target).parent.mkdir(parents=True, exist_ok=True)
             write_text_atomic(folder / target, text)
         index[name] = {"file": _target(template.path, template.path.parent).as_posix(), "name": template.name}

@@ -126,3 +126,17 @@ def test_a_kept_template_includes_only_templates_of_the_run_folder(tmp_path):
     (run / "templates" / "teacher" / "notes.txt").write_text("SECRET")
     with pytest.raises(TemplateError, match=r"answer_note\.jinja:1: template 'notes\.txt' refused: not a \.jinja"):
         _teacher_text(load_run_template(run, "teacher/answer_note"))
+
+
+def test_a_resumed_run_does_not_write_its_templates_through_a_planted_link(tmp_path):
+    run = _kept_run(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (run / "templates" / "local").symlink_to(elsewhere)
+    (tmp_path / "sub").mkdir()
+    mine = tmp_path / "mine.jinja"
+    mine.write_text("{{ prompt }}{% include 'sub/part.jinja' %}")  # kept as local/sub/part.jinja
+    (tmp_path / "sub" / "part.jinja").write_text("!")
+    with pytest.raises(TemplateError, match=rf"^{run}/templates/local: leads outside {run}/templates"):
+        save_run_templates(run / "templates", ["teacher/answer_note", str(mine)])
+    assert list(elsewhere.iterdir()) == []
