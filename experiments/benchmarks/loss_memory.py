@@ -196,7 +196,7 @@ def main() -> None:
             result = {impl: measure(args, loss, impl, path) for impl, path in paths.items()}
             row = {"loss": loss, "naive": result["naive"], "chunked": result["chunked"]}
             if "error" not in result["naive"] and "error" not in result["chunked"]:
-                naive_grads, chunked_grads = torch.load(paths["naive"]), torch.load(paths["chunked"])
+                naive_grads, chunked_grads = torch.load(paths["naive"], weights_only=True), torch.load(paths["chunked"], weights_only=True)
                 row["peak_ratio"] = result["chunked"]["peak_mb"] / result["naive"]["peak_mb"]
                 row["time_ratio"] = result["chunked"]["seconds"] / result["naive"]["seconds"]
                 row["loss_abs_diff"] = abs(result["chunked"]["loss"] - result["naive"]["loss"])

@@ -7,19 +7,23 @@ compare: tests/training/test_precision.py on the CPU, experiments/benchmarks/gpu
     python -m torch.distributed.run --standalone --nproc_per_node 2 experiments/benchmarks/precision_step.py CONFIG OUT
 
 OUT (rank 0) is a torch file {"grads": {name: float64 full gradient or None}, "rollouts":
-every rollout group of the step in order}. `--float64-on` trains the model converted to
-float64 on those rollouts instead of sampling (its own sampling numerics would draw others).
+every rollout group of the step in order, as plain fields}, read back by `read_step` as data
+(`weights_only`). `--float64-on` trains the model converted to float64 on those rollouts
+instead of sampling (its own sampling numerics would draw others).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from selfopd.config import TrainConfig, load_config
 from selfopd.core.distributed import all_gather, close_process_group, current_world
+from selfopd.engines.base import Rollout
 from selfopd.training.setup import build_run
 from selfopd.training.trainer import train_step
 
@@ -77,6 +81,18 @@ def relative_errors(grads: dict[str, torch.Tensor | None], reference: dict[str, 
     return errors
 
 
+def write_step(result: dict[str, Any], path: str | Path) -> None:
+    """`captured_step`'s result as a torch file of tensors and plain fields (no pickled classes)."""
+    rollouts = [[dataclasses.asdict(rollout) for rollout in group] for group in result["rollouts"]]
+    torch.save({"grads": result["grads"], "rollouts": rollouts}, path)
+
+
+def read_step(path: str | Path) -> dict[str, Any]:
+    """A `write_step` file, read as data (`weights_only`), its rollouts `Rollout`s again."""
+    step = torch.load(path, weights_only=True)
+    return {"grads": step["grads"], "rollouts": [[Rollout(**fields) for fields in group] for group in step["rollouts"]]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("config")
@@ -84,10 +100,10 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[])
     parser.add_argument("--float64-on", help="a torch file of rollouts (another OUT) to train on in float64")
     args = parser.parse_args()
-    given = torch.load(args.float64_on, weights_only=False)["rollouts"] if args.float64_on else None
+    given = read_step(args.float64_on)["rollouts"] if args.float64_on else None
     result = captured_step(load_config(args.config, args.set), given, torch.float64 if given is not None else None)
     if current_world().is_main:
-        torch.save(result, args.out)
+        write_step(result, args.out)
     close_process_group()
 
 

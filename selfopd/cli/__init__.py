@@ -12,7 +12,7 @@ from selfopd.cli.common import DEFAULT_DATA, DEFAULT_MODEL, UserError, add_overr
 from selfopd.cli.compare import add_compare_command
 from selfopd.cli.drift import add_drift_command
 from selfopd.cli.prompts import add_prompts_command
-from selfopd.core.run_folder import RunFolder
+from selfopd.core.run_folder import RunFolder, load_run_config
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
@@ -147,7 +147,7 @@ def _eval(args: argparse.Namespace) -> None:
         raise UserError("give either a CONFIG or --run RUN_DIR (whose config is used), not both")
     if args.fresh and (args.run_dir is None or args.data is None):
         raise UserError("--fresh needs --run RUN_DIR and --data SPEC: it draws SPEC past the run's prompts")
-    config = load_config(RunFolder(args.run_dir).config if args.run_dir else args.config, args.overrides)
+    config = load_run_config(args.run_dir, args.overrides) if args.run_dir else load_config(args.config, args.overrides)
     template = load_template(config.data.student_template)
     record = SplitRecord.read(args.run_dir) if args.run_dir else None
     model = args.model or (latest_checkpoint(args.run_dir) if args.run_dir else None) or config.model.student
@@ -201,7 +201,7 @@ def _train(args: argparse.Namespace) -> None:
             raise UserError("give either a CONFIG or --resume RUN_DIR, not both")
         # The folder named is the one resumed, wherever it was first written (run.out_dir may be stale).
         where = [f"run.out_dir={args.resume.parent}", f"run.name={args.resume.name}"]
-        config = load_config(RunFolder(args.resume).config, [*where, *args.overrides])
+        config = load_run_config(args.resume, [*where, *args.overrides])
     elif args.config is None and not args.show_config:
         raise UserError("give a CONFIG file (e.g. experiments/demo/demo.toml) or --resume RUN_DIR")
     else:
@@ -322,6 +322,7 @@ def _add_diagnose(commands: argparse._SubParsersAction) -> None:
                         "privileged-illusion report of a run: advantage by token class, illusion score, "
                         "wrong-context contrast, leakage, gap before training")
     diagnose.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder (runs/NAME) with saved rollouts")
+    add_overrides(diagnose, "model.trust_remote_code=true")
     diagnose.add_argument("--no-model", action="store_true",
                           help="only what the saved rollouts show: skip the wrong-context contrast and the gap")
     diagnose.add_argument("--gap-items", type=int, default=100,
@@ -347,7 +348,7 @@ def _diagnose(args: argparse.Namespace) -> None:
     chosen = [args.teacher] if args.teacher is not None else teachers
     for teacher in chosen:
         diagnosis = measure_run(args.run_dir, with_model=not args.no_model, gap_items=args.gap_items, progress=True,
-                                transfer_items=args.transfer_items, teacher=teacher)
+                                transfer_items=args.transfer_items, teacher=teacher, overrides=args.overrides)
         out = RunFolder(args.run_dir).diagnostics
         report = write_report(diagnosis, out if len(teachers) == 1 else out / teacher, args.heatmaps)
         if len(teachers) > 1:

@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 
 from selfopd.core.atomic import replace_atomic
 from selfopd.core.faults import fault_point
-from selfopd.comparisons.sft_targets import Target
+from selfopd.comparisons.sft_targets import Target, TargetStats
 
 
 def completion_nll(model: Any, targets: Sequence[Target], pad_id: int, batch_size: int = 64) -> float:
@@ -134,9 +134,19 @@ def write_checkpoint(path: Path, checkpoint: SftCheckpoint) -> None:
 
 
 def read_checkpoint(path: Path) -> SftCheckpoint | None:
-    """The checkpoint at `path` (None: none), written by `write_checkpoint` of this toolkit."""
+    """The checkpoint at `path` (None: none), written by `write_checkpoint`, read as data
+    (`selfopd.core.torch_files`: tensors, numbers, containers and the plain records below, never
+    anything that runs code); a file that holds more, or is damaged, is one CheckpointError."""
     if not path.is_file():
         return None
-    import torch
+    from selfopd.core.run_folder import CheckpointError
+    from selfopd.core.stats import MeanEstimate, Proportion
+    from selfopd.core.torch_files import load_data
+    from selfopd.run.evaluate import EvalRecord
 
-    return torch.load(path, weights_only=False)
+    advice = "delete it to start the fine-tuning again"
+    records = [SftCheckpoint, Prelude, SftState, Target, TargetStats, EvalRecord, Proportion, MeanEstimate]
+    checkpoint = load_data(path, "a fine-tuning checkpoint", advice, records)
+    if not isinstance(checkpoint, SftCheckpoint):
+        raise CheckpointError(f"{path}: not a fine-tuning checkpoint (it holds a {type(checkpoint).__name__}); {advice}")
+    return checkpoint

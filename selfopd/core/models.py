@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from selfopd.core.file_checks import model_folder_problem
+
 
 class ModelError(RuntimeError):
     """A model spec that cannot be turned into a usable local folder."""
@@ -29,14 +31,22 @@ def from_pretrained(loader: Any, folder: str | os.PathLike[str], *, trust_remote
                     **kwargs: Any) -> Any:
     """`loader.from_pretrained(folder, ...)` (a transformers Auto class) with trust_remote_code
     always explicit, so only model.trust_remote_code runs a model's own code; a folder that
-    needs it is refused with one line that names the setting."""
+    needs it is refused with one line that names the setting. A local folder's files are
+    checked whole first (`model_folder_problem`): a damaged one is named, not a library's traceback."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    if Path(folder).is_dir() and (problem := model_folder_problem(Path(folder))) is not None:
+        raise ModelError(f"cannot load the model folder {folder}: {problem}")
     try:
         return loader.from_pretrained(folder, trust_remote_code=trust_remote_code, **kwargs)
-    except ValueError as error:
-        if trust_remote_code or "trust_remote_code" not in str(error):
-            raise
-        raise ModelError(f"{folder}: this model needs its own Python code (auto_map in its config), which selfopd "
-                         "runs only when model.trust_remote_code = true; set it if you trust that code") from None
+    except (ValueError, KeyError, AttributeError, TypeError, OSError, StrictDataclassError) as error:
+        if not trust_remote_code and "trust_remote_code" in str(error):
+            raise ModelError(f"{folder}: this model needs its own Python code (auto_map in its config), which "
+                             "selfopd runs only when model.trust_remote_code = true; set it if you trust that "
+                             "code") from None
+        reason = " ".join(line.strip() for line in str(error).splitlines() if line.strip())[:300]
+        raise ModelError(f"cannot load the model folder {folder} ({loader.__name__}: {type(error).__name__}: "
+                         f"{reason}); check its config.json and tokenizer files") from error
 
 
 @dataclass(frozen=True)

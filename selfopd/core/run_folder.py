@@ -21,6 +21,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+from selfopd.core.file_checks import checkpoint_problem
+from selfopd.core.models import ModelError
+
+if TYPE_CHECKING:
+    from selfopd.config import TrainConfig
+
+
+class CheckpointError(ModelError):
+    """A run's checkpoint that cannot be resumed from: incomplete, damaged, or holding more than data."""
 
 
 @dataclass(frozen=True)
@@ -79,10 +90,15 @@ class RunFolder:
         """Where a checkpoint is written before it is renamed into place (never read)."""
         return self.checkpoints / f".step_{step:05d}.partial"
 
+    def checkpoint_folders(self) -> list[Path]:
+        """Every checkpoint folder, oldest first, complete or not (staging folders never match)."""
+        return sorted(path for path in self.checkpoints.glob("step_*") if path.is_dir())
+
     def latest_checkpoint(self) -> Path | None:
-        """The newest complete checkpoint (staging folders never match)."""
-        found = sorted(self.checkpoints.glob("step_*"))
-        return found[-1] if found else None
+        """The newest complete checkpoint (`checkpoint_problem`): one a kill, a full disk or a copy
+        cut short is skipped."""
+        return next((path for path in reversed(self.checkpoint_folders())
+                     if checkpoint_problem(path, self.trainer_state(path)) is None), None)
 
     @staticmethod
     def trainer_state(checkpoint: Path) -> Path:
@@ -137,3 +153,22 @@ def portable_path(path: str | Path) -> str:
         return str(path.resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
         return str(path)
+
+
+TRUST_REMOTE_CODE = "model.trust_remote_code"
+
+
+def load_run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
+    """A run folder's config.toml with the command line's `overrides` (`--resume`, `eval --run`,
+    `diagnose`). The folder is data, not code: a config.toml that sets model.trust_remote_code
+    (which would run Python files of the run's models) is refused unless the command line sets it."""
+    from selfopd.config import ConfigError, load_config
+
+    path = RunFolder(Path(run_dir)).config
+    config = load_config(path, overrides)
+    asked = [o for o in overrides if o.partition("=")[0].strip() == TRUST_REMOTE_CODE]
+    if config.model.trust_remote_code and not load_config(None, asked).model.trust_remote_code:
+        raise ConfigError(TRUST_REMOTE_CODE, f"true in the run folder's config, which selfopd never takes from a "
+                          f"folder (it runs the Python files of the run's models): pass --set "
+                          f"{TRUST_REMOTE_CODE}=true if you trust them", source=str(path))
+    return config

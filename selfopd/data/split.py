@@ -131,10 +131,21 @@ class SplitRecord:
 
     @classmethod
     def read(cls, run_dir: Path) -> SplitRecord:
+        """The record a run folder holds; anything but the layout `write` gives is one DataError naming the file."""
         path = RunFolder(run_dir).split
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no split record (runs record their held-out prompts when they start)")
-        return cls(**json.loads(path.read_text()))
+        try:
+            fields = json.loads(path.read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as error:
+            raise DataError(f"{path}: not a split record (not valid JSON: {error}); the run folder is damaged") from None
+        if not (isinstance(fields, dict) and fields.keys() == set(cls.__dataclass_fields__)
+                and isinstance(fields["data"], str) and type(fields["split_seed"]) is int
+                and all(isinstance(fields[key], list) and all(isinstance(item, str) for item in fields[key])
+                        for key in ("eval_ids", "eval_prompts", "train_prompts"))):
+            raise DataError(f"{path}: not a split record (expected data, split_seed, eval_ids, eval_prompts and "
+                            "train_prompts); the run folder is damaged")
+        return cls(**fields)
 
     def check_same(self, other: SplitRecord, where: str) -> None:
         """Refuse to go on when the data a run resolves to now is not what it started with."""

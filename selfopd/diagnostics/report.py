@@ -29,7 +29,7 @@ from selfopd.diagnostics.signals_report import (SignalDiagnosis, measure_signals
                                                 write_signal_outputs)
 from selfopd.engines.base import Engine
 from selfopd.data.example import Example
-from selfopd.core.run_folder import RunFolder
+from selfopd.core.run_folder import RunFolder, load_run_config
 from selfopd.core.stats import MeanEstimate
 
 CLASS_NOTES = {
@@ -106,18 +106,17 @@ class RunDiagnosis:
 
 
 def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, progress: bool = True,
-                transfer_items: int = 64, teacher: str = "default") -> RunDiagnosis:
-    """Everything the report shows, from RUN_DIR's config, saved rollouts and evaluations;
-    `with_model` adds the wrong-context contrast and the gap (the run's starting weights) and, with a
-    checkpoint, the transfer on `transfer_items` trained and held-out prompts. `teacher`: one of several."""
-    from selfopd.config import load_config
+                transfer_items: int = 64, teacher: str = "default", overrides: Sequence[str] = ()) -> RunDiagnosis:
+    """Everything the report shows, from RUN_DIR's config (with `--set` `overrides`), saved rollouts and
+    evaluations; `with_model` adds the wrong-context contrast and the gap (the run's starting weights) and,
+    with a checkpoint, the transfer on `transfer_items` trained and held-out prompts. `teacher`: one of several."""
     from selfopd.data import load_examples
     from selfopd.data.split import split_examples
     from selfopd.run.summary import summarize_run
 
     if not RunFolder(run_dir).is_run():
         raise FileNotFoundError(f"{run_dir}: not a run folder (no config.toml)")
-    if (config := load_config(RunFolder(run_dir).config)).teacher.kind == "none":
+    if (config := load_run_config(run_dir, overrides)).teacher.kind == "none":
         raise DiagnosticsError(f"{run_dir}: teacher.kind = 'none' (GRPO alone): no teacher signal to diagnose")
     by_step = read_run_rollouts(run_dir)
     examples = load_examples(config.data.spec)

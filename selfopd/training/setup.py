@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -24,7 +25,9 @@ from selfopd.training.routing import open_router
 from selfopd.data.example import Example, prompt_key
 from selfopd.engines.lora import adapters_off, prepare_student, trainable_parameters
 from selfopd.core.models import resolve_model
-from selfopd.core.run_folder import RunFolder
+from selfopd.core.file_checks import checkpoint_problem
+from selfopd.core.run_folder import CheckpointError, RunFolder
+from selfopd.core.torch_files import load_data
 from selfopd.training.state import NamedTeacher, Run
 from selfopd.engines.scoring import check_plain_head
 from selfopd.data.mixture import by_task
@@ -106,7 +109,7 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
     step, state = 0, {}
     if resume_from is not None:
-        state = torch.load(RunFolder.trainer_state(resume_from), weights_only=False, map_location="cpu")
+        state = load_trainer_state(resume_from)
         load_optimizer_state(model, optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step = state["step"]
@@ -144,6 +147,38 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
         resources.close()
         raise
     return run
+
+
+def resume_checkpoint(folder: RunFolder) -> Path:
+    """The checkpoint a resumed run continues from: the newest complete one. A newer one that is
+    not complete (a write cut short, a damaged copy) is named in a warning line and skipped; the
+    steps after the chosen one run again."""
+    skipped = []
+    for checkpoint in reversed(folder.checkpoint_folders()):
+        problem = checkpoint_problem(checkpoint, RunFolder.trainer_state(checkpoint))
+        if problem is None:
+            for why in skipped if current_world().is_main else ():
+                print(f"selfopd: warning: skipping an incomplete checkpoint: {why}; resuming from {checkpoint}, "
+                      "the newest complete one (the steps after it run again)", file=sys.stderr)
+            return checkpoint
+        skipped.append(problem)
+    if skipped:
+        raise CheckpointError(f"{folder.root}: no complete checkpoint to resume from ({'; '.join(skipped)}); "
+                              "delete the folder and start the run again")
+    raise FileNotFoundError(f"{folder.root}: no checkpoint to resume from (the run stopped before its first "
+                            "checkpoint: delete the folder and start the run again)")
+
+
+def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
+    """A checkpoint's trainer state (optimizer, scheduler, step, an `ema` teacher's average), read
+    as data only (`weights_only`: tensors, numbers, strings, lists, dicts): a file that asks
+    for anything else (a pickle made elsewhere, which could run code) is refused, never run."""
+    path = RunFolder.trainer_state(checkpoint)
+    state = load_data(path, "a trainer state", "resume from a checkpoint selfopd wrote, or start the run again")
+    if not (isinstance(state, dict) and isinstance(state.get("optimizer"), dict)
+            and isinstance(state.get("scheduler"), dict) and type(state.get("step")) is int and state["step"] >= 0):
+        raise CheckpointError(f"{path}: not a trainer state (expected optimizer, scheduler and step)")
+    return state
 
 
 def check_teacher_top_k(engine: Any, top_k: int, probe: tuple[list[int], list[int]]) -> None:

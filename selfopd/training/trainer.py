@@ -20,7 +20,7 @@ from selfopd.run.folder_guard import check_not_in_use, check_writable, claimed_r
 from selfopd.core.run_folder import RunFolder
 from selfopd.training.outputs import plot_run, prune_checkpoints, reuse_eval, run_eval, save_checkpoint
 from selfopd.training.routing import starved_teachers
-from selfopd.training.setup import build_run  # noqa: F401  (public here: tests and benchmarks build a run, then step it)
+from selfopd.training.setup import build_run, resume_checkpoint  # noqa: F401  (build_run public here: tests and benchmarks build a run, then step it)
 from selfopd.training.state import Run
 from selfopd.run.templates import config_template_names, save_run_templates
 from selfopd.data.split import SplitRecord
@@ -57,10 +57,7 @@ def train(config: TrainConfig, resume: bool = False, initial_eval: Path | None =
     if main:  # refused before any model loads; the folder itself is made once the inputs pass their checks
         check_writable(folder.root)
         check_not_in_use(folder.root)
-    checkpoint = folder.latest_checkpoint() if resume else None
-    if resume and checkpoint is None:
-        raise FileNotFoundError(f"{folder.root}: no checkpoint to resume from (the run stopped before its first "
-                                "checkpoint: delete the folder and start the run again)")
+    checkpoint = resume_checkpoint(folder) if resume else None  # the newest complete one, saying what it skips
     if not resume:
         refuse_finished(folder)
     claim = (lambda: _claimed(folder, config, resume, checkpoint)) if main else None

@@ -20,7 +20,7 @@ from selfopd.training.divergences import full_vocab_divergence
 from selfopd.training.setup import build_run
 from selfopd.training.trainer import WeightSyncError, train, train_step
 from tests.conftest import save_tiny_llama
-from experiments.benchmarks.precision_step import captured_step, relative_errors
+from experiments.benchmarks.precision_step import captured_step, read_step, relative_errors
 from tests.two_processes import ROOT, config_file, torchrun
 
 # Relative L2 error per parameter tensor of a bf16 step's gradient against float64 on the same
@@ -48,7 +48,7 @@ def test_bf16_fsdp2_gradients_match_one_process_and_float64(tmp_path, tiny_model
     one = captured_step(load_config(config_file, ["run.name=one"]))
     torchrun(str(ROOT / "experiments" / "benchmarks" / "precision_step.py"), str(config_file), str(tmp_path / "two.pt"),
              "--set", "run.name=two")
-    two = torch.load(tmp_path / "two.pt", weights_only=False)
+    two = read_step(tmp_path / "two.pt")
     reference = captured_step(load_config(config_file, ["run.name=f64", "model.dtype=float32"]), one["rollouts"],
                               torch.float64)
 
