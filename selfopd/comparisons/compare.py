@@ -39,6 +39,7 @@ from selfopd.config import ConfigError, TrainConfig, flat_config, load_config
 from selfopd.core.faults import fault_point
 from selfopd.core.run_folder import RunFolder
 from selfopd.config.settings import Section, build_sections, check_key, read_toml, section_toml, setting, toml_value
+from selfopd.config.teachers import TEACHER_NAME
 
 ARM_SECTIONS = ("teacher", "teachers", "loss", "optim")  # what arms may change; everything else is shared
 # ... and these keys of other sections: they change how the same prompts are sampled, not which.
@@ -175,7 +176,10 @@ def load_compare_config(path: Path, overrides: Sequence[str] = (), only: Sequenc
 
 
 def _arm(name: str, table: Any, error) -> Arm:
-    """One arm from its `[arms.NAME]` table; errors name `arms.NAME.KEY`."""
+    """One arm from its `[arms.NAME]` table; errors name `arms.NAME.KEY`. NAME follows the rule of
+    teacher names: it becomes a folder name (arms/NAME/seedS), so it never leaves the comparison."""
+    if not TEACHER_NAME.fullmatch(name):
+        raise error(f"[arms.{name}]", "an arm's name is letters, digits, '_' and '-' (it names the arm's folder)")
     if not isinstance(table, dict):
         raise error(f"arms.{name}", "an arm is a table with `set = [...]` and an optional `description`")
     try:

@@ -16,6 +16,7 @@ from selfopd.comparisons.compare import load_compare_config
 from selfopd.comparisons.compare_report import _teacher_preference
 from selfopd.comparisons.records import RecordArchive, keep_finished, keep_run, restore_runs, unkept_runs
 from selfopd.core.run_folder import RunFolder
+from selfopd.data import DataError
 from selfopd.diagnostics.measures import correct_preference
 from selfopd.run.rollouts import RolloutRecord, read_rollout_digest, read_run_rollouts, write_records
 
@@ -120,7 +121,7 @@ def test_an_archive_is_one_file_rewritten_whole_and_only_finished_runs_come_back
 
 
 def test_an_archive_refuses_members_outside_its_folder(tmp_path):
-    with pytest.raises(ValueError, match="not a records archive member"):
+    with pytest.raises(DataError, match=r"member '\.\./escape\.txt' is not a records path"):
         RecordArchive(tmp_path / "a.tar.xz").write({"../escape.txt": b"x"})
 
 
@@ -162,3 +163,57 @@ def test_the_report_of_a_comparison_kept_in_an_archive(tmp_path, monkeypatch, ca
     summary = json.loads((tmp_path / "runs" / "staleness_demo" / "summary.json").read_text())
     assert [row["name"] for row in summary] == ["synchronous", "one_step_ahead"]
     assert all(len(row["per_seed"]) == 3 and row["teacher_preference"] for row in summary)
+
+
+def _tar_xz(path: Path, members: list[tuple[str, int, bytes]], preset: int = 0) -> Path:
+    """A .tar.xz whose headers claim `size` for each (name, size, data): data shorter than the
+    claim makes a crafted archive whose size check must come before any read."""
+    import io
+    import lzma
+
+    buffer = io.BytesIO()
+    for name, size, data in members:
+        info = tarfile.TarInfo(name)
+        info.size = size
+        buffer.write(info.tobuf(format=tarfile.PAX_FORMAT) + data + b"\0" * (-len(data) % 512))
+    path.write_bytes(lzma.compress(buffer.getvalue() + b"\0" * 1024, preset=preset))
+    return path
+
+
+def test_a_member_claiming_more_than_the_bound_is_refused_before_it_is_read(tmp_path):
+    archive = _tar_xz(tmp_path / "bomb.tar.xz", [("arms/a/seed0/metrics.jsonl", 2**40, b"{}\n")])
+    with pytest.raises(DataError, match=rf"{tmp_path}/bomb\.tar\.xz: member 'arms/a/seed0/metrics\.jsonl' is "
+                                        r"1099511627776 bytes, past the 67108864-byte bound"):
+        RecordArchive(archive).members()
+
+
+def test_a_real_member_past_the_bound_is_refused(tmp_path):
+    """65 MiB of zeros: 10 kB packed, past the 64 MiB bound of one member."""
+    archive = _tar_xz(tmp_path / "zeros.tar.xz", [("a/finished.json", 65 * 2**20, bytes(65 * 2**20))])
+    assert archive.stat().st_size < 2**20
+    with pytest.raises(DataError, match="member 'a/finished.json' is 68157440 bytes, past the 67108864-byte bound"):
+        RecordArchive(archive).members()
+
+
+def test_what_an_archive_unpacks_to_is_bounded_in_total_and_in_members(tmp_path):
+    from selfopd.comparisons.records import read_members
+
+    archive = _tar_xz(tmp_path / "many.tar.xz", [(f"a/{i}.json", 4096, bytes(4096)) for i in range(8)])
+    assert len(read_members(archive)) == 8
+    with pytest.raises(DataError, match=r"many\.tar\.xz: unpacks to more than 20000 bytes"):
+        read_members(archive, most_total=20_000)
+    with pytest.raises(DataError, match=r"many\.tar\.xz: more than 5 members"):
+        read_members(archive, most_members=5)
+
+
+def test_an_archive_that_is_not_one_is_one_error_naming_it(tmp_path):
+    archive = tmp_path / "kept.tar.xz"
+    archive.write_bytes(b"not xz at all")
+    with pytest.raises(DataError, match=rf"{tmp_path}/kept\.tar\.xz: not a readable records archive"):
+        RecordArchive(archive).members()
+
+
+def test_an_archive_member_with_dot_dot_is_refused_on_restore(tmp_path):
+    archive = _tar_xz(tmp_path / "x.tar.xz", [("../../outside.txt", 2, b"hi")])
+    with pytest.raises(DataError, match=r"member '\.\./\.\./outside\.txt' is not a records path"):
+        RecordArchive(archive).members()
