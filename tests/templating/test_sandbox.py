@@ -39,7 +39,7 @@ HUGE = [
     ("{{ 'a' | indent(10**9, true) }}", "filter 'indent' would make"),
     ("{{ ('x\n' * 499999) | indent('y' * 999) }}", "filter 'indent' would make"),
     ("{{ ('x ' * 499999) | wordwrap(1, wrapstring='y' * 999) }}", "filter 'wordwrap' would make"),
-    ("{{ ('a.com ' * 99999) | urlize(target='y' * 9999) }}", "filter 'urlize' would make"),
+    ("{{ ('www.a.com ' * 99999) | urlize(target='y' * 9999) }}", "filter 'urlize' would make"),
     ("{{ range(10) | batch(10**9, 'x') | list }}", "filter 'batch' would make"),
     ("{{ range(10) | slice(10**9, 'x') | list }}", "filter 'slice' would make"),
     ("{{ ([[1]] * 100000) | sum(start=[]) | length }}", "filter 'sum' would make"),
