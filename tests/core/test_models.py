@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -37,6 +38,70 @@ def test_converted_folder_is_a_plain_fp32_checkpoint(smollm2_dir: Path):
         names = set(tensors.keys())
         assert "model.layers.0.self_attn.q_proj.weight" in names  # HF checkpoint names, as vLLM expects
         assert tensors.get_tensor("model.norm.weight").dtype == torch.float32
+
+
+# The GGUF read independently of transformers' GGUF loader (which the conversion is built on): the
+# gguf package's reader for the file's layout, ggml's block formats decoded here, llama.cpp's q/k
+# row permutation undone, GGUF names mapped to Hugging Face's.
+GGUF_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+              "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+
+def _hf_name(gguf_name: str) -> str:
+    base = gguf_name.removesuffix(".weight")
+    if base in ("token_embd", "output_norm"):
+        return {"token_embd": "model.embed_tokens.weight", "output_norm": "model.norm.weight"}[base]
+    _, layer, part = base.split(".")
+    return f"model.layers.{layer}.{GGUF_LAYER[part]}.weight"
+
+
+def _dequantized(tensor) -> np.ndarray:
+    """A GGUF tensor as float32 (rows, columns), from ggml's block layouts: Q8_0 is 32 int8 values
+    and an fp16 scale d (d * q); Q4_1 is an fp16 scale d and minimum m, then 16 bytes whose low
+    nibbles are values 0-15 and high nibbles values 16-31 (d * q + m)."""
+    raw = np.asarray(tensor.data)
+    kind = tensor.tensor_type.name
+    if kind == "F32":
+        return raw.astype(np.float32)
+    blocks = raw.reshape(raw.shape[0], -1, {"Q8_0": 34, "Q4_1": 20}[kind])
+    scale = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
+    if kind == "Q8_0":
+        return (scale * blocks[..., 2:].copy().view(np.int8).astype(np.float32)).reshape(raw.shape[0], -1)
+    low_high = np.concatenate([blocks[..., 4:] & 0x0F, blocks[..., 4:] >> 4], axis=-1).astype(np.float32)
+    minimum = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    return (scale * low_high + minimum).reshape(raw.shape[0], -1)
+
+
+def _unpermuted(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp stores q and k rows permuted per head (its rotary layout): undo it."""
+    return weight.reshape(heads, weight.shape[0] // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def test_converted_weights_equal_an_independent_reading_of_the_gguf_file(smollm2_dir):
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(packaged_gguf_path("smollm2-135m-instruct"))
+
+    def number(key: str) -> int:
+        field = reader.fields[key]
+        return int(field.parts[field.data[0]][0])
+
+    heads = {"attn_q": number("llama.attention.head_count"), "attn_k": number("llama.attention.head_count_kv")}
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    last = number("llama.block_count") - 1
+    checked = ["token_embd.weight", "output_norm.weight",
+               *[f"blk.{layer}.{part}.weight" for layer in (0, last) for part in GGUF_LAYER]]
+    assert {tensor.tensor_type.name for name, tensor in tensors.items() if name in checked} == {"F32", "Q4_1", "Q8_0"}
+    with safe_open(smollm2_dir / "model.safetensors", "pt") as converted:
+        assert set(converted.keys()) == {_hf_name(name) for name in tensors}  # tied head: no lm_head
+        for name in checked:
+            mine = _dequantized(tensors[name])
+            assert np.array_equal(mine, dequantize(tensors[name].data, tensors[name].tensor_type).reshape(mine.shape))
+            part = name.split(".")[-2]
+            expected = torch.from_numpy(_unpermuted(mine, heads[part]) if part in heads else mine)
+            assert torch.equal(converted.get_tensor(_hf_name(name)), expected), name
 
 
 def test_packaged_model_is_reused_from_cache(smollm2_dir):
