@@ -5,12 +5,17 @@ so we only extract the answer and let it score. Its scorers also give partial cr
 ("17" or "-7" score 0.5 against 7): that is the reward only when asked for, since a
 GRPO reward built on it pays wrong answers. The scorer runs in the worker process under
 the time limit: some scorers call sympy on the model's answer and could hang on `9**9**9**9`.
+
+Some scorers read the answer with sympy's `parse_expr` or Python's `eval`, which run Python:
+for those tasks the answer must first read in the task's grammar (`task_grammars.py`), or it
+scores 0 as `rejected` without any scorer seeing it.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +23,8 @@ from .extract import extract_answer
 from .latex import command_arguments
 from .normalize import strip_math_delimiters
 from .prescreen import too_costly
-from .result import VerifyResult, no_answer, scored, unchecked
+from .result import VerifyResult, no_answer, rejected, scored, unchecked
+from .task_grammars import screen_answer
 from .timeout import DEFAULT_TIMEOUT_S, CheckTimeout, WorkerError, run_in_worker
 
 logger = logging.getLogger(__name__)
@@ -55,8 +61,9 @@ def import_reasoning_gym() -> None:
 
 
 def score_in_worker(task: str, answer: str, entry: dict[str, Any]) -> float:
-    """reasoning-gym's score for `answer` on `entry`. Runs inside the worker process."""
-    return float(_score_fn(task)(answer, entry) or 0.0)
+    """reasoning-gym's score for `answer` on `entry`, in [0, 1]. Runs inside the worker process."""
+    score = float(_score_fn(task)(answer, entry) or 0.0)
+    return min(max(score, 0.0), 1.0) if math.isfinite(score) else 0.0
 
 
 def verify_reasoning_gym(
@@ -73,6 +80,10 @@ def verify_reasoning_gym(
     if found is None:
         return no_answer()
     answer = answer_for_scorer(found.text)
+    refused = screen_answer(task, answer, entry)
+    if refused is not None:
+        logger.debug("reasoning-gym %s: answer rejected by the task's grammar: %s", task, refused)
+        return rejected(found.text, found.method)
     if too_costly(answer):
         return unchecked(found.text, found.method)
     try:

@@ -24,6 +24,9 @@ class VerifyResult:
     feedback:  one short sentence about the student's answer, without the reference.
     unchecked: no verdict was reached (time limit hit, answer too costly to evaluate, or the
                checker failed); it counts as wrong, and is worth counting in run metrics.
+    rejected:  the answer was not in its task's safe grammar (`task_grammars.py`), so the
+               task's scorer, which would run it as Python, never saw it; it counts as wrong
+               (metric `verify/rejected_share`).
     """
 
     reward: float
@@ -32,6 +35,7 @@ class VerifyResult:
     method: str | None
     feedback: str
     unchecked: bool = False
+    rejected: bool = False
 
 
 def quote(answer: str) -> str:
@@ -56,6 +60,12 @@ def graded(extracted: str, method: str, correct: bool) -> VerifyResult:
 def unchecked(extracted: str, method: str) -> VerifyResult:
     feedback = f"Your final answer {quote(extracted)} could not be checked, so it counts as wrong."
     return VerifyResult(0.0, False, extracted, method, feedback, unchecked=True)
+
+
+def rejected(extracted: str, method: str) -> VerifyResult:
+    feedback = (f"Your final answer {quote(extracted)} is not written in a form this task accepts, "
+                "so it counts as wrong.")
+    return VerifyResult(0.0, False, extracted, method, feedback, rejected=True)
 
 
 def scored(extracted: str, method: str, score: float, partial_credit: bool = False) -> VerifyResult:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
+import time
 
+import pytest
+import reasoning_gym
+
+from selfopd.cli import main
 from selfopd.data.example import Example
 from selfopd.verifiers import verify_example, verify_reasoning_gym
 from selfopd.verifiers.reasoning_gym_adapter import answer_for_scorer
-
-reasoning_gym = pytest.importorskip("reasoning_gym")
+from selfopd.verifiers.task_grammars import GRAMMARS
 
 
 def _entries(task: str, **config):
@@ -109,3 +112,62 @@ def test_verify_example_dispatches_to_reasoning_gym():
 )
 def test_answer_for_scorer(extracted, expected):
     assert answer_for_scorer(extracted) == expected
+
+
+# --- answers are data: hostile answers never reach a scorer that would run them -------------
+# FILE is where a payload that runs would leave its mark. Shapes: a plain import, sympy's own
+# globals, an attribute walk to os.system, a lambda, string tricks (chr, getattr, fullwidth
+# letters Python folds into names), exec, a hex-encoded payload.
+HOSTILE = [
+    "__import__('os').system('touch FILE')",
+    "sympify.__globals__['__builtins__']['__import__']('os').system('touch FILE')",
+    "[c for c in ().__class__.__bases__[0].__subclasses__() if c.__name__ == '_wrap_close'][0]"
+    ".__init__.__globals__['system']('touch FILE')",
+    "(lambda: __import__('os').system('touch FILE'))()",
+    "getattr(__import__(chr(111) + chr(115)), 'sys' + 'tem')('touch FILE')",
+    "__\uff49\uff4d\uff50\uff4f\uff52\uff54__('os').system('touch FILE')",
+    "exec(\"import os; os.system('touch FILE')\")",
+    "eval(bytes.fromhex('{hex}').decode())",
+    "open('FILE', 'w').write('x')",
+]
+HUGE = ["2**99999999", "9^9^9", "9**9**9", "2**(x*0 + 9**9)", "1+" * 6000 + "1"]
+
+
+def _payload(shape: str, marker) -> str:
+    command = f"__import__('os').system('touch {marker}')"
+    return shape.replace("FILE", str(marker)).replace("{hex}", command.encode().hex())
+
+
+@pytest.mark.parametrize("task", sorted(GRAMMARS))
+def test_hostile_answers_are_rejected_with_no_side_effect(task, tmp_path):
+    entry = _entries(task)[0]
+    example = Example(id=f"{task}/0", prompt=entry["question"], answer=str(entry["answer"]),
+                      meta={"reasoning_gym": {"task": task, "config": {}, "entry": entry}})
+    for i, shape in enumerate(HOSTILE + HUGE):
+        marker = tmp_path / f"ran-{i}"
+        completion = f"<answer>{_payload(shape, marker)}</answer>"
+        start = time.monotonic()
+        results = [verify_reasoning_gym(completion, task, entry), verify_example(completion, example)]
+        assert time.monotonic() - start < 5.0, shape
+        assert not marker.exists(), f"{task}: {shape} ran"
+        for result in results:
+            assert result.rejected and result.reward == 0.0 and not result.correct, (shape, result)
+            assert "not written in a form this task accepts" in result.feedback
+
+
+def test_answers_to_tasks_whose_scorers_only_compare_text_pass_unchanged(tmp_path):
+    entry = _entries("spell_backward")[0]
+    result = verify_reasoning_gym(f"<answer>{_payload(HOSTILE[0], tmp_path / 'ran')}</answer>",
+                                  "spell_backward", entry)
+    assert not result.rejected and result.reward == 0.0 and not (tmp_path / "ran").exists()
+
+
+def test_verifier_feedback_prompt_never_evaluates_the_attempt(tmp_path, capsys, monkeypatch):
+    """`selfopd prompts render ... --attempt` grades the attempt for the feedback it shows."""
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per paragraph: the feedback is not wrapped
+    marker = tmp_path / "ran"
+    attempt = f"\\boxed{{{_payload(HOSTILE[1], marker)}}}"
+    assert main(["prompts", "render", "teacher/verifier_feedback", "--data", "rg:countdown?size=2&seed=1",
+                 "--attempt", attempt]) == 0
+    assert not marker.exists()
+    assert "not written in a form this task accepts" in capsys.readouterr().out
