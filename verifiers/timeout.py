@@ -13,25 +13,50 @@ works inside daemonic multiprocessing workers that may not fork children of thei
 A check that misses its deadline gets its worker SIGKILLed and a fresh one started at once
 in the background. The deadline covers the check only, not a worker's start-up (about a
 second to import sympy), which has its own generous limit.
+
+Workers handle model-written text, so they get the least they need (see `worker.py`): an
+environment of only what Python needs (none of the caller's keys or tokens), an empty private
+folder as working directory, stderr through a pipe we drain (a worker may not write files, and
+the caller's stderr may be one). Their replies are JSON frames checked for shape (`frames.py`).
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
+import logging
 import os
-import pickle
 import select
-import struct
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from .frames import FrameError, check_reply, frame_bytes, frame_length, parse_frame
+
+logger = logging.getLogger(__name__)
+
 DEFAULT_TIMEOUT_S = 5.0  # math-verify's own default; plain-number answers never get here
 STARTUP_TIMEOUT_S = 120.0  # importing sympy on a busy 2-core machine can take many seconds
 MAX_WORKERS = max(1, min(4, os.cpu_count() or 1))  # more concurrent callers wait their turn
+# All a worker inherits from the caller's environment: what Python and its libraries read.
+WORKER_ENV_KEYS = ("PATH", "HOME", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ", "PYTHONPATH",
+                   "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+_STDERR_LINES = 20  # the tail of a worker's stderr that a WorkerError quotes
+
+
+def worker_environment() -> dict[str, str]:
+    """The environment a worker starts with: the keys above, and our package on its path."""
+    package_parent = str(Path(__file__).resolve().parent.parent)
+    env = {key: os.environ[key] for key in WORKER_ENV_KEYS if key in os.environ}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"  # it may not write files
+    return env
 
 
 class CheckTimeout(Exception):
@@ -46,17 +71,42 @@ class _Worker:
     """One child process and its pipes. Used by one thread at a time (the pool sees to it)."""
 
     def __init__(self) -> None:
-        package_parent = str(Path(__file__).resolve().parent.parent)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "selfopd.verifiers.worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            start_new_session=True,  # a Ctrl-C in the terminal is for the parent, not us
-        )
+        self.folder = tempfile.mkdtemp(prefix="selfopd-verifier-")
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "selfopd.verifiers.worker"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=worker_environment(),
+                cwd=self.folder,
+                start_new_session=True,  # a Ctrl-C in the terminal is for the parent, not us
+            )
+        except BaseException:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            raise
         self.ready = False
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_LINES)
+        self.drain = threading.Thread(target=self._drain_stderr, daemon=True)
+        self.drain.start()
+
+    def _drain_stderr(self) -> None:
+        """Keep the worker's stderr flowing; its lines go to our log (debug) and a short tail."""
+        assert self.proc.stderr is not None
+        for raw in self.proc.stderr:
+            line = raw.decode(errors="replace").rstrip()
+            self.stderr_tail.append(line)
+            logger.debug("verifier worker %d: %s", self.proc.pid, line)
+
+    def gone(self) -> WorkerError:
+        """The error for a worker that closed its stdout (exiting), with the last line it wrote."""
+        try:
+            code: int | None = self.proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            code = None
+        self.drain.join(timeout=1)
+        last = next((line for line in reversed(self.stderr_tail) if line.strip()), None)
+        return WorkerError(f"worker {self.proc.pid} exited (code {code})" + (f": {last[:200]}" if last else ""))
 
     def _read_exactly(self, n: int, deadline: float) -> bytes:
         """n bytes from the worker, or CheckTimeout at the deadline (poll: no fd limit)."""
@@ -71,49 +121,67 @@ class _Worker:
                 raise CheckTimeout(f"no reply within the time limit from worker {self.proc.pid}")
             chunk = os.read(fd, n - len(data))
             if not chunk:
-                raise WorkerError(f"worker {self.proc.pid} exited (code {self.proc.poll()})")
+                raise self.gone()
             data += chunk
         return data
 
-    def _read_frame(self, deadline: float) -> Any:
-        header = self._read_exactly(4, deadline)
-        return pickle.loads(self._read_exactly(struct.unpack(">I", header)[0], deadline))
+    def _read_frame(self, deadline: float, task: str | None = None) -> Any:
+        """One frame from the worker (for `task`: its checked (status, value) reply). A malformed
+        one kills the worker: whatever sent it is not behaving as our worker does."""
+        try:
+            header = self._read_exactly(4, deadline)
+            value = parse_frame(self._read_exactly(frame_length(header), deadline))
+            return value if task is None else check_reply(task, value)
+        except FrameError as e:
+            self.kill()
+            raise WorkerError(f"worker {self.proc.pid} sent {e}; it was stopped") from None
 
     def wait_ready(self) -> None:
         if not self.ready:
             try:
-                self._read_frame(time.monotonic() + STARTUP_TIMEOUT_S)
+                hello = self._read_frame(time.monotonic() + STARTUP_TIMEOUT_S)
             except CheckTimeout as e:
                 raise WorkerError(f"worker did not start within {STARTUP_TIMEOUT_S} s") from e
+            if hello != ("ready", self.proc.pid):
+                self.kill()
+                raise WorkerError(f"worker {self.proc.pid} did not introduce itself; it was stopped")
             self.ready = True
 
     def call(self, task: str, args: tuple[Any, ...], timeout_s: float) -> Any:
         self.wait_ready()
         assert self.proc.stdin is not None
         # The worker's own alarm fires well after our deadline: it only matters if we die.
-        payload = pickle.dumps((task, args, 2 * timeout_s + 5), protocol=pickle.HIGHEST_PROTOCOL)
+        request = frame_bytes((task, args, 2 * timeout_s + 5))
         try:
-            self.proc.stdin.write(struct.pack(">I", len(payload)) + payload)
+            self.proc.stdin.write(request)
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError) as e:
             raise WorkerError(f"worker {self.proc.pid} is gone") from e
-        status, value = self._read_frame(time.monotonic() + timeout_s)
+        status, value = self._read_frame(time.monotonic() + timeout_s, task)
         if status == "ok":
             return value
         if status == "timeout":
             raise CheckTimeout("the worker's own backstop alarm fired")
+        if status == "violation":
+            self.kill()
+            raise WorkerError(f"task {task!r} tried {value!r} in worker {self.proc.pid}, which was stopped")
         raise WorkerError(f"task {task!r} raised {value}")
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
     def kill(self) -> None:
+        """SIGKILL its whole session (anything it started, should it manage to), then tidy up."""
         if self.alive():
-            self.proc.kill()
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except OSError:
+                self.proc.kill()
         self.proc.wait()
         for pipe in (self.proc.stdin, self.proc.stdout):
             if pipe is not None:
                 pipe.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     def close(self) -> None:
         """Ask politely (EOF on stdin ends the worker's loop), then make sure."""
@@ -211,7 +279,7 @@ def run_in_worker(task: str, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S, s
 
     Raises CheckTimeout when the deadline passes (the worker is killed and replaced), and
     WorkerError when the task raised or the worker could not run. Tasks are listed in
-    `worker._tasks()`; arguments and results are pickled.
+    `worker._tasks()`; arguments and results travel as JSON-like values (`frames.py`).
     """
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")

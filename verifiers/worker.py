@@ -1,50 +1,68 @@
 """The child process that runs checks which may hang: `python -m selfopd.verifiers.worker`.
 
-The parent (`timeout.py`) sends (task, args, backstop_s) frames on stdin and kills this
+The parent (`timeout.py`) sends [task, args, backstop_s] frames on stdin and kills this
 process when a reply is late, so nothing here has to be interruptible. The backstop alarm
 only ends a computation whose parent is gone (it died while waiting on us), so no orphan
-keeps a core busy for hours. Frames are a 4-byte big-endian length, then a pickle.
+keeps a core busy for hours. Frames are JSON (`frames.py`): a reply is data, never code.
+
+It runs with the least it needs, since it handles model-written text: the parent starts it
+with a minimal environment (no keys or tokens) in an empty folder; here it limits its memory,
+forbids itself to write files (RLIMIT_FSIZE 0) or dump core, and installs an audit hook that
+refuses to start processes, open sockets, load native code or signal other processes, and
+(outside the parent's setup tasks) to open files for writing, remove, rename or create them.
+Tripping the hook ends the worker after its reply ("violation"): code ran that should not
+have, and the worker may no longer be trusted.
+Limits, not a sandbox: the answer grammars (`task_grammars.py`) are the boundary.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import pickle
+import resource
 import signal
-import struct
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, BinaryIO
+from typing import Any
+
+from .frames import read_frame, write_frame
 
 MEMORY_LIMIT_BYTES = 4 << 30  # a runaway sympy computation hits MemoryError, not the OOM killer
+# What a scorer never does: start processes, use the network, load native code, signal others.
+BLOCKED_EVENTS = frozenset({
+    "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "subprocess.Popen", "pty.spawn",
+    "os.kill", "os.killpg", "signal.pthread_kill", "socket.__new__", "socket.connect", "socket.bind",
+    "ctypes.dlopen", "ctypes.dlsym", "ctypes.dlsym/handle", "webbrowser.open",
+})
+# Changes to files: refused too, except during a setup task the parent asks for (importing
+# reasoning-gym makes matplotlib create its config folders; no answer is involved then).
+FILE_EVENTS = frozenset({
+    "os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.symlink", "os.link", "os.truncate", "os.chmod",
+    "os.chown", "os.utime", "shutil.rmtree", "shutil.copyfile", "shutil.copytree", "shutil.move",
+})
+SETUP_TASKS = frozenset({"import_reasoning_gym"})
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+_violations: list[str] = []
+_in_setup = [False]
 
 
-def write_frame(stream: BinaryIO, obj: Any) -> None:
-    """Send one pickled object, length-prefixed."""
-    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(struct.pack(">I", len(payload)) + payload)
-    stream.flush()
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    """Refuse what a scorer never does (see above); remember that it was tried."""
+    writes = event in FILE_EVENTS or (event == "open" and isinstance(args[2], int) and args[2] & _WRITE_FLAGS)
+    if event in BLOCKED_EVENTS or (writes and not _in_setup[0]):
+        _violations.append(event)
+        raise PermissionError(f"the verifier worker may not {event}")
 
 
-def _read_exactly(stream: BinaryIO, n: int) -> bytes | None:
-    data = b""
-    while len(data) < n:
-        chunk = stream.read(n - len(data))
-        if not chunk:
-            return None
-        data += chunk
-    return data
-
-
-def read_frame(stream: BinaryIO) -> Any | None:
-    """Receive one object; None when the parent has closed the pipe."""
-    header = _read_exactly(stream, 4)
-    if header is None:
-        return None
-    payload = _read_exactly(stream, struct.unpack(">I", header)[0])
-    return None if payload is None else pickle.loads(payload)
+def _limit(kind: int, value: int) -> None:
+    """Soft and hard limit `value` (or the hard limit we were given, when lower)."""
+    hard = resource.getrlimit(kind)[1]
+    value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+    try:
+        resource.setrlimit(kind, (value, value))
+    except (ValueError, OSError):
+        pass
 
 
 class _Backstop(BaseException):
@@ -79,23 +97,22 @@ def main() -> None:
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     requests = sys.stdin.buffer
-    try:
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
-    except (ImportError, ValueError, OSError):
-        pass
+    _limit(resource.RLIMIT_AS, MEMORY_LIMIT_BYTES)
+    _limit(resource.RLIMIT_FSIZE, 0)  # Python ignores SIGXFSZ: a write fails with EFBIG instead
+    _limit(resource.RLIMIT_CORE, 0)
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout disabled" warning
     import math_verify  # noqa: F401  (import before "ready", so the first check is not slowed)
 
     tasks = _tasks()
     signal.signal(signal.SIGALRM, _on_alarm)
+    sys.addaudithook(_audit)
     write_frame(replies, ("ready", os.getpid()))
     while True:
         request = read_frame(requests)
         if request is None:
             return  # parent closed the pipe (exited or shut us down)
         task, args, backstop_s = request
+        _in_setup[0] = task in SETUP_TASKS
         try:
             signal.setitimer(signal.ITIMER_REAL, backstop_s)
             try:
@@ -108,7 +125,11 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001  # report, never die: the parent decides
             # Only the type: str() of a sympy object can itself hang.
             reply = ("error", type(e).__name__)
+        if _violations:
+            reply = ("violation", _violations[0])
         write_frame(replies, reply)
+        if _violations:
+            os._exit(3)
 
 
 if __name__ == "__main__":
