@@ -110,13 +110,21 @@ def answers_equivalent(predicted: str, reference: str, *, timeout_s: float = DEF
 def math_verify_equivalent(predicted: str, reference: str) -> bool:
     """math-verify's verdict on two normalised answers. Runs inside the worker process.
 
+    LaTeX extraction only: math-verify's default also tries its plain-expression reader, which
+    hands the text to sympy's `parse_expr` (Python's eval). Its LaTeX reader builds sympy
+    objects from a parse tree, and reads numerals without eval once `latex_numbers.install()`
+    ran (`test_equivalence.py` checks with an audit hook that no answer text is compiled).
     Its own signal timeouts are off (None): the parent enforces the time limit by killing us.
     """
-    from math_verify import parse, verify
+    from math_verify import LatexExtractionConfig, parse, verify
 
-    def as_latex(s: str) -> str:
-        return "$" + s.replace("%", "\\%") + "$"
+    from .latex_numbers import install
 
-    gold = parse(as_latex(reference), parsing_timeout=None)
-    pred = parse(as_latex(predicted), parsing_timeout=None)
+    install()
+
+    def read(s: str) -> list:
+        latex = "$" + s.replace("%", "\\%") + "$"
+        return parse(latex, extraction_config=[LatexExtractionConfig()], parsing_timeout=None)
+
+    gold, pred = read(reference), read(predicted)
     return bool(gold and pred and verify(gold, pred, timeout_seconds=None))

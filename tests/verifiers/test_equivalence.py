@@ -141,3 +141,32 @@ def test_pathological_answers_are_unchecked_without_a_worker(monkeypatch):
     for answer in ["10^{10^{10}}", "9^{9^{9^{9}}}", "100000!", "(10^{5})!"]:
         assert compare_answers(answer, "5") is Verdict.UNCHECKED
         assert not answers_equivalent(answer, "5")
+
+
+# Model text that math-verify's plain-expression reader would hand to sympy's parse_expr (which
+# evaluates Python); each carries the marker 918273645 so a compile of model text shows.
+MARKED = ["918273645 + 1", "$918273645^{2}$", r"\frac{918273645}{7}", "2*918273645-1",
+          "__import__('os').system('echo 918273645')", "x_{918273645}", r"\operatorname{zq918273645}(x)",
+          r"\text{918273645}", "9182^{73645}", "f(918273645)=2", r"\{918273645, 1\}", "(918273645, 2]"]
+AUDIT = """
+import json, sys
+from selfopd.verifiers.equivalence import math_verify_equivalent
+compiled = []
+sys.addaudithook(lambda event, args: compiled.append(str(args[0])) if event in ("compile", "exec") else None)
+verdicts = [math_verify_equivalent(text, "918273645") for text in json.loads(sys.argv[1])]
+print(json.dumps({"verdicts": verdicts, "compiled": [c for c in compiled if "918273645" in c]}))
+"""
+
+
+def test_math_verify_never_compiles_model_text():
+    """math-verify is asked for its LaTeX reader only: no answer text reaches Python's compiler
+    (an audit hook sees every compile and exec of the check, in a process of its own)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", AUDIT, json.dumps(MARKED)], capture_output=True, text=True,
+                         check=True, timeout=120).stdout
+    report = json.loads(out.splitlines()[-1])
+    assert report["compiled"] == []
+    assert report["verdicts"][:2] == [False, False] and len(report["verdicts"]) == len(MARKED)
