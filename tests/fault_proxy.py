@@ -55,8 +55,10 @@ class FaultProxy(BaseHTTPRequestHandler):
         if self.path == "/reset_prefix_cache" and self.fault["mode"] == "cache_busy":
             return self._answer(200, b'{"success": false}')
         mode = self.fault["mode"] if self.path.startswith(COMPLETIONS) else "pass"
+        headers = {k: v for k, v in self.headers.items() if k.lower() in ("authorization", "content-type")}
         if mode == "kill" and not self.armed:  # the server's own version: a push may reach it by another URL
-            version = self.client.get(self.target + "/weight_info").json().get("weight_version")
+            key = {k: v for k, v in headers.items() if k.lower() == "authorization"}  # the server wants its key here too
+            version = self.client.get(self.target + "/weight_info", headers=key).json().get("weight_version")
             type(self).armed = version == self.fault.get("after_version")
         if mode == "kill" and self.armed:
             type(self).seen += 1
@@ -64,7 +66,6 @@ class FaultProxy(BaseHTTPRequestHandler):
                 os.kill(os.getpid(), signal.SIGKILL)
         if mode == "garbled":
             return self._answer(200, b'{"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "te')
-        headers = {k: v for k, v in self.headers.items() if k.lower() in ("authorization", "content-type")}
         response = self.client.request(self.command, self.target + self.path, content=body, headers=headers)
         content = response.content
         if mode in ("short", "extra", "fewer_choices") and response.status_code == 200:

@@ -32,7 +32,7 @@ from selfopd.core.models import resolve_model
 from selfopd.engines.base import SamplingParams
 from selfopd.engines.server_control import ServerControl
 from selfopd.engines.vllm import VLLMEngine
-from selfopd.engines.vllm_server import ServerSpec, free_port, launch_servers
+from selfopd.engines.vllm_server import ServerSpec, auth_headers, free_port, launch_servers, launched_key
 from selfopd.engines.weight_sync import WeightTransfer
 from selfopd.training.teacher import score_in_micro_batches, score_step
 
@@ -43,7 +43,7 @@ PROMPTS, SAMPLES, MAX_TOKENS, MICRO_PROMPTS = 8, 4, 32, 2
 def counter(url: str, name: str, **labels: str) -> float:
     """The sum of a Prometheus counter of the server's /metrics over the series matching `labels`."""
     total = 0.0
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+    for line in httpx.get(f"{url}/metrics", timeout=30, headers=auth_headers(launched_key(url))).text.splitlines():
         match = re.match(rf"^{re.escape(name)}(?:_total)?(\{{[^}}]*\}})?\s+(\S+)$", line)
         if match and all(f'{key}="{value}"' in (match.group(1) or "") for key, value in labels.items()):
             total += float(match.group(2))

@@ -33,7 +33,7 @@ import torch
 
 from selfopd.engines.base import SamplingParams
 from selfopd.engines.vllm import VLLMEngine
-from selfopd.engines.vllm_server import ServerSpec, free_port, launch_servers
+from selfopd.engines.vllm_server import ServerSpec, auth_headers, free_port, launch_servers, launched_key
 from selfopd.engines.server_control import ServerControl
 from selfopd.engines.weight_sync import WeightTransfer
 from selfopd.core.models import resolve_model
@@ -65,7 +65,8 @@ def run_selfopd(engine: VLLMEngine, prompts, params) -> tuple[int, float]:
 
 def run_raw(url: str, model: str, prompts, params) -> tuple[int, float]:
     async def go() -> int:
-        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1000)) as client:
+        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1000),
+                                     headers=auth_headers(launched_key(url))) as client:
             responses = await asyncio.gather(*(client.post(f"{url}/v1/completions", json=request_body(model, p, params, i))
                                                for i, p in enumerate(prompts)))
         return sum(len(c["token_ids"]) for r in responses for c in r.json()["choices"])

@@ -287,26 +287,28 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
 
 def _serve(args: argparse.Namespace) -> None:
     import time
+    from dataclasses import replace
 
     from selfopd.config import load_config
     from selfopd.engines.vllm_server import launch_servers
     from selfopd.engines.gpu_layout import check_layout
-    from selfopd.engines.serving import gpu_count, log_layout, planned_servers
+    from selfopd.engines.serving import gpu_count, log_layout, planned_servers, serve_key
 
     config = load_config(args.config, args.overrides)
     layout = check_layout(config, trainer_gpus=None, gpu_count=gpu_count())  # the trainer runs elsewhere
     if not layout.servers:
         raise UserError("engine.student_urls and engine.teacher_url are both set: there is nothing to launch")
     log_layout(layout, args.log_dir, progress=True)
-    specs = planned_servers(config)
-    with launch_servers(specs, args.log_dir, config.engine.startup_timeout_s) as servers:
+    with serve_key(config, args.log_dir) as (key, train), launch_servers(  # every route but /health wants the key
+            [replace(spec, api_key=key) for spec in planned_servers(config)], args.log_dir,
+            config.engine.startup_timeout_s) as servers:
         students = ",".join(server.spec.url for server in servers if server.spec.name != "teacher")
         teachers = [server.spec.url for server in servers if server.spec.name == "teacher"]
         sets = ([f"--set engine.student_urls={students}"] if students else []) + \
                [f"--set engine.teacher_url={url}" for url in teachers]
         for server in servers:
             print(f"{server.spec.name}: {server.spec.url} serving {server.spec.model} (log: {server.log_path})")
-        print(f"train against them with: selfopd train CONFIG --set engine.kind=vllm {' '.join(sets)}")
+        print(f"train against them with: {train} --set engine.kind=vllm {' '.join(sets)}")
         print("Ctrl-C stops the servers.", flush=True)
         while all(server.process.poll() is None for server in servers):
             time.sleep(1)

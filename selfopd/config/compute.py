@@ -89,7 +89,9 @@ class EngineConfig(Section):
         "trainer's process, as with engine.kind = 'local' (a 'self' teacher is the trainer's own module, so nothing "
         "is pushed to it): the student servers sample, and no teacher server is launched. It lifts the limits of a "
         "vLLM teacher: full-vocabulary losses and temperatures other than 1 are allowed. docs/async.md")
-    host: str = setting("127.0.0.1", "vllm: address launched servers bind to (127.0.0.1: this machine only).")
+    host: str = setting(
+        "127.0.0.1", "vllm: address launched servers bind to (127.0.0.1: this machine only). Another address needs "
+        "engine.api_key_env: every route of a launched server but /health requires the key.")
     port: int = setting(
         8100, "vllm: the first launched student server's port; student server i takes port + i, the teacher "
         "port + student_servers.")
@@ -131,7 +133,8 @@ class EngineConfig(Section):
     max_concurrency: int = setting(64, "vllm: most requests in flight per engine.")
     api_key_env: str = setting(
         "", "vllm: name of an environment variable holding the servers' API key (the key itself never goes in a "
-        "config): launched servers require it (vLLM's VLLM_API_KEY), every request sends it. Empty: no key.")
+        "config): launched servers require it on every route but /health, every request sends it. Empty: each "
+        "launch generates a key that only the launching process knows (`selfopd serve` writes it to a file).")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -168,6 +171,9 @@ class EngineConfig(Section):
             fail(self._key("sync_timeout_s"), f"must be > 0, got {self.sync_timeout_s}")
         self._at_least("sync_buffer_mb", 1)
         self._check_distinct_servers()
+        if not self.api_key_env and not is_loopback(self.host):
+            fail(self._key("host"), f"{self.host!r} is not a loopback address: launched servers would answer the "
+                 "network; set engine.api_key_env to the name of an environment variable holding their API key")
         if self.api_key_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.api_key_env):
             # The value is not echoed: it may be the key itself, pasted by mistake.
             fail(self._key("api_key_env"), "must be the NAME of an environment variable holding the key (letters, "
@@ -225,6 +231,16 @@ class EngineConfig(Section):
     def urls(self, name: str) -> list[str]:
         """The URLs in `student_urls` or `teacher_url`, without trailing slashes."""
         return [url.strip().rstrip("/") for url in getattr(self, name).split(",") if url.strip()]
+
+
+def is_loopback(host: str) -> bool:
+    """`host` is this machine only (localhost, 127.0.0.0/8, ::1): nothing else can connect to it."""
+    import ipaddress
+
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any address
+        return False
 
 
 def server_key(url: str) -> str:

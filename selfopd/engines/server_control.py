@@ -12,17 +12,19 @@ from typing import Any, Callable, Sequence
 
 import httpx
 
-from selfopd.engines.vllm_server import ServerError, auth_headers, unauthorized
+from selfopd.engines.vllm_server import ServerError, auth_headers, launched_key, unauthorized
 from selfopd.engines.weight_digest import WeightSyncError
 
 
 class ServerControl:
-    """The dev-mode HTTP routes of one vLLM server, with errors that name the URL."""
+    """The dev-mode HTTP routes of one vLLM server, with errors that name the URL. `api_key`: the
+    server's key; None: the key of the server this process launched at `url`, if it did."""
 
     def __init__(self, url: str, timeout_s: float = 600, api_key: str | None = None) -> None:
         self.url = url.rstrip("/")
-        self._sends_key = bool(api_key)
-        self._client = httpx.Client(timeout=timeout_s, headers=auth_headers(api_key))
+        self.api_key = api_key or launched_key(self.url)
+        self._sends_key = bool(self.api_key)
+        self._client = httpx.Client(timeout=timeout_s, headers=auth_headers(self.api_key))
 
     def request(self, method: str, path: str, timeout: float | None | object = httpx.USE_CLIENT_DEFAULT,
                 **kwargs: Any) -> Any:

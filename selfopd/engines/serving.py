@@ -16,15 +16,19 @@ import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from selfopd.config import TrainConfig
 from selfopd.core.distributed import World, all_gather
 from selfopd.engines.vllm import VLLMEngine
-from selfopd.engines.vllm_server import ServerError, ServerSpec, cuda_available, launch_servers, visible_devices
+from selfopd.engines.vllm_server import (ServerError, ServerSpec, cuda_available, launch_servers, launched_key,
+                                        visible_devices)
+from selfopd.engines.server_auth import new_key
 from selfopd.engines.weight_sync import ServerControl, WeightTransfer
 from selfopd.engines.gpu_layout import GPULayout, check_layout, resolved_sync, server_slots, single_process_trainer_gpus
 from selfopd.core.models import resolve_model
+
+SERVE_KEY_ENV = "SELFOPD_VLLM_API_KEY"  # where `selfopd serve` tells a later `selfopd train` to put a generated key
 
 def gpu_count() -> int:
     """The GPUs this process sees (0 without CUDA)."""
@@ -60,6 +64,7 @@ def planned_servers(config: TrainConfig) -> list[ServerSpec]:
         max_logprobs=max(ServerSpec.max_logprobs, config.loss.top_k),
         cpu_kv_cache_gb=engine.cpu_kv_cache_gb, extra_args=tuple(shlex.split(engine.extra_server_args)),
         trust_remote_code=config.model.trust_remote_code, api_key=engine.api_key(),
+        trainer_address=engine.trainer_address,
     )
     return [ServerSpec(name=slot.name, model=teacher_dir if slot.name == "teacher" else student_dir, port=slot.port,
                        tensor_parallel_size=slot.tensor_parallel_size,
@@ -175,11 +180,13 @@ def open_vllm_engines(config: TrainConfig, log_dir: Path, stack: contextlib.Exit
 
 def client_engines(config: TrainConfig, student_urls: Sequence[str], teacher_urls: Sequence[str],
                    stack: contextlib.ExitStack, student_sync: WeightTransfer | None = None,
-                   teacher_sync: WeightTransfer | None = None) -> tuple[VLLMEngine, VLLMEngine | None]:
+                   teacher_sync: WeightTransfer | None = None,
+                   api_key: str | None = None) -> tuple[VLLMEngine, VLLMEngine | None]:
     """(student engine, teacher engine or None without teacher servers) over running servers; `stack`
-    closes the clients."""
+    closes the clients. The key: `api_key`, else engine.api_key_env's, else that of each server this
+    process launched."""
     options = dict(max_concurrency=config.engine.max_concurrency, timeout_s=config.engine.request_timeout_s,
-                   retries=config.engine.retries, api_key=config.engine.api_key())
+                   retries=config.engine.retries, api_key=api_key or config.engine.api_key())
     student = VLLMEngine(student_urls, weight_sync=student_sync, **options)
     stack.callback(student.close)
     if not teacher_urls:
@@ -187,6 +194,26 @@ def client_engines(config: TrainConfig, student_urls: Sequence[str], teacher_url
     teacher = VLLMEngine(teacher_urls, weight_sync=teacher_sync, **options)
     stack.callback(teacher.close)
     return student, teacher
+
+
+@contextlib.contextmanager
+def serve_key(config: TrainConfig, log_dir: Path) -> Iterator[tuple[str, str]]:
+    """For `selfopd serve`: (the key its servers require, the command that trains against them).
+    engine.api_key_env's key; without one, a new key in LOG_DIR/api_key, readable by its owner only,
+    never printed, deleted when the servers stop."""
+    if config.engine.api_key_env:
+        yield config.engine.api_key(), f"selfopd train CONFIG --set engine.api_key_env={config.engine.api_key_env}"
+        return
+    key, path = new_key(), log_dir / "api_key"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)  # a file or link left there is not written through
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "w") as file:
+        file.write(key + "\n")
+    try:
+        yield key, (f'{SERVE_KEY_ENV}="$(cat {shlex.quote(str(path))})" selfopd train CONFIG '
+                    f"--set engine.api_key_env={SERVE_KEY_ENV}")
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def node_trainer_gpus(world: World) -> list[int] | None:
@@ -201,8 +228,9 @@ def open_vllm_engines_on_ranks(config: TrainConfig, log_dir: Path, stack: contex
                                world: World) -> tuple[VLLMEngine, VLLMEngine | None]:
     """Under torchrun: rank 0 checks the layout (this node's trainer GPUs: one per local
     rank), launches the missing servers and holds the weight syncs; every other rank opens
-    clients of the same servers, whose URLs rank 0 sends. Servers launched here listen on
-    rank 0's node (engine.host); trainers on several nodes use servers given by URL."""
+    clients of the same servers, whose URLs (and the key of the servers it launched) rank 0
+    sends over the trainers' own group. Servers launched here listen on rank 0's node
+    (engine.host); trainers on several nodes use servers given by URL."""
     trainer_gpus = node_trainer_gpus(world)
     opened, error = None, None
     if world.is_main:
@@ -210,9 +238,13 @@ def open_vllm_engines_on_ranks(config: TrainConfig, log_dir: Path, stack: contex
             opened = open_vllm_engines(config, log_dir, stack, config.run.progress, trainer_gpus=trainer_gpus)
         except BaseException as exc:  # the other ranks must hear of it, not wait forever
             error = exc
-    urls = all_gather(None if opened is None else (opened[0].urls, opened[1].urls if opened[1] else []), world)[0]
+    sent = None
+    if opened is not None:
+        students, teachers = opened[0].urls, opened[1].urls if opened[1] else []
+        sent = (students, teachers, next((key for url in students + teachers if (key := launched_key(url))), None))
+    urls = all_gather(sent, world)[0]
     if error is not None:
         raise error
     if urls is None:
         raise ServerError("rank 0 could not start or reach the vLLM servers (its own error says why)")
-    return opened if opened is not None else client_engines(config, urls[0], urls[1], stack)
+    return opened if opened is not None else client_engines(config, urls[0], urls[1], stack, api_key=urls[2])

@@ -8,12 +8,20 @@ on the hardware: a torch `ProcessGroupGloo` on the CPU, a `ProcessGroupNCCL` on 
 built the same way on a TCP store that trainer rank 0 hosts (`open_group`). Everything
 else, a chunk's bytes included, is the same code on both.
 
+Every socket of the group listens on one address, never on all of them: the store on the
+trainer address (a socket bound here and handed to torch's TCPStore, which otherwise binds to
+every interface), each rank's gloo pairs on its own address towards the trainer (an explicit
+gloo device, not the host name's address), and NCCL on the interface of that address
+(NCCL_SOCKET_IFNAME, when not set already).
+
 Kept light: it runs inside vLLM's workers and imports nothing of selfopd's training code.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Iterable, Iterator, Literal, Sequence
@@ -30,7 +38,8 @@ class TransferInit:
 
     `rank_offset`: the group rank of the server's first worker (the trainer is rank 0; the
     servers of one group follow each other). `session` names this trainer's group, so a
-    worker can tell a new trainer from the one it already serves."""
+    worker can tell a new trainer from the one it already serves. `secret`: the server's
+    transfer secret (`selfopd.engines.server_auth.transfer_secret`), without which it refuses."""
 
     host: str
     port: int
@@ -39,6 +48,7 @@ class TransferInit:
     backend: Backend = "gloo"
     timeout_s: float = 60.0
     session: str = ""
+    secret: str = field(default="", repr=False)
 
 
 @dataclass
@@ -93,29 +103,89 @@ class Group:
                     break
                 except Exception:  # noqa: BLE001 - closing a group whose peer is gone must not raise
                     continue
-        self.process_group = None
+        self.process_group = self.store = None  # rank 0's store stops listening once released
 
 
-def open_group(host: str, port: int, rank: int, world_size: int, backend: Backend, timeout_s: float) -> Group:
-    """Join the group on the TCP store at host:port (rank 0 hosts it and must be the trainer).
+def listen(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on host:port alone (port 0: a free one), for rank 0's store."""
+    family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(128)
+    except OSError as error:
+        listener.close()
+        raise OSError(f"cannot listen on {host}:{port} for the weight push (engine.trainer_address, "
+                      f"engine.sync_port): {error.strerror or error}") from None
+    return listener
+
+
+def local_address_to(host: str) -> str:
+    """This machine's address on the route to `host` (the host itself when it is this machine's)."""
+    family, _, _, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(address)  # UDP: chooses the route, sends nothing
+        return probe.getsockname()[0]
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface holding `address` (e.g. 'lo' for 127.0.0.1), None if unknown here."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(item.address.split("%")[0] == address for item in addresses):
+            return name
+    return None
+
+
+def nccl_interface(host: str) -> str | None:
+    """NCCL_SOCKET_IFNAME for sockets towards `host`: '=' and the interface of this machine's address
+    on that route (exact, not a prefix); None when it cannot be told (`host` does not resolve)."""
+    try:
+        interface = interface_of(local_address_to(host))
+    except OSError:
+        return None
+    return f"={interface}" if interface else None
+
+
+def open_group(host: str, port: int, rank: int, world_size: int, backend: Backend, timeout_s: float,
+               listener: socket.socket | None = None) -> Group:
+    """Join the group on the TCP store at host:port (rank 0 hosts it and must be the trainer, on
+    `listener` when given, else on a socket bound to host:port here).
 
     `timeout_s` bounds the rendezvous and every collective: a peer that died makes the
     broadcast fail within it (gloo usually notices a closed connection at once)."""
     from torch.distributed import PrefixStore, TCPStore
 
     timeout = timedelta(seconds=timeout_s)
-    store = TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    own = local_address_to(host)  # where this rank's sockets listen: the trainer's address on rank 0
+    if rank == 0:
+        listener = listener or listen(host, port)
+        port = listener.getsockname()[1]
+        store = TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=listener.detach())  # the store owns (and closes) the socket
+    else:
+        store = TCPStore(host, port, world_size, is_master=False, timeout=timeout, wait_for_workers=False)
     prefixed = PrefixStore(f"selfopd-weights-{port}", store)
     if backend == "gloo":
         from torch.distributed import ProcessGroupGloo
 
-        group = ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        options = ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [ProcessGroupGloo.create_device(hostname=own)]
+        group = ProcessGroupGloo(prefixed, rank, world_size, options)
     elif backend == "nccl":
         if not torch.distributed.is_nccl_available():
             raise RuntimeError("NCCL is not available in this torch build (torch.distributed.is_nccl_available() "
                                "is False): use engine.weight_sync = 'gloo'")
         from torch.distributed import ProcessGroupNCCL
 
+        interface = nccl_interface(host)
+        if interface:  # NCCL reads it when it first starts in this process (not yet run on a GPU)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
         options = ProcessGroupNCCL.Options()
         options._timeout = timeout
         group = ProcessGroupNCCL(prefixed, rank, world_size, options)

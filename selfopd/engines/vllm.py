@@ -30,7 +30,7 @@ import openai
 import torch
 
 from selfopd.engines.base import Rollout, SamplingParams, TokenScores, WeightSource
-from selfopd.engines.vllm_server import ServerError, auth_headers, unauthorized, vllm_version_problem
+from selfopd.engines.vllm_server import ServerError, auth_headers, launched_key, unauthorized, vllm_version_problem
 from selfopd.engines.weight_sync import WeightTransfer
 
 T = TypeVar("T")
@@ -44,7 +44,7 @@ class VLLMEngine:
     weight transfer covers all of them (the student's and a `self` teacher's engines share
     one). Without a `weight_sync` the engine serves fixed weights (a frozen or external
     teacher) and refuses updates. `api_key`: what servers started with an API key require
-    (sent as a bearer token).
+    (sent as a bearer token); None: the key of each server this process launched, if it did.
     """
 
     def __init__(self, urls: Sequence[str], weight_sync: WeightTransfer | None = None, max_concurrency: int = 64,
@@ -54,16 +54,17 @@ class VLLMEngine:
         self.urls = [url.rstrip("/") for url in urls]
         self.weight_sync = weight_sync
         self.version = 0
-        self._sends_key = bool(api_key)
-        models = [_served_model(url, api_key) for url in self.urls]
+        keys = [api_key or launched_key(url) for url in self.urls]
+        self._sends_key = [bool(key) for key in keys]
+        models = [_served_model(url, key) for url, key in zip(self.urls, keys)]
         self.model_names = [name for name, _ in models]
         self.max_model_len = min(length for _, length in models)
         self.retries = retries
         self._max_concurrency = max_concurrency
         self._loop = _LoopThread()
-        self._clients = [openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key or "EMPTY", timeout=timeout_s,
+        self._clients = [openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key or "EMPTY", timeout=timeout_s,
                                             max_retries=retries)
-                         for url in self.urls]
+                         for url, key in zip(self.urls, keys)]
 
     # --- sampling -----------------------------------------------------------------------
     supports_full_vocabulary = False
@@ -166,7 +167,7 @@ class VLLMEngine:
             raise ServerError(f"{url}: {type(error).__name__} after {self.retries} retries: {error}") from None
         except openai.APIStatusError as error:
             if error.status_code == 401:
-                raise unauthorized(url, self._sends_key) from None
+                raise unauthorized(url, self._sends_key[server]) from None
             raise ServerError(f"{url}: HTTP {error.status_code}: {_error_message(error)}") from None
         except (openai.APIError, ValueError) as error:  # ValueError: the body is not JSON
             raise malformed(url, error) from None

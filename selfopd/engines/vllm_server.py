@@ -5,6 +5,12 @@ with its output in a log file. `launch_servers` is a context manager: leaving it
 exit, an exception, Ctrl-C) stops every process group it started, and a server that dies
 or does not answer `/health` in time raises `ServerError` with the tail of its log.
 Servers that already run elsewhere are not launched here: pass their URLs to the engine.
+
+Every route of a launched server but `/health` requires its API key (`selfopd.engines.server_auth`):
+the configured one, or one generated for the launch. This process's clients (`ServerControl`,
+`VLLMEngine`) find the key of a server it launched by its URL (`launched_key`); the key travels to
+the server in its environment only. The server's workers accept a weight push only from the
+trainer address of the spec (`engine.trainer_address`) with the secret derived from the key.
 """
 
 from __future__ import annotations
@@ -17,15 +23,23 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 import httpx
 
-from selfopd.engines.transfer_wire import BACKEND_NAME
+from selfopd.engines.server_auth import KEY_ENV, SECRET_ENV, TRAINER_ENV, new_key, transfer_secret
+from selfopd.engines.transfer_wire import BACKEND_NAME, interface_of, nccl_interface
 
 WORKER_EXTENSION = "selfopd.engines.vllm_worker.SelfOPDWorkerExtension"
+MIDDLEWARE = "selfopd.engines.server_auth.RequireKey"
+_LAUNCHED_KEYS: dict[str, str] = {}  # URL -> key of each server this process launched and has not stopped
+
+
+def launched_key(url: str) -> str | None:
+    """The API key of the server at `url` if this process launched it (None otherwise)."""
+    return _LAUNCHED_KEYS.get(url.rstrip("/"))
 
 
 class ServerError(RuntimeError):
@@ -96,9 +110,11 @@ class ServerSpec:
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)  # e.g. CUDA_VISIBLE_DEVICES: the server's GPUs
     trust_remote_code: bool = False  # model.trust_remote_code: run the model folder's own Python code
-    # Required of every /v1 request. Handed over in the environment (VLLM_API_KEY), never on
-    # the command line, which `ps` shows to every user; kept out of repr for the same reason.
+    # Required of every request but /health (None: one is generated at launch). Handed over in the
+    # environment (VLLM_API_KEY), never on the command line, which `ps` shows to every user; kept
+    # out of repr for the same reason.
     api_key: str | None = field(default=None, repr=False)
+    trainer_address: str = "127.0.0.1"  # engine.trainer_address: the only host a weight push may come from
 
     @property
     def connect_host(self) -> str:
@@ -127,6 +143,7 @@ def server_command(spec: ServerSpec) -> list[str]:
         # the trainer's importance ratio needs; prompt logprobs (scoring) stay raw.
         "--logprobs-mode", "processed_logprobs",
         "--worker-extension-cls", WORKER_EXTENSION,
+        "--middleware", MIDDLEWARE,  # the key on every route, the dev routes included
         "--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching",
     ]
     if spec.trust_remote_code:
@@ -153,13 +170,21 @@ def visible_devices(gpus: Sequence[int], environ: Mapping[str, str] = os.environ
 
 
 def server_env(spec: ServerSpec) -> dict[str, str]:
-    """Dev mode exposes /collective_rpc, /pause, /resume and /reset_prefix_cache, which the sync needs
-    (vLLM's API key guards /v1 routes only: loopback binding is what keeps these private).
-    The API key comes from the spec alone, not from a VLLM_API_KEY that selfopd happens to run under."""
-    env = dict(os.environ)
-    env.pop("VLLM_API_KEY", None)
+    """Dev mode exposes /collective_rpc, /pause, /resume and /reset_prefix_cache, which the sync needs;
+    selfopd's middleware requires the key on them (`selfopd.engines.server_auth`). The key comes from
+    the spec alone, not from a VLLM_API_KEY that selfopd happens to run under; the workers get the
+    push's secret and the trainer address they accept (without a key, which `launch_servers` always
+    gives, the server refuses every route but /health). vLLM's own gloo groups bind to loopback (they
+    stay in this machine), NCCL's sockets to the interface that reaches the trainer (unless set)."""
+    env = {name: value for name, value in os.environ.items() if name not in (KEY_ENV, SECRET_ENV)}
     if spec.api_key:
-        env["VLLM_API_KEY"] = spec.api_key
+        env.update({KEY_ENV: spec.api_key, SECRET_ENV: transfer_secret(spec.api_key)})
+    env[TRAINER_ENV] = spec.trainer_address
+    loopback, towards_trainer = interface_of("127.0.0.1"), nccl_interface(spec.trainer_address)
+    if loopback:
+        env["GLOO_SOCKET_IFNAME"] = loopback
+    if towards_trainer:
+        env.setdefault("NCCL_SOCKET_IFNAME", towards_trainer)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.cpu_kv_cache_gb))
     env["VLLM_SERVER_DEV_MODE"] = "1"
     if spec.gpu and spec.dtype == "float32":
@@ -189,6 +214,7 @@ class ServerProcess:
             start_new_session=True,  # its own process group: stop() reaches vLLM's engine and worker too
             preexec_fn=_terminate_with_parent,
         )
+        _LAUNCHED_KEYS[spec.url] = spec.api_key
 
     def wait_ready(self, timeout_s: float) -> None:
         """Poll /health until it answers 200; raise with the log tail if it dies or times out."""
@@ -228,16 +254,19 @@ def stop_servers(servers: Sequence[ServerProcess], grace_s: float = 20) -> None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 server.process.wait(5)
             server._log.close()
+            _LAUNCHED_KEYS.pop(server.spec.url, None)
 
 
 @contextlib.contextmanager
 def launch_servers(specs: Sequence[ServerSpec], log_dir: Path, timeout_s: float = 600,
                    progress: bool = True) -> Iterator[list[ServerProcess]]:
-    """Start all servers at once, wait until each is ready, and stop them all on exit."""
+    """Start all servers at once, wait until each is ready, and stop them all on exit. Servers
+    without an API key share one generated for this launch (`launched_key` finds it)."""
     servers: list[ServerProcess] = []
     previous = _stop_on_sigterm()
+    key = new_key()
     try:
-        for spec in specs:
+        for spec in (replace(spec, api_key=spec.api_key or key) for spec in specs):
             servers.append(ServerProcess(spec, log_dir))
             if progress:
                 print(f"selfopd: starting the {spec.name} server on {spec.url} (log: {servers[-1].log_path})",

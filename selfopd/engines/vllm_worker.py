@@ -19,6 +19,12 @@ What the engine does beyond vLLM's NCCL engine, each for a defect found on the w
   (old or new) weights, and the trainer leaves the server paused and says so;
 - no device-wide synchronise on a CPU (vLLM's default `update_weights` calls one).
 
+What it accepts: an init from the trainer address the server was launched for, carrying the
+server's transfer secret (both in the worker's environment, set at launch: `selfopd.engines.server_auth`),
+and updates made of the served model's own tensors: every name one its weights come from, each
+shape the served one, the served dtype, at most the model's bytes, checked before a byte is
+allocated (`update_refusal`). Anything else is refused with `TransferRefused`, one line.
+
 The worker calls: `selfopd_weight_digests` (what the worker serves, `selfopd.engines.weight_digest`),
 `selfopd_transfer_state` (the engine, its trainer session, an update left open) and
 `selfopd_release_transfer` (close an update a dead trainer left open and leave its group: a
@@ -30,6 +36,7 @@ trainer's tensors to its in-process worker directly.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from typing import Any, Iterable
@@ -38,9 +45,17 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from selfopd.core.faults import dropped_weights
+from selfopd.engines.server_auth import SECRET_ENV, TRAINER_ENV, same_secret
 from selfopd.engines.transfer_wire import (BACKEND_NAME, Group, TransferInit, TransferUpdate, buffer_device,
                                            chunk_ranges, open_group, unpack)
 from selfopd.engines.weight_digest import dtype_name, served_digests
+
+# {trainer tensor name: [(the slice (dim, start, length) a served piece holds or None, the piece's shape)]}
+Layout = dict[str, list[tuple[tuple[int, int, int] | None, tuple[int, ...]]]]
+
+
+class TransferRefused(PermissionError):
+    """A weight-transfer init or update that this server does not accept (the message says why)."""
 
 
 class SelfOPDTransferEngine(WeightTransferEngine):
@@ -56,9 +71,21 @@ class SelfOPDTransferEngine(WeightTransferEngine):
         self.group: Group | None = None
         self.session = ""
         self.loaded: set[str] = set()
+        self.layout: Layout = {}
+        self._trainer, self._secret = os.environ.get(TRAINER_ENV, ""), os.environ.get(SECRET_ENV, "")
 
     def init_transfer_engine(self, init_info: TransferInit) -> None:
+        if not self._secret:
+            raise TransferRefused(f"weight transfer refused: this server was started without a transfer secret "
+                                  f"({SECRET_ENV}); start it with `selfopd serve`")
+        if not same_secret(str(init_info.secret), self._secret):
+            raise TransferRefused("weight transfer refused: the init does not carry this server's transfer secret "
+                                  "(derived from its API key: engine.api_key_env)")
+        if init_info.host != self._trainer:
+            raise TransferRefused(f"weight transfer refused: the init names trainer {init_info.host!r}; this server "
+                                  f"takes weights from {self._trainer!r} only (engine.trainer_address at its launch)")
         self.shutdown()  # a new trainer replaces the one this worker served
+        self.layout = served_layout(self.model)
         parallel = self.parallel_config
         rank = init_info.rank_offset + parallel.data_parallel_index * parallel.world_size + parallel.rank
         self.group = open_group(init_info.host, init_info.port, rank, init_info.world_size, init_info.backend,
@@ -87,6 +114,10 @@ class SelfOPDTransferEngine(WeightTransferEngine):
         if update_info.session != self.session:
             raise RuntimeError(f"this server now takes its weights from another trainer (session {self.session}), "
                                f"not from session {update_info.session}")
+        refusal = update_refusal(update_info, self.layout, dtype_name(self.model_config.dtype),
+                                 self.parallel_config.tensor_parallel_size)
+        if refusal:
+            raise TransferRefused(f"weight update refused: {refusal}")
         device = buffer_device(self.group.backend)
         sizes, dtypes = update_info.sizes, update_info.dtypes
         for indices in chunk_ranges(sizes, update_info.buffer_bytes):
@@ -139,6 +170,57 @@ class SelfOPDWorkerExtension:
         if engine is not None:
             engine.shutdown()
         return {"closed_update": was_open}
+
+
+def served_layout(model: torch.nn.Module) -> Layout:
+    """What the served model is made of: each trainer tensor and the pieces of it the worker holds."""
+    layout: Layout = {}
+    for entry in served_digests(model, digests=False):
+        piece = tuple(entry["hf_slice"]) if entry["hf_slice"] else None
+        layout.setdefault(entry["hf"], []).append((piece, tuple(entry["shape"])))
+    return layout
+
+
+def update_refusal(update: TransferUpdate, layout: Layout, dtype: str, tp_size: int = 1) -> str | None:
+    """Why a worker serving `layout` in `dtype` refuses `update` before receiving it, or None: a name
+    that is not one of the model's tensors or comes twice, another dtype, a shape that does not hold
+    the served pieces, more elements than the model has (implied by the shapes; checked all the same)."""
+    if type(update.buffer_bytes) is not int or update.buffer_bytes < 1:
+        return f"buffer_bytes {str(update.buffer_bytes)[:40]} is not a positive integer"
+    seen: set[str] = set()
+    for name, kind, shape in zip(update.names, update.dtype_names, update.shapes):
+        if not isinstance(name, str) or name not in layout:
+            return f"{str(name)[:200]!r} is not a tensor of the served model"
+        if name in seen:
+            return f"{name!r} is sent twice"
+        seen.add(name)
+        if kind != dtype:
+            return f"{name} is announced in {str(kind)[:40]!r}; the served model holds {dtype}"
+        if not isinstance(shape, list) or not all(type(size) is int and size >= 0 for size in shape):
+            return f"{name}: shape {str(shape)[:100]} is not a list of sizes"
+        for piece, held in layout[name]:
+            if not _holds(shape, held, piece, tp_size):
+                where = f" (slice {piece})" if piece else ""
+                return f"{name} is announced as {shape}; the served model holds {list(held)}{where}"
+    sent = sum(math.prod(shape) for shape in update.shapes)
+    model = sum(math.prod(_longest(held, piece, tp_size)) for pieces in layout.values() for piece, held in pieces[:1])
+    return f"{sent} elements announced, more than the model's {model}" if sent > model else None
+
+
+def _longest(held: tuple[int, ...], piece: tuple[int, int, int] | None, tp_size: int) -> list[int]:
+    """The largest trainer tensor a served piece can come from: the piece itself, but along a sliced
+    dimension (tensor parallelism: `length` rows from `start`), which may be `start + tp_size * length` long."""
+    dim, start, length = piece or (-1, 0, 0)
+    return [start + tp_size * length if d == dim else size for d, size in enumerate(held)]
+
+
+def _holds(shape: list[int], held: tuple[int, ...], piece: tuple[int, int, int] | None, tp_size: int) -> bool:
+    """A trainer tensor of `shape` is one the served piece comes from: equal to it, but along a sliced
+    dimension, which must cover the slice and be at most `_longest`."""
+    dim, start, length = piece or (-1, 0, 0)
+    return len(shape) == len(held) and all(
+        (start + length <= size if d == dim else size == served) and size <= most
+        for d, (size, served, most) in enumerate(zip(shape, held, _longest(held, piece, tp_size))))
 
 
 def worker_digests(worker: Any) -> list[dict[str, Any]]:

@@ -37,10 +37,11 @@ import torch
 
 from selfopd.core.faults import fault_point
 from selfopd.engines.base import WeightSource, as_source
+from selfopd.engines.server_auth import transfer_secret
 from selfopd.engines.transfer_wire import (Backend, Group, TransferInit, TransferUpdate, buffer_device, chunk_ranges,
-                                           open_group, pack)
+                                           listen, open_group, pack)
 from selfopd.engines.server_control import ServerControl, in_background, wait_all
-from selfopd.engines.vllm_server import ServerError, free_port
+from selfopd.engines.vllm_server import ServerError
 from selfopd.engines.weight_digest import (Entry, WeightSyncError, dtype_name, expected_digest, pieces_needed,
                                            verify)
 
@@ -114,20 +115,26 @@ class WeightTransfer:
         control.close()
 
     def _open_groups(self, host: str, port: int) -> None:
+        """Each group's store listens on `host` alone; each server is sent its own transfer secret."""
         session = self.session
         for index, group in enumerate(self.server_groups):
-            group_port = port + index if port else free_port()
             workers = [control.world_size() for control in group]
-            world = 1 + sum(workers)
+            try:
+                listener = listen(host, port + index if port else 0)
+            except OSError as error:
+                raise ServerError(str(error)) from None
+            group_port, world = listener.getsockname()[1], 1 + sum(workers)
             posts = []
             offset = 1
             for control, count in zip(group, workers):
                 init = TransferInit(host=host, port=group_port, rank_offset=offset, world_size=world,
-                                    backend=self.backend, timeout_s=self.timeout_s, session=session)
+                                    backend=self.backend, timeout_s=self.timeout_s, session=session,
+                                    secret=transfer_secret(control.api_key or ""))
                 posts.append((control, in_background(lambda c=control, i=init: c.request(
                     "POST", "/init_weight_transfer_engine", json={"init_info": asdict(i)}, timeout=self.timeout_s))))
                 offset += count
-            opened = in_background(lambda: open_group(host, group_port, 0, world, self.backend, self.timeout_s))
+            opened = in_background(lambda: open_group(host, group_port, 0, world, self.backend, self.timeout_s,
+                                                      listener=listener))
             wait_all(posts + [(None, opened)], self.timeout_s, "joining the weight-transfer group")
             self.groups.append(opened.result())
 

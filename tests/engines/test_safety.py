@@ -1,19 +1,23 @@
 """Safety settings without a server: model.trust_remote_code is the only way a model's own
 code runs (transformers loads, launched vLLM servers, colocated vLLM), launched servers bind
-to loopback, and engine.api_key_env hands the key to servers without putting it on a
-command line or in a config. The same settings against a real server: tests/engines/test_vllm_faults.py."""
+to loopback (another address needs a key), every route but /health goes through the key
+middleware, and the key (engine.api_key_env's or the launch's own) reaches servers without
+going on a command line or in a config. The same settings against a real server: tests/engines/test_vllm_faults.py."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from selfopd.config import ConfigError, load_config
 from selfopd.engines.build import load_model, model_options
+from selfopd.engines.server_auth import SECRET_ENV, TRAINER_ENV, transfer_secret
+from selfopd.engines.transfer_wire import interface_of
 from selfopd.engines.vllm_server import server_command, server_env
 from selfopd.core.models import ModelError
 from selfopd.engines.serving import planned_servers
@@ -95,14 +99,42 @@ def test_colocated_vllm_gets_trust_remote_code_from_the_config(monkeypatch):
     assert [options["trust_remote_code"] for options in handed] == [False, True]
 
 
-def test_launched_servers_bind_to_loopback_unless_told_otherwise():
+def test_launched_servers_bind_to_loopback_unless_told_otherwise(monkeypatch):
     (spec, teacher) = planned_servers(_demo("engine.kind=vllm"))
     for server in (spec, teacher):
         command = server_command(server)
         assert command[command.index("--host") + 1] == "127.0.0.1"
-    (spec, _) = planned_servers(_demo("engine.kind=vllm", "engine.host=0.0.0.0"))
+    monkeypatch.setenv("SELFOPD_VLLM_API_KEY", "sk-selfopd-test-0123456789")
+    (spec, _) = planned_servers(_demo("engine.kind=vllm", "engine.host=0.0.0.0", "engine.api_key_env=SELFOPD_VLLM_API_KEY"))
     assert server_command(spec)[server_command(spec).index("--host") + 1] == "0.0.0.0"
     assert spec.url.startswith("http://127.0.0.1:")  # the client still connects on this machine
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "", "10.0.0.1", "server-node"])
+def test_a_host_the_network_reaches_needs_a_key(host):
+    with pytest.raises(ConfigError, match=rf"^--set engine\.host={host}: engine\.host: '{host}' is not a loopback "
+                                          r"address: .* set engine\.api_key_env") as error:
+        _demo("engine.kind=vllm", f"engine.host={host}")
+    assert "\n" not in str(error.value)
+    for loopback in ("127.0.0.2", "::1", "localhost"):
+        assert _demo(f"engine.host={loopback}").engine.host == loopback
+
+
+def test_every_route_of_a_launched_server_goes_through_the_key_middleware():
+    command = server_command(replace(planned_servers(_demo("engine.kind=vllm"))[0], api_key="k"))
+    assert command[command.index("--middleware") + 1] == "selfopd.engines.server_auth.RequireKey"
+
+
+def test_the_workers_get_the_push_secret_and_the_trainer_address_and_bind_their_own_groups_to_loopback(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth-of-the-trainer")  # a trainer's torchrun setting, not the server's
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    spec = replace(planned_servers(_demo("engine.kind=vllm", "engine.trainer_address=127.0.0.3"))[0], api_key="k1")
+    env = server_env(spec)
+    assert env[SECRET_ENV] == transfer_secret("k1") and env[TRAINER_ENV] == "127.0.0.3"
+    assert env["GLOO_SOCKET_IFNAME"] == interface_of("127.0.0.1")  # vLLM's own gloo groups stay on this machine
+    assert env["NCCL_SOCKET_IFNAME"] == f"={interface_of('127.0.0.1')}"  # NCCL towards the trainer (untested on a GPU)
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "=ib0")
+    assert server_env(spec)["NCCL_SOCKET_IFNAME"] == "=ib0"  # a choice of the user's is kept
 
 
 def test_the_api_key_reaches_servers_in_their_environment_never_their_command_line(monkeypatch):
@@ -113,8 +145,10 @@ def test_the_api_key_reaches_servers_in_their_environment_never_their_command_li
     for spec in keyed:
         assert server_env(spec)["VLLM_API_KEY"] == key
         assert key not in " ".join(server_command(spec)) and key not in repr(spec)
-    for spec in planned_servers(_demo("engine.kind=vllm")):  # no key configured: none inherited either
-        assert "VLLM_API_KEY" not in server_env(spec)
+    monkeypatch.setenv(SECRET_ENV, "inherited-too")
+    for spec in planned_servers(_demo("engine.kind=vllm")):  # no key configured: the launch's own, never the inherited
+        assert spec.api_key is None and not {"VLLM_API_KEY", SECRET_ENV} & set(server_env(spec))  # refuses all
+        assert server_env(replace(spec, api_key="generated"))["VLLM_API_KEY"] == "generated"
 
 
 def test_api_key_env_must_name_a_set_variable_and_is_never_echoed(monkeypatch, tmp_path):

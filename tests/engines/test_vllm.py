@@ -34,7 +34,7 @@ from selfopd.config import load_config
 from selfopd.engines.base import SamplingParams
 from selfopd.engines.local import LocalEngine
 from selfopd.engines.vllm import VLLMEngine, parse_prompt_logprobs
-from selfopd.engines.vllm_server import ServerError, ServerSpec, free_port, launch_servers, port_in_use
+from selfopd.engines.vllm_server import ServerError, ServerSpec, free_port, launch_servers, launched_key, port_in_use
 from selfopd.engines.weight_sync import ServerControl, WeightTransfer
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -45,6 +45,16 @@ ROOT = Path(__file__).resolve().parents[2]
 def servers(vllm_servers):
     """{'student': url, 'teacher': url}: the session's two SmolLM2 servers (tests/conftest.py)."""
     return vllm_servers
+
+
+SERVER_KEY_ENV = "SELFOPD_TEST_SERVER_KEY"
+
+
+def key_settings(monkeypatch, url: str) -> list[str]:
+    """What a `selfopd train` subprocess needs to reach servers this process launched: their key in the
+    environment it inherits and engine.api_key_env naming it, as a user passes the key `selfopd serve` wrote."""
+    monkeypatch.setenv(SERVER_KEY_ENV, launched_key(url))
+    return [f"engine.api_key_env={SERVER_KEY_ENV}"]
 
 
 @pytest.fixture(scope="module")
@@ -438,10 +448,11 @@ def test_lora_step_sends_merged_weights_under_the_checkpoint_names(servers, engi
         run.close()
 
 
-def test_torchrun_trainer_with_vllm_servers_runs_two_steps(servers, base_weights_after, tmp_path):
+def test_torchrun_trainer_with_vllm_servers_runs_two_steps(servers, base_weights_after, tmp_path, monkeypatch):
     """Two trainer processes (FSDP2, gloo) share the servers: each samples and scores its
     prompt there, rank 0 gathers the weights and syncs both servers, every rank probes."""
-    urls = [f"engine.student_urls={servers['student']}", f"engine.teacher_url={servers['teacher']}"]
+    urls = [f"engine.student_urls={servers['student']}", f"engine.teacher_url={servers['teacher']}",
+            *key_settings(monkeypatch, servers["student"])]
     train_demo_steps(tmp_path, "ranks", ["engine.kind=vllm", *urls, "data.eval_size=5", "model.threads=1",
                                              "optim.micro_batch_prompts=1"],
                          launcher=("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "selfopd"))
@@ -466,6 +477,15 @@ def test_serve_launches_a_server_and_leaves_no_process_behind(servers, tmp_path)
                 break
         assert f"teacher: http://127.0.0.1:{port}" in "".join(lines), "".join(lines)
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+        # No key configured: one for this launch, in a file only its owner reads, never printed.
+        key_file = tmp_path / "api_key"
+        key = key_file.read_text().strip()
+        assert key_file.stat().st_mode & 0o777 == 0o600 and len(key) >= 40 and key not in "".join(lines)
+        assert f'SELFOPD_VLLM_API_KEY="$(cat {key_file})" selfopd train CONFIG --set engine.api_key_env=' \
+               f"SELFOPD_VLLM_API_KEY --set engine.kind=vllm --set engine.teacher_url=http://127.0.0.1:{port}" in "".join(lines)
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 401
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {key}"},
+                         timeout=5).status_code == 200
         server_pids = _group_pids(process.pid)
         assert len(server_pids) >= 2  # selfopd, vLLM's API server and its engine process
         # Twice, as `timeout` does (the process and its group): the second must not cut the cleanup short.
@@ -477,6 +497,7 @@ def test_serve_launches_a_server_and_leaves_no_process_behind(servers, tmp_path)
         assert not [pid for pid in server_pids if _alive(pid)], "processes left behind"
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+        assert not key_file.exists()  # the key goes with its servers
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)

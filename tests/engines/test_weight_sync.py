@@ -32,6 +32,7 @@ import pytest
 import torch
 from tests.conftest import push_weights, save_tiny_llama
 from tests.engine_contract import TOLERANCE, chat_prompts, hf_logprobs
+from tests.engines.test_vllm import key_settings
 from tests.engines.test_vllm_faults import FaultProxy
 
 from selfopd.engines.server_control import ServerControl
@@ -125,13 +126,14 @@ def test_a_persistent_server_passes_from_one_trainer_to_the_next(vllm_servers, s
 
 
 def test_a_server_whose_trainer_was_killed_mid_broadcast_serves_the_next_run(vllm_servers, smollm2_model, tmp_path,
-                                                                            restore):
+                                                                            restore, monkeypatch):
     """`selfopd train` SIGKILLed between two chunks of its first push (SELFOPD_KILL_AT): the server's
     update fails when the connection drops, and the next run's transfer releases it and pushes."""
     from selfopd.training.trainer import build_run, train_step
     from tests.engines.test_vllm import train_config
 
-    urls = [f"engine.student_urls={vllm_servers['student']}", f"engine.teacher_url={vllm_servers['teacher']}"]
+    urls = [f"engine.student_urls={vllm_servers['student']}", f"engine.teacher_url={vllm_servers['teacher']}",
+            *key_settings(monkeypatch, vllm_servers["student"])]
     command = [sys.executable, "-m", "selfopd", "train", str(ROOT / "experiments/demo/demo.toml"),
                *[f"--set={item}" for item in (f"run.out_dir={tmp_path}", "run.name=killed", "run.progress=false",
                                                "data.eval_size=4", "rollout.temperature=1.0", "engine.kind=vllm",
@@ -147,10 +149,11 @@ def test_a_server_whose_trainer_was_killed_mid_broadcast_serves_the_next_run(vll
     assert metrics["probe/max_abs_diff"] <= TOLERANCE and metrics["time/push_verify"] > 0
 
 
-def test_three_steps_through_the_cli_each_push_verified(vllm_servers, restore, tmp_path):
+def test_three_steps_through_the_cli_each_push_verified(vllm_servers, restore, tmp_path, monkeypatch):
     from tests.engine_contract import train_demo_steps
 
-    urls = [f"engine.student_urls={vllm_servers['student']}", f"engine.teacher_url={vllm_servers['teacher']}"]
+    urls = [f"engine.student_urls={vllm_servers['student']}", f"engine.teacher_url={vllm_servers['teacher']}",
+            *key_settings(monkeypatch, vllm_servers["student"])]
     steps = train_demo_steps(tmp_path, "three", ["engine.kind=vllm", *urls], steps=3)
     assert all(m["time/push_verify"] > 0 and m["sync/groups"] == 1 and m["sync/gigabytes"] > 0.5 for m in steps)
     assert [ServerControl(url).version() for url in vllm_servers.values()] == ["3", "3"]
@@ -172,13 +175,14 @@ def test_three_bf16_steps_with_servers_the_run_launches(tmp_path):
 
 
 def test_lora_runs_three_steps_and_the_servers_score_as_the_adapted_model(vllm_servers, smollm2_tokenizer, restore,
-                                                                          tmp_path):
+                                                                          tmp_path, monkeypatch):
     """fp32 LoRA: the servers hold W + scale * B @ A (merged in fp32), verified by digest after every
     push, and score a sequence as the saved adapters on their base do."""
     from selfopd.engines.build import load_model
     from tests.engine_contract import train_demo_steps
 
-    urls = [f"engine.student_urls={vllm_servers['student']}", f"engine.teacher_url={vllm_servers['teacher']}"]
+    urls = [f"engine.student_urls={vllm_servers['student']}", f"engine.teacher_url={vllm_servers['teacher']}",
+            *key_settings(monkeypatch, vllm_servers["student"])]
     train_demo_steps(tmp_path, "lora", ["engine.kind=vllm", *urls, "model.lora_rank=8", "optim.lr=1e-3",
                                         "optim.warmup_steps=0", "run.checkpoint_every=3"], steps=3)
     adapted, _ = load_model("smollm2-135m-instruct", weights=tmp_path / "lora/checkpoints/step_00003", frozen=True)
@@ -257,9 +261,13 @@ def test_a_prefix_cache_that_does_not_reset_fails_the_push(tiny):
     proxy = FaultProxy(servers["a"].spec.url)
     try:
         proxy.fault("cache_busy")
-        with pytest.raises(ServerError, match=rf"^{proxy.url}/reset_prefix_cache: the server did not reset its prefix "
-                                              r"cache \({'success': False}\).*left paused"):
-            push_weights([proxy.url], perturbed(model, seed=6), version=1)
+        transfer = WeightTransfer([[ServerControl(proxy.url, api_key=servers["a"].spec.api_key)]])
+        try:
+            with pytest.raises(ServerError, match=rf"^{proxy.url}/reset_prefix_cache: the server did not reset its "
+                                                  r"prefix cache \({'success': False}\).*left paused"):
+                transfer.push(perturbed(model, seed=6), version=1)
+        finally:
+            transfer.close()
     finally:
         proxy.stop()
     push_weights([servers["a"].spec.url], dict(model.named_parameters()), version=0)  # a new session resumes it
