@@ -8,6 +8,7 @@ planted in an output folder cannot redirect a write elsewhere."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import secrets
@@ -30,7 +31,8 @@ def _new_temporary(path: Path) -> Path:
 def replace_atomic(path: str | Path, write: Callable[[Path], object]) -> Path:
     """Call `write(temporary)` to make the file under a new temporary name beside `path` (a
     figure's `savefig`, a `write_text`), fsync it, then rename it to `path`. What a killed write
-    leaves is a hidden `.NAME.*.partial` file, never read."""
+    left (a hidden `.NAME.*.partial` file, never read) goes once the next write of `path` is in
+    place: one process writes a file at a time (the folder locks of `selfopd.run.folder_guard`)."""
     path = Path(path)
     temporary = _new_temporary(path)
     try:
@@ -43,6 +45,8 @@ def replace_atomic(path: str | Path, write: Callable[[Path], object]) -> Path:
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
+    for left in path.parent.glob(f".{glob.escape(path.name)}.*.partial"):  # unlink removes a link, never its target
+        left.unlink(missing_ok=True)
     return path
 
 

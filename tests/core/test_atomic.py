@@ -53,3 +53,16 @@ def test_the_written_file_keeps_the_umask_mode(tmp_path):
     finally:
         os.umask(old)
     assert (tmp_path / "a.txt").stat().st_mode & 0o777 == 0o644
+
+
+def test_what_a_killed_write_left_goes_with_the_next_write(tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep me")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".summary.json.0123456789ab.partial").write_text('{"accura')  # a write killed before its rename
+    (run / ".summary.json.ba9876543210.partial").symlink_to(outside)
+    (run / ".other.json.0123456789ab.partial").write_text("{")  # another file's: not this write's to remove
+    write_json_atomic(run / "summary.json", {"accuracy": 0.5})
+    assert sorted(p.name for p in run.iterdir()) == [".other.json.0123456789ab.partial", "summary.json"]
+    assert outside.read_text() == "keep me"
