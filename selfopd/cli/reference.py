@@ -62,7 +62,8 @@ def _section_table(title: str, section: type[Section], demo: dict[str, Any] | No
     types = field_types(section)
     for f in dataclasses.fields(section):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        cells = [f"`{f.name}`", describe_type(types[f.name]), f"`{toml_value(default)}`", f.metadata["help"]]
+        kind = describe_type(types[f.name]) + (f" in {f.metadata['bounds']}" if "bounds" in f.metadata else "")
+        cells = [f"`{f.name}`", kind, f"`{toml_value(default)}`", f.metadata["help"]]
         if demo is not None:
             cells.append(f"`{toml_value(demo[f.name])}`" if demo[f.name] != default else "")
         rows.append("| " + " | ".join(cell.replace("|", "\\|").replace("\n", " ") for cell in cells) + " |")

@@ -40,7 +40,9 @@ from selfopd.core.atomic import write_json_atomic, write_lines_atomic, write_tex
 from selfopd.core.models import MARKER
 from selfopd.config import SECTIONS, TrainConfig, build_config
 from selfopd.data.example import Example, prompt_key
-from selfopd.config.settings import ConfigError, Section, build_sections, fail, flatten, load_document, section_toml, setting
+from selfopd.config.settings import (MAX_BATCH, MAX_ITEMS, MAX_SAMPLES, MAX_STEPS, MAX_TEMPERATURE, MAX_TOKENS,
+                                     ConfigError, Section, build_sections, check_folder_name, fail, flatten,
+                                     load_document, section_toml, setting)
 from selfopd.comparisons.sft_report import NLL_PROBE_SIZE, dropped_targets, sft_headline, sft_report, sft_summary
 from selfopd.comparisons.sft_targets import Target, resolve_targets, sampled_targets, solution_targets
 from selfopd.comparisons.sft_training import (Prelude, SftCheckpoint, SftState, completion_nll, read_checkpoint, train_sft,
@@ -68,32 +70,31 @@ class SftSection(Section):
         "answers given the privileged sample_template), 'auto' (solution if every training item has one).")
     sample_template: str = setting(
         "teacher/answer_note", "sampled: the privileged prompt the model answers from (it may show the reference answer).")
-    samples_per_prompt: int = setting(1, "sampled: completions drawn per training item (> 1 needs temperature > 0).")
+    samples_per_prompt: int = setting(1, "sampled: completions drawn per training item (> 1 needs temperature > 0).",
+                                      ge=1, most=MAX_SAMPLES)
     temperature: float = setting(
-        0.0, "sampled: sampling temperature (0: greedy; with the answer in view it is mostly right).")
-    max_tokens: int = setting(32, "sampled: most tokens per completion; unfinished completions are dropped.")
-    max_target_tokens: int = setting(512, "solution: worked solutions longer than this many tokens are dropped.")
+        0.0, "sampled: sampling temperature (0: greedy; with the answer in view it is mostly right).", ge=0,
+        most=MAX_TEMPERATURE)
+    max_tokens: int = setting(32, "sampled: most tokens per completion; unfinished completions are dropped.", ge=1,
+                              most=MAX_TOKENS)
+    max_target_tokens: int = setting(512, "solution: worked solutions longer than this many tokens are dropped.", ge=1,
+                                     most=MAX_TOKENS)
     train_examples: int = setting(
-        512, "Training items used: a seeded sample of at most this many from the train split (0: all).")
-    epochs: int = setting(1, "Passes over the kept targets.")
-    lr: float = setting(3e-5, "AdamW learning rate of the fine-tuning (constant; optim.lr is the OPD run's).")
-    batch_size: int = setting(16, "Targets per optimizer step (cross-entropy averaged over their completion tokens).")
+        512, "Training items used: a seeded sample of at most this many from the train split (0: all).", ge=0,
+        most=MAX_ITEMS)
+    epochs: int = setting(1, "Passes over the kept targets.", ge=1, most=MAX_STEPS)
+    lr: float = setting(3e-5, "AdamW learning rate of the fine-tuning (constant; optim.lr is the OPD run's).", gt=0,
+                        most=1)
+    batch_size: int = setting(16, "Targets per optimizer step (cross-entropy averaged over their completion tokens).",
+                              ge=1, most=MAX_BATCH)
     checkpoint_every: int = setting(
         50, "Optimizer steps between checkpoints of the fine-tuning in progress (0: none); a rerun of the "
-        "same command after an interruption continues from the latest.")
+        "same command after an interruption continues from the latest.", ge=0, most=MAX_STEPS)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("name", "sample_template"):
-            self._non_empty(name)
-        if any(c in self.name for c in "/\\") or self.name in (".", ".."):
-            fail(self._key("name"), f"must be a plain folder name (no '/', '\\', '.' or '..'), got {self.name!r}")
-        for name in ("samples_per_prompt", "max_tokens", "max_target_tokens", "epochs", "batch_size"):
-            self._at_least(name, 1)
-        for name in ("train_examples", "temperature", "checkpoint_every"):
-            self._at_least(name, 0)
-        if not self.lr > 0:
-            fail(self._key("lr"), f"must be > 0, got {self.lr!r}")
+        check_folder_name(self._key("name"), self.name)
+        self._non_empty("sample_template")
         if self.samples_per_prompt > 1 and self.temperature == 0:
             fail(self._key("samples_per_prompt"),
                  f"is {self.samples_per_prompt} but sft.temperature is 0: greedy samples are identical")

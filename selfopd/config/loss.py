@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from selfopd.config.settings import Section, fail, setting
+from selfopd.config.settings import MAX_STEPS, MAX_WEIGHT, Section, fail, setting
 
 Normalisation = Literal["token", "sequence"]
 Divergence = Literal["sampled", "topk_reverse_kl", "reverse_kl", "forward_kl", "jsd"]
@@ -18,22 +18,26 @@ OpdOn = Literal["all", "failed"]
 @dataclass(frozen=True)
 class LossConfig(Section):
     SECTION: ClassVar[str] = "loss"
-    lambda_opd: float = setting(1.0, "Weight of the OPD advantage teacher_lp - student_lp (minus the reverse KL per token).")
-    lambda_rl: float = setting(0.0, "Weight of the GRPO advantage of the verifier reward.")
+    lambda_opd: float = setting(1.0, "Weight of the OPD advantage teacher_lp - student_lp (minus the reverse KL per token).",
+                                ge=0.0, most=MAX_WEIGHT)
+    lambda_rl: float = setting(0.0, "Weight of the GRPO advantage of the verifier reward.", ge=0.0, most=MAX_WEIGHT)
     normalisation: Normalisation = setting("token", "Loss average: over all completion tokens ('token') or per sequence first ('sequence').")
-    is_cap: float = setting(2.0, "Cap of the truncated importance-sampling ratio trainer/engine (0: no ratio).")
+    is_cap: float = setting(2.0, "Cap of the truncated importance-sampling ratio trainer/engine (0: no ratio).", ge=0,
+                            most=MAX_WEIGHT)
     divergence: Divergence = setting(
         "sampled",
         "What the OPD term minimises at each completion position. 'sampled': policy gradient on teacher_lp - "
         "student_lp of the sampled token (reverse KL, one-sample estimate; any engine). 'topk_reverse_kl': exact "
         "reverse KL over the teacher's top-k tokens plus one tail bucket (any engine that returns top-k). "
         "'reverse_kl', 'forward_kl', 'jsd': full vocabulary, needs the teacher in process (engine.kind = 'local', or engine.teacher_engine = 'local').")
-    top_k: int = setting(20, "Teacher top-k for divergence = 'topk_reverse_kl'.")
-    jsd_beta: float = setting(0.5, "beta of the generalised JSD (0: forward KL, 1: reverse KL), for divergence = 'jsd'.")
+    top_k: int = setting(20, "Teacher top-k for divergence = 'topk_reverse_kl'.", ge=1, most=2**20)
+    jsd_beta: float = setting(0.5, "beta of the generalised JSD (0: forward KL, 1: reverse KL), for divergence = 'jsd'.",
+                              ge=0, le=1)
     token_clip: float = setting(
         0.0, "Per-token clip c of the teacher term (0: off). 'sampled': each token's teacher_lp - student_lp is "
         "clipped to [-c, c] before lambda_opd weighs it and the GRPO term is added; other divergences: each "
-        "position's divergence is clamped at c, a clamped position giving no gradient. Logged: opd/clipped_share.")
+        "position's divergence is clamped at c, a clamped position giving no gradient. Logged: opd/clipped_share.",
+        ge=0.0, most=MAX_WEIGHT)
     partial_credit: bool = setting(
         False, "Reward = the task scorer's partial credit (reasoning-gym pays 0.5 for '17' or '-7' when the answer "
         "is 7); off: 1 for a correct final answer, 0 otherwise.")
@@ -42,11 +46,12 @@ class LossConfig(Section):
     rlsd_weight: float = setting(
         0.0, "Teacher-weighted GRPO (RLSD, arXiv 2604.03128) at step 0: the GRPO advantage of each token becomes "
         "A * ((1 - l) + l * clip(exp(sign(A) * s_t), 1 - e, 1 + e)), s_t the teacher signal; the verifier decides the "
-        "sign, the teacher only the size per token (0: off; the paper: 0.5). Needs lambda_rl > 0.")
+        "sign, the teacher only the size per token (0: off; the paper: 0.5). Needs lambda_rl > 0.", ge=0, le=1)
     rlsd_decay_steps: int = setting(
         50, "RLSD: l falls linearly from rlsd_weight to 0 over this many steps, then GRPO alone (the paper: 50; "
-        "0: l stays constant).")
-    rlsd_clip: float = setting(0.2, "RLSD: e, the clip of the teacher's per-token factor to [1 - e, 1 + e] (the paper: 0.2).")
+        "0: l stays constant).", ge=0, most=MAX_STEPS)
+    rlsd_clip: float = setting(0.2, "RLSD: e, the clip of the teacher's per-token factor to [1 - e, 1 + e] (the paper: 0.2).",
+                               ge=0, lt=1)
     opd_on: OpdOn = setting(
         "all", "Which rollouts get the teacher term: 'all', or 'failed' (SRPO-style routing, arXiv 2604.02288: a "
         "rollout the verifier passed trains on the GRPO term only). SRPO also drops the GRPO term of failed rollouts "
@@ -69,23 +74,12 @@ class LossConfig(Section):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._at_least("lambda_opd", 0.0)
-        self._at_least("top_k", 1)
-        self._at_least("token_clip", 0.0)
-        if not 0.0 <= self.jsd_beta <= 1.0:
-            fail(self._key("jsd_beta"), f"must be in [0, 1], got {self.jsd_beta!r}")
-        self._at_least("lambda_rl", 0.0)
         if self.lambda_opd == 0 and self.lambda_rl == 0:
             fail(self._key("lambda_opd"), "loss.lambda_opd and loss.lambda_rl are both 0: nothing to train on")
         if self.is_cap != 0 and self.is_cap < 1:
             fail(self._key("is_cap"), f"must be 0 (off) or >= 1, got {self.is_cap!r}")
-        if not 0.0 <= self.rlsd_weight <= 1.0:
-            fail(self._key("rlsd_weight"), f"must be in [0, 1], got {self.rlsd_weight!r}")
         if self.rlsd_weight > 0 and self.lambda_rl == 0:
             fail(self._key("rlsd_weight"), "weighs the GRPO term, which is off (loss.lambda_rl = 0)")
-        self._at_least("rlsd_decay_steps", 0)
-        if not 0.0 <= self.rlsd_clip < 1.0:
-            fail(self._key("rlsd_clip"), f"must be in [0, 1), got {self.rlsd_clip!r}")
         for name, active in (("opd_on", self.opd_on != "all"), ("pass_rate_weighting", self.pass_rate_weighting),
                              ("opd_baseline", self.opd_baseline != "student")):
             if active and self.lambda_opd == 0 and not (name == "opd_baseline" and self.rlsd_weight > 0):

@@ -19,52 +19,65 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Literal, Mapping, Sequence, TypeVar
 
+from selfopd.config.checks import (  # noqa: F401  (public here too: every section imports them from settings)
+    INT64,
+    MAX_BATCH,
+    MAX_ITEMS,
+    MAX_SAMPLES,
+    MAX_SECONDS,
+    MAX_SEED,
+    MAX_STEPS,
+    MAX_TEMPERATURE,
+    MAX_TOKENS,
+    MAX_WEIGHT,
+    Bounds,
+    ConfigError,
+    check_folder_name,
+    check_printable,
+    escaped,
+    fail,
+    hidden_characters,
+    shown,
+)
+
 T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """A bad config file, key, value or `--set`; the message names the key as `section.key`.
-
-    `key` is that `section.key` (`[section]` for a whole section, "" when no key applies, as
-    for a TOML syntax error), `source` the file or `--set` the bad value came from, if known.
-    """
-
-    def __init__(self, key: str, message: str, source: str | None = None):
-        super().__init__(": ".join(part for part in (source, key, message) if part))
-        self.key, self.message, self.source = key, message, source
 
 
 # The pieces below build a config section (here and in `selfopd.comparisons.sft`): a dataclass whose
 # fields carry their help text, type-checked on creation, parsed from `--set` strings.
 
 
-def setting(default: Any, help: str) -> Any:
-    """A section field with its default and the help line `--show-config` prints."""
-    return field(default=default, metadata={"help": help})
+def setting(default: Any, help: str, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
+            lt: float | None = None, most: float | None = None) -> Any:
+    """A section field with its default and the help line `--show-config` prints; a number also
+    declares its range (`Bounds`), checked when the section is built and shown in the reference."""
+    bounds = Bounds(ge, gt, le, lt, most)
+    return field(default=default, metadata={"help": help, **({"bounds": bounds} if bounds != Bounds() else {})})
 
 
-def fail(key: str, message: str) -> typing.NoReturn:
-    """Raise the ConfigError that names `key`."""
-    raise ConfigError(key, message)
+def bounds_of(cls: type, name: str) -> Bounds | None:
+    """The declared range of field `name` of section class `cls` (None: none declared)."""
+    return next(f.metadata.get("bounds") for f in dataclasses.fields(cls) if f.name == name)
 
 
 class Section:
-    """Type checks shared by every section; each section adds its own range checks."""
+    """Type and range checks shared by every section (each field declares its range with `setting`);
+    each section adds the rules that tie its fields together."""
 
     SECTION: ClassVar[str]
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            value = _check_type(f"{self.SECTION}.{f.name}", field_types(type(self))[f.name], getattr(self, f.name))
+            value, bounds = getattr(self, f.name), f.metadata.get("bounds")
+            if bounds is not None and type(value) is int:  # before a huge int fails as not 64-bit or not a float
+                bounds.check(self._key(f.name), value)
+            value = _check_type(self._key(f.name), field_types(type(self))[f.name], value)
             object.__setattr__(self, f.name, value)  # ints given for floats become floats
+            if bounds is not None:
+                bounds.check(self._key(f.name), value)
 
     def _key(self, name: str) -> str:
         return f"{self.SECTION}.{name}"
-
-    def _at_least(self, name: str, low: int | float) -> None:
-        value = getattr(self, name)
-        if value < low:
-            fail(self._key(name), f"must be >= {low}, got {value!r}")
 
     def _non_empty(self, name: str) -> None:
         if not getattr(self, name).strip():
@@ -104,12 +117,19 @@ def _check_type(key: str, tp: Any, value: Any) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             fail(key, f"expected a number, got {value!r}")
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an integer past 1e308
+            fail(key, f"must be finite, got {shown(value)}")
         if not math.isfinite(value):
             fail(key, f"must be finite, got {value!r}")
         return value
     if (tp is int and isinstance(value, bool)) or not isinstance(value, tp):
         fail(key, f"expected {describe_type(tp)}, got {value!r}")
+    if tp is int and not INT64[0] <= value <= INT64[1]:
+        fail(key, f"must fit in 64 bits (in [-2**63, 2**63 - 1]), got {shown(value)}")
+    if tp is str:
+        check_printable(key, value)
     return value
 
 
@@ -230,12 +250,24 @@ def parse_value(key: str, tp: Any, text: str) -> Any:
 
 
 def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
-    """The tables of a TOML file; a missing file or bad syntax is a ConfigError naming it."""
+    """The tables of a TOML file; a missing, unreadable or non-UTF-8 file, a folder or bad syntax is
+    a ConfigError naming it."""
     try:
-        with open(path, "rb") as file:
-            return tomllib.load(file)
+        data = Path(path).read_bytes()
     except FileNotFoundError:
         raise ConfigError("", f"no such {what}", source=str(path)) from None
+    except IsADirectoryError:
+        raise ConfigError("", f"is a folder, not a {what}", source=str(path)) from None
+    except OSError as error:  # permissions, a device, a name too long
+        raise ConfigError("", f"cannot read the {what}: {error.strerror or error}", source=str(path)) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        raise ConfigError("", f"line {line}: not UTF-8 text (byte 0x{data[error.start]:02x}); TOML files are UTF-8",
+                          source=str(path)) from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:  # its message ends "(at line L, column C)"
         raise ConfigError("", f"invalid TOML: {error}", source=str(path)) from None
 

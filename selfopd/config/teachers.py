@@ -47,7 +47,7 @@ class TeacherConfig(Section):
         0.05, "kind = 'ema': after every optimizer step taken, ema <- (1 - rate) * ema + rate * student, from the "
         "initial weights; 1 is the 'self' teacher, 0 the 'frozen' one. 0.05 (a half-life of ~14 steps) is SDPO's "
         "per-step rate; TRL's SDFT/SDPO teacher_update_rate defaults to 0.6 but is applied only every "
-        "teacher_sync_steps = 512 steps, far longer than a selfopd run.")
+        "teacher_sync_steps = 512 steps, far longer than a selfopd run.", ge=0, le=1)
     skip_self_success: bool = setting(
         True, "Templates that use `demonstration` (teacher/sibling): a correct rollout is never its own "
         "demonstration; one whose group has no other correct sample gets none.")
@@ -71,8 +71,6 @@ class TeacherConfig(Section):
                  "the student's own weights read its own tokens")
         self._non_empty("template")
         self._non_empty("demonstration_fallback")
-        if not 0.0 <= self.ema_rate <= 1.0:
-            fail(self._key("ema_rate"), f"must be in [0, 1], got {self.ema_rate!r}")
         if len(set(self.tasks)) != len(self.tasks):
             fail(self._key("tasks"), f"names a task twice: {list(self.tasks)}")
 

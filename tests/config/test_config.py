@@ -109,7 +109,7 @@ def test_round_trip_of_defaults(tmp_path):
 
 def test_round_trip_of_every_field_changed(tmp_path):
     config = TrainConfig(
-        run=RunConfig(name='odd "name" é\x7f\tend', out_dir="C:\\out\ndir", seed=7, steps=5, eval_every=0, checkpoint_every=2, rollouts_to_save=0, progress=False,
+        run=RunConfig(name='odd "name" é end', out_dir="C:\\out\ndir\tx", seed=7, steps=5, eval_every=0, checkpoint_every=2, rollouts_to_save=0, progress=False,
                       trackers=("wandb", "tensorboard"), wandb_project="p", wandb_mode="online"),
         model=dataclasses.replace(TrainConfig().model, student="/models/x", dtype="bfloat16", threads=3,
                                   device="cuda:1", attn_implementation="eager", gradient_checkpointing=True,
