@@ -8,15 +8,25 @@ import textwrap
 from pathlib import Path
 from typing import Any, Sequence
 
-from selfopd.cli.common import DEFAULT_DATA, DEFAULT_MODEL, UserError, add_overrides, command
+from selfopd.cli.common import (DEFAULT_DATA, DEFAULT_MODEL, Parser, UsageError, UserError, add_overrides, command,
+                                like_setting, number)
 from selfopd.cli.compare import add_compare_command
 from selfopd.cli.drift import add_drift_command
+from selfopd.cli.evaluate import add_eval_command
 from selfopd.cli.prompts import add_prompts_command
+from selfopd.config import MAX_ITEMS, RolloutConfig, RunConfig
+from selfopd.config.settings import Bounds, escaped
 from selfopd.core.run_folder import RunFolder, load_run_config
+
+COUNT = Bounds(ge=0, most=MAX_ITEMS)  # --limit, --gap-items, ...: how many items
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as error:  # a refused flag: its one line is printed
+        return int(error.code or 1)
     if not hasattr(args, "run"):
         parser.print_help()
         return 2
@@ -28,13 +38,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as error:
         if _is_user_error(error):
             one_line = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
-            print(f"selfopd: error: {one_line}", file=sys.stderr)
+            print(f"selfopd: error: {escaped(one_line)}", file=sys.stderr)  # no control or bidi character reaches the terminal
             return 1
         raise
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="selfopd",
         description="On-policy distillation and self-distillation with privileged-information teachers.",
     )
@@ -42,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_models(commands)
     _add_data(commands)
     add_prompts_command(commands)
-    _add_eval(commands)
+    add_eval_command(commands)
     _add_train(commands)
     _add_merge_lora(commands)
     _add_sft(commands)
@@ -81,7 +91,7 @@ def _add_data(commands: argparse._SubParsersAction) -> None:
     sub = data.add_subparsers(title="data commands", metavar="COMMAND")
     show = command(sub, "show", _data_show, "print the first examples of a data spec")
     show.add_argument("spec", nargs="?", default=DEFAULT_DATA, help="data spec (grammar: docs/data-and-verifiers.md; default: the demo task)")
-    show.add_argument("--limit", type=int, default=3, help="how many examples to print (default: 3)")
+    show.add_argument("--limit", type=number(int, COUNT), default=3, help="how many examples to print (default: 3)")
     data.set_defaults(run=lambda _args: data.print_help() or 2)
 
 
@@ -103,78 +113,6 @@ def _data_show(args: argparse.Namespace) -> None:
             print(f"part:     {example.meta['part']} (split: {example.meta.get('split')})")
         if "fact_sheet" in example.meta:
             print("sheet:    " + example.meta["fact_sheet"].replace("\n", "\n          "))
-
-
-# --- eval ---------------------------------------------------------------------------
-
-
-def _add_eval(commands: argparse._SubParsersAction) -> None:
-    evaluate = command(commands, "eval", _eval,
-                        "greedy or avg@k accuracy of a model on distinct held-out prompts, with a 95%% interval")
-    evaluate.add_argument("config", nargs="?", type=Path,
-                          help="training config whose model, data, split, template and eval settings are the defaults "
-                               "(default: all defaults; with --run: the run's own)")
-    add_overrides(evaluate, "eval.max_tokens=96")
-    evaluate.add_argument("--run", dest="run_dir", type=Path, metavar="RUN_DIR",
-                          help="evaluate that run's recorded held-out prompts (its split.json), by default with its "
-                               "latest checkpoint; with --data, refuse prompts the run trained on")
-    evaluate.add_argument("--model", help="model spec or checkpoint folder (default: the config's model.student; "
-                                          "with --run: its latest checkpoint)")
-    evaluate.add_argument("--data", help="data spec to evaluate instead of the config's held-out split (all its items)")
-    evaluate.add_argument("--fresh", action="store_true",
-                          help="with --run and --data: draw the data past every prompt the run's data holds "
-                               "(train and held-out) instead of refusing an overlap")
-    evaluate.add_argument("--split", choices=("all", "train", "eval"), default="eval",
-                          help="without --data: which part of the config's split (default: eval)")
-    evaluate.add_argument("--samples", type=int, default=1, help="k for avg@k accuracy (default: 1, greedy)")
-    evaluate.add_argument("--temperature", type=float, default=0.0, help="sampling temperature for avg@k (default: 0)")
-    evaluate.add_argument("--seed", type=int, default=0, help="sampling seed for avg@k (default: 0)")
-    evaluate.add_argument("--out", type=Path, default=Path("runs/eval"), help="output folder (default: runs/eval)")
-
-
-def _eval(args: argparse.Namespace) -> None:
-    from selfopd.config import load_config
-    from selfopd.data import load_examples
-    from selfopd.engines.build import frozen_engine
-    from selfopd.run.evaluate import evaluate
-    from selfopd.data.split import SplitRecord, distinct_prompts, load_split, trained_on
-    from selfopd.templating.templates import load_template
-    from selfopd.training.trainer import latest_checkpoint
-
-    if args.samples > 1 and args.temperature == 0:
-        raise UserError("--samples > 1 (avg@k) needs temperature > 0: greedy samples are identical")
-    if args.run_dir is not None and args.config is not None:
-        raise UserError("give either a CONFIG or --run RUN_DIR (whose config is used), not both")
-    if args.fresh and (args.run_dir is None or args.data is None):
-        raise UserError("--fresh needs --run RUN_DIR and --data SPEC: it draws SPEC past the run's prompts")
-    config = load_run_config(args.run_dir, args.overrides) if args.run_dir else load_config(args.config, args.overrides)
-    template = load_template(config.data.student_template)
-    record = SplitRecord.read(args.run_dir) if args.run_dir else None
-    model = args.model or (latest_checkpoint(args.run_dir) if args.run_dir else None) or config.model.student
-    if args.data is not None:
-        known = set(record.eval_prompts) | set(record.train_prompts) if args.fresh else ()
-        examples, what = load_examples(args.data, exclude=known), args.data
-        if record is not None and not args.fresh:
-            overlap = trained_on(examples, record)
-            if overlap:
-                raise UserError(f"{len(overlap)} of the {distinct_prompts(examples)} distinct prompts of {args.data} "
-                                f"were trained on by {args.run_dir} (e.g. {overlap[0].prompt!r}); evaluate its held-out "
-                                f"prompts (no --data), or pass --fresh to draw prompts its data never held")
-    else:
-        train, held_out = load_split(config.data.spec, config.data.eval_size, config.data.split_seed)
-        if record is not None:
-            SplitRecord.of(config.data.spec, config.data.split_seed, train, held_out).check_same(record, str(args.run_dir))
-            examples, what = held_out, f"{args.run_dir}'s held-out prompts"
-        else:
-            examples = {"train": train, "eval": held_out, "all": train + held_out}[args.split]
-            what = f"{config.data.spec} [{args.split}]"
-    engine = frozen_engine(model, config)
-    tokenizer = engine.tokenizer
-    accuracy, _ = evaluate(engine, tokenizer, examples, template, config.eval.max_tokens, config.eval.batch_size,
-                           out_dir=args.out, samples=args.samples, temperature=args.temperature, seed=args.seed)
-    print(f"{model} on {what} with {template.name}: accuracy {accuracy} "
-          f"({len(examples)} items, {distinct_prompts(examples)} distinct prompts)")
-    print(f"wrote {args.out / 'eval.jsonl'} and {args.out / 'summary.json'}")
 
 
 # --- train --------------------------------------------------------------------------
@@ -327,13 +265,14 @@ def _add_diagnose(commands: argparse._SubParsersAction) -> None:
     add_overrides(diagnose, "model.trust_remote_code=true")
     diagnose.add_argument("--no-model", action="store_true",
                           help="only what the saved rollouts show: skip the wrong-context contrast and the gap")
-    diagnose.add_argument("--gap-items", type=int, default=100,
+    diagnose.add_argument("--gap-items", type=number(int, COUNT), default=100,
                           help="held-out items for the accuracy gap with vs without context (default: 100)")
-    diagnose.add_argument("--heatmaps", type=int, default=4, help="heatmap PNGs per reported step (default: 4)")
+    diagnose.add_argument("--heatmaps", type=number(int, COUNT), default=4,
+                          help="heatmap PNGs per reported step (default: 4)")
     diagnose.add_argument("--teacher", metavar="NAME", default=None,
                           help="a run with several teachers ([teachers.NAME]): diagnose this one ('default' is "
                                "[teacher]); default: each, in RUN_DIR/diagnostics/NAME/")
-    diagnose.add_argument("--transfer-items", type=int, default=64,
+    diagnose.add_argument("--transfer-items", type=number(int, COUNT), default=64,
                           help="trained and held-out items each for the transfer of the teacher's advantage, start vs "
                                "latest checkpoint (default: 64; 0: skip)")
 
@@ -342,8 +281,6 @@ def _diagnose(args: argparse.Namespace) -> None:
     from selfopd.diagnostics.report import measure_run, write_report
     from selfopd.diagnostics.teachers import run_teachers
 
-    if min(args.gap_items, args.heatmaps, args.transfer_items) < 0:
-        raise UserError("--gap-items, --heatmaps and --transfer-items must be >= 0")
     teachers = run_teachers(args.run_dir) if RunFolder(args.run_dir).is_run() else ["default"]
     if args.teacher is not None and args.teacher not in teachers:
         raise UserError(f"--teacher {args.teacher}: {args.run_dir} has teachers {', '.join(teachers)}")

@@ -1,13 +1,15 @@
-"""What every `selfopd` sub-command shares: the one-line user error, sub-command and `--set`
-helpers, and defaults taken from the training config (so `selfopd eval` and `selfopd prompts`
-look at what `selfopd train` would use)."""
+"""What every `selfopd` sub-command shares: the one-line user error, the parser that refuses a bad
+flag in one line, sub-command, `--set` and number helpers, and defaults taken from the training
+config (so `selfopd eval` and `selfopd prompts` look at what `selfopd train` would use)."""
 
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+import sys
+from typing import Any, Callable, NoReturn
 
 from selfopd.config import DataConfig, ModelConfig
+from selfopd.config.settings import Bounds, ConfigError, bounds_of, escaped, field_types, parse_value
 
 DEFAULT_MODEL = ModelConfig().student
 DEFAULT_DATA = DataConfig().spec
@@ -16,6 +18,39 @@ DEFAULT_STUDENT = DataConfig().student_template
 
 class UserError(Exception):
     """A mistake in what the user asked for; printed as one line, no traceback."""
+
+
+class UsageError(SystemExit):
+    """A flag the parser refused; its one line is printed already (exit code 1, as for every bad input)."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one error line, `selfopd: error: ...`, and exit code 1, like every other bad
+    input (argparse's own: the usage block, then the message, and exit code 2). Sub-commands
+    inherit it."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"selfopd: error: {escaped(message)} (see `{self.prog} --help`)", file=sys.stderr)
+        raise UsageError(1)
+
+
+def number(kind: type, limits: Bounds) -> Callable[[str], Any]:
+    """An argparse `type`: a `kind` (int, or a finite float) within `limits`."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = parse_value("", kind, text)
+            limits.check("", value)
+        except ConfigError as error:
+            raise argparse.ArgumentTypeError(error.message) from None
+        return value
+
+    return parse
+
+
+def like_setting(section: type, name: str) -> Callable[[str], Any]:
+    """An argparse `type` that takes what the config setting `section.name` takes (its type and range)."""
+    return number(field_types(section)[name], bounds_of(section, name) or Bounds())
 
 
 def command(

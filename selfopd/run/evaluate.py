@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
+from selfopd.config import ConfigError
 from selfopd.core.atomic import write_json_atomic, write_lines_atomic
 from selfopd.data.example import Example, prompt_key
 from selfopd.data.mixture import task_of
@@ -52,13 +53,14 @@ def evaluate(
     `temperature`. With `out_dir`, writes eval.jsonl and summary.json."""
     if samples > 1 and temperature == 0:
         raise ValueError("avg@k with k > 1 needs temperature > 0: greedy samples are identical")
+    prompts = [prompt_token_ids(tokenizer, render_student(template, e)) for e in examples]
+    check_room(examples, prompts, max_new_tokens, getattr(engine, "max_scored_tokens", None))  # before any sampling
     records: list[EvalRecord] = []
     batches = range(0, len(examples), batch_size)
     for number, start in enumerate(tqdm(batches, desc="eval", unit="batch", disable=not progress)):
         batch = examples[start : start + batch_size]
         params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, n=samples, seed=seed + number)
-        prompts = [prompt_token_ids(tokenizer, render_student(template, e)) for e in batch]
-        for example, completions in zip(batch, engine.sample(prompts, params)):
+        for example, completions in zip(batch, engine.sample(prompts[start : start + batch_size], params)):
             for index, completion in enumerate(completions):
                 result = verify_example(completion.text, example)
                 records.append(
@@ -79,6 +81,20 @@ def evaluate(
         write_eval(out_dir, accuracy, records, template.name, samples, temperature,
                    tasks={e.id: task_of(e) for e in examples})
     return accuracy, records
+
+
+def check_room(examples: Sequence[Example], prompts: Sequence[list[int]], max_new_tokens: int,
+               context: int | None) -> None:
+    """Each prompt leaves `max_new_tokens` of room in the model's `context` (None: unknown), or a
+    ConfigError naming the first data row that does not: past its context a model's answers are
+    garbage (positions it never learned) or a server's request fails mid-eval."""
+    if context is None:
+        return
+    for example, prompt in zip(examples, prompts):
+        if len(prompt) + max_new_tokens > context:
+            raise ConfigError("eval.max_tokens", f"data row {example.id!r} of {example.meta.get('source', 'the data')}: "
+                              f"its prompt ({len(prompt)} tokens) plus eval.max_tokens ({max_new_tokens}) exceeds the "
+                              f"model's context of {context} tokens; shorten that prompt or lower eval.max_tokens")
 
 
 def accuracy_of(records: Sequence[EvalRecord], samples: int = 1) -> Proportion | MeanEstimate:

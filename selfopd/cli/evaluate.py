@@ -1,0 +1,83 @@
+"""`selfopd eval`: greedy or avg@k accuracy of a model on distinct held-out prompts, each option
+refused by the parser when out of the range its config setting takes."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from selfopd.cli.common import UserError, add_overrides, command, like_setting
+from selfopd.config import RolloutConfig, RunConfig
+from selfopd.core.run_folder import load_run_config
+
+
+def add_eval_command(commands: argparse._SubParsersAction) -> None:
+    evaluate = command(commands, "eval", _eval,
+                        "greedy or avg@k accuracy of a model on distinct held-out prompts, with a 95%% interval")
+    evaluate.add_argument("config", nargs="?", type=Path,
+                          help="training config whose model, data, split, template and eval settings are the defaults "
+                               "(default: all defaults; with --run: the run's own)")
+    add_overrides(evaluate, "eval.max_tokens=96")
+    evaluate.add_argument("--run", dest="run_dir", type=Path, metavar="RUN_DIR",
+                          help="evaluate that run's recorded held-out prompts (its split.json), by default with its "
+                               "latest checkpoint; with --data, refuse prompts the run trained on")
+    evaluate.add_argument("--model", help="model spec or checkpoint folder (default: the config's model.student; "
+                                          "with --run: its latest checkpoint)")
+    evaluate.add_argument("--data", help="data spec to evaluate instead of the config's held-out split (all its items)")
+    evaluate.add_argument("--fresh", action="store_true",
+                          help="with --run and --data: draw the data past every prompt the run's data holds "
+                               "(train and held-out) instead of refusing an overlap")
+    evaluate.add_argument("--split", choices=("all", "train", "eval"), default="eval",
+                          help="without --data: which part of the config's split (default: eval)")
+    evaluate.add_argument("--samples", type=like_setting(RolloutConfig, "samples_per_prompt"), default=1,
+                          help="k for avg@k accuracy, as rollout.samples_per_prompt takes it (default: 1, greedy)")
+    evaluate.add_argument("--temperature", type=like_setting(RolloutConfig, "temperature"), default=0.0,
+                          help="sampling temperature for avg@k, as rollout.temperature takes it (default: 0)")
+    evaluate.add_argument("--seed", type=like_setting(RunConfig, "seed"), default=0,
+                          help="sampling seed for avg@k, as run.seed takes it (default: 0)")
+    evaluate.add_argument("--out", type=Path, default=Path("runs/eval"), help="output folder (default: runs/eval)")
+
+
+def _eval(args: argparse.Namespace) -> None:
+    from selfopd.config import load_config
+    from selfopd.data import load_examples
+    from selfopd.engines.build import frozen_engine
+    from selfopd.run.evaluate import evaluate
+    from selfopd.data.split import SplitRecord, distinct_prompts, load_split, trained_on
+    from selfopd.templating.templates import load_template
+    from selfopd.training.trainer import latest_checkpoint
+
+    if args.samples > 1 and args.temperature == 0:
+        raise UserError("--samples > 1 (avg@k) needs temperature > 0: greedy samples are identical")
+    if args.run_dir is not None and args.config is not None:
+        raise UserError("give either a CONFIG or --run RUN_DIR (whose config is used), not both")
+    if args.fresh and (args.run_dir is None or args.data is None):
+        raise UserError("--fresh needs --run RUN_DIR and --data SPEC: it draws SPEC past the run's prompts")
+    config = load_run_config(args.run_dir, args.overrides) if args.run_dir else load_config(args.config, args.overrides)
+    template = load_template(config.data.student_template)
+    record = SplitRecord.read(args.run_dir) if args.run_dir else None
+    model = args.model or (latest_checkpoint(args.run_dir) if args.run_dir else None) or config.model.student
+    if args.data is not None:
+        known = set(record.eval_prompts) | set(record.train_prompts) if args.fresh else ()
+        examples, what = load_examples(args.data, exclude=known), args.data
+        if record is not None and not args.fresh:
+            overlap = trained_on(examples, record)
+            if overlap:
+                raise UserError(f"{len(overlap)} of the {distinct_prompts(examples)} distinct prompts of {args.data} "
+                                f"were trained on by {args.run_dir} (e.g. {overlap[0].prompt!r}); evaluate its held-out "
+                                f"prompts (no --data), or pass --fresh to draw prompts its data never held")
+    else:
+        train, held_out = load_split(config.data.spec, config.data.eval_size, config.data.split_seed)
+        if record is not None:
+            SplitRecord.of(config.data.spec, config.data.split_seed, train, held_out).check_same(record, str(args.run_dir))
+            examples, what = held_out, f"{args.run_dir}'s held-out prompts"
+        else:
+            examples = {"train": train, "eval": held_out, "all": train + held_out}[args.split]
+            what = f"{config.data.spec} [{args.split}]"
+    engine = frozen_engine(model, config)
+    tokenizer = engine.tokenizer
+    accuracy, _ = evaluate(engine, tokenizer, examples, template, config.eval.max_tokens, config.eval.batch_size,
+                           out_dir=args.out, samples=args.samples, temperature=args.temperature, seed=args.seed)
+    print(f"{model} on {what} with {template.name}: accuracy {accuracy} "
+          f"({len(examples)} items, {distinct_prompts(examples)} distinct prompts)")
+    print(f"wrote {args.out / 'eval.jsonl'} and {args.out / 'summary.json'}")

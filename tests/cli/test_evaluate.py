@@ -1,0 +1,56 @@
+"""`selfopd eval` refuses, in one line and before it loads anything, an option outside the range
+its config setting takes, and a prompt that leaves no room for the answer in the model's context."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from selfopd.cli import main
+from selfopd.config.settings import MAX_SEED
+
+PROGRESS_BAR = re.compile(r"examples/s\]|\| \d+/\d+ \[")  # what datasets and transformers print is not a message
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if line.strip() and not PROGRESS_BAR.search(line)]
+    assert len(lines) == 1 and lines[0].startswith("selfopd: error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--samples", "0"], r"argument --samples: must be >= 1, got 0"),
+    (["--samples", "-4"], r"argument --samples: must be >= 1, got -4"),
+    (["--samples", "1e9"], r"argument --samples: expected an integer, got '1e9'"),
+    (["--samples", "100000", "--temperature", "1"], r"argument --samples: must be <= 10000 \(a sane maximum\)"),
+    (["--temperature", "nan"], r"argument --temperature: must be finite, got nan"),
+    (["--temperature=-inf"], r"argument --temperature: must be finite, got -inf"),
+    (["--temperature", "-0.5"], r"argument --temperature: must be >= 0\.0, got -0\.5"),
+    (["--temperature", "1e300"], r"argument --temperature: must be <= 100\.0 \(a sane maximum\)"),
+    (["--seed", "-1"], r"argument --seed: must be >= 0, got -1"),
+    (["--seed", str(2**63)], rf"argument --seed: must be <= {MAX_SEED} \(a sane maximum\)"),
+    (["--set", "eval.max_tokens=-5"], r"--set eval\.max_tokens=-5: eval\.max_tokens: must be >= 1, got -5"),
+    (["--set", "eval.max_tokens=1e12"], r"eval\.max_tokens: expected an integer, got '1e12'"),
+    (["--set", "eval.batch_size=0"], r"eval\.batch_size: must be >= 1, got 0"),
+], ids=lambda value: " ".join(value) if isinstance(value, list) else "")
+def test_an_eval_option_out_of_range_is_one_line(flags, message, tmp_path, capsys):
+    out = tmp_path / "eval"
+    assert main(["eval", *flags, "--out", str(out)]) == 1
+    assert re.search(message, _one_line(capsys))
+    assert not out.exists()
+
+
+def test_an_eval_prompt_past_the_context_is_one_line_naming_its_row(tmp_path, tiny_model_dir, capsys):
+    rows = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(6)]
+    rows[4]["prompt"] = "one " * 2100
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "eval"
+    assert main(["eval", "--data", str(data), "--model", str(tiny_model_dir), "--out", str(out)]) == 1
+    line = _one_line(capsys)
+    assert re.search(rf"eval\.max_tokens: data row 'rows/4' of {re.escape(str(data))}: its prompt \(\d+ tokens\) plus "
+                     r"eval\.max_tokens \(48\) exceeds the model's context of 2048 tokens", line), line
+    assert not out.exists()  # refused before any answer was sampled
