@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from selfopd.cli.common import (DEFAULT_DATA, DEFAULT_MODEL, Parser, UsageError, UserError, add_overrides, command,
-                                like_setting, number)
+                                number)
 from selfopd.cli.compare import add_compare_command
 from selfopd.cli.drift import add_drift_command
 from selfopd.cli.evaluate import add_eval_command
 from selfopd.cli.prompts import add_prompts_command
-from selfopd.config import MAX_ITEMS, RolloutConfig, RunConfig
+from selfopd.config import MAX_ITEMS
 from selfopd.config.settings import Bounds, escaped
 from selfopd.core.run_folder import RunFolder, load_run_config
 
