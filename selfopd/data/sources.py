@@ -47,10 +47,14 @@ def load_file(spec: DataSpec) -> list[Example]:
     import datasets
 
     path = Path(spec.name)
+    if path.is_dir():
+        raise DataError(f"{spec.name}: is a folder, not a data file")
     if not path.is_file():
         raise DataError(f"{spec.name}: file not found")
     if path.stat().st_size == 0:
         raise DataError(f"{spec.name}: the file is empty: no rows")
+    if path.suffix.lower() != ".parquet":
+        _check_utf8(path)
     if path.suffix.lower() == ".jsonl":
         _check_json_lines(path)
     builder = FILE_BUILDERS[path.suffix.lower()]
@@ -60,6 +64,17 @@ def load_file(spec: DataSpec) -> list[Example]:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise DataError(f"{spec.name}: cannot read it as {builder}: {reason}") from None
     return _rows_to_examples(table, spec, PRESETS.get(spec.preset or ""), id_prefix=path.stem)
+
+
+def _check_utf8(path: Path) -> None:
+    """Name the line of a text data file that is not UTF-8 (`datasets` fails deep in pyarrow)."""
+    with path.open("rb") as handle:
+        for number, line in enumerate(handle, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise DataError(f"{path}:{number}: not UTF-8 text (byte 0x{line[error.start]:02x} at column "
+                                f"{error.start + 1}); save the file as UTF-8") from None
 
 
 def _check_json_lines(path: Path) -> None:

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
 
+from selfopd.config.checks import MAX_SEED  # a data seed takes what run.seed takes
+
 
 
 class DataError(ValueError):
@@ -72,6 +74,9 @@ _APPLIES = {  # which DataSpec fields each source reads
     "champ": {"concepts", "limit", "distinct"},
 }
 PROCEDURAL = ("rg",)  # sources that generate items, and repeat prompts unless told not to
+# The most items a procedural source generates: reasoning-gym draws 0.1-0.3 ms an item on one CPU core
+# (a deduplicated draw up to 50 per item), so 10^5 items take 10-30 s and 10^8 would take hours.
+MAX_SIZE = 100_000
 
 
 @dataclass(frozen=True)
@@ -122,8 +127,11 @@ class DataSpec:
                                 f"source {self.source!r}; allowed: {', '.join(_allowed_keys(self.source))}")
         if {"seed", "size"} & set(self.task_config):
             raise DataError(f"{self.label}: give seed and size as DataSpec fields, not in task_config")
-        if self.size <= 0:
-            raise DataError(f"{self.label}: size must be positive, got {self.size}")
+        if not 0 < self.size <= MAX_SIZE:
+            raise DataError(f"{self.label}: size must be in [1, {MAX_SIZE}] (the most items a generator is asked for: "
+                            f"10^5 take 10-30 s to generate, more would hang the run), got {self.size}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise DataError(f"{self.label}: seed must be in [0, {MAX_SEED}], got {self.seed}")
         if self.limit is not None and self.limit < 0:
             raise DataError(f"{self.label}: limit must be >= 0, got {self.limit}")
         if self.preset is not None and self.preset not in PRESETS:
