@@ -6,6 +6,7 @@ a comparison's records (`selfopd.comparisons.records`) keeps them as one digest 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -154,19 +155,34 @@ def written(fields: dict) -> dict:
 
 
 def read_records(path: Path) -> list[RolloutRecord]:
-    """Records of one step file; a bad line is an error naming the file and line."""
+    """Records of one step file; a bad line, or a number in it that is not finite, is an error
+    naming the file and line."""
     records = []
     for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            records.append(RolloutRecord(**json.loads(line)))
+            record = RolloutRecord(**json.loads(line))
         except (json.JSONDecodeError, TypeError, ValueError) as error:
             raise DiagnosticsError(
                 f"{path}:{number}: not a rollout record ({error}); runs saved before selfopd kept "
                 "student logprobs and advantages cannot be diagnosed from their files"
             ) from None
+        _check_numbers(record, f"{path}:{number}")
+        records.append(record)
     return records
+
+
+def _check_numbers(record: RolloutRecord, where: str) -> None:
+    """Every per-token value and the reward of a saved record is a finite number: one NaN would
+    make every mean and interval of a diagnosis NaN, and say nothing of where it came from."""
+    values = [(f"{name}[{index}]", value) for name in PER_TOKEN for index, value in enumerate(getattr(record, name))]
+    for label, value in [*values, ("reward", record.reward)]:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise DiagnosticsError(
+                f"{where}: rollout {record.id!r} (step {record.step}): {label} is {value!r}, not a finite number; "
+                "its step's loss was not finite (the trainer skipped that step) or the file was altered. Move that "
+                "step's file out of rollouts/ to diagnose the others")
 
 
 def read_run_rollouts(run_dir: Path, steps: Sequence[int] | None = None) -> dict[int, list[RolloutRecord]]:
