@@ -17,6 +17,7 @@ from typing import Callable
 import pytest
 
 from selfopd.cli import main
+from selfopd.config.settings import hidden_characters
 
 SMALL = [
     "data.spec=rg:chain_sum?min_terms=2&max_terms=2&size=60&seed=2", "data.eval_size=4",
@@ -103,6 +104,45 @@ FRESH: list[Case] = [
     ("bad-set-syntax", lambda s: s.train("optim.lr"), r"--set optim\.lr: expected section\.key=value"),
     ("bad-set-value", lambda s: s.train("optim.lr=fast"), r"--set optim\.lr=fast: optim\.lr: expected a number"),
     ("nan-set-value", lambda s: s.train("optim.lr=nan"), r"--set optim\.lr=nan: optim\.lr: must be finite"),
+    ("config-is-a-folder", lambda s: s.train(config=s.file("c.toml/x", "").parent),
+     r"{tmp}/c\.toml: is a folder, not a config file"),
+    ("config-not-utf8", lambda s: s.train(config=(p := s.tmp / "c.toml", p.write_bytes(b"[run]\nname = 'caf\xe9'\n"))[0]),
+     r"{tmp}/c\.toml: line 2: not UTF-8 text \(byte 0xe9\)"),
+    ("inf-in-file", lambda s: s.train(config=s.file("c.toml", "[optim]\nlr = inf\n")),
+     r"{tmp}/c\.toml: optim\.lr: must be finite"),
+    ("huge-int-for-a-float", lambda s: s.train(config=s.file("c.toml", "[optim]\nlr = 1" + "0" * 400 + "\n")),
+     r"{tmp}/c\.toml: optim\.lr: must be <= 1 \(a sane maximum\), got an integer of 401 digits"),
+    ("huge-float-for-an-int", lambda s: s.train(config=s.file("c.toml", "[run]\nsteps = 1e20\n")),
+     r"{tmp}/c\.toml: run\.steps: expected an integer, got 1e\+20"),
+    ("absurd-temperature", lambda s: s.train("rollout.temperature=1e300"),
+     r"rollout\.temperature: must be <= 100\.0 \(a sane maximum\), got 1e\+300"),
+    ("absurd-lr", lambda s: s.train("optim.lr=1e9"), r"optim\.lr: must be <= 1 \(a sane maximum\), got 1000000000\.0"),
+    ("seed-past-2-63", lambda s: s.train(f"run.seed={2**63}"), rf"run\.seed: must be <= {2**32 - 1} \(a sane maximum\)"),
+    ("negative-size", lambda s: s.train("rollout.max_tokens=-6"), r"rollout\.max_tokens: must be >= 1, got -6"),
+    ("timeout-no-socket-takes", lambda s: s.train("engine.request_timeout_s=1e300"),
+     r"engine\.request_timeout_s: must be <= 604800\.0 \(a sane maximum\)"),
+    ("port-past-65535", lambda s: s.train("engine.kind=vllm", "engine.port=65535"),
+     r"engine\.port: the servers selfopd launches take ports 65535 to 65536 .* choose engine\.port <= 65534"),
+    ("run-name-bidi", lambda s: s.train("run.name=report\u202etxt.exe"),
+     r"run\.name: holds the invisible or control character U\+202E \(RIGHT-TO-LEFT OVERRIDE\) at position 6: "
+     r"got 'report\\u202etxt\.exe'"),
+    ("run-name-control", lambda s: s.train("run.name=ok\x1b[2Jx"),
+     r"run\.name: holds the invisible or control character U\+001B .* got 'ok\\x1b\[2Jx'"),
+    ("control-in-a-string-setting", lambda s: s.train(config=s.file("c.toml", '[run]\nwandb_project = "p\\u202e"\n')),
+     r"{tmp}/c\.toml: run\.wandb_project: holds the invisible or control character U\+202E"),
+    ("run-name-newline", lambda s: s.train("run.name=a\nb"), r"run\.name: holds .* U\+000A .* got 'a\\nb'"),
+    ("extra-server-args-unparsable", lambda s: s.train("engine.extra_server_args=--served-model-name 'x"),
+     r"engine\.extra_server_args: does not parse as shell words \(No closing quotation\)"),
+    ("data-size-would-hang", lambda s: s.train("data.spec=rg:chain_sum?size=100000000"),
+     r"rg:chain_sum: size must be in \[1, 100000\] .*got 100000000"),
+    ("data-size-not-a-number", lambda s: s.train("data.spec=rg:chain_sum?size=10^8"),
+     r"option 'size': expected int, got '10\^8'"),
+    ("data-seed-huge", lambda s: s.train(f"data.spec=rg:chain_sum?size=60&seed={10**30}"),
+     r"rg:chain_sum: seed must be in \[0, 4294967295\]"),
+    ("data-file-is-a-folder", lambda s: s.train(f"data.spec={s.file('d.jsonl/x', '').parent}"),
+     r"{tmp}/d\.jsonl: is a folder, not a data file"),
+    ("data-file-not-utf8", lambda s: s.train("data.spec=" + str((p := s.tmp / "d.jsonl", p.write_bytes(b"{}\n{}\xff"))[0])),
+     r"{tmp}/d\.jsonl:2: not UTF-8 text \(byte 0xff at column 3\)"),
     ("missing-model", lambda s: s.train(f"model.student={s.tmp}/no-model"),
      r"model spec '{tmp}/no-model' is not a packaged model"),
     ("model-folder-without-config", lambda s: s.train(f"model.student={s.file('empty/x.txt', '').parent}"),
@@ -257,6 +297,7 @@ def _assert_one_line_error(capsys, argv: list[str], expected: str, tmp: Path) ->
     assert "Traceback" not in err
     lines = [line for line in err.strip("\n").split("\n") if not PROGRESS_BAR.search(line)]
     assert len(lines) == 1 and lines[0].startswith("selfopd: error: "), err
+    assert not hidden_characters(lines[0]), lines[0]  # no control or bidi character reaches the terminal
     assert re.search(expected.replace("{tmp}", re.escape(str(tmp))), lines[0]), lines[0]
 
 
