@@ -120,14 +120,15 @@ def test_the_sft_teacher_takes_the_arms_split_and_may_not_change_it(tmp_path):
         load_compare_config(_write(tmp_path, arm, extra='[sft]\neval_size = 300'))
 
 
-@pytest.mark.parametrize("name", ["../../x", "a/b", "..", "bad name"])
+@pytest.mark.parametrize("name", ["../../x", "a/b", "..", "bad name", "ok\u202etxt"])
 def test_an_arm_name_that_is_not_a_plain_folder_name_is_refused_with_one_line(tmp_path, capsys, name):
     """Arm names follow the rule of teacher names: `../../x` would put the arm's run folder outside
     the comparison (OUT_DIR/NAME/arms/../../x/seedS)."""
     path = _write(tmp_path, f'[arms.{json.dumps(name)}]\nset = ["loss.lambda_rl=1"]')
     assert main(["compare", str(path)]) == 1
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines == [f"selfopd: error: {path}: [arms.{name}]: an arm's name is letters, digits, '_' and '-' (it names "
+    shown = name.replace("\u202e", "\\u202e")  # the error line escapes control and bidi characters
+    assert lines == [f"selfopd: error: {path}: [arms.{shown}]: an arm's name is letters, digits, '_' and '-' (it names "
                      "the arm's folder)"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cmp.toml"]  # no run folder anywhere
 
