@@ -213,6 +213,7 @@ def step_metrics(run: Run, batch: Sampled, scored: list[Scored], flat: dict[str,
         **without_teacher(run, preference_metrics((s.group, s.correct, signal.mean().item())
                              for s, signal in zip(scored, signal_N.split(lengths)) if len(signal) and s.aligned)),
         "reward/accuracy": sum(s.correct for s in scored) / len(scored),
+        "verify/rejected_share": sum(s.rejected for s in scored) / len(scored),
         **({"teacher/demonstration_share": sum(s.demonstration is not None for s in scored) / len(scored)}
            if run.demonstration_fallback is not None else {}),
         **({"teacher/unaligned_share": sum(not s.aligned for s in scored) / len(scored)}

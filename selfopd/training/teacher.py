@@ -90,6 +90,7 @@ class Scored:
     aligned: bool = True
     unaligned: str | None = None
     teacher: str = DEFAULT_TEACHER  # which teacher scored it ([teachers.NAME]; 'default': [teacher])
+    rejected: bool = False  # its answer was refused by its task's safe grammar (VerifyResult.rejected)
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,8 @@ def score_rows(side: TeacherSide, rows: Sequence[TeacherRow], step: int) -> tupl
     loss = side.config.loss
     if side.table.kind == "none":  # GRPO alone: the sampler's logprobs stand in, and nothing reads them
         return [Scored(r.example, r.group, r.rollout, r.verdict.reward, r.verdict.correct,
-                       torch.tensor(r.rollout.sampler_logprobs, dtype=torch.float32), r.prompt_ids, teacher=r.teacher)
+                       torch.tensor(r.rollout.sampler_logprobs, dtype=torch.float32), r.prompt_ids, teacher=r.teacher,
+                       rejected=r.verdict.rejected)
                 for r in rows], []
     live = [r for r in rows if r.aligned]
     check_teacher_rows([(r.example.id, ids, r.teacher_completion) for r in live
@@ -220,13 +222,15 @@ def score_rows(side: TeacherSide, rows: Sequence[TeacherRow], step: int) -> tupl
             scored.append(Scored(r.example, r.group, r.rollout, r.verdict.reward, r.verdict.correct, placeholder,
                                  r.prompt_ids, None, r.demonstration,
                                  placeholder if loss.opd_baseline != "student" else None,
-                                 aligned=False, unaligned=r.bridged.problem, teacher=r.teacher))
+                                 aligned=False, unaligned=r.bridged.problem, teacher=r.teacher,
+                                 rejected=r.verdict.rejected))
             continue
         s, base = by_row[id(r)]
         scored.append(Scored(r.example, r.group, r.rollout, r.verdict.reward, r.verdict.correct,
                              _on_student_tokens(r, s.logprobs), r.prompt_ids,
                              (s.topk_ids, s.topk_logprobs) if top_k else None, r.demonstration,
-                             _on_student_tokens(r, base.logprobs) if base is not None else None, teacher=r.teacher))
+                             _on_student_tokens(r, base.logprobs) if base is not None else None, teacher=r.teacher,
+                             rejected=r.verdict.rejected))
     return scored, states
 
 

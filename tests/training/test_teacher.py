@@ -94,3 +94,21 @@ def test_a_prompt_past_the_teachers_context_stops_the_step_naming_the_row(tiny_m
     monkeypatch.setattr(LocalEngine, "max_scored_tokens", property(lambda self: 40))
     with pytest.raises(ConfigError, match=r"step 7, data row 'toy/1'.*exceeds the teacher's context of 40"):
         score_rows(side, rows, step=6)
+
+
+def test_an_answer_its_task_refuses_scores_zero_and_is_counted(tiny_model_dir, engine):
+    """A rollout whose answer its reasoning-gym task's grammar refuses (here code) scores 0 and
+    carries `rejected` into the step (its metric `verify/rejected_share`)."""
+    import reasoning_gym
+
+    entry = reasoning_gym.create_dataset("countdown", size=1, seed=1)[0]
+    example = Example(id="countdown/0", prompt=entry["question"], answer=entry["answer"],
+                      meta={"reasoning_gym": {"task": "countdown", "config": {}, "entry": entry}})
+    side = _side(tiny_model_dir, engine)
+    message = render_student(load_template("student/plain"), example)
+    texts = [f"<answer>{entry['answer']}</answer>", "<answer>__import__('os').getpid()</answer>", "<answer>1</answer>"]
+    prompt_ids = prompt_token_ids(side.tokenizer, message)
+    group = [Rollout(prompt_ids, side.tokenizer.encode(t, add_special_tokens=False), [0.0] * 3, "stop", t)
+             for t in texts]
+    scored, _ = score_rows(side, teacher_rows(side, 0, [example], [message], [group], first_group=0), step=0)
+    assert [(s.reward, s.rejected) for s in scored] == [(1.0, False), (0.0, True), (0.0, False)]

@@ -52,7 +52,7 @@ def test_run_writes_metrics_checkpoint_rollouts_and_plots(tmp_path, tiny_model_d
     evals = [line for line in lines if "eval/accuracy" in line]
     assert [m["step"] for m in steps] == [1, 2] and [m["step"] for m in evals] == [0, 2]
     for key in ("opd/reverse_kl", "opd/advantage_mean", "opd/advantage_std", "opd/positive_advantage_share",
-                "reward/mean", "reward/accuracy", "rollout/length_mean", "rollout/truncated_share",
+                "reward/mean", "reward/accuracy", "verify/rejected_share", "rollout/length_mean", "rollout/truncated_share",
                 "is/sampler_logprob_abs_diff", "optim/grad_norm",
                 "time/sample", "time/teacher", "time/train", "time/optim", "time/sync", "time/probe", "time/step"):
         assert key in steps[0], key
