@@ -25,7 +25,7 @@ experiments/benchmarks/results/gpu_check_status.md. Until then that status file 
 What it does, in order:
 1. says which of selfopd's dependencies are missing there and what each one costs; the
    data comes from a generator in this file (no `datasets`, `reasoning_gym`), a missing
-   `math_verify` only leaves some rewards unchecked, a missing `peft` fails the LoRA cases;
+   `math_verify` only leaves some rewards unchecked, a missing `peft` skips the LoRA cases;
 2. writes a random model folder from `configs/qwen3_1p7b.json` (Qwen3-1.7B's architecture,
    its 151936-token head; the tokenizer is SmolLM2's 49152 tokens, ids past it decode to
    nothing) and runs the real trainer (`selfopd.training.setup.build_run` + `selfopd.training.trainer.
@@ -36,7 +36,9 @@ What it does, in order:
    peak GPU memory, the trainer's phase times, and what the trainer actually did (device,
    weight dtype, the dtype the decoder's linears computed in, checkpointing, trainable
    parameters). A setting the trainer ignores or refuses makes its case 'not available';
-   one case failing never loses the others;
+   one case failing never loses the others. A case that cannot run where the check runs (a
+   package it needs is missing, or it needs a GPU and runs on the CPU) is 'skipped' with the
+   reason, never an error: an error is a failure;
 3. one greedy step of a tiny random Qwen3 in fp32 on the GPU and on the CPU: same rollouts,
    metric differences and max |weight difference| after the step, each against a tolerance;
 4. bf16 against fp32 on the GPU with that tiny model (`bf16_vs_fp32`): the step-1 gradient of
@@ -110,7 +112,7 @@ TINY = {"model_type": "qwen3", "hidden_size": 128, "intermediate_size": 256, "nu
 DEPENDENCIES = {
     "jinja2": "required: prompt templates (selfopd.templating.templates)",
     "tqdm": "required: imported by selfopd.training.trainer",
-    "peft": "the LoRA cases (model.lora_rank) fail",
+    "peft": "the LoRA cases (model.lora_rank) are skipped",
     "math_verify": "answers that are not plain numbers count as unchecked (reward 0)",
     "datasets": "not needed: this check generates its prompts",
     "reasoning_gym": "not needed: this check generates its prompts",
@@ -120,17 +122,19 @@ DEPENDENCIES = {
 
 @dataclass(frozen=True)
 class Case:
-    """One trainer configuration to time: a name and its `--set` overrides."""
+    """One trainer configuration to time: a name, its `--set` overrides, and what it cannot run
+    without ('cuda', or a package's import name)."""
 
     name: str
     overrides: tuple[str, ...]
+    requires: tuple[str, ...] = ()
 
 
 CASES = (
     Case("full", ()),
     Case("full+checkpointing", ("model.gradient_checkpointing=true",)),
-    Case("lora", ("model.lora_rank=16",)),
-    Case("lora+checkpointing", ("model.lora_rank=16", "model.gradient_checkpointing=true")),
+    Case("lora", ("model.lora_rank=16",), ("peft",)),
+    Case("lora+checkpointing", ("model.lora_rank=16", "model.gradient_checkpointing=true"), ("peft",)),
     # Sampling ahead in process (no overlap without servers): each step trains on the previous step's rollouts.
     Case("full+staleness1", ("rollout.max_staleness=1",)),
 )
@@ -146,6 +150,17 @@ class NotAvailable(RuntimeError):
 def missing_dependencies() -> dict[str, str]:
     """{package: what is lost} for the packages of DEPENDENCIES that are not importable."""
     return {name: cost for name, cost in DEPENDENCIES.items() if importlib.util.find_spec(name) is None}
+
+
+def unmet(case: Case, device: str) -> str | None:
+    """Why `case` cannot run here (None: it can): a missing requirement, reported as the case's
+    'skipped', not a failure of the trainer."""
+    for need in case.requires:
+        if need == "cuda" and not device.startswith("cuda"):
+            return f"needs a CUDA device; this check runs on {device}"
+        if need != "cuda" and importlib.util.find_spec(need) is None:
+            return f"needs the {need} package, which is not installed here"
+    return None
 
 
 def machine_info(device: str) -> dict[str, Any]:
@@ -597,6 +612,8 @@ def run_check(out: Path, device: str, tiny: bool, tokenizer_dir: Path, steps: in
             report["cases"][case.name] = {"error": "not run: the random model could not be built"}
         elif time.monotonic() > deadline:
             report["cases"][case.name] = {"error": f"not run: the time budget ({budget_s:.0f} s) was spent"}
+        elif unmet(case, device):
+            report["cases"][case.name] = {"skipped": unmet(case, device)}
         else:
             print(f"case {case.name} ...", flush=True)
             report["cases"][case.name] = time_case(case, model_dir, work_dir, device, "bfloat16", shape, steps, deadline)
@@ -659,8 +676,8 @@ def print_table(report: dict[str, Any]) -> None:
           f"{report.get('model', {}).get('params', '?')} parameters")
     print(f"{'case':<20}{'step s':>8}{'tok/s':>9}{'train tok/s':>13}{'peak GiB':>10}  compute / note")
     for name, case in report["cases"].items():
-        if "error" in case:
-            print(f"{name:<20}  {case['error'][:110]}")
+        if "error" in case or "skipped" in case:
+            print(f"{name:<20}  {case.get('error') or 'skipped: ' + case['skipped']}"[:132])
             continue
         print(f"{name:<20}{case['step_s_median']:>8.2f}{case['tokens_per_s']:>9.0f}{case['train_tokens_per_s']:>13.0f}"
               f"{case.get('peak_memory_gib', float('nan')):>10.2f}  {','.join(case['compute_dtypes']['train'])}"
