@@ -124,3 +124,17 @@ def test_extra_server_args_that_do_not_parse_are_refused_at_config_time():
         with pytest.raises(ConfigError, match=rf"engine\.extra_server_args: does not parse as shell words \({reason}\)"):
             load_config(None, [f"engine.extra_server_args={args}"])
     assert load_config(None, ["engine.extra_server_args=--x 'a b' --y"]).engine.extra_server_args == "--x 'a b' --y"
+
+
+def test_a_run_at_the_largest_seeds_trains(tmp_path, tiny_model_dir):
+    """The largest seed each setting takes is a seed the run can use: the trainer derives sampling
+    seeds from it (seed * 1_000_003 + step) that torch and vLLM must still take."""
+    from selfopd.cli import main
+
+    sets = [f"model.student={tiny_model_dir}", f"run.out_dir={tmp_path}", "run.name=edge", "run.steps=1",
+            f"run.seed={MAX_SEED}", f"data.split_seed={MAX_SEED}", "data.eval_size=2", "run.eval_every=0",
+            f"data.spec=rg:chain_sum?min_terms=2&max_terms=2&size=20&seed={MAX_SEED}", "rollout.prompts_per_step=2",
+            "rollout.samples_per_prompt=2", "rollout.max_tokens=4", "optim.micro_batch_prompts=1",
+            "eval.max_tokens=4", "run.progress=false", "run.rollouts_to_save=0"]
+    assert main(["train", "experiments/demo/demo.toml", *[arg for s in sets for arg in ("--set", s)]]) == 0
+    assert (tmp_path / "edge" / "checkpoints").is_dir()
