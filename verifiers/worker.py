@@ -49,7 +49,8 @@ _in_setup = [False]
 
 def _audit(event: str, args: tuple[Any, ...]) -> None:
     """Refuse what a scorer never does (see above); remember that it was tried."""
-    writes = event in FILE_EVENTS or (event == "open" and isinstance(args[2], int) and args[2] & _WRITE_FLAGS)
+    writes = event in FILE_EVENTS or (event == "open" and len(args) > 2 and isinstance(args[2], int)
+                                      and args[2] & _WRITE_FLAGS)
     if event in BLOCKED_EVENTS or (writes and not _in_setup[0]):
         _violations.append(event)
         raise PermissionError(f"the verifier worker may not {event}")
