@@ -59,6 +59,7 @@ from selfopd.config.settings import (  # noqa: F401  (ConfigError and setting ar
     Section,
     build_sections,
     check_folder_name,
+    check_printable,
     fail,
     field_types,
     load_document,
@@ -99,6 +100,7 @@ class RunConfig(Section):
         super().__post_init__()
         check_folder_name(self._key("name"), self.name)
         self._non_empty("out_dir")
+        check_printable(self._key("out_dir"), self.out_dir, allow="")  # a path on one line, as every message shows it
         if len(set(self.trackers)) != len(self.trackers):
             fail(self._key("trackers"), f"names a tracker twice: {list(self.trackers)}")
 

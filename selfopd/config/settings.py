@@ -249,16 +249,25 @@ def parse_value(key: str, tp: Any, text: str) -> Any:
     return _check_type(key, tp, text)  # str, or a Literal checked against its values
 
 
+MAX_CONFIG_BYTES = 16 * 2**20  # a config, comparison or run folder's TOML; the largest shipped is a few KB
+
+
 def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
     """The tables of a TOML file; a missing, unreadable or non-UTF-8 file, a folder or bad syntax is
     a ConfigError naming it."""
+    file = Path(path)
     try:
-        data = Path(path).read_bytes()
+        if file.is_dir():
+            raise ConfigError("", f"is a folder, not a {what}", source=str(path))
+        if file.exists() and not file.is_file():  # a device (/dev/zero never ends), a pipe
+            raise ConfigError("", f"is not a regular file, so not a {what}", source=str(path))
+        if file.is_file() and file.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError("", f"is {file.stat().st_size} bytes; a {what} is at most {MAX_CONFIG_BYTES}",
+                              source=str(path))
+        data = file.read_bytes()
     except FileNotFoundError:
         raise ConfigError("", f"no such {what}", source=str(path)) from None
-    except IsADirectoryError:
-        raise ConfigError("", f"is a folder, not a {what}", source=str(path)) from None
-    except OSError as error:  # permissions, a device, a name too long
+    except OSError as error:  # permissions, a name too long
         raise ConfigError("", f"cannot read the {what}: {error.strerror or error}", source=str(path)) from None
     try:
         text = data.decode("utf-8")
@@ -270,6 +279,8 @@ def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:  # its message ends "(at line L, column C)"
         raise ConfigError("", f"invalid TOML: {error}", source=str(path)) from None
+    except RecursionError:  # arrays or tables nested thousands deep
+        raise ConfigError("", "invalid TOML: nested too deep to read", source=str(path)) from None
 
 
 def load_document(path: str | Path | None, overrides: Sequence[str], schema: Mapping[str, type],

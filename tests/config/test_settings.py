@@ -138,3 +138,23 @@ def test_a_run_at_the_largest_seeds_trains(tmp_path, tiny_model_dir):
             "eval.max_tokens=4", "run.progress=false", "run.rollouts_to_save=0"]
     assert main(["train", "experiments/demo/demo.toml", *[arg for s in sets for arg in ("--set", s)]]) == 0
     assert (tmp_path / "edge" / "checkpoints").is_dir()
+
+
+def test_a_config_path_that_never_ends_or_nests_without_end_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"^/dev/zero: is not a regular file, so not a config file$"):
+        load_config("/dev/zero")  # reading it would never end
+    deep = tmp_path / "deep.toml"
+    deep.write_text("[run]\nx = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ConfigError, match=rf"^{deep}: invalid TOML: nested too deep to read$"):
+        load_config(deep)
+    big = tmp_path / "big.toml"
+    big.write_text("#" * (16 * 2**20 + 1))
+    with pytest.raises(ConfigError, match=rf"^{big}: is 16777217 bytes; a config file is at most 16777216$"):
+        load_config(big)
+
+
+@pytest.mark.parametrize("out_dir", ["runs\nmore", "runs\t", "runs\u202e"])
+def test_an_output_folder_is_a_path_on_one_line(out_dir):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [f"run.out_dir={out_dir}"])
+    assert error.value.key == "run.out_dir" and "invisible or control character" in str(error.value)
