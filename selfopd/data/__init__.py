@@ -66,6 +66,7 @@ from selfopd.data.spec import (  # noqa: F401  (the public names of selfopd.data
     DataError,
     DataSpec,
     Preset,
+    check_generated_total,
     parse_data_spec,
 )
 from selfopd.data.example import Example, prompt_key
@@ -81,6 +82,7 @@ def load_examples(spec: DataSpec | str, exclude: Collection[str] = ()) -> list[E
     With `distinct` (the default for procedural sources) each prompt is kept once. A mixture
     ("SPEC + SPEC", `selfopd.data.mixture`) is each part's examples, tagged with its task."""
     if isinstance(spec, str) and len(mixture.parts(spec)) > 1:
+        check_generated_total([parse_data_spec(part) for part in mixture.parts(spec)], spec)
         examples = mixture.load_mixture(spec, lambda part: load_examples(part, exclude),
                                         lambda part: parse_data_spec(part).label)
         check_unique_ids(examples, spec)

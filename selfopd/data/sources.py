@@ -9,6 +9,7 @@ import difflib
 import functools
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ from selfopd.data.worked_solutions import arithmetic_solution
 # early once this many draws in a row (or as many as found so far) brought nothing new.
 MAX_DRAWS_PER_ITEM = 50
 MIN_STALL_DRAWS = 2000
+MAX_OPTION = 10**5  # the largest number a generator option may be, unless its default is larger
+MAX_GENERATION_S = 120  # the longest a generator may take for the items asked for (10^5 demo items: about 30 s)
 
 
 def load_hub(spec: DataSpec) -> list[Example]:
@@ -187,10 +190,11 @@ def load_reasoning_gym(spec: DataSpec, exclude: frozenset[str] = frozenset()) ->
         raise DataError(f"rg:{task}: unknown reasoning-gym task"
                         + (f" (did you mean {', '.join(close)}?)" if close else "")
                         + f"; allowed: {', '.join(sorted(DATASETS))}")
-    allowed = [f.name for f in dataclasses.fields(DATASETS[task][1])]
-    for key in spec.task_config:
+    allowed = {f.name: f.default for f in dataclasses.fields(DATASETS[task][1])}
+    for key, value in spec.task_config.items():
         if key not in allowed:
             raise DataError(f"rg:{task}: unknown option {key!r}; allowed: {', '.join(allowed)}")
+        _check_option_size(task, key, value, allowed[key])
     config = {"seed": spec.seed, "size": spec.size, **spec.task_config}
     # Excluded prompts of the same generator come up in the stream too: they count towards the
     # draw budget and as progress (a new distinct prompt, if not one we may keep).
@@ -202,13 +206,13 @@ def load_reasoning_gym(spec: DataSpec, exclude: frozenset[str] = frozenset()) ->
         raise DataError(f"rg:{task}: invalid config {config}: {e or type(e).__name__}") from e
 
     examples: list[Example] = []
-    excluded, seen, last_new = set(exclude), set(), 0
+    excluded, seen, last_new, started = set(exclude), set(), 0, time.monotonic()
     for i in range(draws):
         if len(examples) == spec.size:
             break
         if spec.dedup and i - last_new >= max(MIN_STALL_DRAWS, len(seen)):
             break
-        entry = dataset[i]
+        entry = _draw(dataset, i, spec, len(examples), started)
         key = prompt_key(entry["question"])
         if key in seen:
             continue
@@ -239,6 +243,33 @@ def load_reasoning_gym(spec: DataSpec, exclude: frozenset[str] = frozenset()) ->
             f"Ask for fewer (size={len(examples)}), widen the task (more terms or digits), or allow repeated "
             f"prompts with distinct=false")
     return examples
+
+
+def _draw(dataset: Any, i: int, spec: DataSpec, kept: int, started: float) -> dict:
+    """Item i of a generator; a DataError when it fails (a 10^5-digit number) or when the items asked
+    for would take past MAX_GENERATION_S at the pace so far (many items, each large)."""
+    elapsed = time.monotonic() - started
+    if elapsed > 2 and elapsed * spec.size / max(kept, 1) > MAX_GENERATION_S:
+        raise DataError(f"{spec.label}: {kept} of {spec.size} items took {elapsed:.0f} s, so all of them would take "
+                        f"about {elapsed * spec.size / max(kept, 1):.0f} s, past the {MAX_GENERATION_S} s selfopd gives "
+                        f"a generator; ask for fewer items (size) or smaller ones (options "
+                        f"{spec.task_config or 'default'})")
+    try:
+        return dataset[i]
+    except Exception as error:  # the generator's own failure, whatever it raises
+        raise DataError(f"{spec.label} row {i}: the generator failed with options {spec.task_config or 'default'}: "
+                        f"{type(error).__name__}: {error}") from None
+
+
+def _check_option_size(task: str, key: str, value: Any, default: Any) -> None:
+    """A numeric generator option at most MAX_OPTION (or its default, when larger): past it one item can
+    take minutes (chain_sum's max_terms=10^5 takes 1 s an item and a 700 KB prompt) or never end."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    limit = max(MAX_OPTION, abs(default) if isinstance(default, (int, float)) else 0)
+    if not abs(value) <= limit:  # also NaN
+        raise DataError(f"rg:{task}: option {key}={value} must be within [-{limit}, {limit}] (a larger one makes one "
+                        "item take minutes, or never end)")
 
 
 def _worked_solution(task: str, entry: dict) -> str | None:

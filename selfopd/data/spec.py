@@ -166,6 +166,14 @@ class DataSpec:
         return self.label + (f"?{text}" if text else "")
 
 
+def check_generated_total(specs: list[DataSpec], text: str) -> None:
+    """A mixture's procedural parts ask for at most MAX_SIZE items in all, as one part may."""
+    total = sum(spec.size for spec in specs if spec.source in PROCEDURAL)
+    if total > MAX_SIZE:
+        raise DataError(f"{text[:200]}: its parts ask for {total} generated items in all, past {MAX_SIZE}, the most "
+                        "selfopd generates for one data spec")
+
+
 def _spec_key(field_name: str) -> str:
     return next((k for k, v in _COLUMN_KEYS.items() if v == field_name), field_name)
 
