@@ -5,7 +5,9 @@ config (so `selfopd eval` and `selfopd prompts` look at what `selfopd train` wou
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 from typing import Any, Callable, NoReturn
 
 from selfopd.config import DataConfig, ModelConfig
@@ -51,6 +53,17 @@ def number(kind: type, limits: Bounds) -> Callable[[str], Any]:
 def like_setting(section: type, name: str) -> Callable[[str], Any]:
     """An argparse `type` that takes what the config setting `section.name` takes (its type and range)."""
     return number(field_types(section)[name], bounds_of(section, name) or Bounds())
+
+
+def check_output_folder(path: Path, flag: str) -> None:
+    """Refuse, before any work, an output folder that cannot be made: `path` or a folder above it is a file."""
+    for folder in (path, *path.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise UserError(f"{flag} {path}: {folder} is a file, not a folder")
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise UserError(f"{flag} {path}: cannot write in {folder}")
+            return
 
 
 def command(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from selfopd.cli.common import UserError, add_overrides, command, like_setting
+from selfopd.cli.common import UserError, add_overrides, check_output_folder, command, like_setting
 from selfopd.config import RolloutConfig, RunConfig
 from selfopd.core.run_folder import load_run_config
 
@@ -53,6 +53,7 @@ def _eval(args: argparse.Namespace) -> None:
         raise UserError("give either a CONFIG or --run RUN_DIR (whose config is used), not both")
     if args.fresh and (args.run_dir is None or args.data is None):
         raise UserError("--fresh needs --run RUN_DIR and --data SPEC: it draws SPEC past the run's prompts")
+    check_output_folder(args.out, "--out")  # before the answers are computed, not when they are written
     config = load_run_config(args.run_dir, args.overrides) if args.run_dir else load_config(args.config, args.overrides)
     template = load_template(config.data.student_template)
     record = SplitRecord.read(args.run_dir) if args.run_dir else None

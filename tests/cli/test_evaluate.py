@@ -54,3 +54,10 @@ def test_an_eval_prompt_past_the_context_is_one_line_naming_its_row(tmp_path, ti
     assert re.search(rf"eval\.max_tokens: data row 'rows/4' of {re.escape(str(data))}: its prompt \(\d+ tokens\) plus "
                      r"eval\.max_tokens \(48\) exceeds the model's context of 2048 tokens", line), line
     assert not out.exists()  # refused before any answer was sampled
+
+
+def test_an_output_folder_that_cannot_be_made_is_refused_before_the_eval(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert main(["eval", "--out", str(blocker / "eval")]) == 1
+    assert _one_line(capsys) == f"selfopd: error: --out {blocker / 'eval'}: {blocker} is a file, not a folder"
