@@ -174,8 +174,14 @@ def read_records(path: Path) -> list[RolloutRecord]:
 
 
 def _check_numbers(record: RolloutRecord, where: str) -> None:
-    """Every per-token value and the reward of a saved record is a finite number: one NaN would
-    make every mean and interval of a diagnosis NaN, and say nothing of where it came from."""
+    """Every token id of a saved record is a token id, and every per-token value and the reward a
+    finite number: one NaN would make every mean and interval of a diagnosis NaN, and say nothing
+    of where it came from; an id past 2^31 stops a tokenizer with a traceback."""
+    for name in ("prompt_ids", "completion_ids"):
+        for index, value in enumerate(getattr(record, name)):
+            if type(value) is not int or not 0 <= value < 2**31:
+                raise DiagnosticsError(f"{where}: rollout {record.id!r} (step {record.step}): {name}[{index}] is "
+                                       f"{value!r}, not a token id; the file was altered or is not a rollouts file")
     values = [(f"{name}[{index}]", value) for name in PER_TOKEN for index, value in enumerate(getattr(record, name))]
     for label, value in [*values, ("reward", record.reward)]:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):

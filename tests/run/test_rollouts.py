@@ -68,3 +68,14 @@ def test_diagnose_names_the_file_and_row_of_a_nan_instead_of_reporting_nan(finis
     assert re.search(rf"^selfopd: error: {re.escape(str(run))}/rollouts/step_00001\.jsonl:2: rollout '.+' \(step 1\): "
                      r"teacher_logprobs\[1\] is nan, not a finite number", lines[0]), lines[0]
     assert "nan" not in captured.out
+
+
+@pytest.mark.parametrize("field, value, shown", [("completion_ids", 10**12, "1000000000000"), ("completion_ids", -1, "-1"),
+                                                 ("prompt_ids", 1.5, "1.5"), ("prompt_ids", True, "True")])
+def test_a_saved_token_id_that_is_not_one_names_the_file_and_line(finished_run, tmp_path, field, value, shown):
+    step_file = tmp_path / "step_00001.jsonl"
+    step_file.write_text((finished_run / "rollouts" / "step_00001.jsonl").read_text())
+    _spoil(step_file, 2, field, 0, value)
+    with pytest.raises(DiagnosticsError, match=rf"^{re.escape(str(step_file))}:2: rollout '.+' \(step 1\): "
+                                               rf"{field}\[0\] is {re.escape(shown)}, not a token id"):
+        read_records(step_file)
