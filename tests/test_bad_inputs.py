@@ -108,6 +108,9 @@ FRESH: list[Case] = [
      r"{tmp}/c\.toml: is a folder, not a config file"),
     ("config-not-utf8", lambda s: s.train(config=(p := s.tmp / "c.toml", p.write_bytes(b"[run]\nname = 'caf\xe9'\n"))[0]),
      r"{tmp}/c\.toml: line 2: not UTF-8 text \(byte 0xe9\)"),
+    ("config-is-a-device", lambda s: s.train(config=Path("/dev/zero")), r"/dev/zero: is not a regular file"),
+    ("config-nested-too-deep", lambda s: s.train(config=s.file("c.toml", "[run]\nx = " + "[" * 99999 + "]" * 99999)),
+     r"{tmp}/c\.toml: invalid TOML: nested too deep to read"),
     ("inf-in-file", lambda s: s.train(config=s.file("c.toml", "[optim]\nlr = inf\n")),
      r"{tmp}/c\.toml: optim\.lr: must be finite"),
     ("huge-int-for-a-float", lambda s: s.train(config=s.file("c.toml", "[optim]\nlr = 1" + "0" * 400 + "\n")),
@@ -135,6 +138,17 @@ FRESH: list[Case] = [
      r"engine\.extra_server_args: does not parse as shell words \(No closing quotation\)"),
     ("data-size-would-hang", lambda s: s.train("data.spec=rg:chain_sum?size=100000000"),
      r"rg:chain_sum: size must be in \[1, 100000\] .*got 100000000"),
+    ("data-option-would-hang", lambda s: s.train("data.spec=rg:chain_sum?max_terms=100000000&size=60"),
+     r"rg:chain_sum: option max_terms=100000000 must be within \[-100000, 100000\]"),
+    ("data-items-would-take-hours", lambda s: s.train(
+        "data.spec=rg:chain_sum?min_terms=20000&max_terms=20000&size=99999"),
+     r"rg:chain_sum: \d+ of 99999 items took \d+ s, so all of them would take about \d+ s, past the 120 s"),
+    ("data-mixture-too-large", lambda s: s.train(
+        "data.spec=" + " + ".join(f"rg:chain_sum?size=60000&seed={i}" for i in (1, 2))),
+     r"its parts ask for 120000 generated items in all, past 100000"),
+    ("data-generator-fails", lambda s: s.train(
+        "data.spec=rg:chain_sum?min_digits=100000&max_digits=100000&min_terms=2&max_terms=2&size=60"),
+     r"rg:chain_sum row 0: the generator failed with options .*ValueError: Exceeds the limit"),
     ("data-size-not-a-number", lambda s: s.train("data.spec=rg:chain_sum?size=10^8"),
      r"option 'size': expected int, got '10\^8'"),
     ("data-seed-huge", lambda s: s.train(f"data.spec=rg:chain_sum?size=60&seed={10**30}"),
