@@ -136,6 +136,8 @@ FRESH: list[Case] = [
     ("run-name-newline", lambda s: s.train("run.name=a\nb"), r"run\.name: holds .* U\+000A .* got 'a\\nb'"),
     ("extra-server-args-unparsable", lambda s: s.train("engine.extra_server_args=--served-model-name 'x"),
      r"engine\.extra_server_args: does not parse as shell words \(No closing quotation\)"),
+    ("extra-server-args-open-the-host", lambda s: s.train("engine.extra_server_args=--seed 1 --host=0.0.0.0"),
+     r"engine\.extra_server_args: '--host=0\.0\.0\.0' is vLLM's --host, which extra_server_args may not set"),
     ("data-size-would-hang", lambda s: s.train("data.spec=rg:chain_sum?size=100000000"),
      r"rg:chain_sum: size must be in \[1, 100000\] .*got 100000000"),
     ("data-option-would-hang", lambda s: s.train("data.spec=rg:chain_sum?max_terms=100000000&size=60"),
@@ -263,6 +265,11 @@ RESUME: list[Case] = [
     ("resume-bad-set", lambda s: _resume(s.tmp / "runs" / "done", "rollout.top_p=0"),
      r"--set rollout\.top_p=0: rollout\.top_p: must be in \(0, 1\]"),
     ("fresh-over-a-finished-run", lambda s: s.train("run.name=done"), r"{tmp}/runs/done already holds a run"),
+    ("resume-folder-sets-server-flags", lambda s: ((c := s.tmp / "runs/done/config.toml").write_text(
+        c.read_text().replace('extra_server_args = ""', 'extra_server_args = "--weight-transfer-config.backend nccl"')),
+        _resume(c.parent))[-1],
+     r"{tmp}/runs/done/config\.toml: engine\.extra_server_args: '--weight-transfer-config\.backend' is vLLM's "
+     r"--weight-transfer-config, which extra_server_args may not set"),
     ("resume-cut-short-checkpoint", lambda s: ((w := s.tmp / "runs/done/checkpoints/step_00001/model.safetensors")
                                                .write_bytes(w.read_bytes()[:4096]), _resume(w.parents[2]))[-1],
      r"{tmp}/runs/done: no complete checkpoint to resume from \({tmp}/runs/done/checkpoints/step_00001/model\."

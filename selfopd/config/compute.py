@@ -198,10 +198,15 @@ class EngineConfig(Section):
         """extra_server_args must split as a shell would, here rather than when the servers start."""
         check_printable(self._key("extra_server_args"), self.extra_server_args)
         try:
-            shlex.split(self.extra_server_args)
+            words = shlex.split(self.extra_server_args)
         except ValueError as error:  # "No closing quotation", "No escaped character"
             fail(self._key("extra_server_args"), f"does not parse as shell words ({error}): "
                  f"{self.extra_server_args!r}; quote or escape it as a shell would")
+        for word in words:
+            flag = managed_flag(word)
+            if flag is not None:
+                fail(self._key("extra_server_args"), f"{word!r} is vLLM's {flag}, which extra_server_args may not "
+                     f"set: {SERVER_FLAGS[flag]}")
 
     def _check_distinct_servers(self) -> None:
         """A student server listed twice would take twice the prompts and be sent the weights once."""
@@ -249,6 +254,43 @@ def is_loopback(host: str) -> bool:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:  # a host name: it may resolve to any address
         return False
+
+
+# Flags of vLLM's api_server that selfopd sets on every server it launches
+# (selfopd.engines.vllm_server.server_command) and relies on, with where they come from; a later
+# copy in extra_server_args would win (a server on 0.0.0.0, without selfopd's key or weight checks).
+SERVER_FLAGS = {
+    "--host": "selfopd sets it from engine.host",
+    "--port": "selfopd sets it from engine.port",
+    "--model": "selfopd sets it from model.student or teacher.model",
+    "--served-model-name": "selfopd names each server by its role",
+    "--api-key": "selfopd sets the key from engine.api_key_env",
+    "--middleware": "selfopd's middleware checks the key on every route",
+    "--worker-extension-cls": "selfopd's extension verifies every weight push",
+    "--weight-transfer-config": "selfopd's engine carries the push's secret",
+    "--trust-remote-code": "selfopd sets it from model.trust_remote_code",
+    "--dtype": "selfopd sets it from model.dtype",
+    "--max-model-len": "selfopd sets it from engine.max_model_len",
+    "--max-logprobs": "selfopd sets it from loss.top_k",
+    "--logprobs-mode": "the trainer's importance ratio needs processed logprobs",
+    "--generation-config": "sampling settings come from the config",
+    "--tensor-parallel-size": "selfopd sets it from engine.tensor_parallel_size",
+    "-tp": "selfopd sets it from engine.tensor_parallel_size",
+    "--enable-prefix-caching": "selfopd sets it so that no cache outlives a weight push",
+    "--config": "a file of flags could set any of these",
+}
+
+
+def managed_flag(word: str) -> str | None:
+    """The flag of SERVER_FLAGS a command-line word sets, as vLLM's parser reads it ('--host=x',
+    '--no-enable-prefix-caching', '--served_model_name', '--weight-transfer-config.backend',
+    an abbreviation such as '--ho'); None for any other word."""
+    if not word.startswith("-") or word == "-":
+        return None
+    name = word.split("=", 1)[0].split(".", 1)[0]
+    name = name[:2] + name[2:].replace("_", "-") if name.startswith("--") else name
+    name = "--" + name[len("--no-"):] if name.startswith("--no-") else name
+    return next((flag for flag in SERVER_FLAGS if flag == name or (len(name) > 3 and flag.startswith(name))), None)
 
 
 def server_key(url: str) -> str:
