@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -17,6 +18,10 @@ from selfopd.core.run_folder import RunFolder
 
 class DiagnosticsError(ValueError):
     """Saved rollouts that cannot be read or matched to the run's data; names the file or item."""
+
+
+class NonFiniteRecord(DiagnosticsError):
+    """A saved logprob, advantage or reward that is not a finite number; names the file and line."""
 
 
 PER_TOKEN = ("sampler_logprobs", "student_logprobs", "teacher_logprobs", "advantage")  # per completion token: what a digest leaves out
@@ -185,10 +190,10 @@ def _check_numbers(record: RolloutRecord, where: str) -> None:
     values = [(f"{name}[{index}]", value) for name in PER_TOKEN for index, value in enumerate(getattr(record, name))]
     for label, value in [*values, ("reward", record.reward)]:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise DiagnosticsError(
-                f"{where}: rollout {record.id!r} (step {record.step}): {label} is {value!r}, not a finite number; "
-                "its step's loss was not finite (the trainer skipped that step) or the file was altered. Move that "
-                "step's file out of rollouts/ to diagnose the others")
+            raise NonFiniteRecord(
+                f"{where}: rollout {record.id!r} (step {record.step}): {label} is {value!r}, not a finite number, "
+                "in a step the trainer did not skip (metrics.jsonl): the file was altered. Move that step's file "
+                "out of rollouts/ to diagnose the others")
 
 
 def read_run_rollouts(run_dir: Path, steps: Sequence[int] | None = None) -> dict[int, list[RolloutRecord]]:
@@ -206,4 +211,34 @@ def read_run_rollouts(run_dir: Path, steps: Sequence[int] | None = None) -> dict
         if missing:
             raise FileNotFoundError(f"{folder}: no rollouts saved for step(s) {missing}; saved: {sorted(found)}")
         found = {step: found[step] for step in steps}
-    return {step: read_records(path) for step, path in sorted(found.items())}
+    skipped = _skipped_steps(run)
+    records: dict[int, list[RolloutRecord]] = {}
+    for step, path in sorted(found.items()):
+        try:
+            records[step] = read_records(path)
+        except NonFiniteRecord:
+            if step not in skipped:
+                raise
+            print(f"selfopd: warning: {path}: step {step} left out: the trainer skipped it (metrics.jsonl: a loss or "
+                  "gradient that was not finite) and its saved rollouts hold values that are not finite numbers",
+                  file=sys.stderr)
+    if not records:
+        raise DiagnosticsError(f"{folder}: every saved step was skipped by the trainer (a loss or gradient that was "
+                               "not finite): nothing to diagnose")
+    return records
+
+
+def _skipped_steps(run: RunFolder) -> set[int]:
+    """Steps whose metrics line says the trainer skipped them (a NaN or inf loss or gradient): their
+    saved rollouts may hold the non-finite values that caused it."""
+    if not run.metrics.is_file():
+        return set()
+    steps = set()
+    for line in run.metrics.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and row.get("skipped") and type(row.get("step")) is int:
+            steps.add(row["step"])
+    return steps

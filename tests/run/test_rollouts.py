@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from selfopd.cli import main
-from selfopd.run.rollouts import DiagnosticsError, read_records
+from selfopd.run.rollouts import DiagnosticsError, NonFiniteRecord, read_records, read_run_rollouts
 
 SMALL = ["data.spec=rg:chain_sum?min_terms=2&max_terms=2&size=60&seed=2", "data.eval_size=4",
          "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_tokens=6",
@@ -68,6 +68,29 @@ def test_diagnose_names_the_file_and_row_of_a_nan_instead_of_reporting_nan(finis
     assert re.search(rf"^selfopd: error: {re.escape(str(run))}/rollouts/step_00001\.jsonl:2: rollout '.+' \(step 1\): "
                      r"teacher_logprobs\[1\] is nan, not a finite number", lines[0]), lines[0]
     assert "nan" not in captured.out
+
+
+def test_a_step_the_trainer_skipped_is_left_out_with_a_warning_and_any_other_nan_is_an_error(finished_run, tmp_path,
+                                                                                              capsys):
+    """A step whose loss was not finite is skipped by the trainer, and its saved rollouts may hold the NaN that
+    caused it: the diagnosis leaves that step out and says so. A NaN in a step the trainer took is an altered file."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    rollouts = run / "rollouts"
+    shutil.copy(rollouts / "step_00001.jsonl", rollouts / "step_00002.jsonl")
+    _spoil(rollouts / "step_00002.jsonl", 2, "teacher_logprobs", 0, math.nan)
+    with pytest.raises(NonFiniteRecord, match=r"step_00002\.jsonl:2: .* in a step the trainer did not skip"):
+        read_run_rollouts(run)
+    with (run / "metrics.jsonl").open("a") as metrics:
+        metrics.write(json.dumps({"step": 2, "skipped": "nonfinite loss"}) + "\n")
+    assert sorted(read_run_rollouts(run)) == [1]
+    assert re.search(r"^selfopd: warning: .*step_00002\.jsonl: step 2 left out: the trainer skipped it",
+                     capsys.readouterr().err)
+    (rollouts / "step_00001.jsonl").unlink()
+    with pytest.raises(DiagnosticsError, match="every saved step was skipped"):
+        read_run_rollouts(run)
 
 
 @pytest.mark.parametrize("field, value, shown", [("completion_ids", 10**12, "1000000000000"), ("completion_ids", -1, "-1"),
