@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from selfopd.cli.common import UserError, command
+from selfopd.cli.common import UserError, command, like_setting
+from selfopd.config import RolloutConfig, RunConfig
 from selfopd.core.run_folder import RunFolder
 
 
@@ -19,9 +20,9 @@ def add_drift_command(commands: argparse._SubParsersAction) -> None:
     drift.add_argument("--reference", help="the start model (default: the run's model.student)")
     drift.add_argument("--prompts", type=Path,
                        help="text file, one prompt per line (default: the 48 everyday requests shipped with selfopd)")
-    drift.add_argument("--samples", type=int, default=2, help="samples per prompt at temperature 1 (default: 2)")
-    drift.add_argument("--max-tokens", type=int, default=48, help="most tokens per sample (default: 48)")
-    drift.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    drift.add_argument("--samples", type=like_setting(RolloutConfig, "samples_per_prompt"), default=2, help="samples per prompt at temperature 1 (default: 2)")
+    drift.add_argument("--max-tokens", type=like_setting(RolloutConfig, "max_tokens"), default=48, help="most tokens per sample (default: 48)")
+    drift.add_argument("--seed", type=like_setting(RunConfig, "seed"), default=0, help="sampling seed (default: 0)")
     drift.add_argument("--out", type=Path, default=Path("runs/drift"), help="output folder (default: runs/drift)")
 
 

@@ -22,7 +22,9 @@ from selfopd.config import RolloutConfig
     (["diagnose", "runs/x", "--heatmaps", "nan"], r"argument --heatmaps: expected an integer, got 'nan'"),
     (["diagnose", "runs/x", "--transfer-items", str(10**30)], r"argument --transfer-items: must be <= 100000000 "
                                                               r"\(a sane maximum\)"),
-    (["eval", "--samples=\u202e3"], r"argument --samples: expected an integer, got '\\u202e3'"),
+    (["eval", "--samples=\u202e3"], r"argument --samples: expected an integer, got '\\u202e3'"),    (["drift", "--samples", "0"], r"argument --samples: must be >= 1, got 0"),
+    (["drift", "--max-tokens", "-3"], r"argument --max-tokens: must be >= 1, got -3"),
+    (["drift", "--seed", str(2**63)], r"argument --seed: must be <= \d+"),
 ])
 def test_a_refused_flag_is_one_line_and_exit_code_1(argv, message, capsys):
     assert main(argv) == 1
