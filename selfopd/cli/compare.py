@@ -8,6 +8,7 @@ import dataclasses
 from pathlib import Path
 
 from selfopd.cli.common import UserError, add_overrides, command
+from selfopd.config import ConfigError
 
 
 def add_compare_command(commands: argparse._SubParsersAction) -> None:
@@ -47,7 +48,10 @@ def _compare(args: argparse.Namespace) -> None:
     # --arms and --seeds choose what trains; the report covers every arm and seed with results.
     whole = load_compare_config(args.config, args.overrides) if only or seeds else compare
     if args.name:
-        compare, whole = dataclasses.replace(compare, name=args.name), dataclasses.replace(whole, name=args.name)
+        try:
+            compare, whole = dataclasses.replace(compare, name=args.name), dataclasses.replace(whole, name=args.name)
+        except ConfigError as error:
+            raise UserError(f"--name: {error.message}") from None
     if args.show_config:
         print(compare_config_toml(compare), end="")
         return

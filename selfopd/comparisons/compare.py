@@ -38,7 +38,8 @@ from selfopd.core.atomic import write_json_atomic, write_text_atomic
 from selfopd.config import ConfigError, TrainConfig, flat_config, load_config
 from selfopd.core.faults import fault_point
 from selfopd.core.run_folder import RunFolder
-from selfopd.config.settings import Section, build_sections, check_key, read_toml, section_toml, setting, toml_value
+from selfopd.config.settings import (Section, build_sections, check_folder_name, check_key, read_toml, section_toml, setting,
+                                     toml_value)
 from selfopd.config.teachers import TEACHER_NAME
 
 ARM_SECTIONS = ("teacher", "teachers", "loss", "optim")  # what arms may change; everything else is shared
@@ -103,6 +104,9 @@ class CompareConfig:
     sft: Any  # the [sft] section (selfopd.comparisons.sft.SftSection) when an arm uses {sft}, else None
     reference: str  # the arm every other arm is also compared with, paired ("" for none)
     seeds: tuple[int, ...]  # training seeds every arm runs under
+
+    def __post_init__(self) -> None:
+        check_folder_name("compare.name", self.name)  # from the file, its name or --name: it becomes a folder
 
     @property
     def folder(self) -> Path:
@@ -171,8 +175,11 @@ def load_compare_config(path: Path, overrides: Sequence[str] = (), only: Sequenc
     reference = compare.reference
     if reference and reference not in [arm.name for arm in arms]:
         reference = ""  # not among the arms run (e.g. --arms); compared with the base only
-    return CompareConfig(path, compare.name or path.stem, Path(compare.out_dir), base, common, tuple(arms),
-                         sections.get("sft") if uses_sft else None, reference, tuple(seeds))
+    try:
+        return CompareConfig(path, compare.name or path.stem, Path(compare.out_dir), base, common, tuple(arms),
+                             sections.get("sft") if uses_sft else None, reference, tuple(seeds))
+    except ConfigError as failure:
+        raise error(failure.key, failure.message) from None
 
 
 def _arm(name: str, table: Any, error) -> Arm:

@@ -133,6 +133,19 @@ def test_an_arm_name_that_is_not_a_plain_folder_name_is_refused_with_one_line(tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cmp.toml"]  # no run folder anywhere
 
 
+@pytest.mark.parametrize("how", ["file", "flag"])
+def test_a_comparison_name_that_is_not_a_plain_folder_name_is_refused_with_one_line(tmp_path, capsys, how):
+    """The comparison's name becomes OUT_DIR/NAME: `../x` in the file or in --name would put it elsewhere."""
+    path = _write(tmp_path, '[arms.a]\nset = ["loss.lambda_rl=1"]')
+    if how == "file":
+        path.write_text(path.read_text().replace('name = "cmp"', 'name = "../x"'))
+    assert main(["compare", str(path), *(["--name", "../x"] if how == "flag" else [])]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    named = f"{path}: compare.name" if how == "file" else "--name"
+    assert len(lines) == 1 and f"{named}: must be a plain folder name" in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cmp.toml"]
+
+
 def test_unknown_arm_and_key_are_refused(tmp_path):
     path = _write(tmp_path, TWO_ARMS)
     with pytest.raises(ConfigError, match="no arm named 'nope'"):
