@@ -15,8 +15,13 @@ from .timeout import DEFAULT_TIMEOUT_S
 def reference_answer(reference: str) -> str:
     """The final answer inside a reference that is a whole solution (`\\boxed{}` or `####`),
     read as a completion's is: a worked equation ("3 + 4 = 7") is its right-hand side, so a
-    student who writes exactly the reference's answer is graded correct."""
-    return equation_result(extract_boxed(reference) or extract_gsm8k(reference) or reference)
+    student who writes exactly the reference's answer is graded correct. A box that does not close
+    is read as a completion's would be (its last answer-like part), for the same reason."""
+    found = extract_boxed(reference) or extract_gsm8k(reference)
+    if found is None and "\\boxed" in reference:
+        extraction = extract_answer(reference)
+        found = extraction.text if extraction is not None else None
+    return equation_result(found or reference)
 
 
 def verify(completion: str, reference: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> VerifyResult:

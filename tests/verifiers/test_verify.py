@@ -94,7 +94,8 @@ def test_feedback_quotes_long_answers_shortened():
 
 @pytest.mark.parametrize(
     "reference, expected",
-    [(r"so $\boxed{5}$", "5"), ("work\n#### 72", "72"), ("3/4", "3/4"), (r"\boxed{\{1,2\}}", r"\{1,2\}")],
+    [(r"so $\boxed{5}$", "5"), ("work\n#### 72", "72"), ("3/4", "3/4"), (r"\boxed{\{1,2\}}", r"\{1,2\}"),
+     (r"cut off \boxed{\frac{3}{4", "4")],  # a box that never closes: read as a completion is
 )
 def test_reference_answer(reference, expected):
     assert reference_answer(reference) == expected
