@@ -47,3 +47,22 @@ def family_of(config: Any) -> Family:
         if types & set(family.model_types):
             return family
     return GENERIC
+
+
+# Layer types whose cache is keys and values only (transformers' `config.layer_types` values).
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+
+
+def shared_prompt_cache_problem(config: Any) -> str:
+    """Why a model with this config cannot score through a shared prompt cache ("" when it can):
+    its family's reason, or, for a model of no listed family, any layer that is not attention
+    (a hybrid's recurrent or convolution state, which transformers' cache cannot select per row)."""
+    family = family_of(config)
+    if family.no_shared_prompt_cache:
+        return f"{family.name}: {family.no_shared_prompt_cache}"
+    text_config = getattr(config, "text_config", None) or config
+    others = sorted(set(getattr(text_config, "layer_types", None) or ()) - ATTENTION_LAYER_TYPES)
+    if others:
+        return (f"{getattr(text_config, 'model_type', family.name)}: its {', '.join(others)} layers keep a state "
+                "that transformers' cache cannot select per row")
+    return ""

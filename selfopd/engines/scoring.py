@@ -18,12 +18,14 @@ log p(completion_b[c] | prompt_b, completion_b[:c]); `mask_BC` marks real tokens
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
 from selfopd.core.devices import full_precision, model_device
+from selfopd.engines.families import shared_prompt_cache_problem
 from selfopd.engines.kernels import token_logprobs_from_hidden
 
 Sequences = Sequence[tuple[Sequence[int], Sequence[int]]]
@@ -80,9 +82,10 @@ def completion_hidden(model: Any, sequences: Sequences, pad_id: int) -> tuple[Te
     Two passes: the distinct prompts, left-padded so they all end at the same position;
     then every completion, right-padded, attending to its prompt's cached keys/values
     (selected per row, a differentiable gather). When no prompt repeats there is nothing to
-    share, and under gradient checkpointing (which drops the cache) nothing can be: then one
-    pass over prompt + completion (the same result; measured 25% faster than two passes on
-    8 distinct SmolLM2 prompts).
+    share, and under gradient checkpointing (which drops the cache) or for a family whose cache
+    cannot be selected per row (`selfopd.engines.families`; said once per process) nothing can
+    be: then one pass over prompt + completion (the same result; measured 25% faster than two
+    passes on 8 distinct SmolLM2 prompts).
     """
     check_plain_head(model)
     if not sequences:
@@ -95,7 +98,7 @@ def completion_hidden(model: Any, sequences: Sequences, pad_id: int) -> tuple[Te
     ids_BC, mask_BC = ids_BC.to(device), mask_BC.to(device)
     prompt_index: dict[tuple[int, ...], int] = {}
     rows = [prompt_index.setdefault(tuple(prompt), len(prompt_index)) for prompt, _ in sequences]
-    if _recomputes_layers(model) or len(prompt_index) == len(sequences):
+    if _recomputes_layers(model) or len(prompt_index) == len(sequences) or not _shares_prompt_cache(model):
         return _hidden_in_one_pass(model, sequences, ids_BC, mask_BC, pad_id), ids_BC, mask_BC
 
     # Prompts: (G, P), left-padded; positions count real tokens only.
@@ -143,6 +146,19 @@ def _decoder_output(model: Any, **inputs: Any) -> Any:
     finally:
         handle.remove()
     return captured[-1]
+
+
+_UNSHARED: set[str] = set()  # the reasons already said in this process
+
+
+def _shares_prompt_cache(model: Any) -> bool:
+    """Whether the model's cache can be selected per row; if not, say why once per process."""
+    problem = shared_prompt_cache_problem(model.config)
+    if problem and problem not in _UNSHARED:
+        _UNSHARED.add(problem)
+        print(f"selfopd: scoring without a shared prompt cache ({problem}): each sequence's prompt runs "
+              "through the model again, the same logprobs at more compute", file=sys.stderr)
+    return not problem
 
 
 def _recomputes_layers(model: Any) -> bool:
