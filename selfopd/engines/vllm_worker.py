@@ -30,6 +30,9 @@ The worker calls: `selfopd_weight_digests` (what the worker serves, `selfopd.eng
 `selfopd_release_transfer` (close an update a dead trainer left open and leave its group: a
 persistent server reused by a new run starts clean).
 
+Tensors arrive under the trainer's names; each is loaded under the name the served checkpoint gives it
+(a hub vision-language layout: `model.language_model.*`, `selfopd.engines.families.ServedNames`).
+
 `load_in_place` serves the colocated engine (`selfopd.engines.vllm_colocate`), which hands the
 trainer's tensors to its in-process worker directly.
 """
@@ -48,7 +51,8 @@ from selfopd.core.faults import dropped_weights
 from selfopd.engines.server_auth import SECRET_ENV, TRAINER_ENV, same_secret
 from selfopd.engines.transfer_wire import (BACKEND_NAME, Group, TransferInit, TransferUpdate, buffer_device,
                                            chunk_ranges, open_group, unpack)
-from selfopd.engines.weight_digest import dtype_name, served_digests
+from selfopd.engines.families import served_names
+from selfopd.engines.weight_digest import dtype_name, served_digests, untrained_count
 
 # {trainer tensor name: [(the slice (dim, start, length) a served piece holds or None, the piece's shape)]}
 Layout = dict[str, list[tuple[tuple[int, int, int] | None, tuple[int, ...]]]]
@@ -125,7 +129,9 @@ class SelfOPDTransferEngine(WeightTransferEngine):
             self.group.broadcast(buffer)
             tensors = unpack(buffer, [update_info.names[i] for i in indices], [update_info.shapes[i] for i in indices],
                              [dtypes[i] for i in indices])
-            self.loaded |= set(self.model.load_weights([(n, t) for n, t in tensors if not dropped_weights(n)]) or ())
+            names = served_names(self.model)  # the trainer's names, as the served checkpoint names them
+            self.loaded |= set(self.model.load_weights([(names.checkpoint_name(n), t) for n, t in tensors
+                                                        if not dropped_weights(n)]) or ())
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -159,7 +165,8 @@ class SelfOPDWorkerExtension:
                 "selfopd": isinstance(engine, SelfOPDTransferEngine),
                 "session": getattr(engine, "session", ""),
                 "update_open": bool(getattr(self, "_weight_update_active", False)),
-                "dtype": dtype_name(self.model_config.dtype)}
+                "dtype": dtype_name(self.model_config.dtype),
+                "untrained": untrained_count(self.model_runner.get_model())}
 
     def selfopd_release_transfer(self) -> dict[str, Any]:
         """Finish an update its trainer left open (it died mid-push) and leave the trainer's group."""
@@ -242,11 +249,12 @@ def load_in_place(worker: Any, weights: Iterable[tuple[str, torch.Tensor]], sent
 
     model.load_weights = recording_load  # the reload calls it; see what it wrote
     try:
-        worker.reload_weights(weights_iterator=iter(weights))
+        names = served_names(model)
+        worker.reload_weights(weights_iterator=((names.checkpoint_name(name), tensor) for name, tensor in weights))
     finally:
         del model.load_weights
     repack_cpu_gemm_weights(model)
-    own = {name for name, _ in model.named_parameters()}
+    own = {name for name, _ in model.named_parameters() if names.trainer_name(name) is not None}
     missing = sorted(own - loaded)
     return {"sent": sent, "loaded": len(own & loaded), "parameters": len(own), "not_loaded": missing[:10]}
 

