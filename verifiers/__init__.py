@@ -7,6 +7,8 @@ so it is safe in the main thread, in thread pools and in worker processes.
     verify(completion, reference)             -> VerifyResult
     verify_example(completion, example)       -> VerifyResult (reasoning-gym items go to its scorer)
     verify_reasoning_gym(completion, task, entry) -> VerifyResult
+    grade(completion, example, finish_reason=, grading=) -> VerifyResult (what a user sees: the
+                                                text after a reasoning block, a finished completion)
     extract_answer(text)                      -> Extraction | None
     answers_equivalent(predicted, reference)  -> bool
 """
@@ -14,6 +16,7 @@ so it is safe in the main thread, in thread pools and in worker processes.
 from .check import reference_answer, verify, verify_example
 from .equivalence import Verdict, answers_equivalent, compare_answers
 from .extract import METHODS, Extraction, extract_answer
+from .final import Grading, final_text, grade
 from .normalize import normalize_answer
 from .reasoning_gym_adapter import verify_reasoning_gym
 from .result import VerifyResult
@@ -24,12 +27,15 @@ __all__ = [
     "METHODS",
     "CheckTimeout",
     "Extraction",
+    "Grading",
     "Verdict",
     "VerifyResult",
     "WorkerError",
     "answers_equivalent",
     "compare_answers",
     "extract_answer",
+    "final_text",
+    "grade",
     "normalize_answer",
     "reference_answer",
     "run_in_worker",
