@@ -38,6 +38,7 @@ from selfopd.config.compute import (  # noqa: F401  (sections of TrainConfig, pu
 )
 from selfopd.config.loss import FULL_VOCABULARY, Divergence, LossConfig, Normalisation  # noqa: F401  (public here too)
 from selfopd.config.guard import GuardConfig  # noqa: F401  (a section of TrainConfig, public here too)
+from selfopd.config.verifier import VerifierConfig  # noqa: F401  (a section of TrainConfig, public here too)
 from selfopd.config.teachers import (  # noqa: F401  (a section of TrainConfig and its names, public here too)
     DEFAULT_TEACHER,
     TeacherConfig,
@@ -198,6 +199,7 @@ class TrainConfig:
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
     # [teachers.NAME] tables: more teachers beside [teacher] (which is named 'default'), by name.
     teachers: dict[str, TeacherConfig] = field(default_factory=dict)
 

@@ -1,0 +1,49 @@
+"""The `[verifier]` section of a training config: what of a completion is graded (the text after
+its reasoning block, only when it finished), in training rewards, in-run eval and `selfopd eval`
+alike (`selfopd.verifiers.final`). Part of `selfopd.config`, which re-exports it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+from selfopd.config.settings import Section, check_printable, fail, setting
+
+if TYPE_CHECKING:
+    from selfopd.verifiers.final import Grading
+
+TruncatedPolicy = Literal["wrong", "grade"]
+
+
+@dataclass(frozen=True)
+class VerifierConfig(Section):
+    """Grading reads what the user will see (docs/data-and-verifiers.md, "What is graded")."""
+
+    SECTION: ClassVar[str] = "verifier"
+    reasoning_start: str = setting(
+        "<think>", "Opens a reasoning block: a completion's scratch work, never graded. With a block, only the text "
+        "after its end is graded; a block that never closes (or one the chat template opened) has no answer. Empty "
+        "together with reasoning_end: no reasoning blocks, the whole completion is graded.")
+    reasoning_end: str = setting("</think>", "Closes a reasoning block (the text after the last one is graded).")
+    truncated: TruncatedPolicy = setting(
+        "wrong", "A completion stopped at max_tokens (finish_reason 'length'): 'wrong' (scored 0, not read: the "
+        "number it last wrote is not a final answer) or 'grade' (graded like a finished one).")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        start, end = self.reasoning_start.strip(), self.reasoning_end.strip()
+        for name in ("reasoning_start", "reasoning_end"):
+            check_printable(self._key(name), getattr(self, name))
+        if bool(start) != bool(end):
+            empty = "reasoning_start" if not start else "reasoning_end"
+            fail(self._key(empty), "is empty while the other delimiter is set: set both, or leave both empty to "
+                 "turn reasoning blocks off")
+        if start and start == end:
+            fail(self._key("reasoning_end"), f"must differ from verifier.reasoning_start, got {end!r} for both")
+
+    @property
+    def grading(self) -> Grading:
+        """These settings as the verifiers read them."""
+        from selfopd.verifiers.final import Grading
+
+        return Grading(self.reasoning_start, self.reasoning_end, self.truncated)
