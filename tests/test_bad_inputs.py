@@ -61,6 +61,14 @@ def _good_rows(n: int = 12) -> list[dict]:
     return [{"id": f"q{i}", "prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(n)]
 
 
+def _solved_rows() -> list[dict]:
+    """70 rows with longer questions than the last, a short question with a reference solution
+    too long for the teacher's context: the start check must render the teacher's prompts."""
+    rows = [{"prompt": f"What is {i} + {i}? Answer with a single number.", "answer": str(2 * i),
+             "solution": f"{i} + {i} = {2 * i}."} for i in range(70)]
+    return rows + [{"prompt": "1 + 1?", "answer": "2", "solution": "One and one more. " * 600}]
+
+
 BROKEN_ROWS = '{"prompt": "1 + 1?", "answer": "2"}\n{"prompt": "2 + 2?", "answer": \n'
 ROW_LIST = '["1 + 1?", "2"]\n'
 
@@ -233,6 +241,12 @@ FRESH: list[Case] = [
         f"data.spec={s.rows('rows.jsonl', _good_rows()[:5] + [{'id': 'long', 'prompt': 'one ' * 2100, 'answer': '1'}] + _good_rows()[6:])}"),
      r"rollout\.max_tokens: data row 'rows/5' of .*rows\.jsonl: its prompt \(\d+ tokens\) plus rollout\.max_tokens \(6\) "
      r"exceeds the context of 2048 tokens"),
+    ("teacher-solution-past-context", lambda s: s.train(
+        "teacher.template=teacher/worked_solution", "data.eval_size=1",
+        f"data.spec={s.rows('rows.jsonl', _solved_rows())}?solution=solution"),
+     r"teacher\.template: data row 'rows/70' of .*rows\.jsonl\?solution=solution: the teacher's prompt \(teacher/worked_solution, \d+ tokens\) "
+     r"and the scored completion can reach \d+ tokens with rollout\.max_tokens = 6, past the teacher's context of 2048 "
+     r"\(the teacher's max_position_embeddings\) by \d+ tokens"),
     ("teacher-prompt-past-context", lambda s: s.train(s.setting("teacher.template", "long.jinja",
                                                                 "{{ prompt }}\n{% for i in range(2100) %}{{ answer }} {% endfor %}")),
      r"teacher\.template: data row '.+' of rg:chain_sum.*: the teacher's prompt \({tmp}/long\.jinja, \d+ tokens\) and the scored "

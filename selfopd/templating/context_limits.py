@@ -1,19 +1,20 @@
 """Prompts that leave no room in a model's context. Past its context an in-process model
 silently extrapolates its positions (every logprob after that point is garbage) and a vLLM
 server fails mid-run, so selfopd refuses: the student's and the teacher's prompts at start
-(the longest prompts of the data, the teacher's with the worst case of what a step adds),
-and every teacher row at each step, before it is scored, naming the data row."""
+(the longest prompts of the data, the teacher's rendered with everything it is shown: the
+answer, solution, hints and fact sheet of the rows with the most such text, and the worst case
+of what a step adds), and every teacher row at each step, before it is scored, naming the data row."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from selfopd.config import ConfigError, TrainConfig
 from selfopd.data.example import Example
-from selfopd.templating.templates import (SAMPLE_DEMONSTRATION, PromptTemplate, prompt_token_ids, render_student,
-                               render_teacher, uses_demonstration)
+from selfopd.templating.templates import (SAMPLE_DEMONSTRATION, PromptTemplate, privileged_fields, prompt_token_ids,
+                                         render_student, render_teacher, uses_demonstration)
 
-CONTEXT_CHECKED = 64  # prompts per split whose token count is checked against the context at start
+CONTEXT_CHECKED = 64  # prompts per split (and teacher prompts) whose token count is checked at start
 # Teacher-template variables that carry a student completion (up to rollout.max_tokens tokens) into the prompt.
 COMPLETION_VARIABLES = ("attempt", "demonstration")
 
@@ -40,10 +41,12 @@ def check_context(config: TrainConfig, student_config: Any, teacher_config: Any,
                   teacher_tokenizer: Any | None = None) -> None:
     """Refuse, before any engine starts, a prompt that leaves no room for its completion.
     Only the longest prompts by characters are tokenized (a large dataset costs no start-up
-    time). A teacher prompt is counted with its worst case: every completion the template
-    shows it (`attempt`, `demonstration`) at rollout.max_tokens, then the scored completion;
-    through `teacher_tokenizer` when the teacher has its own (its tokens of a completion can be more
-    than the student's: each step's rows are checked again as they are scored)."""
+    time): for the teacher, the rows with the most text it is shown (question, answer, solution,
+    hints, fact sheet), each rendered as the teacher sees it. A teacher prompt is counted with its
+    worst case: every completion the template shows it (`attempt`, `demonstration`) at
+    rollout.max_tokens, then the scored completion; through `teacher_tokenizer` when the teacher has
+    its own (its tokens of a completion can be more than the student's: each step's rows are checked
+    again as they are scored)."""
     (student_limit, student_what), (teacher_limit, teacher_what) = context_limits(config, student_config,
                                                                                   teacher_config)
     for key, completion, examples in (("rollout.max_tokens", config.rollout.max_tokens, train_examples),
@@ -57,7 +60,7 @@ def check_context(config: TrainConfig, student_config: Any, teacher_config: Any,
     max_tokens = config.rollout.max_tokens
     shown = [name for name in COMPLETION_VARIABLES if name in teacher.variables]
     worst = max_tokens * (1 + len(shown))
-    for example in _longest(train_examples):
+    for example in _longest(train_examples, _teacher_chars):
         messages = render_teacher(teacher, example, render_student(student, example), attempt="", feedback="",
                                   demonstration=SAMPLE_DEMONSTRATION if uses_demonstration(teacher) else None,
                                   fallback=fallback)
@@ -67,8 +70,8 @@ def check_context(config: TrainConfig, student_config: Any, teacher_config: Any,
             raise ConfigError("teacher.template", f"data row {example.id!r} of {config.data.spec}: the teacher's prompt "
                               f"({teacher.name}, {tokens} tokens){shows} and the scored completion can reach "
                               f"{tokens + worst} tokens with rollout.max_tokens = {max_tokens}, past the teacher's "
-                              f"context of {teacher_limit} ({teacher_what}); lower rollout.max_tokens or shorten the "
-                              "template")
+                              f"context of {teacher_limit} ({teacher_what}) by {tokens + worst - teacher_limit} tokens; "
+                              "lower rollout.max_tokens, shorten the template or that row's privileged text")
 
 
 def check_teacher_rows(rows: Sequence[tuple[str, list[int], list[int]]], engine: Any, step: int) -> None:
@@ -86,5 +89,13 @@ def check_teacher_rows(rows: Sequence[tuple[str, list[int], list[int]]], engine:
                               "its checkpoints are kept)")
 
 
-def _longest(examples: Sequence[Example]) -> list[Example]:
-    return sorted(examples, key=lambda e: len(e.prompt), reverse=True)[:CONTEXT_CHECKED]
+def _longest(examples: Sequence[Example], chars: Callable[[Example], int] = lambda e: len(e.prompt)) -> list[Example]:
+    """The CONTEXT_CHECKED examples with the most `chars`."""
+    return sorted(examples, key=chars, reverse=True)[:CONTEXT_CHECKED]
+
+
+def _teacher_chars(example: Example) -> int:
+    """The characters a teacher template may show of `example`: a short question with a long
+    reference solution makes a long teacher prompt."""
+    shown = privileged_fields(example).values()
+    return len(example.prompt) + len(example.answer) + sum(len(str(value)) for value in shown)
