@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pytest
 
-from selfopd.engines.families import HUB_MULTIMODAL, SAME_NAMES, family_of
 from selfopd.engines.server_control import ServerControl
 from selfopd.engines.weight_sync import WeightTransfer
 from tests.engine_contract import TOLERANCE
@@ -145,6 +144,8 @@ def test_qwen3_5_names_agree_with_vllms_own_mappers(architecture, tiny_family_di
     partitions read back as that same tensor; the hub's vision tower lands under an untrained prefix."""
     from safetensors import safe_open
     from transformers import AutoConfig
+
+    from selfopd.engines.families import HUB_MULTIMODAL, SAME_NAMES, family_of
 
     module = vllm_qwen3_5()
     cls = getattr(module, architecture)

