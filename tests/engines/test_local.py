@@ -178,3 +178,26 @@ def test_packed_sampling_is_refused_where_it_cannot_run(tmp_path, tiny_model_dir
                                      f"run.out_dir={tmp_path}", "data.spec=rg:chain_sum?size=20&seed=2", "data.eval_size=4"]))
     with pytest.raises(ConfigError, match=r"engine.packed_sampling: is for the in-process sampler"):
         load_config(None, ["engine.packed_sampling=true", "engine.kind=vllm", "rollout.temperature=1"])
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5", "qwen3_5_conditional"])
+def test_each_family_samples_left_padded_batches_as_rows_alone(tiny_family_dirs, family, packed):
+    """Prompts of different lengths share a left-padded batch: a padded row decodes as it does alone
+    (Qwen3.5's Gated DeltaNet zeroes padded inputs, so its state starts at the first real token;
+    unmasked padding would move the logprobs by ~0.2 here), and the sampler's logprobs are the scorer's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = tiny_family_dirs[family]
+    engine = LocalEngine(AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder),
+                         batch_size=8, packed=packed)
+    prompts = [list(range(5, 8)), list(range(10, 30)), list(range(40, 49)), [100]]
+    flat = [r for group in engine.sample(prompts, SamplingParams(max_tokens=8, n=2, seed=3)) for r in group]
+    for rollout, score in zip(flat, engine.score([(r.prompt_ids, r.completion_ids) for r in flat])):
+        torch.testing.assert_close(torch.tensor(rollout.sampler_logprobs), score.logprobs, atol=1e-5, rtol=0)
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    for batched, prompt in zip(engine.sample(prompts, greedy), prompts):
+        alone = engine.sample([prompt], greedy)[0][0]
+        assert batched[0].completion_ids == alone.completion_ids
+        torch.testing.assert_close(torch.tensor(batched[0].sampler_logprobs), torch.tensor(alone.sampler_logprobs),
+                                   atol=1e-5, rtol=0)

@@ -124,3 +124,49 @@ def test_heads_that_are_not_plain_are_refused(float64_llama, tmp_path, tiny_mode
         build_run(load_config(None, [f"model.student={granite}", f"run.out_dir={tmp_path}", "data.eval_size=4",
                                      "data.spec=rg:chain_sum?min_terms=2&max_terms=2&size=60&seed=2"]))
     assert [p.name for p in tmp_path.iterdir()] == ["granite"]  # refused before a run folder is made
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5", "qwen3_5_conditional"])
+def test_each_family_scores_as_each_sequence_alone(tiny_family_dirs, family):
+    """The shared-prompt path where the family's cache allows it (Llama, Qwen3), the one-pass path
+    where it does not (Qwen3.5's Gated DeltaNet): both equal each sequence scored alone, and each
+    other, in value and gradient (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    from selfopd.engines.scoring import _hidden_in_one_pass, right_pad
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_family_dirs[family]).train()
+    weights_H = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    gradients = []
+    for path in ("completion_hidden", "one pass"):
+        model.zero_grad()
+        if path == "completion_hidden":
+            hidden_BCH, _, mask_BC = completion_hidden(model, SEQUENCES, pad_id=2)
+        else:
+            ids_BC, mask_BC = right_pad([c for _, c in SEQUENCES], 2)
+            hidden_BCH = _hidden_in_one_pass(model, SEQUENCES, ids_BC, mask_BC, pad_id=2)
+        ((hidden_BCH @ weights_H) * mask_BC).sum().backward()
+        gradients.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        logprobs_BC, _ = completion_logprobs(model, SEQUENCES, pad_id=2)
+        for row, expected in enumerate(_reference(model, SEQUENCES)[0]):
+            torch.testing.assert_close(logprobs_BC[row, : len(expected)], expected, atol=2e-5, rtol=0)
+    for name, shared in gradients[0].items():  # fp32 sums in another order: measured within 4e-7 of the largest
+        scale = shared.abs().max().item()
+        torch.testing.assert_close(shared, gradients[1][name], atol=1e-5 * scale, rtol=0, msg=name)
+
+
+def test_a_cache_that_cannot_be_shared_is_said_once_per_process(tiny_family_dirs, monkeypatch, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from selfopd.engines import scoring
+
+    monkeypatch.setattr(scoring, "_UNSHARED", set())
+    for family in ("llama", "qwen3_5", "qwen3_5_conditional"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_family_dirs[family])
+        with torch.no_grad():
+            completion_hidden(model, SEQUENCES, pad_id=2)
+            completion_hidden(model, SEQUENCES, pad_id=2)
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("selfopd:")]
+    assert said == ["selfopd: scoring without a shared prompt cache (qwen3_5: its Gated DeltaNet layers keep a "
+                    "recurrent state that transformers' cache cannot select per row): each sequence's prompt runs "
+                    "through the model again, the same logprobs at more compute"]
