@@ -42,7 +42,8 @@ def _drift(args: argparse.Namespace) -> None:
     prompts = general_prompts(args.prompts)
     trained, tokenizer = load_model(model, frozen=True)
     start, _ = load_model(reference, frozen=True)
-    result = drift(trained, start, tokenizer, prompts, args.samples, args.max_tokens, args.seed)
+    result = drift(trained, start, tokenizer, prompts, args.samples, args.max_tokens, args.seed,
+                   template_kwargs=config.model.chat_template_kwargs if config else None)
     path = write_drift(result, args.out, str(model), str(reference))
     print(f"{model} vs {reference}: {result} ({len(prompts)} prompts)")
     print(f"wrote {path}")

@@ -78,7 +78,8 @@ def _eval(args: argparse.Namespace) -> None:
     engine = frozen_engine(model, config)
     tokenizer = engine.tokenizer
     accuracy, _ = evaluate(engine, tokenizer, examples, template, config.eval.max_tokens, config.eval.batch_size,
-                           out_dir=args.out, samples=args.samples, temperature=args.temperature, seed=args.seed)
+                           out_dir=args.out, samples=args.samples, temperature=args.temperature, seed=args.seed,
+                           template_kwargs=config.model.chat_template_kwargs)
     print(f"{model} on {what} with {template.name}: accuracy {accuracy} "
           f"({len(examples)} items, {distinct_prompts(examples)} distinct prompts)")
     print(f"wrote {args.out / 'eval.jsonl'} and {args.out / 'summary.json'}")

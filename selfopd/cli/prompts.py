@@ -8,9 +8,10 @@ import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from selfopd.cli.common import DEFAULT_DATA, DEFAULT_MODEL, DEFAULT_STUDENT, UserError, add_overrides, command
+from selfopd.cli.common import DEFAULT_MODEL, DEFAULT_STUDENT, UserError, add_overrides, command
 
 if TYPE_CHECKING:
+    from selfopd.config import TrainConfig
     from selfopd.templating.templates import PromptTemplate
 
 RANK_PROMPTS, RANK_SAMPLES, RANK_GAP_ITEMS = 24, 8, 64  # `prompts rank` defaults: docs/diagnostics.md
@@ -23,21 +24,47 @@ def add_prompts_command(commands: argparse._SubParsersAction) -> None:
 
     render = command(sub, "render", _prompts_render, "show the student and a teacher prompt side by side")
     render.add_argument("template", help="teacher template name (e.g. teacher/reference_answer) or file")
-    render.add_argument("--data", default=DEFAULT_DATA, help="data spec (default: the demo task)")
+    render.add_argument("--data", help="data spec (default: the config's data.spec, else the demo task)")
     render.add_argument("--index", type=int, default=0, help="row of the dataset to render (default: 0)")
-    render.add_argument("--student", default=DEFAULT_STUDENT, help=f"student template (default: {DEFAULT_STUDENT})")
-    render.add_argument("--model", default=DEFAULT_MODEL, help="model whose chat template and tokenizer count tokens")
+    render.add_argument("--student", help=f"student template (default: the config's, else {DEFAULT_STUDENT})")
+    render.add_argument("--model", help="model whose chat template and tokenizer count tokens (default: the config's "
+                        f"model.student, else {DEFAULT_MODEL})")
+    _add_config(render)
     render.add_argument("--attempt", help="a student attempt, for templates that use `attempt`/`feedback`")
     render.add_argument("--demonstration", help="a correct sibling's answer, for templates that use `demonstration` "
                         "(default: a stand-in sentence)")
 
     lint = command(sub, "lint", _prompts_lint, "check templates render on a data sample and do not leak the answer")
     lint.add_argument("templates", nargs="*", help="template names or files (default: every shipped template)")
-    lint.add_argument("--data", default=DEFAULT_DATA, help="data spec to render on (default: the demo task)")
+    lint.add_argument("--data", help="data spec to render on (default: the config's data.spec, else the demo task)")
     lint.add_argument("--sample", type=int, default=8, help="rows to render each template on (default: 8)")
-    lint.add_argument("--student", default=DEFAULT_STUDENT, help=f"student template (default: {DEFAULT_STUDENT})")
+    lint.add_argument("--student", help=f"student template (default: the config's, else {DEFAULT_STUDENT})")
+    lint.add_argument("--model", help="with --config or --set: the model whose chat template shows whether the "
+                      "roles' chat_template_kwargs move the teacher's scoring point (default: the config's model.student)")
+    _add_config(lint)
     _add_rank(sub)
     prompts.set_defaults(run=lambda _args: prompts.print_help() or 2)
+
+
+def _add_config(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, help="training config whose data, student template, model and "
+                        "chat_template_kwargs (model.*, teacher.*, teachers.NAME.*) are the defaults")
+    add_overrides(parser, "model.chat_template_kwargs=enable_thinking=false")
+
+
+def _config(args: argparse.Namespace) -> TrainConfig:
+    """The config `--config` and `--set` give (the defaults without them); flags win over it."""
+    from selfopd.config import load_config
+
+    config = load_config(args.config, args.overrides)
+    args.data = args.data or config.data.spec
+    args.student = args.student or config.data.student_template
+    args.model = args.model or config.model.student
+    return config
+
+
+def _shown(kwargs: dict) -> str:
+    return ", ".join(f"{name}={value!r}" for name, value in kwargs.items()) or "none"
 
 
 RANK_HELP = """Score teacher templates on ONE fixed set of student rollouts, with no training, and
@@ -81,12 +108,15 @@ def _prompts_list(_args: argparse.Namespace) -> None:
 def _prompts_render(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
+    from selfopd.config.teachers import chat_kwargs
     from selfopd.data import load_examples
     from selfopd.core.models import from_pretrained, resolve_model
+    from selfopd.templating.lint import generation_prompt
     from selfopd.templating.templates import (SAMPLE_DEMONSTRATION, load_template, prompt_token_ids, render_student,
                                    render_teacher, uses_demonstration)
     from selfopd.verifiers import verify_example
 
+    config = _config(args)
     examples = load_examples(args.data)
     if not 0 <= args.index < len(examples):
         raise UserError(f"--index {args.index} is outside the data spec's {len(examples)} rows")
@@ -96,13 +126,14 @@ def _prompts_render(args: argparse.Namespace) -> None:
     feedback = verify_example(args.attempt, example).feedback if args.attempt is not None else None
     demonstration = (args.demonstration or SAMPLE_DEMONSTRATION) if uses_demonstration(teacher_template) else None
     teacher = render_teacher(teacher_template, example, student, args.attempt, feedback, demonstration)
-    tokenizer = from_pretrained(AutoTokenizer, resolve_model(args.model))
-    columns = [
-        (f"STUDENT {student_template.name}", student, len(prompt_token_ids(tokenizer, student))),
-        (f"TEACHER {teacher_template.name}", teacher, len(prompt_token_ids(tokenizer, teacher))),
-    ]
+    tokenizer = from_pretrained(AutoTokenizer, resolve_model(args.model), trust_remote_code=config.model.trust_remote_code)
+    roles = [(f"STUDENT {student_template.name}", student), (f"TEACHER {teacher_template.name}", teacher)]
     print(f"example {example.id} (answer: {example.answer})")
-    print(_side_by_side([(f"{title} [{count} tokens]", _format_messages(messages)) for title, messages, count in columns]))
+    print(_side_by_side([(f"{title} [{len(prompt_token_ids(tokenizer, messages, kwargs))} tokens]",
+                          _format_messages(messages)) for (title, messages), kwargs in zip(roles, chat_kwargs(config))]))
+    for (title, messages), kwargs in zip(roles, chat_kwargs(config)):
+        print(f"{title.split()[0].lower()} chat_template_kwargs: {_shown(kwargs)}; the generation prompt adds "
+              f"{generation_prompt(tokenizer, messages, kwargs)!r}")
 
 
 def _prompts_lint(args: argparse.Namespace) -> int:
@@ -110,6 +141,7 @@ def _prompts_lint(args: argparse.Namespace) -> int:
     from selfopd.templating.lint import lint_template, missing_fields
     from selfopd.templating.templates import list_templates, load_template
 
+    config = _config(args)
     if args.sample < 1:
         raise UserError(f"--sample must be >= 1, got {args.sample}: linting on no rows would check nothing")
     sample = load_examples(args.data)[: args.sample]
@@ -129,8 +161,29 @@ def _prompts_lint(args: argparse.Namespace) -> int:
         warnings += sum(f.level == "warning" for f in findings)
         if not findings:
             print(f"ok: {name}")
+    for finding in _boundary_findings(config, args.model):
+        print(finding)
+        warnings += 1
     print(f"{len(names)} templates, {errors} errors, {warnings} warnings")
     return 1 if errors else 0
+
+
+def _boundary_findings(config: TrainConfig, model: str) -> list:
+    """Each teacher ([teacher], [teachers.NAME]) whose chat-template arguments move the point it
+    scores from, rendered with `model`'s chat template (loaded only when some arguments differ)."""
+    from selfopd.config.teachers import chat_kwargs, teacher_key
+    from selfopd.templating.lint import boundary_findings
+
+    roles = [(teacher_key(config, table), *chat_kwargs(config, table))
+             for table in (config.teacher, *config.teachers.values())]
+    if all(student == teacher for _, student, teacher in roles):
+        return []
+    from transformers import AutoTokenizer
+
+    from selfopd.core.models import from_pretrained, resolve_model
+
+    tokenizer = from_pretrained(AutoTokenizer, resolve_model(model), trust_remote_code=config.model.trust_remote_code)
+    return [finding for key, student, teacher in roles for finding in boundary_findings(tokenizer, student, teacher, key)]
 
 
 def _prompts_rank(args: argparse.Namespace) -> None:

@@ -184,6 +184,7 @@ def run_sft(config: SftConfig, progress: bool = True, student_run: Path | None =
     from selfopd.run.evaluate import evaluate
 
     sft, seed, eval_config = config.sft, config.train.run.seed, config.train.eval
+    chat_kwargs = config.train.model.chat_template_kwargs
     if config.train.model.threads:
         torch.set_num_threads(config.train.model.threads)
     torch.manual_seed(seed)
@@ -206,7 +207,8 @@ def run_sft(config: SftConfig, progress: bool = True, student_run: Path | None =
     def evaluated(label: str) -> tuple[Any, list[Any]]:
         began = time.perf_counter()
         result = evaluate(engine, tokenizer, held_out, student_template, eval_config.max_tokens,
-                          eval_config.batch_size, out_dir=run_dir / "eval" / label, progress=progress)
+                          eval_config.batch_size, out_dir=run_dir / "eval" / label, progress=progress,
+                          template_kwargs=chat_kwargs)
         seconds[f"eval_{label}"] = time.perf_counter() - began
         return result
 
@@ -217,12 +219,13 @@ def run_sft(config: SftConfig, progress: bool = True, student_run: Path | None =
         began = time.perf_counter()
         if kind == "solution":
             targets, stats = solution_targets(tokenizer, chosen, student_template, _end_id(model, tokenizer),
-                                              sft.max_target_tokens)
+                                              sft.max_target_tokens, chat_kwargs)
         else:
             params = SamplingParams(max_tokens=sft.max_tokens, temperature=sft.temperature,
                                     n=sft.samples_per_prompt, seed=seed)
             targets, stats = sampled_targets(engine, tokenizer, chosen, student_template, sample_template, params,
-                                             eval_config.batch_size, progress)
+                                             eval_config.batch_size, progress, chat_kwargs,
+                                             config.train.teacher.template_kwargs(chat_kwargs))
         seconds["targets"] = time.perf_counter() - began
         write_lines_atomic(run_dir / "targets.jsonl", (
             {"id": t.example_id, "text": t.text, "completion_tokens": len(t.completion_ids)} for t in targets))

@@ -50,8 +50,10 @@ def resolve_targets(targets: str, examples: Sequence[Example]) -> str:
 
 
 def solution_targets(tokenizer: Any, examples: Sequence[Example], student_template: Any, end_id: int,
-                     max_target_tokens: int) -> tuple[list[Target], TargetStats]:
-    """Worked solutions as completions, each verified to end in the reference answer."""
+                     max_target_tokens: int, student_kwargs: dict[str, Any] | None = None
+                     ) -> tuple[list[Target], TargetStats]:
+    """Worked solutions as completions, each verified to end in the reference answer.
+    `student_kwargs`: the student's chat-template arguments (model.chat_template_kwargs)."""
     from selfopd.templating.templates import prompt_token_ids, render_student
     from selfopd.verifiers import verify_example
 
@@ -69,7 +71,7 @@ def solution_targets(tokenizer: Any, examples: Sequence[Example], student_templa
         if len(completion) > max_target_tokens:
             stats.unfinished += 1
             continue
-        prompt = prompt_token_ids(tokenizer, render_student(student_template, example))
+        prompt = prompt_token_ids(tokenizer, render_student(student_template, example), student_kwargs or {})
         targets.append(Target(example.id, prompt, completion, text))
     stats.kept = len(targets)
     return targets, stats
@@ -77,7 +79,8 @@ def solution_targets(tokenizer: Any, examples: Sequence[Example], student_templa
 
 def sampled_targets(engine: Any, tokenizer: Any, examples: Sequence[Example], student_template: Any,
                     sample_template: Any, params: SamplingParams, batch_size: int,
-                    progress: bool = True) -> tuple[list[Target], TargetStats]:
+                    progress: bool = True, student_kwargs: dict[str, Any] | None = None,
+                    teacher_kwargs: dict[str, Any] | None = None) -> tuple[list[Target], TargetStats]:
     """Rejection sampling with privileged context: sample from the teacher prompt, keep the
     verified-correct, finished, distinct completions, paired with the *student* prompt.
     Batch number b samples with seed `params.seed * 1_000_003 + b`."""
@@ -91,13 +94,14 @@ def sampled_targets(engine: Any, tokenizer: Any, examples: Sequence[Example], st
     for number, start in enumerate(tqdm(range(0, len(examples), step), desc="sample", unit="batch", disable=not progress)):
         batch = examples[start : start + step]
         student = [render_student(student_template, e) for e in batch]
-        teacher = [prompt_token_ids(tokenizer, render_teacher(sample_template, e, m)) for e, m in zip(batch, student)]
+        teacher = [prompt_token_ids(tokenizer, render_teacher(sample_template, e, m), teacher_kwargs or {})
+                   for e, m in zip(batch, student)]
         batch_params = dataclasses.replace(params, seed=params.seed * 1_000_003 + number)
         for example, messages, rollouts in zip(batch, student, engine.sample(teacher, batch_params)):
             keep, counts = select_rollouts(example, rollouts)
             for key, value in counts.items():
                 setattr(stats, key, getattr(stats, key) + value)
-            prompt = prompt_token_ids(tokenizer, messages)
+            prompt = prompt_token_ids(tokenizer, messages, student_kwargs or {})
             targets.extend(Target(example.id, prompt, list(r.completion_ids), r.text) for r in keep)
     stats.kept = len(targets)
     return targets, stats

@@ -162,6 +162,7 @@ def run_tournament(config: TrainConfig, templates: Sequence[PromptTemplate], pro
     from selfopd.engines.build import engines_at_start, external_teacher_bridge
     from selfopd.core.models import from_pretrained, resolve_model
     from selfopd.data.split import distinct_prompts, split_examples
+    from selfopd.config.teachers import chat_kwargs
     from selfopd.templating.templates import load_template
 
     if config.model.threads:
@@ -177,7 +178,8 @@ def run_tournament(config: TrainConfig, templates: Sequence[PromptTemplate], pro
     student = ScoreCache(student_engine)
     teacher = student if teacher_engine is student_engine else ScoreCache(teacher_engine)
     prompting = Prompting(student.tokenizer, load_template(config.data.student_template), templates[0],
-                          {e.id: e for e in examples}, load_template(config.teacher.demonstration_fallback))
+                          {e.id: e for e in examples}, load_template(config.teacher.demonstration_fallback),
+                          *chat_kwargs(config))
     temperature = config.rollout.temperature or 1.0
     batch_size = config.eval.batch_size
     params = SamplingParams(max_tokens=config.rollout.max_tokens, temperature=config.rollout.temperature,

@@ -11,8 +11,8 @@ import shlex
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from selfopd.config.settings import (MAX_BATCH, MAX_SECONDS, MAX_TOKENS, MAX_WEIGHT, Section, check_printable, fail,
-                                     setting)
+from selfopd.config.settings import (MAX_BATCH, MAX_SECONDS, MAX_TOKENS, MAX_WEIGHT, Section, TableValue,
+                                     check_printable, fail, setting)
 
 DType = Literal["float32", "bfloat16"]
 EngineKind = Literal["local", "vllm", "vllm_colocate"]
@@ -21,6 +21,11 @@ VLLM_KINDS = ("vllm", "vllm_colocate")
 AttnImplementation = Literal["auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3"]
 WeightSyncKind = Literal["auto", "gloo", "nccl"]
 Switch = Literal["auto", "on", "off"]
+# apply_chat_template's own arguments: selfopd sets these itself, so a template argument cannot.
+CHAT_TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                                     "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                                     "truncation", "max_length", "return_tensors", "return_dict",
+                                     "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,11 @@ class ModelConfig(Section):
     lora_targets: tuple[str, ...] = setting(
         ("all-linear",), "Modules that get adapters: names as peft's target_modules ('all-linear': every linear "
         "layer but the output head).")
+    chat_template_kwargs: dict[str, TableValue] = setting(
+        {}, "Extra arguments of the student's chat template, e.g. {enable_thinking = false} (Qwen3 and Qwen3.5 think "
+        "by default; false makes their generation prompt end with an empty <think></think> block). Used wherever "
+        "selfopd applies the student's chat template: training prompts, evaluation, checks, diagnostics, SFT. --set "
+        "model.chat_template_kwargs=enable_thinking=false,name=value. docs/templates.md")
     threads: int = setting(0, "Torch CPU threads (0: torch's default).", ge=0, most=4096)
     trust_remote_code: bool = setting(
         False, "Run Python code shipped with a model folder or hub repo (its own architecture): passed to every "
@@ -57,12 +67,21 @@ class ModelConfig(Section):
         self._non_empty("student")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             fail(self._key("device"), f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        check_template_kwargs(self._key("chat_template_kwargs"), self.chat_template_kwargs)
         if self.lora_rank and not self.lora_targets:
             fail(self._key("lora_targets"), "must name at least one module when lora_rank > 0")
 
     @property
     def lora(self) -> bool:
         return self.lora_rank > 0
+
+
+def check_template_kwargs(key: str, kwargs: dict[str, TableValue]) -> None:
+    """Refuse a chat-template argument that is one of apply_chat_template's own."""
+    for name in kwargs:
+        if name in CHAT_TEMPLATE_ARGUMENTS:
+            fail(f"{key}.{name}", "is an argument selfopd passes to apply_chat_template itself, not a template "
+                 "variable")
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,10 @@ def setting(default: Any, help: str, *, ge: float | None = None, gt: float | Non
     """A section field with its default and the help line `--show-config` prints; a number also
     declares its range (`Bounds`), checked when the section is built and shown in the reference."""
     bounds = Bounds(ge, gt, le, lt, most)
-    return field(default=default, metadata={"help": help, **({"bounds": bounds} if bounds != Bounds() else {})})
+    metadata = {"help": help, **({"bounds": bounds} if bounds != Bounds() else {})}
+    if isinstance(default, dict):  # a table: each section gets its own copy
+        return field(default_factory=lambda: dict(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 def bounds_of(cls: type, name: str) -> Bounds | None:
@@ -100,6 +103,8 @@ def describe_type(tp: Any) -> str:
         return "a list, each one of " + ", ".join(repr(v) for v in typing.get_args(typing.get_args(tp)[0]))
     if typing.get_origin(tp) is tuple:
         return f"a list of {describe_type(typing.get_args(tp)[0]).removeprefix('an ').removeprefix('a ')}s"
+    if typing.get_origin(tp) is dict:
+        return "a table of names to true/false, numbers or strings"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[tp]
 
 
@@ -114,6 +119,16 @@ def _check_type(key: str, tp: Any, value: Any) -> Any:
         if not isinstance(value, (list, tuple)):
             fail(key, f"expected {describe_type(tp)}, got {value!r}")
         return tuple(_check_type(key, typing.get_args(tp)[0], item) for item in value)
+    if typing.get_origin(tp) is dict:  # dict[str, TableValue]: a TOML table of plain values
+        if not isinstance(value, dict):
+            fail(key, f"expected {describe_type(tp)}, got {value!r}")
+        for name, item in value.items():
+            check_table_key(key, name)
+            if not isinstance(item, TABLE_VALUES) or isinstance(item, float) and not math.isfinite(item):
+                fail(f"{key}.{name}", f"expected true/false, a number or a string, got {shown(item)}")
+            if isinstance(item, str):
+                check_printable(f"{key}.{name}", item)
+        return dict(value)
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             fail(key, f"expected a number, got {value!r}")
@@ -131,6 +146,17 @@ def _check_type(key: str, tp: Any, value: Any) -> Any:
     if tp is str:
         check_printable(key, value)
     return value
+
+
+TableValue = bool | int | float | str  # the values of a table setting (dict[str, TableValue])
+TABLE_VALUES = (bool, int, float, str)
+
+
+def check_table_key(key: str, name: Any) -> str:
+    """A table setting's key: a name (letters, digits, '_'), as a template variable is."""
+    if not isinstance(name, str) or not name.isidentifier() or not name.isascii():
+        fail(key, f"keys are names (letters, digits, '_'), got {name!r}")
+    return name
 
 
 def check_key(section: str, cls: type, key: str) -> None:
@@ -208,7 +234,7 @@ def build_keyed(tables: Any, section: str, cls: type) -> dict[str, Any]:
         try:
             built[name] = cls(**table)
         except ConfigError as error:  # the class names its key `SECTION.key`
-            raise ConfigError(f"{section}.{name}.{error.key.rpartition('.')[2]}", error.message) from None
+            raise ConfigError(f"{section}.{name}.{error.key.partition('.')[2]}", error.message) from None
     return built
 
 
@@ -228,7 +254,17 @@ def build_sections(tables: Mapping[str, Any], schema: Mapping[str, type]) -> dic
 
 
 def parse_value(key: str, tp: Any, text: str) -> Any:
-    """A `--set` value as the field's type; a list is comma-separated ("0,1,2")."""
+    """A `--set` value as the field's type; a list is comma-separated ("0,1,2"), a table is
+    comma-separated name=value pairs ("enable_thinking=false,depth=2"), each value read as
+    true/false, an integer, a number, else a string."""
+    if typing.get_origin(tp) is dict:
+        table = {}
+        for item in (item.strip() for item in text.split(",") if item.strip()):
+            name, eq, value = item.partition("=")
+            if not eq:
+                fail(key, f"expected name=value pairs separated by commas, got {item!r}")
+            table[check_table_key(key, name.strip())] = _table_value(value.strip())
+        return _check_type(key, tp, table)
     if typing.get_origin(tp) is tuple:
         return tuple(parse_value(key, typing.get_args(tp)[0], item.strip()) for item in text.split(",") if item.strip())
     if tp is bool:
@@ -247,6 +283,18 @@ def parse_value(key: str, tp: Any, text: str) -> Any:
             fail(key, f"expected a number, got {text!r}")
         return _check_type(key, float, number)  # rejects nan and inf
     return _check_type(key, tp, text)  # str, or a Literal checked against its values
+
+
+def _table_value(text: str) -> TableValue:
+    """A `--set` table value: true/false, an integer, a number, else the text itself."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 MAX_CONFIG_BYTES = 16 * 2**20  # a config, comparison or run folder's TOML; the largest shipped is a few KB
@@ -306,7 +354,8 @@ def load_document(path: str | Path | None, overrides: Sequence[str], schema: Map
     try:
         return build(tables)
     except ConfigError as error:
-        source = f"--set {redacted(set_by[error.key])}" if error.key in set_by else None if path is None else str(path)
+        given = next((set_by[key] for key in (error.key, error.key.rpartition(".")[0]) if key in set_by), None)
+        source = f"--set {redacted(given)}" if given else None if path is None else str(path)  # a table's key: its --set
         raise ConfigError(error.key, error.message, source=source) from None
 
 
@@ -326,6 +375,8 @@ def section_toml(name: str, values: Section) -> list[str]:
 
 
 def toml_value(value: Any) -> str:
+    if isinstance(value, dict):  # keys are names (check_table_key): bare TOML keys
+        return "{" + ", ".join(f"{name} = {toml_value(item)}" for name, item in value.items()) + "}"
     if isinstance(value, tuple):
         return "[" + ", ".join(toml_value(item) for item in value) + "]"
     if isinstance(value, bool):

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal, Mapping
 
+from selfopd.config.compute import check_template_kwargs
 from selfopd.config.loss import FULL_VOCABULARY
-from selfopd.config.settings import Section, fail, setting
+from selfopd.config.settings import Section, TableValue, fail, setting
 
 if TYPE_CHECKING:
     from selfopd.config import TrainConfig
@@ -43,6 +44,12 @@ class TeacherConfig(Section):
         "teacher signal and is counted (teacher/unaligned_share). Sampled-token loss only (loss.divergence = "
         "'sampled'). docs/teachers.md")
     template: str = setting("teacher/reference_answer", "Prompt template that shows the teacher the privileged information.")
+    chat_template_kwargs: dict[str, TableValue] = setting(
+        {}, "Extra arguments of the teacher's chat template, merged over model.chat_template_kwargs: empty (the "
+        "default) prompts the teacher exactly as the student's settings do; a name set here overrides the student's "
+        "value for the teacher's prompts only (e.g. {enable_thinking = true}). A difference that changes where the "
+        "assistant's text starts moves the point the teacher scores from: `selfopd prompts lint --config` warns. "
+        "docs/templates.md")
     ema_rate: float = setting(
         0.05, "kind = 'ema': after every optimizer step taken, ema <- (1 - rate) * ema + rate * student, from the "
         "initial weights; 1 is the 'self' teacher, 0 the 'frozen' one. 0.05 (a half-life of ~14 steps) is SDPO's "
@@ -71,6 +78,7 @@ class TeacherConfig(Section):
                  "the student's own weights read its own tokens")
         self._non_empty("template")
         self._non_empty("demonstration_fallback")
+        check_template_kwargs(self._key("chat_template_kwargs"), self.chat_template_kwargs)
         if len(set(self.tasks)) != len(self.tasks):
             fail(self._key("tasks"), f"names a task twice: {list(self.tasks)}")
 
@@ -87,6 +95,19 @@ class TeacherConfig(Section):
     def weights(self, student: str) -> str:
         """The model whose weights the teacher runs: `teacher.model`, or the (initial) student."""
         return self.model if self.kind == "external" else student
+
+    def template_kwargs(self, student: Mapping[str, TableValue]) -> dict[str, TableValue]:
+        """The teacher's chat-template arguments: its own over the student's (`student`:
+        model.chat_template_kwargs). The one place a teacher's arguments are made."""
+        return {**student, **self.chat_template_kwargs}
+
+
+def chat_kwargs(config: TrainConfig, table: TeacherConfig | None = None) -> tuple[dict[str, TableValue],
+                                                                              dict[str, TableValue]]:
+    """A run's (student's, teacher's) chat-template arguments: model.chat_template_kwargs, and the
+    teacher's (`table`, default [teacher]) merged over them."""
+    student = config.model.chat_template_kwargs
+    return dict(student), (table or config.teacher).template_kwargs(student)
 
 
 def teacher_key(config: TrainConfig, table: TeacherConfig) -> str:

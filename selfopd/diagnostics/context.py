@@ -16,6 +16,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from selfopd.config import TeacherConfig, TrainConfig
+from selfopd.config.teachers import chat_kwargs
 from selfopd.templating.demonstrations import pick_demonstrations
 from selfopd.diagnostics.measures import Annotated, annotate
 from selfopd.run.rollouts import DiagnosticsError, RolloutRecord
@@ -48,6 +49,8 @@ class Prompting:
     examples_by_id: Mapping[str, Example]
     # The run's teacher.demonstration_fallback (None: the config's default), for templates that use `demonstration`.
     demonstration_fallback: PromptTemplate | None = None
+    student_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # each role's chat-template arguments
+    teacher_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def with_teacher(self, template: PromptTemplate) -> Prompting:
         return dataclasses.replace(self, teacher_template=template)
@@ -60,7 +63,7 @@ class Prompting:
                                    "(was data.spec changed?)") from None
 
     def student_ids(self, example: Example) -> list[int]:
-        return prompt_token_ids(self.tokenizer, render_student(self.student_template, example))
+        return prompt_token_ids(self.tokenizer, render_student(self.student_template, example), self.student_kwargs)
 
     def teacher_messages(self, example: Example, attempt: str, feedback: str | None = None,
                          demonstration: str | None = None) -> list[dict[str, str]]:
@@ -78,7 +81,8 @@ class Prompting:
 
     def teacher_ids(self, example: Example, attempt: str, feedback: str | None = None,
                     demonstration: str | None = None) -> list[int]:
-        return prompt_token_ids(self.tokenizer, self.teacher_messages(example, attempt, feedback, demonstration))
+        return prompt_token_ids(self.tokenizer, self.teacher_messages(example, attempt, feedback, demonstration),
+                                self.teacher_kwargs)
 
 
 def run_prompting(run_dir: Path, config: TrainConfig, examples: Sequence[Example]) -> Prompting:
@@ -93,7 +97,7 @@ def run_prompting(run_dir: Path, config: TrainConfig, examples: Sequence[Example
                                 trust_remote_code=config.model.trust_remote_code)
     return Prompting(tokenizer, load_run_template(run_dir, config.data.student_template),
                      load_run_template(run_dir, config.teacher.template), {e.id: e for e in examples},
-                     load_run_template(run_dir, config.teacher.demonstration_fallback))
+                     load_run_template(run_dir, config.teacher.demonstration_fallback), *chat_kwargs(config))
 
 
 def annotate_records(records: Sequence[RolloutRecord], prompting: Prompting, progress: bool = False) -> list[Annotated]:

@@ -67,11 +67,12 @@ class Drift:
 
 
 def drift(model: Any, reference: Any, tokenizer: Any, prompts: Sequence[str], samples: int = 2,
-          max_tokens: int = 48, seed: int = 0, progress: bool = True) -> Drift:
+          max_tokens: int = 48, seed: int = 0, progress: bool = True,
+          template_kwargs: dict[str, Any] | None = None) -> Drift:
     """The trained `model`'s per-token KL to `reference` (its start) along `samples` of its own
     completions of each prompt (chat-templated as a student sees a prompt)."""
     engine = LocalEngine(model, tokenizer, batch_size=len(prompts) * samples)
-    ids = [prompt_token_ids(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+    ids = [prompt_token_ids(tokenizer, [{"role": "user", "content": p}], template_kwargs or {}) for p in prompts]
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0, n=samples, seed=seed)
     per_prompt, tokens = {}, 0
     for prompt, prompt_ids, rollouts in tqdm(list(zip(prompts, ids, engine.sample(ids, params))),

@@ -105,12 +105,14 @@ def external_teacher_bridge(config: TrainConfig, tokenizer: Any, teacher: Teache
     trust = config.model.trust_remote_code
     teacher_tokenizer = from_pretrained(AutoTokenizer, teacher_dir, trust_remote_code=trust)
     vocab_size = from_pretrained(AutoConfig, teacher_dir, trust_remote_code=trust).vocab_size
+    kwargs = teacher.template_kwargs(config.model.chat_template_kwargs)
     if teacher.tokenizer == "own":
         try:
-            return open_bridge(tokenizer, teacher_tokenizer, vocab_size, config.model.student, teacher.model)
+            return open_bridge(tokenizer, teacher_tokenizer, vocab_size, config.model.student, teacher.model,
+                               config.model.chat_template_kwargs, kwargs)
         except ChatBoundaryError as error:
             raise ConfigError(f"{teacher_key(config, teacher)}.tokenizer", f"'own': {error}") from None
-    check_tokenizers_compatible(tokenizer, teacher_tokenizer, vocab_size, config.model.student, teacher.model)
+    check_tokenizers_compatible(tokenizer, teacher_tokenizer, vocab_size, config.model.student, teacher.model, kwargs)
     return None
 
 

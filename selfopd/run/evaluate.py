@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
@@ -48,12 +48,14 @@ def evaluate(
     samples: int = 1,
     temperature: float = 0.0,
     seed: int = 0,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[Proportion | MeanEstimate, list[EvalRecord]]:
     """Accuracy on `examples`: greedy (the default), or avg@k with `samples` > 1 at
-    `temperature`. With `out_dir`, writes eval.jsonl and summary.json."""
+    `temperature`. With `out_dir`, writes eval.jsonl and summary.json. `template_kwargs`:
+    the student's chat-template arguments (model.chat_template_kwargs)."""
     if samples > 1 and temperature == 0:
         raise ValueError("avg@k with k > 1 needs temperature > 0: greedy samples are identical")
-    prompts = [prompt_token_ids(tokenizer, render_student(template, e)) for e in examples]
+    prompts = [prompt_token_ids(tokenizer, render_student(template, e), template_kwargs or {}) for e in examples]
     check_room(examples, prompts, max_new_tokens, getattr(engine, "max_scored_tokens", None))  # before any sampling
     records: list[EvalRecord] = []
     batches = range(0, len(examples), batch_size)

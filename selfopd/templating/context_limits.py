@@ -38,7 +38,7 @@ def context_limits(config: TrainConfig, student_config: Any, teacher_config: Any
 def check_context(config: TrainConfig, student_config: Any, teacher_config: Any, tokenizer: Any,
                   student: PromptTemplate, teacher: PromptTemplate, fallback: PromptTemplate | None,
                   train_examples: Sequence[Example], eval_examples: Sequence[Example],
-                  teacher_tokenizer: Any | None = None) -> None:
+                  teacher_tokenizer: Any | None = None, teacher_kwargs: dict[str, Any] | None = None) -> None:
     """Refuse, before any engine starts, a prompt that leaves no room for its completion.
     Only the longest prompts by characters are tokenized (a large dataset costs no start-up
     time): for the teacher, the rows with the most text it is shown (question, answer, solution,
@@ -51,7 +51,8 @@ def check_context(config: TrainConfig, student_config: Any, teacher_config: Any,
                                                                                   teacher_config)
     for key, completion, examples in (("rollout.max_tokens", config.rollout.max_tokens, train_examples),
                                       ("eval.max_tokens", config.eval.max_tokens, eval_examples)):
-        lengths = {e.id: len(prompt_token_ids(tokenizer, render_student(student, e))) for e in _longest(examples)}
+        lengths = {e.id: len(prompt_token_ids(tokenizer, render_student(student, e), config.model.chat_template_kwargs))
+                   for e in _longest(examples)}
         longest = max(lengths, key=lengths.__getitem__)
         if lengths[longest] + completion > student_limit:
             raise ConfigError(key, f"data row {longest!r} of {config.data.spec}: its prompt ({lengths[longest]} tokens) "
@@ -64,7 +65,9 @@ def check_context(config: TrainConfig, student_config: Any, teacher_config: Any,
         messages = render_teacher(teacher, example, render_student(student, example), attempt="", feedback="",
                                   demonstration=SAMPLE_DEMONSTRATION if uses_demonstration(teacher) else None,
                                   fallback=fallback)
-        tokens = len(prompt_token_ids(teacher_tokenizer or tokenizer, messages))
+        tokens = len(prompt_token_ids(teacher_tokenizer or tokenizer, messages,  # the teacher's chat-template arguments
+                                      config.teacher.template_kwargs(config.model.chat_template_kwargs)
+                                      if teacher_kwargs is None else teacher_kwargs))
         if tokens + worst > teacher_limit:
             shows = f", the {' and '.join(shown)} it shows" if shown else ""
             raise ConfigError("teacher.template", f"data row {example.id!r} of {config.data.spec}: the teacher's prompt "

@@ -10,13 +10,19 @@ point (when the template rewrites the question, after its last `tail_chars` char
 A teacher prompted that way gains its advantage on the answer tokens by copying, which
 the student can never do: the privileged illusion. A reference placed before the
 question, with an instruction to reason, is not flagged.
+
+The chat-template check (`boundary_findings`): the teacher scores the student's completion
+right after its own generation prompt, so the text the generation prompt adds (the assistant
+header, and for thinking models e.g. an empty `<think></think>` block) must be the same for both
+roles. It renders the probe conversations with each role's chat-template arguments and
+compares what the generation prompt adds; arguments the template ignores are not flagged.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 from selfopd.data.example import Example
 from selfopd.templating.templates import (
@@ -33,6 +39,7 @@ from selfopd.templating.templates import (
     render_teacher,
     uses_demonstration,
 )
+from selfopd.templating.tokenizer_check import CHAT_PROBES
 
 Level = Literal["error", "warning"]
 PRIVILEGED_VARIABLES = frozenset(TEACHER_VARIABLES) - frozenset(STUDENT_VARIABLES)
@@ -124,3 +131,31 @@ def _feedback_for(example: Example) -> tuple[str, str]:
     from selfopd.verifiers import verify_example
 
     return ATTEMPT_PLACEHOLDER, verify_example(ATTEMPT_PLACEHOLDER, example).feedback
+
+
+def generation_prompt(tokenizer: Any, messages: Sequence[dict[str, str]], template_kwargs: Mapping[str, Any]) -> str:
+    """The text the chat template's generation prompt adds after `messages` with these arguments:
+    what the completion is scored right after (the whole prompt when the two renderings diverge)."""
+    def render(add: bool) -> str:
+        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=add, tokenize=False,
+                                             **template_kwargs)
+
+    whole, conversation = render(True), render(False)
+    return whole[len(conversation):] if whole.startswith(conversation) else whole
+
+
+def boundary_findings(tokenizer: Any, student_kwargs: Mapping[str, Any], teacher_kwargs: Mapping[str, Any],
+                      teacher: str = "teacher") -> list[Finding]:
+    """One warning when the teacher's chat-template arguments change what the generation prompt adds
+    (measured by rendering the probe conversations with `tokenizer`); none when they render alike."""
+    if dict(student_kwargs) == dict(teacher_kwargs):
+        return []
+    for label, messages in CHAT_PROBES:
+        student = generation_prompt(tokenizer, messages, student_kwargs)
+        theirs = generation_prompt(tokenizer, messages, teacher_kwargs)
+        if student != theirs:
+            return [Finding("warning", f"{teacher}.chat_template_kwargs", (
+                f"the teacher's generation prompt ends {theirs!r} ({dict(teacher_kwargs)}), the student's {student!r} "
+                f"({dict(student_kwargs)}) on the {label} probe: the teacher scores the student's completion from a "
+                "different point"))]
+    return []

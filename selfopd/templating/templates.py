@@ -28,7 +28,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from types import MappingProxyType
+from typing import Any, Iterable, Mapping, Sequence
 
 import jinja2
 from jinja2 import meta as jinja_meta
@@ -236,10 +237,14 @@ def render_teacher(
     return messages
 
 
-def prompt_token_ids(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
+def prompt_token_ids(tokenizer: Any, messages: Sequence[Message],
+                     template_kwargs: Mapping[str, Any] = MappingProxyType({})) -> list[int]:
     """Token ids of `messages` through the model's own chat template, ending with the
-    assistant header: appending a completion's exact ids gives a valid sequence."""
-    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=False)
+    assistant header: appending a completion's exact ids gives a valid sequence.
+    `template_kwargs`: the role's chat-template arguments (model.chat_template_kwargs for the
+    student, `TeacherConfig.template_kwargs` for a teacher), e.g. enable_thinking."""
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=False,
+                                        **template_kwargs)
     return list(ids)
 
 

@@ -22,8 +22,8 @@ for the canonical one, so such a bridge gives the same numbers as `teacher.token
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -62,10 +62,11 @@ class TokenBridge:
     student_end: int
     teacher_end: int
     shared_ids: bool  # the teacher reads every student id the same: it scores the student's own ids
+    teacher_kwargs: Mapping[str, Any] = field(default_factory=dict)  # the teacher's chat-template arguments
 
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
-        """The teacher's prompt through its own chat template."""
-        return prompt_token_ids(self.teacher, messages)
+        """The teacher's prompt through its own chat template, with its own arguments."""
+        return prompt_token_ids(self.teacher, messages, self.teacher_kwargs)
 
     def completion(self, completion_ids: Sequence[int]) -> Bridged:
         """The student's completion as the teacher's ids; the end-of-turn token, when the student
@@ -96,27 +97,32 @@ class TokenBridge:
 
 
 def open_bridge(student: Any, teacher: Any, teacher_vocab_size: int, student_name: str = "student",
-                teacher_name: str = "teacher") -> TokenBridge:
-    """The bridge between two tokenizers, once both chat templates pass the boundary check."""
-    student_end = turn_end(student, student_name)
-    teacher_end = turn_end(teacher, teacher_name)
+                teacher_name: str = "teacher", student_kwargs: Mapping[str, Any] | None = None,
+                teacher_kwargs: Mapping[str, Any] | None = None) -> TokenBridge:
+    """The bridge between two tokenizers, once both chat templates pass the boundary check, each
+    with its role's chat-template arguments (`*_kwargs`)."""
+    student_kwargs, teacher_kwargs = dict(student_kwargs or {}), dict(teacher_kwargs or {})
+    student_end = turn_end(student, student_name, student_kwargs)
+    teacher_end = turn_end(teacher, teacher_name, teacher_kwargs)
     try:
-        check_tokenizers_compatible(student, teacher, teacher_vocab_size, student_name, teacher_name)
+        check_tokenizers_compatible(student, teacher, teacher_vocab_size, student_name, teacher_name, teacher_kwargs)
         shared = True
     except TokenizerMismatch:
         shared = False
-    return TokenBridge(student, teacher, student_end, teacher_end, shared)
+    return TokenBridge(student, teacher, student_end, teacher_end, shared, teacher_kwargs)
 
 
-def turn_end(tokenizer: Any, name: str) -> int:
+def turn_end(tokenizer: Any, name: str, template_kwargs: Mapping[str, Any] | None = None) -> int:
     """The token a chat template closes the assistant's turn with, after checking on each probe
-    conversation that the generation prompt ends exactly where the assistant's text starts."""
+    conversation that the generation prompt ends exactly where the assistant's text starts
+    (rendered with `template_kwargs`, the role's chat-template arguments)."""
+    kwargs = dict(template_kwargs or {})
     ends = set()
     for label, messages in CHAT_PROBES:
-        prompt = prompt_token_ids(tokenizer, messages)
+        prompt = prompt_token_ids(tokenizer, messages, kwargs)
         answer = tokenizer.encode(BOUNDARY_ANSWER, add_special_tokens=False)
         whole = list(tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": BOUNDARY_ANSWER}],
-                                                   tokenize=True, return_dict=False))
+                                                   tokenize=True, return_dict=False, **kwargs))
         if whole[: len(prompt)] != prompt:
             at = next(i for i, (a, b) in enumerate(zip(whole, prompt)) if a != b) if len(whole) >= len(prompt) else len(whole)
             raise ChatBoundaryError(

@@ -17,7 +17,7 @@ embedding padded beyond its tokenizer. Both only add ids the student never sampl
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from selfopd.templating.templates import Message, prompt_token_ids
 
@@ -52,11 +52,15 @@ def check_tokenizers_compatible(
     teacher_vocab_size: int,
     student_name: str = "student",
     teacher_name: str = "teacher",
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> None:
     """Raise TokenizerMismatch listing every difference; return None when compatible.
 
     `teacher_vocab_size` is the teacher model's output-embedding rows (`config.vocab_size`),
-    which may exceed its tokenizer's length.
+    which may exceed its tokenizer's length. `template_kwargs`: the teacher's chat-template
+    arguments; both templates render with them, since the teacher's prompts are made with
+    them whichever tokenizer renders them (a difference between the roles' arguments is
+    `selfopd prompts lint`'s to report, not a tokenizer mismatch).
     """
     student_vocab = student_tokenizer.get_vocab()  # token -> id
     teacher_vocab = teacher_tokenizer.get_vocab()
@@ -71,7 +75,7 @@ def check_tokenizers_compatible(
             f"{teacher_name} model vocab size {teacher_vocab_size} is smaller than {needed}, the size the "
             f"{student_name} tokenizer needs (largest id {needed - 1}): its ids would index past the embedding"
         )
-    problems += _chat_template_problems(student_tokenizer, teacher_tokenizer, names)
+    problems += _chat_template_problems(student_tokenizer, teacher_tokenizer, names, dict(template_kwargs or {}))
     if problems:
         lines = "\n".join(f"- {problem}" for problem in problems)
         raise TokenizerMismatch(f"{teacher_name} cannot score {student_name}'s token ids:\n{lines}")
@@ -121,10 +125,11 @@ def _special_tokens(tokenizer: Any) -> set[str]:
     return {token.content for token in added.values() if token.special} | set(tokenizer.all_special_tokens)
 
 
-def _chat_template_problems(student_tokenizer: Any, teacher_tokenizer: Any, names: tuple[str, str]) -> list[str]:
+def _chat_template_problems(student_tokenizer: Any, teacher_tokenizer: Any, names: tuple[str, str],
+                            kwargs: Mapping[str, Any]) -> list[str]:
     problems = []
     for label, messages in CHAT_PROBES:
-        rendered = [_render(tokenizer, messages) for tokenizer in (student_tokenizer, teacher_tokenizer)]
+        rendered = [_render(tokenizer, messages, kwargs) for tokenizer in (student_tokenizer, teacher_tokenizer)]
         errors = [(name, result) for name, result in zip(names, rendered) if isinstance(result, Exception)]
         if len(errors) == 2:  # neither has a usable template: nothing to disagree on
             continue
@@ -144,10 +149,10 @@ def _chat_template_problems(student_tokenizer: Any, teacher_tokenizer: Any, name
     return problems
 
 
-def _render(tokenizer: Any, messages: Sequence[Message]) -> tuple[list[int], str] | Exception:
+def _render(tokenizer: Any, messages: Sequence[Message], kwargs: Mapping[str, Any]) -> tuple[list[int], str] | Exception:
     """Generation-prompt ids and text, or the error of a tokenizer without a usable template."""
     try:
-        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-        return prompt_token_ids(tokenizer, messages), text
+        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False, **kwargs)
+        return prompt_token_ids(tokenizer, messages, kwargs), text
     except Exception as error:  # a missing or broken template: reported by the caller
         return error

@@ -30,7 +30,7 @@ def run_eval(run: Run) -> dict[str, float] | None:
     main = run.world.is_main
     evaluate(ShardedSampling(run.student_engine, run.world), run.tokenizer, run.eval_examples,
              run.student_template, cfg.eval.max_tokens, cfg.eval.batch_size, out_dir=out_dir if main else None,
-             progress=cfg.run.progress and main)
+             progress=cfg.run.progress and main, template_kwargs=cfg.model.chat_template_kwargs)
     return eval_metrics(run.step, out_dir) if main else None
 
 

@@ -106,7 +106,7 @@ def request_for_step(side: StudentSide, step: int) -> Request:
                             top_p=cfg.rollout.top_p, n=cfg.rollout.samples_per_prompt,
                             seed=cfg.run.seed * 1_000_003 + step,
                             first_row=first_group * cfg.rollout.samples_per_prompt)
-    prompts = [prompt_token_ids(side.tokenizer, m) for m in messages]
+    prompts = [prompt_token_ids(side.tokenizer, m, cfg.model.chat_template_kwargs) for m in messages]
     return Request(step, examples, messages, prompts, params, first_group)
 
 

@@ -102,7 +102,8 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
         if routed[name]:  # each teacher's prompts, of the examples routed to it (all of them: [teacher] alone)
             check_context(config, model.config, teacher_model_config(config, model.config, table), tokenizer,
                           student_template, *templates[name], routed[name], eval_examples,
-                          teacher_tokenizer=bridges[name].teacher if bridges[name] is not None else None)
+                          teacher_tokenizer=bridges[name].teacher if bridges[name] is not None else None,
+                          teacher_kwargs=table.template_kwargs(config.model.chat_template_kwargs))
     model = prepare_student(model, config.model, resume_from)  # LoRA adapters, when model.lora_rank > 0
     shard_model(model, world)  # before the optimizer: it must hold the sharded parameters
     optimizer = adamw(trainable_parameters(model), config)
@@ -113,7 +114,8 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
         load_optimizer_state(model, optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step = state["step"]
-    probe_prompt = prompt_token_ids(tokenizer, render_student(student_template, eval_examples[0]))
+    probe_prompt = prompt_token_ids(tokenizer, render_student(student_template, eval_examples[0]),
+                                    config.model.chat_template_kwargs)
     probe = (probe_prompt, tokenizer.encode(PROBE_COMPLETION, add_special_tokens=False))
 
     resources = contextlib.ExitStack()

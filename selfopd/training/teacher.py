@@ -66,7 +66,8 @@ class TeacherSide:
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """The teacher's prompt ids: through its own chat template when it has its own tokenizer."""
-        return self.bridge.prompt_ids(messages) if self.bridge else prompt_token_ids(self.tokenizer, messages)
+        kwargs = self.table.template_kwargs(self.config.model.chat_template_kwargs)
+        return self.bridge.prompt_ids(messages) if self.bridge else prompt_token_ids(self.tokenizer, messages, kwargs)
 
 
 @dataclass(frozen=True)

@@ -158,3 +158,43 @@ def test_an_output_folder_is_a_path_on_one_line(out_dir):
     with pytest.raises(ConfigError) as error:
         load_config(None, [f"run.out_dir={out_dir}"])
     assert error.value.key == "run.out_dir" and "invisible or control character" in str(error.value)
+
+
+def test_a_table_setting_reads_from_set_and_toml_with_its_value_types(tmp_path):
+    """model.chat_template_kwargs: `--set` takes name=value pairs (true/false, integers, numbers,
+    else strings); a TOML file takes a table; an empty `--set` value is the empty table."""
+    given = load_config(None, ["model.chat_template_kwargs=enable_thinking=false,n=3,t=0.5,mode=brief"])
+    assert given.model.chat_template_kwargs == {"enable_thinking": False, "n": 3, "t": 0.5, "mode": "brief"}
+    assert load_config(None, ["model.chat_template_kwargs="]).model.chat_template_kwargs == {}
+    path = tmp_path / "c.toml"
+    path.write_text('[model]\nchat_template_kwargs = {enable_thinking = false, mode = "brief"}\n')
+    assert load_config(path).model.chat_template_kwargs == {"enable_thinking": False, "mode": "brief"}
+    assert TrainConfig().model.chat_template_kwargs == {} and TrainConfig().model.chat_template_kwargs is not \
+        TrainConfig().model.chat_template_kwargs  # each config its own table
+
+
+@pytest.mark.parametrize("toml, key, says", [
+    ("chat_template_kwargs = 3", "model.chat_template_kwargs", "expected a table of names"),
+    ("chat_template_kwargs = {a = [1, 2]}", "model.chat_template_kwargs.a", "expected true/false, a number or a string"),
+    ("chat_template_kwargs = {a = {b = 1}}", "model.chat_template_kwargs.a", "expected true/false, a number or a string"),
+    ("chat_template_kwargs = {a = nan}", "model.chat_template_kwargs.a", "expected true/false, a number or a string"),
+    ('chat_template_kwargs = {"not a name" = 1}', "model.chat_template_kwargs", "keys are names"),
+    ("chat_template_kwargs = {messages = 1}", "model.chat_template_kwargs.messages", "apply_chat_template itself"),
+])
+def test_a_bad_table_value_is_one_line_naming_the_file_and_key(tmp_path, toml, key, says):
+    path = tmp_path / "c.toml"
+    path.write_text(f"[model]\n{toml}\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    assert error.value.key == key and "\n" not in str(error.value) and str(path) in str(error.value)
+    assert says in error.value.message
+
+
+@pytest.mark.parametrize("text, says", [("enable_thinking", "expected name=value pairs"), ("=1", "keys are names"),
+                                        ("a=nan", "expected true/false, a number or a string"),
+                                        ("a b=1", "keys are names")])
+def test_a_bad_table_override_is_one_line_naming_the_set(text, says):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [f"model.chat_template_kwargs={text}"])
+    assert error.value.key.startswith("model.chat_template_kwargs") and "\n" not in str(error.value)
+    assert f"--set model.chat_template_kwargs={text}" in str(error.value) and says in error.value.message

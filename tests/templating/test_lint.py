@@ -64,3 +64,20 @@ def test_unknown_variable_is_reported_with_file_and_line(tmp_path):
 )
 def test_answer_follows_question(teacher_text, leaky):
     assert answer_follows_question(teacher_text, "What is 4 + 3?", "7") is leaky
+
+
+def test_a_teacher_whose_arguments_move_the_scoring_point_is_warned_once(smollm2_dir, smollm2_tokenizer):
+    """Measured by rendering: an argument that changes what the generation prompt adds warns (one
+    line naming the setting); one the template ignores, or the same on both sides, does not."""
+    from selfopd.templating.lint import boundary_findings, generation_prompt
+    from tests.thinking_template import EMPTY_THINK, thinking_tokenizer
+
+    thinking = thinking_tokenizer(smollm2_dir)
+    messages = [{"role": "user", "content": "hi"}]
+    assert generation_prompt(thinking, messages, {"enable_thinking": False}) == "<|im_start|>assistant\n" + EMPTY_THINK
+    (finding,) = boundary_findings(thinking, {"enable_thinking": False}, {"enable_thinking": True}, "teachers.big")
+    assert finding.level == "warning" and finding.template == "teachers.big.chat_template_kwargs"
+    assert "<think>" in finding.message and "\n" not in str(finding)
+    assert boundary_findings(thinking, {}, {"enable_thinking": True}) == []  # the template's default anyway
+    assert boundary_findings(smollm2_tokenizer, {}, {"enable_thinking": False}) == []  # ignored by SmolLM2's
+    assert boundary_findings(thinking, {"enable_thinking": False}, {"enable_thinking": False}) == []

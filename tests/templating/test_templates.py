@@ -154,3 +154,18 @@ def test_system_block_and_student_system_inheritance(tmp_path):
 def test_template_variables_are_reported():
     assert load_template("teacher/verifier_feedback").variables == {"student_prompt", "attempt", "feedback"}
     assert load_template("student/plain").variables == {"prompt"}
+
+
+def test_the_role_chat_template_arguments_reach_the_prompt_ids(smollm2_dir, smollm2_tokenizer):
+    """model.chat_template_kwargs: a thinking template's generation prompt with enable_thinking = false
+    ends with the empty think block; without arguments it is SmolLM2's own prompt, id for id."""
+    from selfopd.templating.templates import prompt_token_ids
+    from tests.thinking_template import EMPTY_THINK, thinking_tokenizer
+
+    thinking = thinking_tokenizer(smollm2_dir)
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    default = prompt_token_ids(thinking, messages)
+    assert default == prompt_token_ids(smollm2_tokenizer, messages)
+    off = prompt_token_ids(thinking, messages, {"enable_thinking": False})
+    assert off[: len(default)] == default and thinking.decode(off[len(default):]) == EMPTY_THINK
+    assert prompt_token_ids(thinking, messages, {"enable_thinking": True}) == default

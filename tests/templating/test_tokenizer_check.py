@@ -103,3 +103,15 @@ def test_extra_special_token_fails_naming_it():
     student = tiny_tokenizer({"<eos>": 0, "a": 1, "<ctl>": 2})
     teacher = tiny_tokenizer({"<eos>": 0, "a": 1, "<ctl>": 2}, special=("<ctl>",))
     assert "special tokens only the teacher has, e.g. '<ctl>'" in mismatch(student, teacher, 3)
+
+
+def test_the_chat_template_check_renders_with_the_teachers_arguments(smollm2_dir, smollm2_tokenizer):
+    """Both templates render with the teacher's chat-template arguments: SmolLM2's ignores
+    enable_thinking, a thinking template does not, so only with the argument do they differ."""
+    from tests.thinking_template import thinking_tokenizer
+
+    thinking = thinking_tokenizer(smollm2_dir)
+    check_tokenizers_compatible(smollm2_tokenizer, thinking, VOCAB_SIZE)
+    with pytest.raises(TokenizerMismatch, match="different prompt ids.*think"):
+        check_tokenizers_compatible(smollm2_tokenizer, thinking, VOCAB_SIZE, template_kwargs={"enable_thinking": False})
+    check_tokenizers_compatible(thinking, thinking, VOCAB_SIZE, template_kwargs={"enable_thinking": False})

@@ -185,3 +185,17 @@ def test_the_overlap_benchmark_computes_speed_ups_and_bounds_from_the_synchronou
     # Only sampling (4 s of 11) overlaps: the best step is max(4, 7) = 7 s; the largest phase is train's 6 s of 11.
     assert summary["bounds"]["overlap_bound_speedup"] == pytest.approx(11.0 / 7.0)
     assert summary["bounds"]["max_phase_over_sum"] == pytest.approx(6.0 / 11.0)
+
+
+def test_a_run_prompts_the_student_with_its_chat_template_arguments(tmp_path, tiny_model_dir):
+    """model.chat_template_kwargs reaches the prompts a run samples from: with a thinking-style
+    template (`tests.thinking_template`) and enable_thinking = false, every saved rollout's prompt
+    ends with the empty think block."""
+    from tests.thinking_template import EMPTY_THINK, thinking_model_dir, thinking_tokenizer
+
+    model = thinking_model_dir(tiny_model_dir, tmp_path / "thinking")
+    run_dir = train(_config(tmp_path, model, "run.steps=1", "run.name=thinking",
+                            "model.chat_template_kwargs=enable_thinking=false"))
+    tokenizer = thinking_tokenizer(model)
+    prompts = [tokenizer.decode(r.prompt_ids) for r in _rollouts(run_dir, 1)]
+    assert prompts and all(p.endswith("<|im_start|>assistant\n" + EMPTY_THINK) for p in prompts)

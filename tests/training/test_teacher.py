@@ -112,3 +112,19 @@ def test_an_answer_its_task_refuses_scores_zero_and_is_counted(tiny_model_dir, e
              for t in texts]
     scored, _ = score_rows(side, teacher_rows(side, 0, [example], [message], [group], first_group=0), step=0)
     assert [(s.reward, s.rejected) for s in scored] == [(1.0, False), (0.0, True), (0.0, False)]
+
+
+def test_the_teacher_prompt_follows_the_students_arguments_unless_it_sets_its_own(smollm2_dir):
+    """TeacherSide.prompt_ids: teacher.chat_template_kwargs merged over model.chat_template_kwargs
+    (a thinking-style template written for the tests, `tests.thinking_template`)."""
+    from tests.thinking_template import EMPTY_THINK, thinking_tokenizer
+
+    tokenizer, template = thinking_tokenizer(smollm2_dir), load_template("teacher/reference_answer")
+    messages = render_teacher(template, EXAMPLES[0], render_student(load_template("student/plain"), EXAMPLES[0]))
+
+    def prompt(*overrides: str) -> str:
+        config = load_config(None, ["model.chat_template_kwargs=enable_thinking=false", *overrides])
+        return tokenizer.decode(TeacherSide(config, tokenizer, None, template, None, 1, 1.0).prompt_ids(messages))
+
+    assert prompt().endswith("assistant\n" + EMPTY_THINK)
+    assert prompt("teacher.chat_template_kwargs=enable_thinking=true").endswith("assistant\n")
