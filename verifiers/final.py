@@ -44,6 +44,11 @@ class Grading:
         if self.reasoning_start.strip() and self.reasoning_start.strip() == self.reasoning_end.strip():
             raise ValueError("reasoning_start and reasoning_end must differ")
 
+    @classmethod
+    def of(cls, settings: Any) -> Grading:
+        """The grading a config section with these three fields asks for (selfopd's `[verifier]`)."""
+        return cls(settings.reasoning_start, settings.reasoning_end, settings.truncated)
+
     def opens_reasoning(self, prompt_text: str) -> bool:
         """The prompt ends inside a reasoning block (a chat template that opens `<think>` for the model)."""
         start = self.reasoning_start.strip()

@@ -1,16 +1,13 @@
 """The `[verifier]` section of a training config: what of a completion is graded (the text after
 its reasoning block, only when it finished), in training rewards, in-run eval and `selfopd eval`
-alike (`selfopd.verifiers.final`). Part of `selfopd.config`, which re-exports it."""
+alike (`selfopd.verifiers.final.Grading.of` reads it). Part of `selfopd.config`, which re-exports it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from selfopd.config.settings import Section, check_printable, fail, setting
-
-if TYPE_CHECKING:
-    from selfopd.verifiers.final import Grading
 
 TruncatedPolicy = Literal["wrong", "grade"]
 
@@ -40,10 +37,3 @@ class VerifierConfig(Section):
                  "turn reasoning blocks off")
         if start and start == end:
             fail(self._key("reasoning_end"), f"must differ from verifier.reasoning_start, got {end!r} for both")
-
-    @property
-    def grading(self) -> Grading:
-        """These settings as the verifiers read them."""
-        from selfopd.verifiers.final import Grading
-
-        return Grading(self.reasoning_start, self.reasoning_end, self.truncated)

@@ -11,7 +11,7 @@ from selfopd.verifiers import Grading
 
 def test_defaults_read_thinking_blocks_and_count_truncated_answers_wrong(tmp_path):
     config = load_config(None)
-    assert config.verifier.grading == Grading("<think>", "</think>", "wrong")
+    assert Grading.of(config.verifier) == Grading("<think>", "</think>", "wrong")
     path = tmp_path / "run.toml"
     path.write_text(config_to_toml(config))
     assert load_config(path) == config
@@ -19,7 +19,7 @@ def test_defaults_read_thinking_blocks_and_count_truncated_answers_wrong(tmp_pat
 
 def test_settings_reach_the_grading():
     config = load_config(None, ["verifier.truncated=grade", "verifier.reasoning_start=", "verifier.reasoning_end="])
-    assert config.verifier.grading == Grading("", "", "grade")
+    assert Grading.of(config.verifier) == Grading("", "", "grade")
 
 
 @pytest.mark.parametrize("sets, message", [
