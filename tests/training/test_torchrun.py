@@ -106,6 +106,14 @@ def test_lora_student_shards_and_takes_the_step_of_one(tmp_path, tiny_model_dir)
     assert max(a[name].abs().max().item() for name in a if "lora_B" in name) > 10 * TOLERANCE  # B starts at 0
 
 
+def test_the_hybrid_qwen3_5_shards_and_takes_the_step_of_one(tmp_path, tiny_family_dirs):
+    """FSDP2 units over Qwen3.5's Gated DeltaNet and attention layers: one step on 2 processes is one process's."""
+    config_file = two_processes.config_file(tmp_path, tiny_family_dirs["qwen3_5"])
+    one = train(load_config(config_file, ["run.name=one", "run.steps=1"]))
+    _torchrun(str(config_file), "--set", "run.name=two", "--set", "run.steps=1")
+    _assert_same_run(one, tmp_path / "runs" / "two", 1)
+
+
 def test_micro_batches_accumulate_over_ranks(tmp_path, tiny_model_dir):
     """Two micro-batches per rank: the loss, KL, rewards and gradient norm of each step are
     those of one process (the weights: see TOLERANCE)."""
