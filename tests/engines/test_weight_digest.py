@@ -222,3 +222,27 @@ def test_a_packed_causal_convolution_is_verified_through_the_original_it_is_pack
     with pytest.raises(WeightSyncError, match=r"^http://server: after the push of step 2, worker 0's linear_attn\.conv1d\.weight "
                                               r"\(from linear_attn\.conv1d\.weight\) holds other weights than the trainer sent"):
         verify({"http://server": [list(served_entries(served))]}, expected, version=2)
+
+
+class Qwen3_5ForConditionalGeneration(torch.nn.Module):
+    """Named and laid out as vLLM's Qwen3.5 hub layout: the language model under `language_model.`, a
+    vision tower under `visual.`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config
+
+        self.config = Qwen3_5Config()
+        self.language_model = torch.nn.Module()
+        self.language_model.model = torch.nn.Module()
+        self.language_model.model.norm = torch.nn.Linear(4, 4, bias=False)
+        self.visual = torch.nn.Linear(4, 4)
+
+
+def test_the_hub_layout_is_reported_in_the_trainers_names_and_its_vision_tower_counted_not_pushed():
+    from selfopd.engines.weight_digest import untrained_count
+
+    served = Qwen3_5ForConditionalGeneration()
+    assert [(e.key, e.hf) for e in served_entries(served)] == [("language_model.model.norm.weight",
+                                                                "model.norm.weight")]
+    assert untrained_count(served) == 2  # visual.weight and visual.bias
