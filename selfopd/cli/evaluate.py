@@ -4,6 +4,7 @@ refused by the parser when out of the range its config setting takes."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from selfopd.cli.common import UserError, add_overrides, check_output_folder, command, like_setting
@@ -15,8 +16,9 @@ def add_eval_command(commands: argparse._SubParsersAction) -> None:
     evaluate = command(commands, "eval", _eval,
                         "greedy or avg@k accuracy of a model on distinct held-out prompts, with a 95%% interval")
     evaluate.add_argument("config", nargs="?", type=Path,
-                          help="training config whose model, data, split, template and eval settings are the defaults "
-                               "(default: all defaults; with --run: the run's own)")
+                          help="training config whose model, data, split, template, eval and verifier settings "
+                               "(what is graded: the text after a reasoning block, verifier.truncated) are the "
+                               "defaults (default: all defaults; with --run: the run's own)")
     add_overrides(evaluate, "eval.max_tokens=96")
     evaluate.add_argument("--run", dest="run_dir", type=Path, metavar="RUN_DIR",
                           help="evaluate that run's recorded held-out prompts (its split.json), by default with its "
@@ -46,6 +48,7 @@ def _eval(args: argparse.Namespace) -> None:
     from selfopd.data.split import SplitRecord, distinct_prompts, load_split, trained_on
     from selfopd.templating.templates import load_template
     from selfopd.training.trainer import latest_checkpoint
+    from selfopd.verifiers import Grading
 
     if args.samples > 1 and args.temperature == 0:
         raise UserError("--samples > 1 (avg@k) needs temperature > 0: greedy samples are identical")
@@ -79,7 +82,11 @@ def _eval(args: argparse.Namespace) -> None:
     tokenizer = engine.tokenizer
     accuracy, _ = evaluate(engine, tokenizer, examples, template, config.eval.max_tokens, config.eval.batch_size,
                            out_dir=args.out, samples=args.samples, temperature=args.temperature, seed=args.seed,
+                           grading=Grading.of(config.verifier),
                            template_kwargs=config.model.chat_template_kwargs)
     print(f"{model} on {what} with {template.name}: accuracy {accuracy} "
           f"({len(examples)} items, {distinct_prompts(examples)} distinct prompts)")
+    summary = json.loads((args.out / "summary.json").read_text())
+    print(f"truncated at eval.max_tokens: {summary['truncated_share']:.1%} of answers; no answer graded: "
+          f"{summary['no_answer_share']:.1%} (verifier.truncated = {config.verifier.truncated!r})")
     print(f"wrote {args.out / 'eval.jsonl'} and {args.out / 'summary.json'}")

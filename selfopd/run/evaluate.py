@@ -18,7 +18,7 @@ from selfopd.engines.base import Engine, SamplingParams
 from selfopd.core.faults import fault_point
 from selfopd.core.stats import MeanEstimate, Proportion, prompt_accuracy
 from selfopd.templating.templates import PromptTemplate, prompt_token_ids, render_student
-from selfopd.verifiers import verify_example
+from selfopd.verifiers import Grading, grade
 
 
 @dataclass(frozen=True)
@@ -48,23 +48,28 @@ def evaluate(
     samples: int = 1,
     temperature: float = 0.0,
     seed: int = 0,
+    grading: Grading = Grading(),
     template_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[Proportion | MeanEstimate, list[EvalRecord]]:
     """Accuracy on `examples`: greedy (the default), or avg@k with `samples` > 1 at
-    `temperature`. With `out_dir`, writes eval.jsonl and summary.json. `template_kwargs`:
+    `temperature`, graded as `grading` (the run's [verifier]) reads a completion. With `out_dir`,
+    writes eval.jsonl and summary.json. `template_kwargs`:
     the student's chat-template arguments (model.chat_template_kwargs)."""
     if samples > 1 and temperature == 0:
         raise ValueError("avg@k with k > 1 needs temperature > 0: greedy samples are identical")
     prompts = [prompt_token_ids(tokenizer, render_student(template, e), template_kwargs or {}) for e in examples]
     check_room(examples, prompts, max_new_tokens, getattr(engine, "max_scored_tokens", None))  # before any sampling
+    opened = [grading.opens_reasoning(tokenizer.decode(prompt[-16:])) for prompt in prompts]  # a template's <think>
     records: list[EvalRecord] = []
     batches = range(0, len(examples), batch_size)
     for number, start in enumerate(tqdm(batches, desc="eval", unit="batch", disable=not progress)):
         batch = examples[start : start + batch_size]
         params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, n=samples, seed=seed + number)
-        for example, completions in zip(batch, engine.sample(prompts[start : start + batch_size], params)):
+        sampled = engine.sample(prompts[start : start + batch_size], params)
+        for example, completions, opens in zip(batch, sampled, opened[start : start + batch_size]):
             for index, completion in enumerate(completions):
-                result = verify_example(completion.text, example)
+                result = grade(completion.text, example, finish_reason=completion.finish_reason, grading=grading,
+                               opened=opens)
                 records.append(
                     EvalRecord(
                         id=example.id,
@@ -81,7 +86,7 @@ def evaluate(
     accuracy = accuracy_of(records, samples)
     if out_dir is not None:
         write_eval(out_dir, accuracy, records, template.name, samples, temperature,
-                   tasks={e.id: task_of(e) for e in examples})
+                   tasks={e.id: task_of(e) for e in examples}, grading=grading)
     return accuracy, records
 
 
@@ -128,6 +133,7 @@ def write_eval(
     samples: int = 1,
     temperature: float = 0.0,
     tasks: dict[str, str] | None = None,
+    grading: Grading = Grading(),
 ) -> None:
     """eval.jsonl, then summary.json (its presence marks the eval finished), each whole or absent.
     `tasks` (item id -> task, a mixture's): summary.json also holds each task's accuracy."""
@@ -144,6 +150,11 @@ def write_eval(
         "accuracy": accuracy.value,
         "ci95": [accuracy.low, accuracy.high],
         "truncated": sum(r.finish_reason == "length" for r in records),
+        # Shares of the answers (records): cut at max_tokens; with nothing graded (truncated and
+        # verifier.truncated = 'wrong', an unclosed reasoning block, or no final answer found).
+        "truncated_share": sum(r.finish_reason == "length" for r in records) / max(len(records), 1),
+        "no_answer_share": sum(r.extracted is None for r in records) / max(len(records), 1),
+        "verifier": asdict(grading),
         "mean_completion_tokens": sum(r.completion_tokens for r in records) / max(len(records), 1),
     }
     if tasks and len(set(tasks.values())) > 1:

@@ -19,6 +19,7 @@ from selfopd.core.run_folder import RunFolder
 from selfopd.training.rollout_pipeline import PENDING_FILE, pending_json
 from selfopd.training.state import Run
 from selfopd.training.teacher import Scored
+from selfopd.verifiers import Grading
 
 
 def run_eval(run: Run) -> dict[str, float] | None:
@@ -30,7 +31,8 @@ def run_eval(run: Run) -> dict[str, float] | None:
     main = run.world.is_main
     evaluate(ShardedSampling(run.student_engine, run.world), run.tokenizer, run.eval_examples,
              run.student_template, cfg.eval.max_tokens, cfg.eval.batch_size, out_dir=out_dir if main else None,
-             progress=cfg.run.progress and main, template_kwargs=cfg.model.chat_template_kwargs)
+             progress=cfg.run.progress and main, grading=Grading.of(cfg.verifier),
+             template_kwargs=cfg.model.chat_template_kwargs)
     return eval_metrics(run.step, out_dir) if main else None
 
 
@@ -45,6 +47,8 @@ def eval_metrics(step: int, eval_dir: Path) -> dict[str, float]:
         "eval/ci_high": summary["ci95"][1],
         "eval/n": summary["n"],
         "eval/length_mean": summary["mean_completion_tokens"],
+        # answers cut at eval.max_tokens, and answers with nothing graded (absent from evals older than them)
+        **{f"eval/{key}": summary[key] for key in ("truncated_share", "no_answer_share") if key in summary},
     }
     for task, part in summary.get("by_task", {}).items():  # a mixture's tasks
         metrics |= {f"eval/accuracy/{task}": part["accuracy"], f"eval/n/{task}": part["n"]}

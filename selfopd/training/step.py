@@ -214,6 +214,7 @@ def step_metrics(run: Run, batch: Sampled, scored: list[Scored], flat: dict[str,
                              for s, signal in zip(scored, signal_N.split(lengths)) if len(signal) and s.aligned)),
         "reward/accuracy": sum(s.correct for s in scored) / len(scored),
         "verify/rejected_share": sum(s.rejected for s in scored) / len(scored),
+        "verify/no_answer_share": sum(s.no_answer for s in scored) / len(scored),
         **({"teacher/demonstration_share": sum(s.demonstration is not None for s in scored) / len(scored)}
            if run.demonstration_fallback is not None else {}),
         **({"teacher/unaligned_share": sum(not s.aligned for s in scored) / len(scored)}

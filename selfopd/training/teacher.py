@@ -39,7 +39,7 @@ from selfopd.templating.demonstrations import pick_demonstrations
 from selfopd.templating.templates import PromptTemplate, prompt_token_ids, render_teacher
 from selfopd.templating.token_bridge import Bridged, TokenBridge
 from selfopd.templating.wrong_context import failed_sibling_answers, wrong_example
-from selfopd.verifiers import VerifyResult, verify_example
+from selfopd.verifiers import Grading, VerifyResult, grade
 
 Pairs = Sequence[tuple[list[int], list[int]]]
 States = tuple[torch.Tensor, torch.Tensor]  # the teacher's tempered final hidden states (B, C, H) and head (V, H)
@@ -92,6 +92,7 @@ class Scored:
     unaligned: str | None = None
     teacher: str = DEFAULT_TEACHER  # which teacher scored it ([teachers.NAME]; 'default': [teacher])
     rejected: bool = False  # its answer was refused by its task's safe grammar (VerifyResult.rejected)
+    no_answer: bool = False  # nothing to grade: no final answer found, an unclosed reasoning block, or truncated
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,14 @@ def _group_rows(side: TeacherSide, name: str, step: int, group: int, example: Ex
     contrastive = cfg.loss.opd_baseline == "wrong_context"
     # Feedback against the wrong answer only where a template shows feedback (verifying costs time).
     shows_feedback = any("feedback" in t.variables for t in (side.template, side.demonstration_fallback) if t)
-    verdicts = [verify_example(r.text, example, partial_credit=cfg.loss.partial_credit) for r in rollouts]
+    grading = Grading.of(cfg.verifier)  # what the user sees: after a reasoning block, finished completions only
+
+    def verdict_of(rollout: Rollout, shown: Example, partial_credit: bool = False) -> VerifyResult:
+        opened = grading.opens_reasoning(side.tokenizer.decode(rollout.prompt_ids[-16:]))  # a template's <think>
+        return grade(rollout.text, shown, finish_reason=rollout.finish_reason, grading=grading, opened=opened,
+                     partial_credit=partial_credit)
+
+    verdicts = [verdict_of(r, example, cfg.loss.partial_credit) for r in rollouts]
     correct = [v.correct for v in verdicts]
     demonstrations = (pick_demonstrations([r.text for r in rollouts], correct, seed=cfg.run.seed, step=step,
                                           group=group, skip_self=side.table.skip_self_success)
@@ -170,7 +178,7 @@ def _group_rows(side: TeacherSide, name: str, step: int, group: int, example: Ex
         wrong = wrong_example(example, other, seed=cfg.run.seed, answer=wrong_answer) if contrastive else None
         wrong_ids = None
         if wrong is not None:  # verifier feedback, too, as if the wrong answer were the reference
-            wrong_ids = prompt(wrong, verify_example(rollout.text, wrong).feedback if shows_feedback
+            wrong_ids = prompt(wrong, verdict_of(rollout, wrong).feedback if shows_feedback
                                else verdict.feedback)
         bridged = side.bridge.completion(rollout.completion_ids) if side.bridge is not None else None
         rows.append(TeacherRow(example, group, rollout, verdict, prompt(example, verdict.feedback), demonstration,
@@ -202,7 +210,7 @@ def score_rows(side: TeacherSide, rows: Sequence[TeacherRow], step: int) -> tupl
     if side.table.kind == "none":  # GRPO alone: the sampler's logprobs stand in, and nothing reads them
         return [Scored(r.example, r.group, r.rollout, r.verdict.reward, r.verdict.correct,
                        torch.tensor(r.rollout.sampler_logprobs, dtype=torch.float32), r.prompt_ids, teacher=r.teacher,
-                       rejected=r.verdict.rejected)
+                       rejected=r.verdict.rejected, no_answer=r.verdict.extracted is None)
                 for r in rows], []
     live = [r for r in rows if r.aligned]
     check_teacher_rows([(r.example.id, ids, r.teacher_completion) for r in live
@@ -224,14 +232,14 @@ def score_rows(side: TeacherSide, rows: Sequence[TeacherRow], step: int) -> tupl
                                  r.prompt_ids, None, r.demonstration,
                                  placeholder if loss.opd_baseline != "student" else None,
                                  aligned=False, unaligned=r.bridged.problem, teacher=r.teacher,
-                                 rejected=r.verdict.rejected))
+                                 rejected=r.verdict.rejected, no_answer=r.verdict.extracted is None))
             continue
         s, base = by_row[id(r)]
         scored.append(Scored(r.example, r.group, r.rollout, r.verdict.reward, r.verdict.correct,
                              _on_student_tokens(r, s.logprobs), r.prompt_ids,
                              (s.topk_ids, s.topk_logprobs) if top_k else None, r.demonstration,
                              _on_student_tokens(r, base.logprobs) if base is not None else None, teacher=r.teacher,
-                             rejected=r.verdict.rejected))
+                             rejected=r.verdict.rejected, no_answer=r.verdict.extracted is None))
     return scored, states
 
 

@@ -61,3 +61,40 @@ def test_an_output_folder_that_cannot_be_made_is_refused_before_the_eval(tmp_pat
     blocker.write_text("")
     assert main(["eval", "--out", str(blocker / "eval")]) == 1
     assert _one_line(capsys) == f"selfopd: error: --out {blocker / 'eval'}: {blocker} is a file, not a folder"
+
+
+def _rows(tmp_path, rows: list[tuple[str, str]]):
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": prompt, "answer": answer}) + "\n" for prompt, answer in rows))
+    return data
+
+
+def test_eval_reports_truncated_and_unanswered_shares_graded_as_the_config_says(tmp_path, tiny_model_dir, capsys):
+    """A tiny random model cut at 3 tokens: every answer truncated, so none graded by default."""
+    data = _rows(tmp_path, [(f"What is {i} + {i}?", str(2 * i)) for i in range(4)])
+    out = tmp_path / "eval"
+    assert main(["eval", "--data", str(data), "--model", str(tiny_model_dir), "--set", "eval.max_tokens=3",
+                 "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["truncated_share"] == summary["no_answer_share"] == 1.0 and summary["accuracy"] == 0.0
+    assert summary["verifier"] == {"reasoning_start": "<think>", "reasoning_end": "</think>", "truncated": "wrong"}
+    assert all(json.loads(line)["extracted"] is None for line in (out / "eval.jsonl").read_text().splitlines())
+    assert "truncated at eval.max_tokens: 100.0% of answers; no answer graded: 100.0%" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_truncated_answer_ending_in_the_right_number_is_wrong_unless_truncated_answers_are_graded(tmp_path):
+    """The packaged SmolLM2, greedy with the demo's 32 tokens: "Calculate 1 + 4." is answered "1 + 4 = 5" (finished);
+    "Calculate 68 + 52." runs past 32 tokens after writing 120 ("..., which is 120. This is the"): wrong by
+    default, right with `--set verifier.truncated=grade` (how it was graded before)."""
+    data = _rows(tmp_path, [("Calculate 1 + 4.", "5"), ("Calculate 68 + 52.", "120")])
+
+    def records(*sets: str) -> list[tuple[bool, str]]:
+        out = tmp_path / f"eval{len(sets)}"
+        argv = ["eval", "--data", str(data), "--set", "eval.max_tokens=32", *sets, "--out", str(out)]
+        assert main(argv) == 0
+        lines = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+        return [(line["correct"], line["finish_reason"]) for line in lines]
+
+    assert records() == [(True, "stop"), (False, "length")]
+    assert records("--set", "verifier.truncated=grade") == [(True, "stop"), (True, "length")]

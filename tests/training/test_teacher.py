@@ -128,3 +128,36 @@ def test_the_teacher_prompt_follows_the_students_arguments_unless_it_sets_its_ow
 
     assert prompt().endswith("assistant\n" + EMPTY_THINK)
     assert prompt("teacher.chat_template_kwargs=enable_thinking=true").endswith("assistant\n")
+
+
+def test_rewards_grade_the_text_after_the_reasoning_block_of_a_finished_completion(tiny_model_dir, engine):
+    """Training rewards read what a user sees (`verifier.*`): the text after `</think>`, nothing in an
+    unclosed block or one the prompt opened, and a completion cut at rollout.max_tokens is wrong by
+    default (`verifier.truncated = 'grade'` reads it), on a reasoning-gym task through its scorer."""
+    import reasoning_gym
+
+    entry = reasoning_gym.create_dataset("basic_arithmetic", size=1, seed=3)[0]
+    example = Example(id="rg/0", prompt=entry["question"], answer=entry["answer"],
+                      meta={"reasoning_gym": {"task": "basic_arithmetic", "config": {}, "entry": entry}})
+    right, wrong = entry["answer"], str(int(entry["answer"]) + 1)
+    message = render_student(load_template("student/plain"), example)
+
+    def scored(*overrides: str) -> list:
+        side = _side(tiny_model_dir, engine, "teacher/verifier_feedback", *overrides)
+        prompt = prompt_token_ids(side.tokenizer, message)
+        opened = prompt + side.tokenizer.encode("<think>\n", add_special_tokens=False)
+        rollouts = [(prompt, f"<think>the answer is {wrong}</think>The answer is {right}", "stop"),
+                    (prompt, f"<think>the answer is {right}</think>The answer is {wrong}", "stop"),
+                    (prompt, f"<think>the answer is {right}", "stop"),
+                    (opened, f"the answer is {right}", "stop"),
+                    (prompt, f"So the answer is {right}", "length")]
+        group = [Rollout(p, side.tokenizer.encode(t, add_special_tokens=False), [0.0] * 3, finish, t)
+                 for p, t, finish in rollouts]
+        rows = teacher_rows(side, 0, [example], [message], [group], first_group=0)
+        return [(s.reward, s.no_answer, side.tokenizer.decode(s.teacher_prompt)) for s in score_rows(side, rows, 0)[0]]
+
+    default = scored()
+    assert [(reward, no_answer) for reward, no_answer, _ in default] == [
+        (1.0, False), (0.0, False), (0.0, True), (0.0, True), (0.0, True)]
+    assert "cut off before it finished" in default[4][2]  # the feedback the teacher is shown
+    assert [reward for reward, _, _ in scored("verifier.truncated=grade")] == [1.0, 0.0, 0.0, 0.0, 1.0]

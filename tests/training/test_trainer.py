@@ -52,11 +52,15 @@ def test_run_writes_metrics_checkpoint_rollouts_and_plots(tmp_path, tiny_model_d
     evals = [line for line in lines if "eval/accuracy" in line]
     assert [m["step"] for m in steps] == [1, 2] and [m["step"] for m in evals] == [0, 2]
     for key in ("opd/reverse_kl", "opd/advantage_mean", "opd/advantage_std", "opd/positive_advantage_share",
-                "reward/mean", "reward/accuracy", "verify/rejected_share", "rollout/length_mean", "rollout/truncated_share",
+                "reward/mean", "reward/accuracy", "verify/rejected_share", "verify/no_answer_share", "rollout/length_mean",
+                "rollout/truncated_share",
                 "is/sampler_logprob_abs_diff", "optim/grad_norm",
                 "time/sample", "time/teacher", "time/train", "time/optim", "time/sync", "time/probe", "time/step"):
         assert key in steps[0], key
     assert "probe/max_abs_diff" not in steps[0]  # in-process engines share the live module: nothing to probe
+    # verifier.truncated = 'wrong': every answer cut at max_tokens has no answer graded, in training and in eval
+    assert steps[0]["verify/no_answer_share"] >= steps[0]["rollout/truncated_share"] > 0
+    assert evals[0]["eval/no_answer_share"] >= evals[0]["eval/truncated_share"] > 0
     checkpoint = run_dir / "checkpoints" / "step_00002"
     reloaded = AutoModelForCausalLM.from_pretrained(checkpoint)
     trained = dict(build_run(_config(tmp_path, tiny_model_dir, "run.name=plumbing"), checkpoint).model.named_parameters())
