@@ -72,16 +72,16 @@ def test_a_fallback_that_uses_demonstration_is_refused(tmp_path, tiny_model_dir)
 def test_saved_rollouts_record_the_demonstration_and_diagnostics_render_it(tmp_path, tiny_model_dir, monkeypatch):
     """A tiny random model is never right, so the verifier is replaced by one that passes the
     first sample of each group: that sample has no other success (fallback), the others show it."""
-    real_verify = teacher_prompts_module.verify_example
+    real_grade = teacher_prompts_module.grade
     calls = []
 
-    def first_of_group_correct(text, example, partial_credit=False):
-        verdict = real_verify(text, example, partial_credit=partial_credit)
+    def first_of_group_correct(text, example, **how):
+        verdict = real_grade(text, example, **how)
         calls.append(text)
         first = len(calls) % 3 == 1
         return dataclasses.replace(verdict, correct=first, reward=float(first))
 
-    monkeypatch.setattr(teacher_prompts_module, "verify_example", first_of_group_correct)
+    monkeypatch.setattr(teacher_prompts_module, "grade", first_of_group_correct)
     run = build_run(load_config(None, [*SMALL, f"model.student={tiny_model_dir}", f"run.out_dir={tmp_path}",
                                        "run.name=sibling"]))
     run.run_dir.mkdir(parents=True)
