@@ -18,7 +18,7 @@ what it hands on is graded as before (the worker still gets answers as data, `fr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 from .check import verify_example
 from .result import VerifyResult
@@ -53,6 +53,11 @@ class Grading:
         """The prompt ends inside a reasoning block (a chat template that opens `<think>` for the model)."""
         start = self.reasoning_start.strip()
         return bool(start) and prompt_text.rstrip().endswith(start)
+
+    def prompt_opens_reasoning(self, tokenizer: Any, prompt_ids: Sequence[int]) -> bool:
+        """`opens_reasoning` of a prompt given as token ids: its last 16 tokens, decoded (a delimiter is a
+        few tokens), so a long prompt is not decoded whole for every completion."""
+        return self.opens_reasoning(tokenizer.decode(list(prompt_ids[-16:])))
 
 
 def final_text(completion: str, grading: Grading = Grading(), opened: bool = False) -> str | None:

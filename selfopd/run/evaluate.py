@@ -59,7 +59,7 @@ def evaluate(
         raise ValueError("avg@k with k > 1 needs temperature > 0: greedy samples are identical")
     prompts = [prompt_token_ids(tokenizer, render_student(template, e), template_kwargs or {}) for e in examples]
     check_room(examples, prompts, max_new_tokens, getattr(engine, "max_scored_tokens", None))  # before any sampling
-    opened = [grading.opens_reasoning(tokenizer.decode(prompt[-16:])) for prompt in prompts]  # a template's <think>
+    opened = [grading.prompt_opens_reasoning(tokenizer, prompt) for prompt in prompts]  # a template's <think>
     records: list[EvalRecord] = []
     batches = range(0, len(examples), batch_size)
     for number, start in enumerate(tqdm(batches, desc="eval", unit="batch", disable=not progress)):
@@ -140,6 +140,7 @@ def write_eval(
     out_dir.mkdir(parents=True, exist_ok=True)
     write_lines_atomic(out_dir / "eval.jsonl", (asdict(record) for record in records))
     fault_point("eval.written")
+    truncated = sum(r.finish_reason == "length" for r in records)
     summary = {
         "template": template_name,
         "metric": "greedy accuracy" if samples == 1 else f"avg@{samples} accuracy at temperature {temperature}",
@@ -149,10 +150,10 @@ def write_eval(
         "samples_per_item": samples,
         "accuracy": accuracy.value,
         "ci95": [accuracy.low, accuracy.high],
-        "truncated": sum(r.finish_reason == "length" for r in records),
+        "truncated": truncated,
         # Shares of the answers (records): cut at max_tokens; with nothing graded (truncated and
         # verifier.truncated = 'wrong', an unclosed reasoning block, or no final answer found).
-        "truncated_share": sum(r.finish_reason == "length" for r in records) / max(len(records), 1),
+        "truncated_share": truncated / max(len(records), 1),
         "no_answer_share": sum(r.extracted is None for r in records) / max(len(records), 1),
         "verifier": asdict(grading),
         "mean_completion_tokens": sum(r.completion_tokens for r in records) / max(len(records), 1),

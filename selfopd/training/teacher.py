@@ -157,7 +157,7 @@ def _group_rows(side: TeacherSide, name: str, step: int, group: int, example: Ex
     grading = Grading.of(cfg.verifier)  # what the user sees: after a reasoning block, finished completions only
 
     def verdict_of(rollout: Rollout, shown: Example, partial_credit: bool = False) -> VerifyResult:
-        opened = grading.opens_reasoning(side.tokenizer.decode(rollout.prompt_ids[-16:]))  # a template's <think>
+        opened = grading.prompt_opens_reasoning(side.tokenizer, rollout.prompt_ids)  # a template's <think>
         return grade(rollout.text, shown, finish_reason=rollout.finish_reason, grading=grading, opened=opened,
                      partial_credit=partial_credit)
 
