@@ -14,7 +14,10 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How the student samples. temperature 0 is greedy decoding."""
+    """How the student samples. temperature 0 is greedy decoding. The filters apply in vLLM's order
+    to the tempered distribution: min_p (drop tokens below min_p x the top token's probability),
+    then top_k (the k most likely; 0: off), then top_p (the nucleus); with every filter off (the
+    defaults, and always in training unless rollout.top_p is set) nothing is filtered."""
 
     max_tokens: int = 64
     temperature: float = 1.0
@@ -25,6 +28,8 @@ class SamplingParams:
     # that samples its share of a step's prompts passes its offset, so row r draws the same
     # randomness whichever process samples it.
     first_row: int = 0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -33,6 +38,10 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: off), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.first_row < 0:
@@ -51,8 +60,8 @@ class Rollout:
     """One sampled completion with the exact ids, as the sampler produced them.
 
     sampler_logprobs are the logprobs of each completion token under the distribution it
-    was drawn from: the model's logits divided by the temperature, restricted to the top-p
-    nucleus when top_p < 1 (greedy: the raw logits). The trainer's policy is the tempered
+    was drawn from: the model's logits divided by the temperature, restricted by the min-p,
+    top-k and top-p filters that are on (greedy: the raw logits). The trainer's policy is the tempered
     distribution too, so its importance ratio against these is 1 when both agree.
     The end-of-sequence token, when produced, is the last completion id.
     """

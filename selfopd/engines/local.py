@@ -130,7 +130,7 @@ class LocalEngine:
         device = model_device(self.model)
         ids_BT, mask_BT = (t.to(device) for t in left_pad(prompts, self.pad_id))
         width = ids_BT.shape[1]
-        policy = SampledPolicy(params.temperature, params.top_p)
+        policy = SampledPolicy(params.temperature, params.top_p, params.top_k, params.min_p)
         sharded = is_sharded(self.model)
         packing = packed_linears(self.model, len(prompts)) if self.packed else contextlib.nullcontext()
         with (torch.no_grad(), eval_mode(self.model), self.forward_context(), gathered_for_generation(self.model),
@@ -166,29 +166,37 @@ class LocalEngine:
 
 class SampledPolicy:
     """The one logits processor of a greedy `generate`, which draws each token itself from the
-    policy selfopd trains (logits / temperature, then the top-p nucleus; the raw argmax when
-    greedy), keeps the drawn token's logprob under it, and hands generate scores whose argmax
-    is that token.
+    policy selfopd samples (logits / temperature, then the min-p, top-k and top-p filters in
+    vLLM's order, each only when on; the raw argmax when greedy), keeps the drawn token's logprob
+    under it, and hands generate scores whose argmax is that token.
 
     The draw is an exponential race, argmax_v (log p_v - log E_v) with E_v ~ Exp(1) i.i.d.,
     an exact sample of p (vLLM samples this way): 2 ms a step for 8 rows of SmolLM2's 49152
     tokens on the CPU, where generate's `torch.multinomial` took 10 ms. Only the (B,) logprobs of each step are kept, not generate's S x (B, V) scores.
     Steps generate runs and then drops (a deferred stop check) are dropped by the output's length."""
 
-    def __init__(self, temperature: float, top_p: float) -> None:
-        from transformers import TopPLogitsWarper
+    def __init__(self, temperature: float, top_p: float, top_k: int = 0, min_p: float = 0.0) -> None:
+        from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
         self.temperature = temperature
-        self.top_p = TopPLogitsWarper(top_p) if temperature > 0 and top_p < 1.0 else None
+        self.filters: list[Any] = []  # greedy decoding ignores them, as vLLM does
+        if temperature > 0:
+            self.filters += [MinPLogitsWarper(min_p)] if min_p > 0 else []
+            self.filters += [TopKLogitsWarper(top_k)] if top_k > 0 else []
+            self.filters += [TopPLogitsWarper(top_p)] if top_p < 1.0 else []
         self.drawn: list[torch.Tensor] = []  # (B,) logprob of each step's drawn token
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    def logprobs(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """(B, V) logprobs of the policy the next token is drawn from (-inf outside the filters)."""
         if self.temperature > 0:
             if self.temperature != 1.0:
                 scores = scores / self.temperature
-            if self.top_p is not None:
-                scores = self.top_p(input_ids, scores)
-        logprobs_BV = scores.float().log_softmax(-1)
+            for warper in self.filters:
+                scores = warper(input_ids, scores)
+        return scores.float().log_softmax(-1)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        logprobs_BV = self.logprobs(input_ids, scores)
         if self.temperature > 0:
             race_BV = torch.rand_like(logprobs_BV).log_().neg_()  # Exp(1) as -log U: 4x faster than exponential_
             tokens_B1 = (logprobs_BV - race_BV.log_()).argmax(-1, keepdim=True)

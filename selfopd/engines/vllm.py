@@ -94,7 +94,7 @@ class VLLMEngine:
                                 prompt=prompt, n=params.n, max_tokens=params.max_tokens,
                                 temperature=params.temperature, top_p=params.top_p,
                                 seed=prompt_seed(params, index), logprobs=0,
-                                extra_body={"return_token_ids": True, "top_k": 0, "min_p": 0.0,
+                                extra_body={"return_token_ids": True, "top_k": params.top_k, "min_p": params.min_p,
                                             "repetition_penalty": 1.0, "skip_special_tokens": True})
 
     # --- scoring ------------------------------------------------------------------------
