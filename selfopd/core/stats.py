@@ -144,6 +144,34 @@ def prompt_accuracy(outcomes: Outcomes) -> Proportion | MeanEstimate:
     return mean_interval(list(per_prompt_means(outcomes).values()))
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimate of pass@k from n samples of which c are correct (Chen et al. 2021):
+    1 - C(n - c, k) / C(n, k), computed as a product of n - (n - c) terms, with no huge binomials."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:  # every k-subset holds a correct sample
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def prompt_pass_at_k(outcomes: Outcomes, k: int) -> MeanEstimate:
+    """pass@k with every distinct prompt counted once: each prompt's unbiased estimate from its
+    samples (or copies), then the mean with a normal interval over prompts, as avg@k is reported."""
+    if not outcomes:
+        raise ValueError("no prompts to score")
+    short = [key for key, values in outcomes.items() if len(values) < k]
+    if short:
+        raise ValueError(f"pass@{k} needs at least {k} samples of each prompt; prompt {short[0]!r} has "
+                         f"{len(outcomes[short[0]])}")
+    return mean_interval([pass_at_k(len(values), int(sum(bool(v) for v in values)), k)
+                          for values in outcomes.values()])
+
+
+def pass_ks(samples: int) -> list[int]:
+    """The k reported for `samples` samples a prompt: the powers of two up to it, and itself."""
+    return sorted({2**i for i in range(samples.bit_length()) if 2**i <= samples} | {samples})
+
+
 def paired_change(before: Outcomes, after: Outcomes, level: float = 0.95) -> PairedDifference:
     """after - before, paired by prompt: each prompt's mean outcome after minus before (over
     its samples or copies), then the mean over the prompts both sides hold, with a normal

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -11,9 +13,12 @@ from selfopd.core.stats import (
     mean_interval,
     paired_change,
     paired_difference,
+    pass_at_k,
+    pass_ks,
     pooled_accuracy,
     pooled_change,
     prompt_accuracy,
+    prompt_pass_at_k,
     crossed_interval,
     wilson_interval,
 )
@@ -162,3 +167,37 @@ def test_a_99_percent_change_interval_is_the_95_percent_one_widened_by_the_ratio
             for _ in range(3)]
     wide, narrow = pooled_change(runs, level=0.99), pooled_change(runs)
     assert wide.low < narrow.low < narrow.high < wide.high and wide.mean == narrow.mean
+
+
+def _brute_force_pass_at_k(outcomes: list[bool], k: int) -> Fraction:
+    """The share of the k-subsets of the samples holding a correct one, in exact arithmetic."""
+    subsets = list(itertools.combinations(outcomes, k))
+    return Fraction(sum(any(subset) for subset in subsets), len(subsets))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 11])
+def test_pass_at_k_equals_the_share_of_k_subsets_with_a_correct_sample(n):
+    for c in range(n + 1):
+        outcomes = [True] * c + [False] * (n - c)
+        for k in range(1, n + 1):
+            assert abs(pass_at_k(n, c, k) - float(_brute_force_pass_at_k(outcomes, k))) < 1e-12, (n, c, k)
+
+
+def test_pass_at_k_is_stable_where_binomials_overflow_floats():
+    n, c, k = 2000, 3, 1000  # C(2000, 1000) ~ 1e600
+    exact = 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
+    assert abs(pass_at_k(n, c, k) - float(exact)) < 1e-12
+    with pytest.raises(ValueError, match="k <= n"):
+        pass_at_k(3, 1, 4)
+
+
+def test_prompt_pass_at_k_averages_over_distinct_prompts():
+    outcomes = {"a": [1, 0, 0, 0], "b": [0, 0, 0, 0], "c": [1, 1, 0, 1]}
+    estimate = prompt_pass_at_k(outcomes, 2)
+    per_prompt = [float(_brute_force_pass_at_k([bool(v) for v in values], 2)) for values in outcomes.values()]
+    assert estimate.n == 3 and abs(estimate.value - sum(per_prompt) / 3) < 1e-12
+    assert estimate == mean_interval(per_prompt)
+    assert prompt_pass_at_k(outcomes, 1).value == pytest.approx(np.mean([0.25, 0, 0.75]))
+    with pytest.raises(ValueError, match="pass@8 needs at least 8 samples"):
+        prompt_pass_at_k(outcomes, 8)
+    assert pass_ks(1) == [1] and pass_ks(4) == [1, 2, 4] and pass_ks(6) == [1, 2, 4, 6] and pass_ks(16)[-1] == 16
