@@ -9,7 +9,7 @@ from pathlib import Path
 
 from selfopd.cli.common import UserError, add_overrides, check_output_folder, command, like_setting
 from selfopd.config import RolloutConfig, RunConfig
-from selfopd.core.run_folder import load_run_config
+from selfopd.core.run_folder import RunFolder, load_run_config
 
 
 def add_eval_command(commands: argparse._SubParsersAction) -> None:
@@ -25,6 +25,8 @@ def add_eval_command(commands: argparse._SubParsersAction) -> None:
                                "latest checkpoint; with --data, refuse prompts the run trained on")
     evaluate.add_argument("--model", help="model spec or checkpoint folder (default: the config's model.student; "
                                           "with --run: its latest checkpoint)")
+    evaluate.add_argument("--step", type=like_setting(RunConfig, "steps"),
+                          help="with --run: the checkpoint of that step (run.keep_checkpoints keeps several)")
     evaluate.add_argument("--data", help="data spec to evaluate instead of the config's held-out split (all its items)")
     evaluate.add_argument("--fresh", action="store_true",
                           help="with --run and --data: draw the data past every prompt the run's data holds "
@@ -60,6 +62,10 @@ def _eval(args: argparse.Namespace) -> None:
     config = load_run_config(args.run_dir, args.overrides) if args.run_dir else load_config(args.config, args.overrides)
     template = load_template(config.data.student_template)
     record = SplitRecord.read(args.run_dir) if args.run_dir else None
+    if args.step is not None and (args.run_dir is None or args.model):
+        raise UserError("--step needs --run RUN_DIR (and no --model): it names one of the run's checkpoints")
+    if args.step is not None:  # one line naming the steps kept when that step's checkpoint is not
+        args.model = str(RunFolder(args.run_dir).kept_checkpoint(args.step))
     model = args.model or (latest_checkpoint(args.run_dir) if args.run_dir else None) or config.model.student
     if args.data is not None:
         known = set(record.eval_prompts) | set(record.train_prompts) if args.fresh else ()

@@ -88,6 +88,12 @@ class RunConfig(Section):
                               most=MAX_STEPS)
     checkpoint_every: int = setting(0, "HF checkpoint plus trainer state every N steps (0: only at the end).", ge=0,
                                     most=MAX_STEPS)
+    keep_checkpoints: int = setting(
+        1, "Checkpoints kept: the latest N (besides those of steps where the illusion guard fired).", ge=1,
+        most=MAX_STEPS)
+    keep_best_checkpoint: bool = setting(
+        False, "Also keep the checkpoint with the best in-run eval accuracy so far (ties: the earlier step); only "
+        "steps both evaluated and checkpointed compete (run.eval_every, run.checkpoint_every).")
     rollouts_to_save: int = setting(
         32, "Rollouts kept per step under OUT_DIR/NAME/rollouts/ for `selfopd diagnose` and notebooks (0: none).",
         ge=0, most=MAX_ITEMS)

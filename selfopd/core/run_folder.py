@@ -6,7 +6,9 @@
     RUN/eval/step_NNNNN/             eval.jsonl (per prompt), then summary.json (present: finished)
     RUN/rollouts/step_NNNNN.jsonl    saved rollouts with per-token logprobs
     RUN/checkpoints/step_NNNNN/      HF weights (LoRA: adapters) + tokenizer + trainer_state.pt
-                                     (written as .step_NNNNN.partial, then renamed)
+                                     (written as .step_NNNNN.partial, then renamed); the latest
+                                     run.keep_checkpoints kept, the best eval's with
+                                     run.keep_best_checkpoint, and the guard's steps
     RUN/plots/  RUN/diagnostics/  RUN/logs/ (launched servers)  RUN/tensorboard/ RUN/wandb/
     RUN/guard.json  RUN/guard.md     the illusion guard's events (selfopd.training.guard), when it fired
     RUN/finished.json                written by `selfopd compare` when the run is done
@@ -19,6 +21,7 @@ moment resumes from its last checkpoint (`selfopd train --resume`) with nothing 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -94,11 +97,29 @@ class RunFolder:
         """Every checkpoint folder, oldest first, complete or not (staging folders never match)."""
         return sorted(path for path in self.checkpoints.glob("step_*") if path.is_dir())
 
+    def complete_checkpoints(self) -> list[Path]:
+        """Every complete checkpoint (`checkpoint_problem`), oldest first: one a kill, a full disk or a
+        copy cut short is left out."""
+        return [path for path in self.checkpoint_folders() if checkpoint_problem(path, self.trainer_state(path)) is None]
+
     def latest_checkpoint(self) -> Path | None:
-        """The newest complete checkpoint (`checkpoint_problem`): one a kill, a full disk or a copy
-        cut short is skipped."""
+        """The newest complete checkpoint (None: none)."""
         return next((path for path in reversed(self.checkpoint_folders())
                      if checkpoint_problem(path, self.trainer_state(path)) is None), None)
+
+    def kept_checkpoint(self, step: int) -> Path:
+        """The complete checkpoint of `step` (`selfopd eval --run RUN --step S`), else one line naming
+        the steps whose checkpoints the run keeps (run.keep_checkpoints)."""
+        complete = self.complete_checkpoints()
+        if self.checkpoint(step) in complete:
+            return self.checkpoint(step)
+        raise CheckpointError(f"{self.checkpoints}: no complete checkpoint of step {step}; steps kept: "
+                              f"{checkpoint_steps_text(complete)}")
+
+    def eval_accuracy(self, step: int) -> float | None:
+        """The accuracy of the finished eval of `step` (its summary.json; None: no finished eval)."""
+        summary = self.eval_dir(step) / "summary.json"
+        return float(json.loads(summary.read_text())["accuracy"]) if summary.is_file() else None
 
     @staticmethod
     def trainer_state(checkpoint: Path) -> Path:
@@ -143,6 +164,16 @@ class RunFolder:
 
     def is_run(self) -> bool:
         return self.config.is_file()
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    """The step of a checkpoint folder (RUN/checkpoints/step_NNNNN)."""
+    return int(Path(checkpoint).name.removeprefix("step_"))
+
+
+def checkpoint_steps_text(checkpoints: Sequence[Path]) -> str:
+    """'3, 4' for the checkpoints of steps 3 and 4 ('none' for none): how messages and summaries list them."""
+    return ", ".join(str(checkpoint_step(path)) for path in checkpoints) or "none"
 
 
 def portable_path(path: str | Path) -> str:

@@ -15,7 +15,8 @@ from selfopd.run.rollouts import RolloutRecord, write_records
 from selfopd.core.distributed import ShardedSampling, full_optimizer_state, full_state_dict, is_sharded
 from selfopd.run.evaluate import evaluate
 from selfopd.core.faults import fault_point
-from selfopd.core.run_folder import RunFolder
+from selfopd.config import RunConfig
+from selfopd.core.run_folder import RunFolder, checkpoint_step
 from selfopd.training.rollout_pipeline import PENDING_FILE, pending_json
 from selfopd.training.state import Run
 from selfopd.training.teacher import Scored
@@ -75,8 +76,9 @@ def reuse_eval(run: Run, source: Path) -> dict[str, float]:
 def save_checkpoint(run: Run) -> Path:
     """HF-format weights (loadable by transformers and vLLM), or with LoRA the adapters alone
     (peft's adapter_config.json + adapter_model.safetensors: `selfopd merge-lora` makes them a
-    full model), plus the tokenizer and the trainer state; only the latest checkpoint is kept
-    (and those the illusion guard fired at).
+    full model), plus the tokenizer and the trainer state; the latest run.keep_checkpoints are kept
+    (`prune_checkpoints`: the best eval's too with run.keep_best_checkpoint, and those the illusion
+    guard fired at).
     Under torchrun the full weights and optimizer state are gathered to rank 0 (every rank
     takes part), which writes them in the one-process layout. An `ema` teacher's average is
     part of the trainer state, so a resumed run continues it exactly; so are rollouts sampled
@@ -100,20 +102,32 @@ def save_checkpoint(run: Run) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
     fault_point("checkpoint.renamed")
-    prune_checkpoints(run.folder, target)
+    prune_checkpoints(run.folder, target, run.config.run)
     return target
 
 
-def prune_checkpoints(folder: RunFolder, keep: Path) -> None:
-    """Only the latest checkpoint is kept, and those of steps where the illusion guard fired
-    (RUN/guard.json: the user may go back to them): older ones go, and so do the staging
-    folders of writes a kill cut short."""
+def prune_checkpoints(folder: RunFolder, keep: Path, settings: RunConfig) -> None:
+    """Keep `keep` (the checkpoint just written, or the one a resumed run continues from), the
+    newest `run.keep_checkpoints` complete ones up to it, with run.keep_best_checkpoint the one
+    whose step's eval scored best (`best_checkpoint`), and those of steps where the illusion guard
+    fired (RUN/guard.json: the user may go back to them). Everything else goes: older checkpoints,
+    incomplete or newer ones a resumed run writes again, staging folders of writes a kill cut short."""
     from selfopd.training.guard import fired_steps
 
-    kept = {keep} | {folder.checkpoint(step) for step in fired_steps(folder.root)}
+    complete = [path for path in folder.complete_checkpoints() if checkpoint_step(path) <= checkpoint_step(keep)]
+    kept = {keep, *complete[-settings.keep_checkpoints:]} | {folder.checkpoint(step) for step in fired_steps(folder.root)}
+    best = best_checkpoint(folder, complete) if settings.keep_best_checkpoint else None
     for old in folder.checkpoints.iterdir():
-        if old not in kept:
+        if old not in kept and old != best:
             shutil.rmtree(old)
+
+
+def best_checkpoint(folder: RunFolder, checkpoints: Sequence[Path]) -> Path | None:
+    """Of `checkpoints`, the one whose step's in-run eval (RUN/eval/step_NNNNN/summary.json) has the
+    highest accuracy, the earlier step on a tie (None: no step of them was evaluated)."""
+    scored = [(accuracy, -checkpoint_step(path), path) for path in checkpoints
+              if (accuracy := folder.eval_accuracy(checkpoint_step(path))) is not None]
+    return max(scored)[2] if scored else None
 
 
 def save_rollouts(run: Run, scored: Sequence[Scored], student_lp_N: torch.Tensor, advantage_N: torch.Tensor,

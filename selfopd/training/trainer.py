@@ -90,7 +90,7 @@ def _claimed(folder: RunFolder, config: TrainConfig, resume: bool, checkpoint: P
     with claimed_run_folder(folder, None if resume else config_to_toml(config)):
         save_run_templates(folder.templates, config_template_names(config))
         if checkpoint is not None:
-            prune_checkpoints(folder, checkpoint)
+            prune_checkpoints(folder, checkpoint, config.run)
         yield
 
 
