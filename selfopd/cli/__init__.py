@@ -16,7 +16,7 @@ from selfopd.cli.evaluate import add_eval_command
 from selfopd.cli.prompts import add_prompts_command
 from selfopd.config import MAX_ITEMS
 from selfopd.config.settings import Bounds, escaped
-from selfopd.core.run_folder import RunFolder, load_run_config
+from selfopd.core.run_folder import RunFolder, checkpoint_steps_text, load_run_config
 
 COUNT = Bounds(ge=0, most=MAX_ITEMS)  # --limit, --gap-items, ...: how many items
 
@@ -161,6 +161,8 @@ def _train(args: argparse.Namespace) -> None:
     if current_world().is_main:  # under torchrun: once, from rank 0
         print(summarize_run(run_dir))
         print(f"run folder: {run_dir} (metrics.jsonl, plots/, eval/, checkpoints/, rollouts/)")
+        print(f"checkpoints kept: steps {checkpoint_steps_text(RunFolder(run_dir).complete_checkpoints())} "
+              f"(evaluate one: selfopd eval --run {run_dir} --step S)")
 
 
 # --- merge-lora ---------------------------------------------------------------------
