@@ -19,8 +19,8 @@ that folder copied there, about 4-5 minutes (it starts no work after `--budget-s
 
     PYTHONUNBUFFERED=1 python3 -m experiments.benchmarks.gpu_check --out $OUT/gpu_check.json
 
-Commit the JSON as experiments/benchmarks/results/gpu_check.json and replace
-experiments/benchmarks/results/gpu_check_status.md. Until then that status file says it has not run.
+Its first run (one H200, 2026-12-04, every part passed) is experiments/benchmarks/results/gpu_check.json,
+summarised in experiments/benchmarks/results/gpu_check_status.md.
 
 What it does, in order:
 1. says which of selfopd's dependencies are missing there and what each one costs; the
@@ -68,7 +68,7 @@ for GPUs (`pip install -e '.[gpu]'`). What it does, in order:
 4. rollout and scoring throughput through `VLLMEngine`.
 
 Prints a table and writes JSON (to $OUT when set, else runs/benchmarks/). Exits non-zero when a
-check fails. Not yet run on a GPU.
+check fails. Not yet run on a GPU (the trainer part has; this one has not).
 """
 
 from __future__ import annotations
