@@ -11,12 +11,16 @@ Order of the checks, and why:
      ordered pair `(a, b)` gets its parentheses, so its order counts (math-verify would
      read it as a set). Against `[a, b)` it stays a set: open or closed is not implied.
   5. refuse answers too big to compute (`prescreen.py`).
-  6. math-verify (`parse` + `verify`) in a killable worker process (`timeout.py`).
+  6. math-verify (`parse` + `verify`) in a killable worker process (`timeout.py`). Without the
+     math-verify package these answers count as unchecked, said once per process
+     (`math_verify_installed`), not in a traceback per answer.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
+import importlib.util
 import logging
 import re
 
@@ -89,7 +93,7 @@ def compare_answers(predicted: str, reference: str, *, timeout_s: float = DEFAUL
             pred = f"({pred})"
         else:
             ref = f"({ref})"
-    if too_costly(pred) or too_costly(ref):
+    if too_costly(pred) or too_costly(ref) or not math_verify_installed():
         return Verdict.UNCHECKED
     try:
         same = run_in_worker("math_verify", pred, ref, timeout_s=timeout_s)
@@ -100,6 +104,18 @@ def compare_answers(predicted: str, reference: str, *, timeout_s: float = DEFAUL
         logger.warning("answer check failed: %s", e)
         return Verdict.UNCHECKED
     return Verdict.EQUIVALENT if same else Verdict.DIFFERENT
+
+
+@functools.cache
+def math_verify_installed() -> bool:
+    """Whether the math-verify package is importable here (the worker runs our interpreter, on our
+    path); when not, one warning per process says what goes unchecked, instead of a worker that
+    dies at start for every answer."""
+    if importlib.util.find_spec("math_verify") is not None:
+        return True
+    logger.warning("math_verify is not installed: answers that are not plain numbers, words or the same text count "
+                   "as unchecked (reward 0); pip install 'math-verify>=0.7' to check them")
+    return False
 
 
 def answers_equivalent(predicted: str, reference: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:

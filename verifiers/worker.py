@@ -17,6 +17,7 @@ Limits, not a sandbox: the answer grammars (`task_grammars.py`) are the boundary
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import resource
@@ -102,7 +103,14 @@ def main() -> None:
     _limit(resource.RLIMIT_FSIZE, 0)  # Python ignores SIGXFSZ: a write fails with EFBIG instead
     _limit(resource.RLIMIT_CORE, 0)
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout disabled" warning
-    import math_verify  # noqa: F401  (import before "ready", so the first check is not slowed)
+    # Imported before "ready" (the first check is not slowed) and before the audit hook: sympy loads ctypes,
+    # which reasoning-gym's scorers need too. Without math-verify the parent never asks for it
+    # (`equivalence.math_verify_installed`), so sympy alone is imported.
+    try:
+        import math_verify  # noqa: F401
+    except ImportError:
+        with contextlib.suppress(ImportError):
+            import sympy  # noqa: F401
 
     tasks = _tasks()
     signal.signal(signal.SIGALRM, _on_alarm)

@@ -170,3 +170,33 @@ def test_math_verify_never_compiles_model_text():
     report = json.loads(out.splitlines()[-1])
     assert report["compiled"] == []
     assert report["verdicts"][:2] == [False, False] and len(report["verdicts"]) == len(MARKED)
+
+
+ABSENT = """
+import json, sys
+import reasoning_gym
+from selfopd.verifiers import compare_answers, verify_reasoning_gym
+entry = reasoning_gym.create_dataset("chain_sum", seed=0, size=1)[0]
+print(json.dumps({"latex": [compare_answers(a, b).value for a, b in [(r"\\sqrt{2}", r"2^{1/2}"), ("x^2", "x^{2}+0")]],
+                  "numbers": compare_answers(r"\\frac{1}{2}", "0.5").value,
+                  "reasoning_gym": verify_reasoning_gym("Answer: " + entry["answer"], "chain_sum", entry).correct}))
+"""
+
+
+def test_a_missing_math_verify_is_one_warning_and_unchecked_answers(tmp_path):
+    """Without math-verify (absent in the caller and in its verifier workers: a sitecustomize on the
+    path they share makes its import fail), LaTeX answers are unchecked with one warning line, no
+    worker dies, plain numbers are still compared and reasoning-gym still scores."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['math_verify'] = None\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", ABSENT], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == {"latex": ["unchecked", "unchecked"], "numbers": "equivalent",
+                                                        "reasoning_gym": True}
+    warnings = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(warnings) == 1 and warnings[0].startswith("math_verify is not installed: "), done.stderr[-2000:]
