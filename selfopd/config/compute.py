@@ -11,6 +11,7 @@ import shlex
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+from selfopd.core.models import revision_problem
 from selfopd.config.settings import (MAX_BATCH, MAX_SECONDS, MAX_TOKENS, MAX_WEIGHT, Section, TableValue,
                                      check_printable, fail, setting)
 
@@ -32,6 +33,10 @@ CHAT_TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "docum
 class ModelConfig(Section):
     SECTION: ClassVar[str] = "model"
     student: str = setting("smollm2-135m-instruct", "The student: a packaged model name, a local folder or a hub id.")
+    revision: str = setting(
+        "", "Hub revision of model.student when it is a hub id (a branch, tag or commit hash; '' = the hub's "
+        "default branch): its one download fetches that revision, and every load of the student's weights "
+        "(trainer, 'self'/'frozen'/'ema' teachers, vLLM servers) reads that snapshot's folder.")
     dtype: DType = setting(
         "float32", "Compute dtype. 'bfloat16' trains with fp32 master weights and fp32 AdamW state, forward and "
         "backward in bf16 (autocast): a bf16 weight cannot take an update below 2^-8 of itself (lr 1e-6 steps "
@@ -65,6 +70,8 @@ class ModelConfig(Section):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._non_empty("student")
+        if (problem := revision_problem(self.student, self.revision)) is not None:
+            fail(self._key("revision"), problem)
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             fail(self._key("device"), f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         check_template_kwargs(self._key("chat_template_kwargs"), self.chat_template_kwargs)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal, Mapping
 from selfopd.config.compute import check_template_kwargs
 from selfopd.config.loss import FULL_VOCABULARY
 from selfopd.config.settings import Section, TableValue, fail, setting
+from selfopd.core.models import revision_problem
 
 if TYPE_CHECKING:
     from selfopd.config import TrainConfig
@@ -33,6 +34,10 @@ class TeacherConfig(Section):
         "are then the sampler's).",
     )
     model: str = setting("", "The external teacher (packaged name, folder or hub id); set iff kind = 'external'.")
+    revision: str = setting(
+        "", "Hub revision of teacher.model when it is a hub id (a branch, tag or commit hash; '' = the hub's default "
+        "branch): its one download fetches that revision and every load of the teacher reads that snapshot. A "
+        "teacher of the student's weights follows model.revision.")
     tokenizer: TeacherTokenizer = setting(
         "student", "kind = 'external': 'student' scores the student's exact token ids, and refuses a teacher whose "
         "tokenizer reads them differently; 'own' prompts the teacher through its own chat template and scores the "
@@ -73,6 +78,11 @@ class TeacherConfig(Section):
             fail(self._key("model"), "required when teacher.kind = 'external'")
         if self.kind != "external" and self.model:
             fail(self._key("model"), f"only used when teacher.kind = 'external' (kind is {self.kind!r}); leave it empty")
+        if self.revision and self.kind != "external":
+            fail(self._key("revision"), f"only used when teacher.kind = 'external' (kind is {self.kind!r}): a teacher of "
+                 "the student's weights follows model.revision")
+        if (problem := revision_problem(self.model, self.revision)) is not None:
+            fail(self._key("revision"), problem)
         if self.kind != "external" and self.tokenizer != "student":
             fail(self._key("tokenizer"), f"{self.tokenizer!r} needs teacher.kind = 'external' (kind is {self.kind!r}): "
                  "the student's own weights read its own tokens")
@@ -95,6 +105,10 @@ class TeacherConfig(Section):
     def weights(self, student: str) -> str:
         """The model whose weights the teacher runs: `teacher.model`, or the (initial) student."""
         return self.model if self.kind == "external" else student
+
+    def weights_revision(self, student_revision: str) -> str:
+        """The hub revision of `weights(...)`: `teacher.revision`, or model.revision for the student's."""
+        return self.revision if self.kind == "external" else student_revision
 
     def template_kwargs(self, student: Mapping[str, TableValue]) -> dict[str, TableValue]:
         """The teacher's chat-template arguments: its own over the student's (`student`:

@@ -5,7 +5,10 @@ A spec is one of:
   so the toolkit has a real model offline. The GGUF file is converted once into an fp32
   safetensors folder cached under `$SELFOPD_HOME/models/NAME` (default `~/.cache/selfopd`).
 - a local folder with a `config.json`;
-- a Hugging Face hub id (`org/name`), downloaded with `huggingface_hub` for users online.
+- a Hugging Face hub id (`org/name`), downloaded with `huggingface_hub` for users online, at a
+  pinned revision when one is given (`model.revision`, `teacher.revision`). That download is the
+  only place a revision is needed: every loader (transformers, vLLM servers) then reads the
+  snapshot folder it returns, so no load can see another revision.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -74,8 +78,23 @@ def selfopd_home() -> Path:
     return Path(os.environ.get("SELFOPD_HOME", Path.home() / ".cache" / "selfopd"))
 
 
-def resolve_model(spec: str | os.PathLike[str]) -> Path:
-    """Return a local folder for `spec`, converting or downloading it on first use."""
+REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,254}")  # a branch, tag, commit hash or refs/pr/N
+
+
+def revision_problem(spec: str, revision: str) -> str | None:
+    """Why `revision` cannot pin `spec` (None: it can, or there is none): only a hub id has revisions."""
+    if not revision:
+        return None
+    if not REVISION.fullmatch(revision) or ".." in revision:
+        return f"{revision!r} is not a hub revision (a branch, tag or commit hash)"
+    if spec in PACKAGED_MODELS or not _looks_like_hub_id(spec):
+        return f"pins a hub id's revision, and {spec!r} is not a hub id (org/name); leave it empty"
+    return None
+
+
+def resolve_model(spec: str | os.PathLike[str], revision: str = "") -> Path:
+    """Return a local folder for `spec`, converting or downloading it on first use. `revision`
+    pins a hub id (a folder or packaged model, already resolved, is used as it is)."""
     text = str(spec)
     if text in PACKAGED_MODELS:
         return prepare_packaged_model(text)
@@ -85,7 +104,7 @@ def resolve_model(spec: str | os.PathLike[str]) -> Path:
             raise ModelError(f"model folder {path} has no config.json: not a Hugging Face model folder")
         return path
     if _looks_like_hub_id(text):
-        return _download_from_hub(text)
+        return _download_from_hub(text, revision)
     raise ModelError(
         f"model spec {text!r} is not a packaged model ({', '.join(PACKAGED_MODELS)}), "
         "not an existing folder and not a hub id of the form 'org/name'"
@@ -170,16 +189,17 @@ def _looks_like_hub_id(text: str) -> bool:
     return len(parts) == 2 and all(parts) and not text.startswith((".", "/", "~"))
 
 
-def _download_from_hub(repo_id: str) -> Path:
+def _download_from_hub(repo_id: str, revision: str = "") -> Path:
     from huggingface_hub import snapshot_download
 
     # *.py: a model's own code, downloaded but run only with model.trust_remote_code (`from_pretrained`).
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"]
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+        return Path(snapshot_download(repo_id, revision=revision or None, allow_patterns=patterns))
     except Exception as error:  # the hub client raises many types; all mean "not available"
+        at = f" at revision {revision!r}" if revision else ""
         raise ModelError(
-            f"could not download model {repo_id!r} from the Hugging Face hub ({type(error).__name__}: {error}). "
+            f"could not download model {repo_id!r}{at} from the Hugging Face hub ({type(error).__name__}: {error}). "
             "Offline, use a local folder or a packaged model: " + ", ".join(PACKAGED_MODELS)
         ) from error
 
