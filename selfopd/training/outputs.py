@@ -3,6 +3,7 @@ rollouts and the training-curve plots, at the paths `selfopd.core.run_folder` de
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -10,7 +11,11 @@ from typing import Sequence
 
 import torch
 
+from selfopd.config import ConfigError
 from selfopd.core.atomic import write_text_atomic
+from selfopd.data import load_examples
+from selfopd.data.example import Example, prompt_key
+from selfopd.data.split import distinct_prompts
 from selfopd.run.rollouts import RolloutRecord, write_records
 from selfopd.core.distributed import ShardedSampling, full_optimizer_state, full_state_dict, is_sharded
 from selfopd.run.evaluate import evaluate
@@ -24,22 +29,49 @@ from selfopd.verifiers import Grading
 
 
 def run_eval(run: Run) -> dict[str, float] | None:
-    """Greedy held-out accuracy of the current student, with its 95% interval. Under torchrun
-    every rank generates its share of each batch; rank 0 writes and gets the metrics (None
-    elsewhere)."""
-    cfg = run.config
+    """Held-out accuracy of the current student with its 95% interval over distinct prompts, as
+    [eval] asks (greedy by default; avg@k and pass@k with eval.samples > 1), on eval.data or the
+    run's held-out split. It samples through the run's own student engine: the trainer's module in
+    process, the student's vLLM servers (just synced to this step's weights) when training samples
+    there. Under torchrun every rank generates its share of each batch; rank 0 writes and gets the
+    metrics (None elsewhere)."""
+    cfg, settings = run.config, run.config.eval
     out_dir = run.folder.eval_dir(run.step)
     main = run.world.is_main
-    evaluate(ShardedSampling(run.student_engine, run.world), run.tokenizer, run.eval_examples,
-             run.student_template, cfg.eval.max_tokens, cfg.eval.batch_size, out_dir=out_dir if main else None,
-             progress=cfg.run.progress and main, grading=Grading.of(cfg.verifier),
+    evaluate(ShardedSampling(run.student_engine, run.world), run.tokenizer, eval_examples(run),
+             run.student_template, settings.max_tokens, settings.batch_size, out_dir=out_dir if main else None,
+             progress=cfg.run.progress and main, samples=settings.samples, temperature=settings.temperature,
+             top_p=settings.top_p, top_k=settings.top_k, min_p=settings.min_p, grading=Grading.of(cfg.verifier),
              template_kwargs=cfg.model.chat_template_kwargs)
     return eval_metrics(run.step, out_dir) if main else None
 
 
+def eval_examples(run: Run) -> Sequence[Example]:
+    """What the in-run eval answers: eval.data's items, refused (one line naming the spec) when one of
+    its prompts is a training prompt of this run; else the run's held-out split."""
+    spec = run.config.eval.data
+    if not spec:
+        return run.eval_examples
+    examples = _eval_data(spec)
+    trained = {prompt_key(example.prompt) for example in run.train_examples}
+    overlap = [example for example in examples if prompt_key(example.prompt) in trained]
+    if overlap:
+        raise ConfigError("eval.data", f"{spec}: {len(overlap)} of its {distinct_prompts(examples)} distinct prompts "
+                          f"are training prompts of this run (e.g. {overlap[0].prompt[:80]!r}); evaluate on prompts "
+                          "the run does not train on")
+    return examples
+
+
+@functools.lru_cache(maxsize=2)
+def _eval_data(spec: str) -> tuple[Example, ...]:
+    """eval.data's items, loaded once a process (the run evaluates them every run.eval_every steps)."""
+    return tuple(load_examples(spec))
+
+
 def eval_metrics(step: int, eval_dir: Path) -> dict[str, float]:
     """The metrics.jsonl row of one eval folder, read from its summary.json, so that a
-    fresh eval and a reused one log exactly the same fields."""
+    fresh eval and a reused one log exactly the same fields: eval/accuracy is avg@k, and
+    eval/pass@k each reported k (absent from evals older than them)."""
     summary = json.loads((eval_dir / "summary.json").read_text())
     metrics = {
         "step": step,
@@ -50,6 +82,7 @@ def eval_metrics(step: int, eval_dir: Path) -> dict[str, float]:
         "eval/length_mean": summary["mean_completion_tokens"],
         # answers cut at eval.max_tokens, and answers with nothing graded (absent from evals older than them)
         **{f"eval/{key}": summary[key] for key in ("truncated_share", "no_answer_share") if key in summary},
+        **{f"eval/{key}": part["value"] for key, part in summary.items() if key.startswith("pass@")},
     }
     for task, part in summary.get("by_task", {}).items():  # a mixture's tasks
         metrics |= {f"eval/accuracy/{task}": part["accuracy"], f"eval/n/{task}": part["n"]}
@@ -62,7 +95,7 @@ def reuse_eval(run: Run, source: Path) -> dict[str, float]:
     Refused unless it covers exactly this run's held-out ids: a stale or foreign eval
     would silently shift every paired comparison against it."""
     ids = {json.loads(line)["id"] for line in (source / "eval.jsonl").read_text().splitlines()}
-    expected = {example.id for example in run.eval_examples}
+    expected = {example.id for example in eval_examples(run)}
     if ids != expected:
         raise ValueError(f"{source}: its eval items are not this run's held-out split "
                          f"({len(ids ^ expected)} ids differ); evaluate again")
