@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from selfopd.cli import main
 from selfopd.config import RunConfig, load_config
@@ -117,3 +117,33 @@ def test_a_run_keeps_its_checkpoints_resumes_among_them_and_evaluates_a_kept_ste
     assert capsys.readouterr().err.strip() == (
         f"selfopd: error: {folder.checkpoints}: no complete checkpoint of step 3; steps kept: {', '.join(map(str, kept))}")
     assert not (tmp_path / "none").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_kept_checkpoint_is_served_by_vllm_as_in_process(tmp_path, servable_tiny_model_dir):
+    """Step 1's checkpoint, kept beside step 2's (the latest), served as selfopd launches servers:
+    its logprobs are the in-process model's of that folder, not the latest step's."""
+    from tests.engine_contract import TOLERANCE
+
+    from selfopd.engines.local import LocalEngine
+    from selfopd.engines.vllm import VLLMEngine
+    from selfopd.engines.vllm_server import ServerSpec, free_port, launch_servers
+
+    sets = [*SMALL, f"model.student={servable_tiny_model_dir}", f"run.out_dir={tmp_path}", "run.name=served",
+            "run.steps=2", "run.eval_every=0", "run.checkpoint_every=1", "run.keep_checkpoints=2"]
+    folder = RunFolder(train(load_config(None, sets)))
+    assert _kept(folder) == ["step_00001", "step_00002"]
+    local = {step: LocalEngine(AutoModelForCausalLM.from_pretrained(folder.checkpoint(step)),
+                               AutoTokenizer.from_pretrained(folder.checkpoint(step))) for step in (1, 2)}
+    sequences = [([1, 504, 2254, 30], [9, 16, 28, 1191, 2]), ([17, 18, 19], [42, 43])]
+    spec = ServerSpec(name="student", model=str(folder.checkpoint(1)), port=free_port(), max_model_len=256)
+    with launch_servers([spec], tmp_path / "logs", timeout_s=900, progress=False) as launched:
+        engine = VLLMEngine([launched[0].spec.url])
+        try:
+            served = engine.score(sequences)
+        finally:
+            engine.close()
+    for step, within in ((1, True), (2, False)):
+        gaps = [(s.logprobs - m.logprobs).abs().max().item() for s, m in zip(served, local[step].score(sequences))]
+        assert (max(gaps) <= TOLERANCE) == within, (step, gaps)
