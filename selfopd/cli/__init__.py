@@ -13,6 +13,7 @@ from selfopd.cli.common import (DEFAULT_DATA, DEFAULT_MODEL, Parser, UsageError,
 from selfopd.cli.compare import add_compare_command
 from selfopd.cli.drift import add_drift_command
 from selfopd.cli.evaluate import add_eval_command
+from selfopd.cli.plan import add_plan_command, show_plan
 from selfopd.cli.prompts import add_prompts_command
 from selfopd.config import MAX_ITEMS
 from selfopd.config.settings import Bounds, escaped
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_prompts_command(commands)
     add_eval_command(commands)
     _add_train(commands)
+    add_plan_command(commands)
     _add_merge_lora(commands)
     _add_sft(commands)
     _add_serve(commands)
@@ -148,6 +150,7 @@ def _train(args: argparse.Namespace) -> None:
         from selfopd.config import config_to_toml
 
         print(config_to_toml(config), end="")
+        print(show_plan(config), end="")  # memory per GPU (selfopd plan), as TOML comments
         return
     from selfopd.run.folder_guard import kept_on_write_failure, stopped_run_note
 
