@@ -172,8 +172,27 @@ class OptimConfig(Section):
 @dataclass(frozen=True)
 class EvalConfig(Section):
     SECTION: ClassVar[str] = "eval"
-    max_tokens: int = setting(48, "Most completion tokens per greedy eval answer.", ge=1, most=MAX_TOKENS)
+    max_tokens: int = setting(48, "Most completion tokens per eval answer.", ge=1, most=MAX_TOKENS)
     batch_size: int = setting(32, "Prompts per eval generation batch.", ge=1, most=MAX_BATCH)
+    data: str = setting(
+        "", "Data spec of the in-run eval ('': the run's held-out split of data.spec); refused when it holds a prompt "
+        "the run trains on.")
+    samples: int = setting(
+        1, "Answers per eval prompt, k: the eval reports avg@k and the unbiased pass@k (1: one answer each).", ge=1,
+        most=MAX_SAMPLES)
+    temperature: float = setting(0.0, "Eval sampling temperature (0: greedy; samples > 1 needs > 0).", ge=0.0,
+                                 most=MAX_TEMPERATURE)
+    top_p: float = setting(1.0, "Eval nucleus sampling mass, in (0, 1] (1: off).", gt=0, le=1)
+    top_k: int = setting(0, "Eval top-k sampling: the k most likely tokens (0: off).", ge=0, most=MAX_TOKENS)
+    min_p: float = setting(0.0, "Eval min-p sampling: drop tokens below min_p x the top token's probability (0: off).",
+                           ge=0.0, le=1)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_printable(self._key("data"), self.data, allow="")
+        if self.samples > 1 and self.temperature == 0:
+            fail(self._key("samples"),
+                 f"{self.samples} samples a prompt need eval.temperature > 0: greedy answers are identical")
 
 
 @dataclass(frozen=True)
