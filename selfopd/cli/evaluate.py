@@ -4,11 +4,13 @@ refused by the parser when out of the range its config setting takes."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 from pathlib import Path
 
 from selfopd.cli.common import UserError, add_overrides, check_output_folder, command, like_setting
-from selfopd.config import RolloutConfig, RunConfig
+from selfopd.config import EvalConfig, RunConfig
 from selfopd.core.run_folder import RunFolder, load_run_config
 
 
@@ -33,10 +35,21 @@ def add_eval_command(commands: argparse._SubParsersAction) -> None:
                                "(train and held-out) instead of refusing an overlap")
     evaluate.add_argument("--split", choices=("all", "train", "eval"), default="eval",
                           help="without --data: which part of the config's split (default: eval)")
-    evaluate.add_argument("--samples", type=like_setting(RolloutConfig, "samples_per_prompt"), default=1,
-                          help="k for avg@k accuracy, as rollout.samples_per_prompt takes it (default: 1, greedy)")
-    evaluate.add_argument("--temperature", type=like_setting(RolloutConfig, "temperature"), default=0.0,
-                          help="sampling temperature for avg@k, as rollout.temperature takes it (default: 0)")
+    evaluate.add_argument("--samples", type=like_setting(EvalConfig, "samples"),
+                          help="k answers a prompt: avg@k and the unbiased pass@k for k = 1, 2, 4, ... and k "
+                               "(default: eval.samples, 1)")
+    for flag, name, what in (("--temperature", "temperature", "sampling temperature, 0 greedy"),
+                             ("--top-p", "top_p", "nucleus mass, 1 off"), ("--top-k", "top_k", "top-k, 0 off"),
+                             ("--min-p", "min_p", "min-p, 0 off"), ("--max-tokens", "max_tokens", "most tokens an answer")):
+        evaluate.add_argument(flag, dest=name, type=like_setting(EvalConfig, name),
+                              help=f"{what} (default: eval.{name}, {getattr(EvalConfig(), name)})")
+    evaluate.add_argument("--engine", choices=("local", "vllm"),
+                          help="local: in process (HF generate); vllm: vLLM servers of the model, launched as training "
+                               "launches the student's ([engine] settings) unless --server (default: local, or vllm "
+                               "with --server)")
+    evaluate.add_argument("--server", metavar="URL",
+                          help="a running vLLM server that serves the model (its tokenizer is read from --model or the "
+                               "config's model.student)")
     evaluate.add_argument("--seed", type=like_setting(RunConfig, "seed"), default=0,
                           help="sampling seed for avg@k, as run.seed takes it (default: 0)")
     evaluate.add_argument("--out", type=Path, default=Path("runs/eval"), help="output folder (default: runs/eval)")
@@ -45,21 +58,26 @@ def add_eval_command(commands: argparse._SubParsersAction) -> None:
 def _eval(args: argparse.Namespace) -> None:
     from selfopd.config import load_config
     from selfopd.data import load_examples
-    from selfopd.engines.build import frozen_engine
+    from selfopd.run.eval_engine import open_eval_engine
     from selfopd.run.evaluate import evaluate
     from selfopd.data.split import SplitRecord, distinct_prompts, load_split, trained_on
     from selfopd.templating.templates import load_template
     from selfopd.training.trainer import latest_checkpoint
     from selfopd.verifiers import Grading
 
-    if args.samples > 1 and args.temperature == 0:
-        raise UserError("--samples > 1 (avg@k) needs temperature > 0: greedy samples are identical")
+    if args.engine == "local" and args.server:
+        raise UserError("--server URL samples on that vLLM server: drop --engine local (or --server)")
     if args.run_dir is not None and args.config is not None:
         raise UserError("give either a CONFIG or --run RUN_DIR (whose config is used), not both")
     if args.fresh and (args.run_dir is None or args.data is None):
         raise UserError("--fresh needs --run RUN_DIR and --data SPEC: it draws SPEC past the run's prompts")
     check_output_folder(args.out, "--out")  # before the answers are computed, not when they are written
     config = load_run_config(args.run_dir, args.overrides) if args.run_dir else load_config(args.config, args.overrides)
+    flags = {name: value for name in SAMPLING if (value := getattr(args, name)) is not None}
+    sampling = {name: flags.get(name, getattr(config.eval, name)) for name in SAMPLING}
+    if sampling["samples"] > 1 and sampling["temperature"] == 0:
+        raise UserError(f"--samples {sampling['samples']} (avg@k) needs --temperature > 0: greedy samples are identical")
+    config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, **flags))
     template = load_template(config.data.student_template)
     record = SplitRecord.read(args.run_dir) if args.run_dir else None
     if args.step is not None and (args.run_dir is None or args.model):
@@ -84,15 +102,29 @@ def _eval(args: argparse.Namespace) -> None:
         else:
             examples = {"train": train, "eval": held_out, "all": train + held_out}[args.split]
             what = f"{config.data.spec} [{args.split}]"
-    engine = frozen_engine(model, config)
-    tokenizer = engine.tokenizer
-    accuracy, _ = evaluate(engine, tokenizer, examples, template, config.eval.max_tokens, config.eval.batch_size,
-                           out_dir=args.out, samples=args.samples, temperature=args.temperature, seed=args.seed,
-                           grading=Grading.of(config.verifier),
-                           template_kwargs=config.model.chat_template_kwargs)
+    with contextlib.ExitStack() as stack:
+        engine, tokenizer = open_eval_engine(model, config, args.engine or ("vllm" if args.server else "local"),
+                                             args.server, stack, args.out / "server-logs")
+        accuracy, _ = evaluate(engine, tokenizer, examples, template, config.eval.max_tokens, config.eval.batch_size,
+                               out_dir=args.out, seed=args.seed, grading=Grading.of(config.verifier),
+                               template_kwargs=config.model.chat_template_kwargs,
+                               **{name: sampling[name] for name in SAMPLING if name != "max_tokens"})
     print(f"{model} on {what} with {template.name}: accuracy {accuracy} "
           f"({len(examples)} items, {distinct_prompts(examples)} distinct prompts)")
     summary = json.loads((args.out / "summary.json").read_text())
+    print(at_k_line(summary))
     print(f"truncated at eval.max_tokens: {summary['truncated_share']:.1%} of answers; no answer graded: "
           f"{summary['no_answer_share']:.1%} (verifier.truncated = {config.verifier.truncated!r})")
     print(f"wrote {args.out / 'eval.jsonl'} and {args.out / 'summary.json'}")
+
+
+SAMPLING = ("samples", "temperature", "top_p", "top_k", "min_p", "max_tokens")  # flags that override [eval]
+
+
+def at_k_line(summary: dict) -> str:
+    """avg@k and pass@k of a summary.json, each with its 95% interval over distinct prompts."""
+    names = [f"avg@{summary['k']}"] + sorted((key for key in summary if key.startswith("pass@")),
+                                             key=lambda key: int(key[5:]))
+    parts = [f"{name} {summary[name]['value']:.3f} [{summary[name]['ci95'][0]:.3f}, {summary[name]['ci95'][1]:.3f}]"
+             for name in names]
+    return f"{', '.join(parts)} (95% intervals over {summary[names[0]]['n']} distinct prompts)"

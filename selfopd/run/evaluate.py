@@ -16,7 +16,8 @@ from selfopd.data.example import Example, prompt_key
 from selfopd.data.mixture import task_of
 from selfopd.engines.base import Engine, SamplingParams
 from selfopd.core.faults import fault_point
-from selfopd.core.stats import MeanEstimate, Proportion, prompt_accuracy
+from selfopd.core.stats import (MeanEstimate, Proportion, mean_interval, pass_ks, per_prompt_means, prompt_accuracy,
+                                prompt_pass_at_k)
 from selfopd.templating.templates import PromptTemplate, prompt_token_ids, render_student
 from selfopd.verifiers import Grading, grade
 
@@ -50,11 +51,15 @@ def evaluate(
     seed: int = 0,
     grading: Grading = Grading(),
     template_kwargs: Mapping[str, Any] | None = None,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
 ) -> tuple[Proportion | MeanEstimate, list[EvalRecord]]:
     """Accuracy on `examples`: greedy (the default), or avg@k with `samples` > 1 at
-    `temperature`, graded as `grading` (the run's [verifier]) reads a completion. With `out_dir`,
-    writes eval.jsonl and summary.json. `template_kwargs`:
-    the student's chat-template arguments (model.chat_template_kwargs)."""
+    `temperature` (and the `top_p`, `top_k`, `min_p` filters: `SamplingParams`), graded as
+    `grading` (the run's [verifier]) reads a completion. With `out_dir`, writes eval.jsonl and
+    summary.json (avg@k and pass@k). `template_kwargs`: the student's chat-template arguments
+    (model.chat_template_kwargs)."""
     if samples > 1 and temperature == 0:
         raise ValueError("avg@k with k > 1 needs temperature > 0: greedy samples are identical")
     prompts = [prompt_token_ids(tokenizer, render_student(template, e), template_kwargs or {}) for e in examples]
@@ -64,7 +69,8 @@ def evaluate(
     batches = range(0, len(examples), batch_size)
     for number, start in enumerate(tqdm(batches, desc="eval", unit="batch", disable=not progress)):
         batch = examples[start : start + batch_size]
-        params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, n=samples, seed=seed + number)
+        params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                min_p=min_p, n=samples, seed=seed + number)
         sampled = engine.sample(prompts[start : start + batch_size], params)
         for example, completions, opens in zip(batch, sampled, opened[start : start + batch_size]):
             for index, completion in enumerate(completions):
@@ -85,8 +91,10 @@ def evaluate(
                 )
     accuracy = accuracy_of(records, samples)
     if out_dir is not None:
+        sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
+                    "max_tokens": max_new_tokens, "seed": seed}
         write_eval(out_dir, accuracy, records, template.name, samples, temperature,
-                   tasks={e.id: task_of(e) for e in examples}, grading=grading)
+                   tasks={e.id: task_of(e) for e in examples}, grading=grading, sampling=sampling)
     return accuracy, records
 
 
@@ -108,6 +116,15 @@ def accuracy_of(records: Sequence[EvalRecord], samples: int = 1) -> Proportion |
     """Accuracy over distinct prompts: greedy on distinct prompts is a Wilson interval on
     k/n prompts; avg@k (or repeated prompts) the per-prompt mean with an interval over prompts."""
     return prompt_accuracy(outcomes_by_prompt(records))
+
+
+def at_k(records: Sequence[EvalRecord], samples: int) -> dict[str, Any]:
+    """summary.json's avg@k and pass@k (k: the powers of two up to `samples`, and `samples`), each
+    {value, ci95, n}: a mean over distinct prompts of each prompt's estimate from its answers."""
+    outcomes = outcomes_by_prompt(records)
+    estimates = {f"avg@{samples}": mean_interval(list(per_prompt_means(outcomes).values()))}
+    estimates |= {f"pass@{k}": prompt_pass_at_k(outcomes, k) for k in pass_ks(samples)}
+    return {"k": samples, **{name: {"value": e.value, "ci95": [e.low, e.high], "n": e.n} for name, e in estimates.items()}}
 
 
 def outcomes_by_prompt(records: Sequence[EvalRecord | dict]) -> dict[str, list[bool]]:
@@ -134,9 +151,11 @@ def write_eval(
     temperature: float = 0.0,
     tasks: dict[str, str] | None = None,
     grading: Grading = Grading(),
+    sampling: Mapping[str, Any] | None = None,
 ) -> None:
     """eval.jsonl, then summary.json (its presence marks the eval finished), each whole or absent.
-    `tasks` (item id -> task, a mixture's): summary.json also holds each task's accuracy."""
+    `tasks` (item id -> task, a mixture's): summary.json also holds each task's accuracy.
+    `sampling`: the sampling settings, recorded as given."""
     out_dir.mkdir(parents=True, exist_ok=True)
     write_lines_atomic(out_dir / "eval.jsonl", (asdict(record) for record in records))
     fault_point("eval.written")
@@ -157,6 +176,8 @@ def write_eval(
         "no_answer_share": sum(r.extracted is None for r in records) / max(len(records), 1),
         "verifier": asdict(grading),
         "mean_completion_tokens": sum(r.completion_tokens for r in records) / max(len(records), 1),
+        **({"sampling": dict(sampling)} if sampling else {}),
+        **at_k(records, samples),
     }
     if tasks and len(set(tasks.values())) > 1:
         by_task = {}

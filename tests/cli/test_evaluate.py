@@ -31,6 +31,13 @@ def _one_line(capsys) -> str:
     (["--temperature", "-0.5"], r"argument --temperature: must be >= 0\.0, got -0\.5"),
     (["--temperature", "1e300"], r"argument --temperature: must be <= 100\.0 \(a sane maximum\)"),
     (["--seed", "-1"], r"argument --seed: must be >= 0, got -1"),
+    (["--top-p", "0"], r"argument --top-p: must be in \(0, 1\], got 0\.0"),
+    (["--top-k", "-1"], r"argument --top-k: must be >= 0, got -1"),
+    (["--min-p", "1.5"], r"argument --min-p: must be .*1.*got 1\.5"),
+    (["--max-tokens", "0"], r"argument --max-tokens: must be >= 1, got 0"),
+    (["--engine", "gpu"], r"argument --engine: invalid choice: 'gpu'"),
+    (["--samples", "4"], r"--samples 4 \(avg@k\) needs --temperature > 0"),
+    (["--engine", "local", "--server", "http://127.0.0.1:9"], r"--server URL samples on that vLLM server"),
     (["--seed", str(2**63)], rf"argument --seed: must be <= {MAX_SEED} \(a sane maximum\)"),
     (["--set", "eval.max_tokens=-5"], r"--set eval\.max_tokens=-5: eval\.max_tokens: must be >= 1, got -5"),
     (["--set", "eval.max_tokens=1e12"], r"eval\.max_tokens: expected an integer, got '1e12'"),
@@ -80,6 +87,28 @@ def test_eval_reports_truncated_and_unanswered_shares_graded_as_the_config_says(
     assert summary["verifier"] == {"reasoning_start": "<think>", "reasoning_end": "</think>", "truncated": "wrong"}
     assert all(json.loads(line)["extracted"] is None for line in (out / "eval.jsonl").read_text().splitlines())
     assert "truncated at eval.max_tokens: 100.0% of answers; no answer graded: 100.0%" in capsys.readouterr().out
+
+
+def test_eval_samples_with_the_filters_given_and_reports_avg_and_pass_at_k(tmp_path, tiny_model_dir, capsys):
+    """--top-k 1 leaves one token a step: the 4 samples of a prompt at temperature 1 are its one
+    answer; summary.json records the sampling and avg@4 with pass@1, @2 and @4 over distinct prompts."""
+    data = _rows(tmp_path, [(f"What is {i} + {i}?", str(2 * i)) for i in range(3)] + [("What is 0 + 0?", "0")])
+    out = tmp_path / "eval"
+    assert main(["eval", "--data", str(data), "--model", str(tiny_model_dir), "--samples", "4", "--temperature", "1",
+                 "--top-k", "1", "--max-tokens", "5", "--set", "verifier.truncated=grade", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["sampling"] == {"temperature": 1.0, "top_p": 1.0, "top_k": 1, "min_p": 0.0, "max_tokens": 5, "seed": 0}
+    assert summary["k"] == 4 and {"avg@4", "pass@1", "pass@2", "pass@4"} <= set(summary)
+    assert summary["pass@4"]["n"] == summary["avg@4"]["n"] == 3  # the repeated prompt counts once
+    answers: dict[str, set[str]] = {}
+    for line in (out / "eval.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        answers.setdefault(row["prompt"], set()).add(row["completion"])
+        assert row["completion_tokens"] == 5
+    assert all(len(texts) == 1 for texts in answers.values())
+    printed = capsys.readouterr().out
+    assert re.search(r"avg@4 \S+ \[\S+, \S+\], pass@1 .*, pass@2 .*, pass@4 .* \(95% intervals over 3 distinct prompts\)",
+                     printed), printed
 
 
 @pytest.mark.slow

@@ -1,0 +1,52 @@
+"""The in-run eval as [eval] asks (`selfopd.training.outputs.run_eval`): eval.data instead of the
+held-out split, refused in one line when it holds a training prompt; eval.samples answers a
+prompt at eval.temperature, logged as avg@k (eval/accuracy) and eval/pass@k."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from selfopd.config import ConfigError, load_config
+from selfopd.training.trainer import train
+
+DATA = "rg:chain_sum?min_terms=2&max_terms=2&size=40&seed=2"
+SMALL = [
+    f"data.spec={DATA}", "data.eval_size=4", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
+    "rollout.max_tokens=4", "optim.micro_batch_prompts=1", "eval.max_tokens=4", "eval.batch_size=4",
+    "run.progress=false", "run.eval_every=0", "model.threads=1", "model.dtype=float32", "run.steps=1",
+]
+
+
+def _config(tmp_path: Path, model: Path, *extra: str):
+    return load_config(None, [*SMALL, f"model.student={model}", f"run.out_dir={tmp_path}", *extra])
+
+
+def test_eval_data_holding_a_training_prompt_is_refused_before_any_step(tmp_path, tiny_model_dir):
+    with pytest.raises(ConfigError, match=r"^eval\.data: rg:chain_sum\?min_terms=2&max_terms=2&size=40&seed=2: 36 of "
+                                          r"its 40 distinct prompts are training prompts of this run \(e\.g\. '.*'\); "
+                                          r"evaluate on prompts the run does not train on$"):
+        train(_config(tmp_path, tiny_model_dir, "run.name=overlap", f"eval.data={DATA}"))
+    assert not list((tmp_path / "overlap").glob("checkpoints/step_*"))
+
+
+def test_eval_data_answered_k_times_and_logged_as_avg_and_pass_at_k(tmp_path, tiny_model_dir):
+    rows = [{"prompt": f"What is {a} + {b}? Reply with the number only.", "answer": str(a + b)}
+            for a, b in [(1234, 4321), (5555, 1111), (2020, 7070)]]
+    data = tmp_path / "test_set.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run_dir = train(_config(tmp_path, tiny_model_dir, "run.name=k", f"eval.data={data}", "eval.samples=2",
+                            "eval.temperature=1", "eval.top_k=50"))
+    evals = [line for line in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+             if "eval/accuracy" in line]
+    assert [line["step"] for line in evals] == [0, 1]
+    for line in evals:
+        assert line["eval/n"] == 3 and {"eval/pass@1", "eval/pass@2"} <= set(line)
+        assert line["eval/pass@1"] == pytest.approx(line["eval/accuracy"])  # pass@1 is avg@k
+    answered = [json.loads(line) for line in (run_dir / "eval" / "step_00001" / "eval.jsonl").read_text().splitlines()]
+    assert sorted((row["prompt"], row["sample"]) for row in answered) == sorted(
+        (row["prompt"], sample) for row in rows for sample in (0, 1))
+    summary = json.loads((run_dir / "eval" / "step_00001" / "summary.json").read_text())
+    assert summary["sampling"]["top_k"] == 50 and summary["k"] == 2
