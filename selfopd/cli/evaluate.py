@@ -40,7 +40,8 @@ def add_eval_command(commands: argparse._SubParsersAction) -> None:
                                "(default: eval.samples, 1)")
     for flag, name, what in (("--temperature", "temperature", "sampling temperature, 0 greedy"),
                              ("--top-p", "top_p", "nucleus mass, 1 off"), ("--top-k", "top_k", "top-k, 0 off"),
-                             ("--min-p", "min_p", "min-p, 0 off"), ("--max-tokens", "max_tokens", "most tokens an answer")):
+                             ("--min-p", "min_p", "min-p, 0 off"),
+                             ("--max-tokens", "max_tokens", "most tokens an answer")):
         evaluate.add_argument(flag, dest=name, type=like_setting(EvalConfig, name),
                               help=f"{what} (default: eval.{name}, {getattr(EvalConfig(), name)})")
     evaluate.add_argument("--engine", choices=("local", "vllm"),
