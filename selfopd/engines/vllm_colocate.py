@@ -89,7 +89,8 @@ class ColocatedVLLMEngine:
         self._wake()
         requests = [VLLMSamplingParams(
             n=params.n, max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-            top_k=params.top_k, min_p=params.min_p, repetition_penalty=1.0, seed=prompt_seed(params, index), logprobs=0, skip_special_tokens=True)
+            top_k=params.top_k, min_p=params.min_p, repetition_penalty=1.0, seed=prompt_seed(params, index), logprobs=0,
+            skip_special_tokens=True)
             for index in range(len(prompts))]
         outputs = self.llm.generate(_token_prompts(prompts), requests, use_tqdm=False)
         return [[_rollout(list(prompt), completion) for completion in sorted(output.outputs, key=lambda c: c.index)]
