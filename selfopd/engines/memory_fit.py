@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from selfopd.engines.memory_plan import (GIB, RESERVE_GIB, Inputs, ModelShape, Process, gib, model_shape,
+from selfopd.engines.memory_plan import (GIB, HEADROOM, RESERVE_GIB, Inputs, ModelShape, Process, gib, model_shape,
                                          read_model_config, server_process, server_share, trainer_process)
 
 PROMPT_TOKENS = 256  # assumed prompt length when none is given (`selfopd plan --prompt-tokens`)
@@ -92,8 +92,8 @@ class RunPlan:
             if others:
                 lines.append(f"    {'other phases':<22}{'':>11}  " + ", ".join(others))
         if self.capacity is not None:
-            lines.append(f"  per GPU ({self.gpu_name}, {gib(self.capacity)}; {RESERVE_GIB:.0f} GiB each kept for the "
-                         "CUDA context and allocator slack):")
+            lines.append(f"  per GPU ({self.gpu_name}, {gib(self.capacity)}): the peaks + {HEADROOM:.0%} for the estimates' "
+                         f"error + {RESERVE_GIB:.0f} GiB for the CUDA context and the allocator's slack")
             for gpu, procs in self.per_gpu().items():
                 need = self.need(procs)
                 lines.append(f"    GPU {gpu}: {gib(need)} ({', '.join(p.name for p in procs)})"
@@ -103,7 +103,8 @@ class RunPlan:
 
     @staticmethod
     def need(procs: list[Process]) -> float:
-        return sum(p.peak for p in procs) + RESERVE_GIB * GIB
+        """Bytes a GPU must have for `procs`: their peaks, the estimates' headroom, the CUDA context."""
+        return sum(p.peak for p in procs) * (1 + HEADROOM) + RESERVE_GIB * GIB
 
     def refusal(self) -> str | None:
         """One line when a GPU cannot hold what the plan puts on it; None when everything fits."""
@@ -118,14 +119,18 @@ class RunPlan:
                 continue
             names = " and ".join(p.name for p in procs)
             line = (f"the memory plan does not fit: GPU {gpu} ({self.gpu_name}, {gib(self.capacity)}) needs "
-                    f"{gib(need)} for {names}")
+                    f"{gib(need)} for the {names}")
             trainer = next((p for p in procs if p.name.startswith("trainer")), None)
             if trainer is None or self.suggest is None:
                 return line + "; place the servers on GPUs of their own (engine.student_gpus, engine.teacher_gpus)"
-            fits = [(what, n) for what, n in self.suggest(self.inputs) if n + need - trainer.peak <= self.capacity]
-            tried = fits or self.suggest(self.inputs)
+
+            def with_trainer(peak: float) -> float:
+                return need + (peak - trainer.peak) * (1 + HEADROOM)
+
+            tried = self.suggest(self.inputs)
+            fits = [(what, n) for what, n in tried if with_trainer(n) <= self.capacity]
             head = "fits with" if fits else "no one setting alone fits; combine"
-            return line + f"; {head}: " + ", ".join(f"{what} ({gib(n + need - trainer.peak)})" for what, n in tried)
+            return line + f"; {head}: " + ", ".join(f"{what} ({gib(with_trainer(n))})" for what, n in fits or tried)
         return None
 
 

@@ -20,8 +20,11 @@ from typing import Any
 
 GIB = 1024**3
 LOSS_CHUNK = 256  # positions per row in one loss window (the kernels' chunk_size)
-# (B, W, V) fp32 tensors alive at once in a loss window, by loss.divergence (selfopd.engines.kernels).
-WINDOW_TENSORS = {"sampled": 3, "topk_reverse_kl": 3, "reverse_kl": 4, "forward_kl": 4, "jsd": 4}
+# (B, W, V) fp32 tensors alive at once in a loss window, by loss.divergence, read off selfopd.engines.kernels:
+# a window's logits and their log-softmax (the gradient is then written in place); a divergence adds the
+# teacher's log-probabilities and a mixture or probabilities.
+WINDOW_TENSORS = {"sampled": 2, "topk_reverse_kl": 3, "reverse_kl": 4, "forward_kl": 4, "jsd": 4}
+HEADROOM = 0.10  # a plan fits when its estimate plus this share of it fits: the estimates' error (docs)
 SCORING_WINDOW_TENSORS = 2  # no grad: a window's logits and their log-softmax
 # Bytes autograd saves per token and decoder layer, as coefficients of (hidden size, intermediate
 # size, query width heads x head_dim, key/value width kv_heads x head_dim), by how the layer computes:
@@ -30,6 +33,9 @@ SCORING_WINDOW_TENSORS = 2  # no grad: a window's logits and their log-softmax
 ACTIVATION_BYTES = {"float32": (21.0, 18.0, 10.0, 9.0), "autocast": (26.5, 8.0, 9.0, 0.5),
                     "bfloat16": (14.5, 9.0, 5.0, 4.5), "lora": (18.0, 9.5, 7.5, 5.0)}
 QK_NORM_BYTES = {"float32": (8.0, 8.0), "autocast": (6.0, 6.0), "bfloat16": (6.0, 6.0), "lora": (4.0, 4.0)}
+# A Gated DeltaNet layer (transformers' PyTorch path, without flash-linear-attention): its MLP as above,
+# plus (bytes per unit of projection width, bytes per value head and position of its 64-token chunks).
+LINEAR_BYTES = {"float32": (27.0, 30.0), "autocast": (16.0, 24.5), "bfloat16": (16.0, 24.5), "lora": (16.0, 24.5)}
 FINAL_BYTES_PER_HIDDEN = 16  # per completion token: the final norm's saved tensors and the loss's fp32 hidden states
 RESERVE_GIB = 1.0  # per GPU: the CUDA context and the allocator's slack, outside every estimate
 ALONE_SHARE, TRAINER_SHARE = 0.9, 0.5  # engine.gpu_memory_utilization = 0: a server's share of its GPU
@@ -53,6 +59,7 @@ class ModelShape:
     linear_layers: int = 0  # Gated DeltaNet (linear attention) layers: a fixed state per sequence
     linear_state: int = 0  # elements of that state per sequence and layer (convolution + recurrent)
     linear_width: int = 0  # a linear layer's projection width (2 key + 2 value widths), for its activations
+    linear_value_heads: int = 0
     qk_norm: bool = False
     # (module name, sum of in + out features over the layers) of the decoder's linear layers: LoRA's size
     linears: tuple[tuple[str, int], ...] = ()
@@ -75,7 +82,8 @@ class ModelShape:
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         mlp = a_h * self.hidden + a_i * self.intermediate
         attention = mlp + (a_q + n_q) * q + (a_kv + n_kv) * kv
-        linear = mlp + a_q * self.linear_width
+        per_width, per_head = LINEAR_BYTES[scheme]
+        linear = mlp + per_width * self.linear_width + per_head * 64 * self.linear_value_heads
         return self.attention_layers * attention + self.linear_layers * linear
 
 
@@ -125,7 +133,7 @@ def model_shape(config: Any, name: str = "") -> ModelShape:
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads, vocab=text.vocab_size, params=params,
         embedding_params=sum(embeddings.values()), attention_layers=len(types) - linear, linear_layers=linear,
         linear_state=conv + value_heads * getattr(text, "linear_key_head_dim", 0) * getattr(text, "linear_value_head_dim", 0),
-        linear_width=2 * key_width + 2 * value_width,
+        linear_width=2 * key_width + 2 * value_width, linear_value_heads=value_heads,
         qk_norm=any(n.endswith("q_norm.weight") for n, _ in model.named_parameters()), linears=tuple(widths.items()))
 
 
@@ -252,8 +260,9 @@ def _hf_cache(inputs: Inputs) -> Part:
 
 
 def _scoring_window(inputs: Inputs) -> Part:
+    """An in-process teacher scores in the trainer's micro-batches (selfopd.training.teacher)."""
     s = inputs.teacher or inputs.student
-    rows = min(inputs.engine_batch, inputs.prompts_per_step * inputs.samples // inputs.world)
+    rows = inputs.micro_batch_prompts * inputs.samples
     positions = min(LOSS_CHUNK * rows, rows * inputs.max_tokens)
     return Part("scoring window", positions * s.vocab * 4 * SCORING_WINDOW_TENSORS,
                 f"{SCORING_WINDOW_TENSORS} x {_count(positions)} positions x {_count(s.vocab)} vocab, no grad")
