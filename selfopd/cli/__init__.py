@@ -144,13 +144,14 @@ def _train(args: argparse.Namespace) -> None:
         config = load_run_config(args.resume, [*where, *args.overrides])
     elif args.config is None and not args.show_config:
         raise UserError("give a CONFIG file (e.g. experiments/demo/demo.toml) or --resume RUN_DIR")
-    else:
-        config = load_config(args.config, args.overrides)
+    else:  # --show-config prints 'auto' as written, and what it means here below
+        config = load_config(args.config, args.overrides, resolve=not args.show_config)
     if args.show_config:
         from selfopd.config import config_to_toml
 
         print(config_to_toml(config), end="")
         print(show_plan(config), end="")  # memory per GPU (selfopd plan), as TOML comments
+        _print_auto_choices(config)
         return
     from selfopd.run.folder_guard import kept_on_write_failure, stopped_run_note
 
@@ -166,6 +167,16 @@ def _train(args: argparse.Namespace) -> None:
         print(f"run folder: {run_dir} (metrics.jsonl, plots/, eval/, checkpoints/, rollouts/)")
         print(f"checkpoints kept: steps {checkpoint_steps_text(RunFolder(run_dir).complete_checkpoints())} "
               f"(evaluate one: selfopd eval --run {run_dir} --step S)")
+
+
+def _print_auto_choices(config: Any) -> None:
+    """What each 'auto' setting of `config` means on this machine and why, as TOML comments."""
+    from selfopd.config.auto import Machine, auto_choices
+
+    choices = auto_choices(config, Machine.here())
+    if choices:
+        print("\n# 'auto' settings on this machine (selfopd.config.auto):")
+        print("\n".join(f"#   {choice.line()}" for choice in choices))
 
 
 # --- merge-lora ---------------------------------------------------------------------

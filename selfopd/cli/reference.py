@@ -36,7 +36,7 @@ def config_reference() -> str:
              "Any key can be set on the command line: `--set section.key=value` (repeatable).", ""]
     parts += ["The last column shows where `experiments/demo/demo.toml` (what `make demo` runs) differs from the "
               "defaults: a config that leaves those keys out is not the demo.", ""]
-    demo = flat_config(load_config(DEMO))
+    demo = flat_config(load_config(DEMO, resolve=False))  # the file's values, on any machine
     for name, section in SECTIONS.items():
         parts += _section_table(f"[{name}]", section, {k.partition(".")[2]: v for k, v in demo.items()
                                                         if k.startswith(name + ".")})

@@ -300,13 +300,17 @@ SECTIONS: dict[str, type[Section]] = {
 }
 
 
-def build_config(tables: dict[str, Any]) -> TrainConfig:
+def build_config(tables: dict[str, Any], resolve: bool = True) -> TrainConfig:
     """A TrainConfig from nested dicts as TOML gives them; missing sections and keys take defaults.
-    `[teachers.NAME]` tables are TeacherConfigs whose errors name `teachers.NAME.key`."""
+    `[teachers.NAME]` tables are TeacherConfigs whose errors name `teachers.NAME.key`. `resolve`:
+    model.dtype = 'auto' made what it means on this machine (selfopd.config.auto)."""
+    from selfopd.config.auto import Machine, resolve_auto
+
     tables = dict(tables)
     keyed = {section: settings.build_keyed(tables.pop(section, {}), section, cls)
              for section, cls in KEYED_SECTIONS.items()}
-    return TrainConfig(**build_sections(tables, SECTIONS), **keyed)
+    config = TrainConfig(**build_sections(tables, SECTIONS), **keyed)
+    return resolve_auto(config, Machine.here()) if resolve else config
 
 
 def parse_overrides(overrides: Sequence[str]) -> dict[str, dict[str, Any]]:
@@ -314,13 +318,15 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, dict[str, Any]]:
     return settings.parse_overrides(overrides, SECTIONS, KEYED_SECTIONS)
 
 
-def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
-    """The config in the TOML file at `path` (None: all defaults) with `--set` overrides applied.
+def load_config(path: str | Path | None, overrides: Sequence[str] = (), resolve: bool = True) -> TrainConfig:
+    """The config in the TOML file at `path` (None: all defaults) with `--set` overrides applied
+    (`resolve`: and its 'auto' dtype resolved for this machine, see `build_config`).
 
     A `--set` wins over the file. Errors name the file, or the `--set` when the bad value
     came from one.
     """
-    return load_document(path, overrides, SECTIONS, build_config, keyed=KEYED_SECTIONS)
+    return load_document(path, overrides, SECTIONS, lambda tables: build_config(tables, resolve),
+                         keyed=KEYED_SECTIONS)
 
 
 def config_to_dict(config: TrainConfig) -> dict[str, dict[str, Any]]:

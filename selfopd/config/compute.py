@@ -15,7 +15,7 @@ from selfopd.core.models import revision_problem
 from selfopd.config.settings import (MAX_BATCH, MAX_SECONDS, MAX_TOKENS, MAX_WEIGHT, Section, TableValue,
                                      check_printable, fail, setting)
 
-DType = Literal["float32", "bfloat16"]
+DType = Literal["auto", "float32", "bfloat16"]
 EngineKind = Literal["local", "vllm", "vllm_colocate"]
 TeacherEngine = Literal["vllm", "local"]
 VLLM_KINDS = ("vllm", "vllm_colocate")
@@ -38,7 +38,9 @@ class ModelConfig(Section):
         "default branch): its one download fetches that revision, and every load of the student's weights "
         "(trainer, 'self'/'frozen'/'ema' teachers, vLLM servers) reads that snapshot's folder.")
     dtype: DType = setting(
-        "float32", "Compute dtype. 'bfloat16' trains with fp32 master weights and fp32 AdamW state, forward and "
+        "auto", "Compute dtype. 'auto': 'bfloat16' when the trainer is on a CUDA GPU (float32 with LoRA and vLLM "
+        "engines, which refuse bf16), 'float32' on a CPU; resolved when the config loads, and --show-config says "
+        "why. 'bfloat16' trains with fp32 master weights and fp32 AdamW state, forward and "
         "backward in bf16 (autocast): a bf16 weight cannot take an update below 2^-8 of itself (lr 1e-6 steps "
         "vanish). Frozen teachers and vLLM servers then hold bf16 weights.")
     device: str = setting(
@@ -153,14 +155,19 @@ class EngineConfig(Section):
         "rendezvous on engine.sync_port).")
     compile: Switch = setting(
         "auto", "vllm: torch.compile and CUDA graphs in launched servers; 'auto' is on with a GPU, off on CPU (minutes to start).")
-    gpu_memory_utilization: float = setting(0.4, "vllm on GPU: share of GPU memory each launched server may take.",
-                                            gt=0, le=1)
+    gpu_memory_utilization: float = setting(
+        0.0, "vllm on GPU: share of GPU memory each launched server may take. 0: from the layout (a server alone on "
+        "its GPUs 0.9; servers sharing a GPU split 0.9, less 0.5 where the trainer is; vllm_colocate 0.4).",
+        ge=0, le=1)
     cpu_kv_cache_gb: int = setting(1, "vllm on CPU: KV cache size of each launched server, GiB.", ge=1, most=65536)
     extra_server_args: str = setting("", "vllm: more command-line arguments for launched servers (shell syntax).")
     startup_timeout_s: float = setting(900.0, "vllm: seconds to wait for launched servers to answer /health.", ge=1,
                                        most=MAX_SECONDS)
-    request_timeout_s: float = setting(600.0, "vllm: seconds before one request times out (it is then retried).",
-                                       ge=1, most=MAX_SECONDS)
+    request_timeout_s: float = setting(
+        0.0, "vllm: seconds before one request times out (it is then retried, generation starting again). 0: a "
+        "ceiling that scales with the work (selfopd.engines.liveness), while each server's /health is "
+        "polled: a server that stops answering fails the step within a minute, a slow live one is waited for.",
+        ge=0, most=MAX_SECONDS)
     retries: int = setting(3, "vllm: retries, with backoff, of a request that fails to connect, times out or gets a 5xx.",
                            ge=0, most=100)
     max_concurrency: int = setting(64, "vllm: most requests in flight per engine.", ge=1, most=MAX_BATCH)

@@ -16,6 +16,9 @@ vLLM servers: `engine.student_servers` student servers on `engine.student_gpus`
 - Servers may share a GPU (vLLM's `gpu_memory_utilization` is a per-instance budget):
   refused when the servers on one GPU ask for more than 0.95 of it together (the rest
   holds the weight push's receive chunks, `engine.sync_buffer_mb`, and the communicator).
+- `engine.gpu_memory_utilization = 0` gives each server its share from the layout
+  (`server_shares`): 0.9 of each of its GPUs, less 0.5 on a GPU the trainer uses, split evenly
+  among the servers there; a server on several GPUs takes its smallest share.
 
 Not refused, only warned: a server that is not in the weight sync (a `frozen` or
 `external` teacher) on a trainer GPU (memory, not NCCL), a gloo push to a server on a
@@ -30,12 +33,15 @@ GPU indices are those this process sees (after its own CUDA_VISIBLE_DEVICES), as
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from selfopd.config import TrainConfig, fail
 
 MAX_SERVER_SHARE = 0.95  # of one GPU, for the vLLM servers on it together
+ALONE_SHARE = 0.9  # engine.gpu_memory_utilization = 0: what the servers on a GPU take together...
+TRAINER_SHARE = 0.5  # ...less this where a trainer rank computes
+COLOCATED_SHARE = 0.4  # vllm_colocate: vLLM in the trainer's process, on its GPU
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,8 @@ class GPULayout:
     sync: str  # "nccl" or "gloo"
     url_servers: tuple[tuple[str, str], ...] = ()  # (role, URL) of servers given by URL
     warnings: tuple[str, ...] = ()
+    # server name -> (its gpu_memory_utilization, why): engine.gpu_memory_utilization, or from the layout (0)
+    shares: dict[str, tuple[float, str]] = field(default_factory=dict)
 
     def uses(self) -> dict[int | None, list[str]]:
         """GPU index -> what runs there (None: no GPU index, i.e. CPU or vLLM's own choice)."""
@@ -154,14 +162,43 @@ def check_layout(config: TrainConfig, trainer_gpus: Sequence[int] | None, gpu_co
     trainer = None if trainer_gpus is None else tuple(trainer_gpus)
     _check_visible(config, slots, trainer or (), gpu_count)
     warnings = _url_warnings(config)
+    shares = server_shares(slots, trainer or (), gpu_count, engine.gpu_memory_utilization)
     if trainer is not None and gpu_count:
-        warnings += _check_trainer_gpus(slots, trainer, sync, engine.gpu_memory_utilization)
+        warnings += _check_trainer_gpus(slots, trainer, sync, shares)
     if gpu_count:
-        _check_memory(slots, engine.gpu_memory_utilization)
+        _check_memory(slots, shares)
     return GPULayout(gpu_count=gpu_count, trainer_gpus=trainer, servers=tuple(slots), sync=sync,
                      url_servers=tuple([("student", url) for url in engine.urls("student_urls")]
                                        + [("teacher", url) for url in engine.urls("teacher_url")]),
-                     warnings=tuple(warnings))
+                     warnings=tuple(warnings), shares=shares)
+
+
+def _placed(slot: ServerSlot, gpu_count: int) -> tuple[int, ...]:
+    """The GPUs a server runs on: its own, else vLLM's default 0..TP-1 (none on a CPU machine)."""
+    return slot.gpus or (tuple(range(slot.tensor_parallel_size)) if gpu_count else ())
+
+
+def server_shares(slots: Sequence[ServerSlot], trainer: Sequence[int], gpu_count: int,
+                  utilization: float) -> dict[str, tuple[float, str]]:
+    """Each server's gpu_memory_utilization and why: `utilization` when set (> 0), else from the
+    layout: ALONE_SHARE of each of its GPUs, less TRAINER_SHARE on a trainer GPU, split evenly
+    among the servers there (rounded down to 0.01); the smallest over its GPUs."""
+    if utilization:
+        return {slot.name: (utilization, "engine.gpu_memory_utilization") for slot in slots}
+    on_gpu: dict[int, list[str]] = defaultdict(list)
+    for slot in slots:
+        for gpu in _placed(slot, gpu_count):
+            on_gpu[gpu].append(slot.name)
+
+    def share(gpu: int) -> tuple[float, str]:
+        others, trained = len(on_gpu[gpu]) - 1, gpu in trainer
+        free = ALONE_SHARE - (TRAINER_SHARE if trained else 0.0)
+        company = [*(["the trainer"] if trained else []), *([f"{others} other server(s)"] if others else [])]
+        why = f"server shares GPU {gpu} with {' and '.join(company)}" if company else f"server alone on GPU {gpu}"
+        return int(free / (others + 1) * 100 + 1e-6) / 100, why
+
+    return {slot.name: min([share(gpu) for gpu in _placed(slot, gpu_count)] or [(ALONE_SHARE, "no GPU")])
+            for slot in slots}
 
 
 def _check_visible(config: TrainConfig, slots: Sequence[ServerSlot], trainer: Sequence[int], gpu_count: int) -> None:
@@ -185,7 +222,7 @@ def _check_visible(config: TrainConfig, slots: Sequence[ServerSlot], trainer: Se
 
 
 def _check_trainer_gpus(slots: Sequence[ServerSlot], trainer: tuple[int, ...], sync: str,
-                        utilization: float) -> list[str]:
+                        shares: dict[str, tuple[float, str]]) -> list[str]:
     """Refuse a server of the NCCL weight sync on a trainer GPU (or left to vLLM's placement);
     the warnings for servers that share a trainer GPU without an NCCL group."""
     # A CPU trainer's NCCL endpoint lives on CUDA's current device, GPU 0 (the sync sends from the current GPU;
@@ -210,23 +247,26 @@ def _check_trainer_gpus(slots: Sequence[ServerSlot], trainer: tuple[int, ...], s
                  f"own, or use engine.kind = 'vllm_colocate' on one GPU")
         if shared:
             warnings.append(f"the {slot.name} server shares GPU {shared} with the trainer (not in an NCCL group; "
-                            f"its engine.gpu_memory_utilization = {utilization} of the GPU must be free when it starts)")
+                            f"its engine.gpu_memory_utilization = {shares[slot.name][0]} of the GPU must be free when "
+                            "it starts)")
     return warnings
 
 
-def _check_memory(slots: Sequence[ServerSlot], utilization: float) -> None:
+def _check_memory(slots: Sequence[ServerSlot], shares: dict[str, tuple[float, str]]) -> None:
     """Servers may share a GPU while their memory budgets fit in it together."""
     on_gpu: dict[int, list[ServerSlot]] = defaultdict(list)
     for slot in slots:
         for gpu in slot.gpus or range(slot.tensor_parallel_size):
             on_gpu[gpu].append(slot)
     for gpu, shared in sorted(on_gpu.items()):
-        if len(shared) * utilization > MAX_SERVER_SHARE + 1e-9:
+        total = sum(shares[slot.name][0] for slot in shared)
+        if total > MAX_SERVER_SHARE + 1e-9:
             names = ", ".join(f"{slot.name} on {slot.gpu_key}" if slot.gpus else f"{slot.name} by vLLM's default"
                               for slot in shared)
+            each = sorted({shares[slot.name][0] for slot in shared})
             fail("engine.gpu_memory_utilization",
-                 f"GPU {gpu} holds {len(shared)} server(s) ({names}) at {utilization} each, "
-                 f"{len(shared) * utilization:.2f} of the GPU, more than {MAX_SERVER_SHARE} (the rest holds the CUDA "
+                 f"GPU {gpu} holds {len(shared)} server(s) ({names}) at {' / '.join(map(str, each))} each, "
+                 f"{total:.2f} of the GPU, more than {MAX_SERVER_SHARE} (the rest holds the CUDA "
                  f"context, the weight push's receive chunks and the communicator); give them GPUs of their own or "
                  f"lower engine.gpu_memory_utilization to {MAX_SERVER_SHARE / len(shared):.2f} or less")
 

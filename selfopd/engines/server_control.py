@@ -15,12 +15,14 @@ import httpx
 from selfopd.engines.vllm_server import ServerError, auth_headers, launched_key, unauthorized
 from selfopd.engines.weight_digest import WeightSyncError
 
+CONTROL_TIMEOUT_S = 600.0  # a control route (pause, reset the cache, a worker call) unless a timeout is set
+
 
 class ServerControl:
     """The dev-mode HTTP routes of one vLLM server, with errors that name the URL. `api_key`: the
     server's key; None: the key of the server this process launched at `url`, if it did."""
 
-    def __init__(self, url: str, timeout_s: float = 600, api_key: str | None = None) -> None:
+    def __init__(self, url: str, timeout_s: float = CONTROL_TIMEOUT_S, api_key: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.api_key = api_key or launched_key(self.url)
         self._sends_key = bool(self.api_key)

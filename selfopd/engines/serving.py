@@ -24,8 +24,10 @@ from selfopd.engines.vllm import VLLMEngine
 from selfopd.engines.vllm_server import (ServerError, ServerSpec, cuda_available, launch_servers, launched_key,
                                         visible_devices)
 from selfopd.engines.server_auth import new_key
+from selfopd.engines.server_control import CONTROL_TIMEOUT_S
 from selfopd.engines.weight_sync import ServerControl, WeightTransfer
-from selfopd.engines.gpu_layout import GPULayout, check_layout, resolved_sync, server_slots, single_process_trainer_gpus
+from selfopd.engines.gpu_layout import (GPULayout, check_layout, resolved_sync, server_shares, server_slots,
+                                       single_process_trainer_gpus)
 from selfopd.core.models import resolve_model
 
 SERVE_KEY_ENV = "SELFOPD_VLLM_API_KEY"  # where `selfopd serve` tells a later `selfopd train` to put a generated key
@@ -49,25 +51,28 @@ def model_folders(config: TrainConfig) -> tuple[str, str]:
     return student, teacher
 
 
-def planned_servers(config: TrainConfig) -> list[ServerSpec]:
+def planned_servers(config: TrainConfig, layout: GPULayout | None = None) -> list[ServerSpec]:
     """The servers selfopd must launch for `config` (those not given as URLs), students first.
 
     Each is pinned to its GPUs (`selfopd.engines.gpu_layout.server_slots`) through
-    CUDA_VISIBLE_DEVICES and runs with its tensor-parallel size."""
+    CUDA_VISIBLE_DEVICES and runs with its tensor-parallel size and its memory share in
+    `layout` (default: this machine's, with no trainer on it, as `selfopd serve` runs)."""
     engine = config.engine
     student_dir, teacher_dir = model_folders(config)
+    shares = layout.shares if layout else server_shares(server_slots(config), (), gpu_count(),
+                                                          engine.gpu_memory_utilization)
     on_gpu = cuda_available()
     common = dict(
         host=engine.host, dtype=config.model.dtype, max_model_len=engine.max_model_len,
         eager=not (engine.compile == "on" or (engine.compile == "auto" and on_gpu)),
-        gpu=on_gpu, gpu_memory_utilization=engine.gpu_memory_utilization,
+        gpu=on_gpu,
         max_logprobs=max(ServerSpec.max_logprobs, config.loss.top_k),
         cpu_kv_cache_gb=engine.cpu_kv_cache_gb, extra_args=tuple(shlex.split(engine.extra_server_args)),
         trust_remote_code=config.model.trust_remote_code, api_key=engine.api_key(),
         trainer_address=engine.trainer_address,
     )
     return [ServerSpec(name=slot.name, model=teacher_dir if slot.name == "teacher" else student_dir, port=slot.port,
-                       tensor_parallel_size=slot.tensor_parallel_size,
+                       tensor_parallel_size=slot.tensor_parallel_size, gpu_memory_utilization=shares[slot.name][0],
                        env=visible_devices(slot.gpus), **common)
             for slot in server_slots(config)]
 
@@ -127,7 +132,8 @@ def open_weight_transfers(config: TrainConfig, student_urls: Sequence[str],
     port = engine.sync_port
     transfers: dict[str, WeightTransfer] = {}
     for role, groups in plan.items():
-        controls = [[ServerControl(target.url, engine.request_timeout_s, engine.api_key()) for target in group]
+        controls = [[ServerControl(target.url, engine.request_timeout_s or CONTROL_TIMEOUT_S, engine.api_key())
+                     for target in group]
                     for group in groups]
         transfers[role] = WeightTransfer(controls, backend=weight_sync_kind(config), host=engine.trainer_address,
                                          port=port, timeout_s=engine.sync_timeout_s, buffer_mb=engine.sync_buffer_mb,
@@ -165,8 +171,9 @@ def open_vllm_engines(config: TrainConfig, log_dir: Path, stack: contextlib.Exit
     The GPU layout is checked first, before any server starts (`run_layout`; build_run
     checks it before the model loads, too). `weight_sync=False` opens the engines without a
     sync (torchrun ranks other than 0; see `open_weight_transfers`)."""
-    log_layout(run_layout(config, trainer_gpus), log_dir, progress)
-    specs = planned_servers(config)
+    layout = run_layout(config, trainer_gpus)
+    log_layout(layout, log_dir, progress)
+    specs = planned_servers(config, layout)
     launched: list[ServerSpec] = []
     if specs:
         servers = stack.enter_context(launch_servers(specs, log_dir, config.engine.startup_timeout_s, progress))

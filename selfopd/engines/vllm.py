@@ -30,6 +30,7 @@ import openai
 import torch
 
 from selfopd.engines.base import Rollout, SamplingParams, TokenScores, WeightSource
+from selfopd.engines.liveness import request_timeout, watched
 from selfopd.engines.vllm_server import ServerError, auth_headers, launched_key, unauthorized, vllm_version_problem
 from selfopd.engines.weight_sync import WeightTransfer
 
@@ -48,7 +49,7 @@ class VLLMEngine:
     """
 
     def __init__(self, urls: Sequence[str], weight_sync: WeightTransfer | None = None, max_concurrency: int = 64,
-                 timeout_s: float = 600, retries: int = 3, api_key: str | None = None) -> None:
+                 timeout_s: float = 0, retries: int = 3, api_key: str | None = None) -> None:
         if not urls:
             raise ValueError("VLLMEngine needs at least one server URL")
         self.urls = [url.rstrip("/") for url in urls]
@@ -59,11 +60,11 @@ class VLLMEngine:
         models = [_served_model(url, key) for url, key in zip(self.urls, keys)]
         self.model_names = [name for name, _ in models]
         self.max_model_len = min(length for _, length in models)
-        self.retries = retries
+        self.retries, self.timeout_s = retries, timeout_s
         self._max_concurrency = max_concurrency
         self._loop = _LoopThread()
-        self._clients = [openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key or "EMPTY", timeout=timeout_s,
-                                            max_retries=retries)
+        self._in_call = 1  # requests of the call being sent (the auto timeout's work)
+        self._clients = [openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key or "EMPTY", max_retries=retries)
                          for url, key in zip(self.urls, keys)]
 
     # --- sampling -----------------------------------------------------------------------
@@ -144,25 +145,36 @@ class VLLMEngine:
     def close(self) -> None:
         if self.weight_sync is not None:
             self.weight_sync.close()
-        self._loop.run(self._gather([client.close() for client in self._clients]))
+        self._loop.run(_all([client.close() for client in self._clients]))
         self._loop.close()
 
     # --- plumbing -----------------------------------------------------------------------
     async def _gather(self, calls: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
+        """Every call, at most max_concurrency at once; without a fixed timeout, while the servers'
+        /health is watched (selfopd.engines.liveness)."""
         semaphore = asyncio.Semaphore(self._max_concurrency)
 
         async def bounded(call: Awaitable[T]) -> T:
             async with semaphore:
                 return await call
 
-        return list(await asyncio.gather(*(bounded(call) for call in calls)))
+        self._in_call = max(1, len(calls))  # the latest call's size: only a ceiling reads it
+        work = asyncio.gather(*(bounded(call) for call in calls))
+        return list(await (work if self.timeout_s else watched(work, self.urls)))
+
+    def _timeout(self, max_tokens: int) -> httpx.Timeout:
+        """One request's timeout: engine.request_timeout_s, or (0) the ceiling of its work, the requests
+        of one call spread over the servers sharing it."""
+        sharing = -(-min(self._in_call, self._max_concurrency) // len(self.urls))
+        return request_timeout(self.timeout_s, max_tokens, sharing)
 
     async def _call(self, server: int, parse: Callable[[Any], T], **request: Any) -> T:
         """One completion request to server `server`, its answer read by `parse`; every
         failure, a malformed answer included, becomes one `ServerError` line naming the URL."""
         url = self.urls[server]
         try:
-            response = await self._clients[server].completions.create(model=self.model_names[server], **request)
+            response = await self._clients[server].completions.create(
+                model=self.model_names[server], timeout=self._timeout(request["max_tokens"]), **request)
         except openai.APIConnectionError as error:  # includes timeouts, after the client's retries
             raise ServerError(f"{url}: {type(error).__name__} after {self.retries} retries: {error}") from None
         except openai.APIStatusError as error:
@@ -175,6 +187,10 @@ class VLLMEngine:
             return parse(response)
         except (AttributeError, KeyError, IndexError, TypeError, ValueError) as error:  # JSON, but not vLLM's answer
             raise malformed(url, error) from None
+
+
+async def _all(calls: Sequence[Awaitable[Any]]) -> None:
+    await asyncio.gather(*calls)
 
 
 def malformed(url: str, error: Exception) -> ServerError:

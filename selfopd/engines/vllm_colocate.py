@@ -37,6 +37,7 @@ from selfopd.engines.base import Engine, Rollout, SamplingParams, TokenScores, W
 from selfopd.engines.vllm import (VLLMEngine, check_sample_lengths, check_score_lengths, make_rollout,
                                   parse_prompt_logprobs, prompt_seed)
 from selfopd.engines.vllm_server import ServerError
+from selfopd.engines.gpu_layout import COLOCATED_SHARE
 from selfopd.engines.vllm_worker import load_in_place, worker_digests
 from selfopd.engines.weight_digest import Entry, expected_digest, pieces_needed, verify
 from selfopd.core.models import resolve_model
@@ -180,7 +181,7 @@ def open_colocated_engines(config: TrainConfig, stack: contextlib.ExitStack) -> 
     student = ColocatedVLLMEngine(
         str(resolve_model(config.model.student)), dtype=config.model.dtype, max_model_len=engine.max_model_len,
         max_logprobs=max(20, config.loss.top_k),
-        gpu_memory_utilization=engine.gpu_memory_utilization, cpu_kv_cache_gb=engine.cpu_kv_cache_gb,
+        gpu_memory_utilization=engine.gpu_memory_utilization or COLOCATED_SHARE, cpu_kv_cache_gb=engine.cpu_kv_cache_gb,
         sleep_mode=engine.sleep_mode, eager={"on": False, "off": True}.get(engine.compile), seed=config.run.seed,
         trust_remote_code=config.model.trust_remote_code)
     stack.callback(student.close)

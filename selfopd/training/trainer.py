@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from selfopd.training import guard
 from selfopd.config import DEFAULT_TEACHER, TrainConfig, config_to_toml
+from selfopd.config.auto import Machine, resolve_auto
 from selfopd.core.distributed import all_sum, barrier, close_process_group, current_world
 from selfopd.run.folder_guard import check_not_in_use, check_writable, claimed_run_folder, refuse_finished, writing
 from selfopd.core.run_folder import RunFolder
@@ -52,6 +53,7 @@ def train(config: TrainConfig, resume: bool = False, initial_eval: Path | None =
     on this eval split, used as the step-0 eval instead of evaluating again. `selfopd
     compare` evaluates the shared base model once for all its arms. Under torchrun every
     rank runs this; rank 0 alone writes the run folder."""
+    config = resolve_auto(config, Machine.here())  # a TrainConfig built in Python may still say 'auto'
     main = current_world().is_main
     folder = RunFolder.of(config.run.out_dir, config.run.name)
     if main:  # refused before any model loads; the folder itself is made once the inputs pass their checks

