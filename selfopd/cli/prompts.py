@@ -108,7 +108,7 @@ def _prompts_list(_args: argparse.Namespace) -> None:
 def _prompts_render(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
-    from selfopd.config.teachers import chat_kwargs
+    from selfopd.config.teachers import chat_kwargs, pinned_revision
     from selfopd.data import load_examples
     from selfopd.core.models import from_pretrained, resolve_model
     from selfopd.templating.lint import generation_prompt
@@ -126,7 +126,8 @@ def _prompts_render(args: argparse.Namespace) -> None:
     feedback = verify_example(args.attempt, example).feedback if args.attempt is not None else None
     demonstration = (args.demonstration or SAMPLE_DEMONSTRATION) if uses_demonstration(teacher_template) else None
     teacher = render_teacher(teacher_template, example, student, args.attempt, feedback, demonstration)
-    tokenizer = from_pretrained(AutoTokenizer, resolve_model(args.model), trust_remote_code=config.model.trust_remote_code)
+    tokenizer = from_pretrained(AutoTokenizer, resolve_model(args.model, pinned_revision(config, args.model)),
+                                trust_remote_code=config.model.trust_remote_code)
     roles = [(f"STUDENT {student_template.name}", student), (f"TEACHER {teacher_template.name}", teacher)]
     print(f"example {example.id} (answer: {example.answer})")
     print(_side_by_side([(f"{title} [{len(prompt_token_ids(tokenizer, messages, kwargs))} tokens]",
@@ -171,7 +172,7 @@ def _prompts_lint(args: argparse.Namespace) -> int:
 def _boundary_findings(config: TrainConfig, model: str) -> list:
     """Each teacher ([teacher], [teachers.NAME]) whose chat-template arguments move the point it
     scores from, rendered with `model`'s chat template (loaded only when some arguments differ)."""
-    from selfopd.config.teachers import chat_kwargs, teacher_key
+    from selfopd.config.teachers import chat_kwargs, pinned_revision, teacher_key
     from selfopd.templating.lint import boundary_findings
 
     roles = [(teacher_key(config, table), *chat_kwargs(config, table))
@@ -182,7 +183,8 @@ def _boundary_findings(config: TrainConfig, model: str) -> list:
 
     from selfopd.core.models import from_pretrained, resolve_model
 
-    tokenizer = from_pretrained(AutoTokenizer, resolve_model(model), trust_remote_code=config.model.trust_remote_code)
+    tokenizer = from_pretrained(AutoTokenizer, resolve_model(model, pinned_revision(config, model)),
+                                trust_remote_code=config.model.trust_remote_code)
     return [finding for key, student, teacher in roles for finding in boundary_findings(tokenizer, student, teacher, key)]
 
 

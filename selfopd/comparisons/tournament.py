@@ -172,7 +172,7 @@ def run_tournament(config: TrainConfig, templates: Sequence[PromptTemplate], pro
     items = tournament_prompts(train, prompts, config.rollout.prompts_per_step, config.run.seed)
     gap_examples = held_out[:gap_items]
     if config.teacher.kind == "external":  # another tokenizer is refused before any weights load
-        external_teacher_bridge(config, from_pretrained(AutoTokenizer, resolve_model(config.model.student),
+        external_teacher_bridge(config, from_pretrained(AutoTokenizer, resolve_model(config.model.student, config.model.revision),
                                                        trust_remote_code=config.model.trust_remote_code))
     student_engine, teacher_engine = engines_at_start(config)
     student = ScoreCache(student_engine)

@@ -4,6 +4,7 @@ rest of the config (`check_named_teachers`). Routing itself is `selfopd.training
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal, Mapping
@@ -162,3 +163,11 @@ def check_named_teachers(config: TrainConfig) -> None:
     if config.loss.opd_baseline == "same_engine":
         fail("loss.opd_baseline", "'same_engine' with [teachers.*] is not supported: each teacher would need the "
              "student's weights")
+
+
+def pinned_revision(config: TrainConfig, spec: str | os.PathLike[str]) -> str:
+    """The hub revision `config` pins for model `spec`: model.revision for the student, a teacher's
+    teacher.revision for its model, else '' (the hub's default branch)."""
+    if str(spec) == config.model.student:
+        return config.model.revision
+    return next((table.revision for table in (config.teacher, *config.teachers.values()) if table.model == str(spec)), "")

@@ -93,7 +93,7 @@ def run_prompting(run_dir: Path, config: TrainConfig, examples: Sequence[Example
     from selfopd.core.models import from_pretrained, resolve_model
     from selfopd.run.templates import load_run_template
 
-    tokenizer = from_pretrained(AutoTokenizer, resolve_model(config.model.student),
+    tokenizer = from_pretrained(AutoTokenizer, resolve_model(config.model.student, config.model.revision),
                                 trust_remote_code=config.model.trust_remote_code)
     return Prompting(tokenizer, load_run_template(run_dir, config.data.student_template),
                      load_run_template(run_dir, config.teacher.template), {e.id: e for e in examples},

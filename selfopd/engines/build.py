@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from selfopd.config import ConfigError, ModelConfig, TeacherConfig, TrainConfig, teacher_key
+from selfopd.config.teachers import pinned_revision
 from selfopd.core.devices import DTYPES, attn_implementation, resolve_device
 from selfopd.core.distributed import World, current_world, shard_model
 from selfopd.engines.base import Engine
@@ -30,7 +31,7 @@ from selfopd.templating.tokenizer_check import check_tokenizers_compatible
 
 def load_model(spec: str | Path, dtype: str = "float32", *, weights: Path | None = None, frozen: bool = False,
                device: torch.device | None = None, attn: str = "sdpa", gradient_checkpointing: bool = False,
-               master_weights: bool = True, trust_remote_code: bool = False) -> tuple[Any, Any]:
+               master_weights: bool = True, trust_remote_code: bool = False, revision: str = "") -> tuple[Any, Any]:
     """(model, tokenizer) of a packaged name, folder or hub id, on `device` (default CPU);
     `weights`: load the weights from that folder instead (a checkpoint of this model).
     `frozen`: eval mode, no gradients, weights in `dtype`. A trained model keeps fp32 master
@@ -45,11 +46,11 @@ def load_model(spec: str | Path, dtype: str = "float32", *, weights: Path | None
     device = device or torch.device("cpu")
     adapters = None
     if is_adapter_folder(weights):  # a LoRA run's checkpoint of `spec`
-        folder, adapters, weights = resolve_model(spec), Path(weights), None
+        folder, adapters, weights = resolve_model(spec, revision), Path(weights), None
     elif is_adapter_folder(spec):  # a LoRA checkpoint by itself (selfopd eval --model RUN/checkpoints/step_N)
         folder, adapters = adapter_base(Path(spec)), Path(spec)
     else:
-        folder = resolve_model(spec)
+        folder = resolve_model(spec, revision)
     tokenizer = from_pretrained(AutoTokenizer, folder, trust_remote_code=trust_remote_code)
     model = from_pretrained(
         AutoModelForCausalLM, weights or folder, trust_remote_code=trust_remote_code,
@@ -66,15 +67,17 @@ def load_model(spec: str | Path, dtype: str = "float32", *, weights: Path | None
 
 
 def model_options(model: ModelConfig, world: World | None = None) -> dict[str, Any]:
-    """`load_model`'s keywords from the config: device, attention kernel, trust_remote_code."""
+    """`load_model`'s keywords from the config: device, attention kernel, trust_remote_code, the student's
+    hub revision (`revision`, for model.student; a resolved folder ignores it)."""
     device = resolve_device(model.device, (world or current_world()).local_rank)
     return {"device": device, "attn": attn_implementation(model.attn_implementation, device, model.dtype),
-            "trust_remote_code": model.trust_remote_code}
+            "trust_remote_code": model.trust_remote_code, "revision": model.revision}
 
 
 def frozen_engine(spec: str | Path, config: TrainConfig) -> LocalEngine:
     """An in-process engine over a frozen model (evaluation, diagnostics, SFT sampling)."""
-    model, tokenizer = load_model(spec, config.model.dtype, frozen=True, **model_options(config.model))
+    options = {**model_options(config.model), "revision": pinned_revision(config, spec)}
+    model, tokenizer = load_model(spec, config.model.dtype, frozen=True, **options)
     return LocalEngine(model, tokenizer, batch_size=config.eval.batch_size)
 
 
@@ -101,7 +104,7 @@ def external_teacher_bridge(config: TrainConfig, tokenizer: Any, teacher: Teache
     from transformers import AutoConfig, AutoTokenizer
 
     teacher = teacher or config.teacher
-    teacher_dir = resolve_model(teacher.model)
+    teacher_dir = resolve_model(teacher.model, teacher.revision)
     trust = config.model.trust_remote_code
     teacher_tokenizer = from_pretrained(AutoTokenizer, teacher_dir, trust_remote_code=trust)
     vocab_size = from_pretrained(AutoConfig, teacher_dir, trust_remote_code=trust).vocab_size
@@ -178,7 +181,7 @@ def open_local_teacher(teacher: TeacherConfig, config: TrainConfig, model: Any, 
         frozen, _ = load_model(config.model.student, "float32", frozen=True, **options)
         shard_model(frozen, world)
         return local_engine(config, frozen, tokenizer)
-    teacher_dir = resolve_model(teacher.model)
+    teacher_dir = resolve_model(teacher.model, teacher.revision)
     external, teacher_tokenizer = load_model(teacher_dir, config.model.dtype, frozen=True, **options)
     check_plain_head(external, f"teacher.model {teacher.model}")
     shard_model(external, world)

@@ -46,8 +46,9 @@ def weight_sync_kind(config: TrainConfig) -> str:
 
 def model_folders(config: TrainConfig) -> tuple[str, str]:
     """(student folder, teacher folder) that launched servers load."""
-    student = str(resolve_model(config.model.student))
-    teacher = str(resolve_model(config.teacher.weights(config.model.student)))
+    student = str(resolve_model(config.model.student, config.model.revision))
+    teacher = str(resolve_model(config.teacher.weights(config.model.student),
+                                config.teacher.weights_revision(config.model.revision)))
     return student, teacher
 
 

@@ -84,7 +84,7 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
         for first in by_task(routed[name]).values():  # each task's first item: a mixture's template branches
             check_templates_render(student_template, templates[name][0], first[0], templates[name][1])
         if table.kind == "external":
-            check_external_teacher_split(table.model, eval_examples)
+            check_external_teacher_split(table.model, eval_examples, table.revision)
     teacher_template, fallback = templates[DEFAULT_TEACHER]
 
     if config.engine.kind == "vllm":  # a refused GPU layout stops the run before the model loads
@@ -297,7 +297,7 @@ def teacher_model_config(config: TrainConfig, student_config: Any, table: Teache
 
     from selfopd.core.models import from_pretrained
 
-    return from_pretrained(AutoConfig, resolve_model(teacher.model), trust_remote_code=config.model.trust_remote_code)
+    return from_pretrained(AutoConfig, resolve_model(teacher.model, teacher.revision), trust_remote_code=config.model.trust_remote_code)
 
 
 def routed_examples(examples: Sequence[Example], router: Callable[[Example], str] | None) -> dict[str, list[Example]]:
@@ -308,12 +308,12 @@ def routed_examples(examples: Sequence[Example], router: Callable[[Example], str
     return routed
 
 
-def check_external_teacher_split(teacher: str, eval_examples: Sequence[Example]) -> None:
+def check_external_teacher_split(teacher: str, eval_examples: Sequence[Example], revision: str = "") -> None:
     """An external teacher made by `selfopd sft` must not have trained on this run's held-out
     prompts (it records what it trained on); other teachers cannot be checked."""
     from selfopd.core.models import teacher_trained_prompts
 
-    trained = teacher_trained_prompts(resolve_model(teacher))
+    trained = teacher_trained_prompts(resolve_model(teacher, revision))
     shared = [e for e in eval_examples if trained and prompt_key(e.prompt) in trained]
     if shared:
         raise ConfigError("teacher.model", f"{teacher} was fine-tuned (selfopd sft) on {len(shared)} of this run's "

