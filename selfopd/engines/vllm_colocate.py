@@ -179,7 +179,7 @@ def open_colocated_engines(config: TrainConfig, stack: contextlib.ExitStack) -> 
         stack.callback(teacher.close)
     engine = config.engine
     student = ColocatedVLLMEngine(
-        str(resolve_model(config.model.student)), dtype=config.model.dtype, max_model_len=engine.max_model_len,
+        str(resolve_model(config.model.student, config.model.revision)), dtype=config.model.dtype, max_model_len=engine.max_model_len,
         max_logprobs=max(20, config.loss.top_k),
         gpu_memory_utilization=engine.gpu_memory_utilization or COLOCATED_SHARE, cpu_kv_cache_gb=engine.cpu_kv_cache_gb,
         sleep_mode=engine.sleep_mode, eager={"on": False, "off": True}.get(engine.compile), seed=config.run.seed,
