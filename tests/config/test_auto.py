@@ -60,3 +60,17 @@ def test_choices_name_each_auto_setting_and_why():
     colocated = load_config(None, ["engine.kind=vllm_colocate", "rollout.temperature=1"])
     assert lines(colocated, NODE)[0] == ("engine.gpu_memory_utilization = 0.4 (auto: vLLM in the trainer's process, "
                                          "on its GPU)")
+
+
+def test_the_hub_teacher_recipe_of_the_docs_is_distillation_and_fits_a_three_gpu_machine():
+    """docs/comparing-teachers.md's Qwen3-8B -> Qwen3-1.7B GSM8K command, as a GPU machine reads it."""
+    from pathlib import Path
+
+    from selfopd.engines.gpu_layout import check_layout
+
+    text = (Path(__file__).resolve().parents[2] / "docs/comparing-teachers.md").read_text()
+    command = text.split("## A larger teacher online", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    sets = [word.strip('"') for word in command.replace("\\\n", " ").split() if "=" in word]
+    config = resolve_auto(load_config(command.split()[2], sets, resolve=False), Machine(cuda=True, gpu_count=3))
+    assert (config.loss.lambda_opd, config.loss.lambda_rl, config.model.dtype) == (1.0, 0.0, "bfloat16")
+    assert [server.gpus for server in check_layout(config, [0], 3).servers] == [(1,), (2,)]
