@@ -171,7 +171,8 @@ def _train(args: argparse.Namespace) -> None:
 
 def _print_auto_choices(config: Any) -> None:
     """What each 'auto' setting of `config` means on this machine and why, as TOML comments."""
-    from selfopd.config.auto import Machine, auto_choices
+    from selfopd.config.auto import Machine
+    from selfopd.engines.auto_settings import auto_choices
 
     choices = auto_choices(config, Machine.here())
     if choices:

@@ -19,6 +19,8 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from selfopd.config.compute import VLLM_KINDS
+
 if TYPE_CHECKING:
     from selfopd.config import TrainConfig
 
@@ -59,8 +61,6 @@ def trainer_on_cuda(device: str, machine: Machine) -> bool:
 
 def auto_dtype(config: TrainConfig, machine: Machine) -> Choice:
     """What `model.dtype = 'auto'` means for `config` on `machine`."""
-    from selfopd.config import VLLM_KINDS
-
     if not trainer_on_cuda(config.model.device, machine):
         return Choice("model.dtype", "float32", "CPU device")
     if config.model.lora and config.engine.kind in VLLM_KINDS:
@@ -75,30 +75,3 @@ def resolve_auto(config: TrainConfig, machine: Machine) -> TrainConfig:
         return config
     model = dataclasses.replace(config.model, dtype=auto_dtype(config, machine).value)
     return dataclasses.replace(config, model=model)
-
-
-def auto_choices(config: TrainConfig, machine: Machine) -> list[Choice]:
-    """Each 'auto' setting of the unresolved `config` with its value on `machine` and why."""
-    from selfopd.engines.liveness import timeout_rule
-
-    choices = [auto_dtype(config, machine)] if config.model.dtype == "auto" else []
-    resolved = resolve_auto(config, machine)
-    if config.engine.kind != "local" and not config.engine.gpu_memory_utilization:
-        choices += memory_choices(resolved, machine)
-    if config.engine.kind != "local" and not config.engine.request_timeout_s:
-        choices.append(Choice("engine.request_timeout_s", 0, timeout_rule()))
-    return choices
-
-
-def memory_choices(config: TrainConfig, machine: Machine) -> list[Choice]:
-    """engine.gpu_memory_utilization of each server selfopd would launch for `config`."""
-    from selfopd.engines.gpu_layout import COLOCATED_SHARE, check_layout, single_process_trainer_gpus
-
-    key = "engine.gpu_memory_utilization"
-    if not machine.cuda:
-        return [Choice(key, 0, "no GPU: vLLM on a CPU uses engine.cpu_kv_cache_gb")]
-    if config.engine.kind == "vllm_colocate":
-        return [Choice(key, COLOCATED_SHARE, "vLLM in the trainer's process, on its GPU")]
-    layout = check_layout(config, single_process_trainer_gpus(config.model.device, machine.gpu_count),
-                          machine.gpu_count)
-    return [Choice(f"{key} [{server}]", share, why) for server, (share, why) in layout.shares.items()]
