@@ -19,7 +19,7 @@ import httpx
 from selfopd.engines.vllm_server import ServerError
 
 T = TypeVar("T")
-BASE_S = 300.0  # the ceiling of a request with no work: start-up, prefill, a weight push's pause
+BASE_S = 600.0  # the ceiling of a request with no work (prefill, a weight push's pause): the old fixed timeout
 PER_TOKEN_S = 0.25  # per token asked for, times the requests that share the server: ~4 tokens/s each
 HEALTH_EVERY_S = 5.0  # between two polls of /health
 HEALTH_TIMEOUT_S = 10.0  # one poll's limit

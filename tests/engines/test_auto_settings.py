@@ -25,7 +25,7 @@ def test_choices_name_each_auto_setting_and_why():
     assert chosen[:3] == ["model.dtype = bfloat16 (auto: CUDA device)",
                           "engine.gpu_memory_utilization [student] = 0.9 (auto: server alone on GPU 1)",
                           "engine.gpu_memory_utilization [teacher] = 0.9 (auto: server alone on GPU 2)"]
-    assert chosen[3].startswith("engine.request_timeout_s = 0 (auto: no fixed timeout: each request may take 300 s")
+    assert chosen[3].startswith("engine.request_timeout_s = 0 (auto: no fixed timeout: each request may take 600 s")
     assert lines(dataclasses.replace(node, engine=dataclasses.replace(node.engine, request_timeout_s=60.0,
                                                                       gpu_memory_utilization=0.5)), NODE) == \
         ["model.dtype = bfloat16 (auto: CUDA device)"]  # explicit values are not 'auto'
