@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from selfopd.config import ConfigError
+from selfopd.config import ConfigError, TrainConfig
 from selfopd.core.atomic import write_text_atomic
 from selfopd.data import load_examples
 from selfopd.data.example import Example, prompt_key
@@ -47,13 +47,18 @@ def run_eval(run: Run) -> dict[str, float] | None:
 
 
 def eval_examples(run: Run) -> Sequence[Example]:
-    """What the in-run eval answers: eval.data's items, refused (one line naming the spec) when one of
-    its prompts is a training prompt of this run; else the run's held-out split."""
-    spec = run.config.eval.data
+    """What the in-run eval answers: eval.data's items (`checked_eval_data`), else the run's held-out split."""
+    return checked_eval_data(run.config, run.train_examples) or run.eval_examples
+
+
+def checked_eval_data(config: TrainConfig, train_examples: Sequence[Example]) -> tuple[Example, ...]:
+    """eval.data's items (none when it is ''), refused in one line naming the spec when one of its
+    prompts is a training prompt; `build_run` calls it before the run folder is made."""
+    spec = config.eval.data
     if not spec:
-        return run.eval_examples
+        return ()
     examples = _eval_data(spec)
-    trained = {prompt_key(example.prompt) for example in run.train_examples}
+    trained = {prompt_key(example.prompt) for example in train_examples}
     overlap = [example for example in examples if prompt_key(example.prompt) in trained]
     if overlap:
         raise ConfigError("eval.data", f"{spec}: {len(overlap)} of its {distinct_prompts(examples)} distinct prompts "

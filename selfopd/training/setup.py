@@ -43,6 +43,7 @@ from selfopd.templating.templates import (
     render_teacher,
     uses_demonstration,
 )
+from selfopd.training.outputs import checked_eval_data
 from selfopd.training.rollout_pipeline import open_pipeline
 from selfopd.training.weight_checks import (check_frozen_teacher, check_probe, check_sampler, probe_logprobs,
                                             sync_weights)
@@ -72,6 +73,7 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
     examples = load_examples(config.data.spec)
     train_examples, eval_examples = split_examples(examples, eval_size=config.data.eval_size, seed=config.data.split_seed)
     check_mixture(config, train_examples)
+    checked_eval_data(config, train_examples)  # eval.data: refused before the run folder is made
     # A resumed run renders from its own copies of the templates (RUN/templates/), a fresh one from the files.
     student_template = load_run_template(folder.root, config.data.student_template)
     tables = {DEFAULT_TEACHER: config.teacher, **config.teachers}  # every teacher's settings, by name
