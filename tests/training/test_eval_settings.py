@@ -29,7 +29,7 @@ def test_eval_data_holding_a_training_prompt_is_refused_before_any_step(tmp_path
                                           r"its 40 distinct prompts are training prompts of this run \(e\.g\. '.*'\); "
                                           r"evaluate on prompts the run does not train on$"):
         train(_config(tmp_path, tiny_model_dir, "run.name=overlap", f"eval.data={DATA}"))
-    assert not list((tmp_path / "overlap").glob("checkpoints/step_*"))
+    assert not (tmp_path / "overlap").exists()  # refused before the run folder is made
 
 
 def test_eval_data_answered_k_times_and_logged_as_avg_and_pass_at_k(tmp_path, tiny_model_dir):
