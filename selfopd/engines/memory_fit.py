@@ -39,7 +39,7 @@ def plan_inputs(config: Any, on_gpu: bool, world: int, prompt_tokens: int,
         checkpointing=model.gradient_checkpointing, prompts_per_step=config.rollout.prompts_per_step,
         samples=config.rollout.samples_per_prompt, max_tokens=config.rollout.max_tokens, prompt_tokens=prompt_tokens,
         micro_batch_prompts=config.optim.micro_batch_prompts, divergence=config.loss.divergence,
-        engine_batch=config.engine.batch_size, temperature=config.rollout.temperature)
+        engine_batch=config.engine.batch_size)
 
 
 def model_shapes(config: Any, shapes: dict[str, ModelShape] | None = None) -> dict[str, ModelShape]:

@@ -188,8 +188,7 @@ class Inputs:
     prompt_tokens: int
     micro_batch_prompts: int
     divergence: str
-    engine_batch: int  # engine.batch_size: rows per in-process sampling or scoring batch
-    temperature: float = 1.0
+    engine_batch: int  # engine.batch_size: rows per in-process sampling batch
 
 
 def scheme(inputs: Inputs) -> str:
