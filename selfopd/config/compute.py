@@ -11,7 +11,7 @@ import shlex
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from selfopd.core.models import revision_problem
+from selfopd.config.revisions import revision_problem
 from selfopd.config.settings import (MAX_BATCH, MAX_SECONDS, MAX_TOKENS, MAX_WEIGHT, Section, TableValue,
                                      check_printable, fail, setting)
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal, Mapping
 from selfopd.config.compute import check_template_kwargs
 from selfopd.config.loss import FULL_VOCABULARY
 from selfopd.config.settings import Section, TableValue, fail, setting
-from selfopd.core.models import revision_problem
+from selfopd.config.revisions import revision_problem
 
 if TYPE_CHECKING:
     from selfopd.config import TrainConfig

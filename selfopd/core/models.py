@@ -17,13 +17,13 @@ import hashlib
 import importlib.util
 import json
 import os
-import re
 import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from selfopd.config.revisions import looks_like_hub_id
 from selfopd.core.file_checks import model_folder_problem
 
 
@@ -78,20 +78,6 @@ def selfopd_home() -> Path:
     return Path(os.environ.get("SELFOPD_HOME", Path.home() / ".cache" / "selfopd"))
 
 
-REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,254}")  # a branch, tag, commit hash or refs/pr/N
-
-
-def revision_problem(spec: str, revision: str) -> str | None:
-    """Why `revision` cannot pin `spec` (None: it can, or there is none): only a hub id has revisions."""
-    if not revision:
-        return None
-    if not REVISION.fullmatch(revision) or ".." in revision:
-        return f"{revision!r} is not a hub revision (a branch, tag or commit hash)"
-    if spec in PACKAGED_MODELS or not _looks_like_hub_id(spec):
-        return f"pins a hub id's revision, and {spec!r} is not a hub id (org/name); leave it empty"
-    return None
-
-
 def resolve_model(spec: str | os.PathLike[str], revision: str = "") -> Path:
     """Return a local folder for `spec`, converting or downloading it on first use. `revision`
     pins a hub id (a folder or packaged model, already resolved, is used as it is)."""
@@ -103,7 +89,7 @@ def resolve_model(spec: str | os.PathLike[str], revision: str = "") -> Path:
         if not (path / "config.json").is_file():
             raise ModelError(f"model folder {path} has no config.json: not a Hugging Face model folder")
         return path
-    if _looks_like_hub_id(text):
+    if looks_like_hub_id(text):
         return _download_from_hub(text, revision)
     raise ModelError(
         f"model spec {text!r} is not a packaged model ({', '.join(PACKAGED_MODELS)}), "
@@ -182,11 +168,6 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
         del model.config.quantization_config
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
-
-
-def _looks_like_hub_id(text: str) -> bool:
-    parts = text.split("/")
-    return len(parts) == 2 and all(parts) and not text.startswith((".", "/", "~"))
 
 
 def _download_from_hub(repo_id: str, revision: str = "") -> Path:

@@ -28,10 +28,10 @@ from selfopd.config import (
 EXPECTED_DEFAULTS = {
     "run": dict(name="run", out_dir="runs", seed=0, steps=20, eval_every=10, checkpoint_every=0, rollouts_to_save=32, progress=True,
                 trackers=(), wandb_project="selfopd", wandb_mode="offline"),
-    "model": dict(student="smollm2-135m-instruct", dtype="auto", device="auto", attn_implementation="auto",
+    "model": dict(student="smollm2-135m-instruct", revision="", dtype="auto", device="auto", attn_implementation="auto",
                   gradient_checkpointing=False, lora_rank=0, lora_alpha=32.0, lora_dropout=0.0,
                   lora_targets=("all-linear",), chat_template_kwargs={}, threads=0, trust_remote_code=False),
-    "teacher": dict(kind="self", model="", tokenizer="student", template="teacher/reference_answer", chat_template_kwargs={}, ema_rate=0.05, skip_self_success=True,
+    "teacher": dict(kind="self", model="", revision="", tokenizer="student", template="teacher/reference_answer", chat_template_kwargs={}, ema_rate=0.05, skip_self_success=True,
                     tasks=(), demonstration_fallback="teacher/empty"),
     "data": dict(
         spec=DEMO_DATA,
@@ -114,12 +114,13 @@ def test_round_trip_of_every_field_changed(tmp_path):
     config = TrainConfig(
         run=RunConfig(name='odd "name" é end', out_dir="C:\\out dir", seed=7, steps=5, eval_every=0, checkpoint_every=2, rollouts_to_save=0, progress=False,
                       trackers=("wandb", "tensorboard"), wandb_project="p", wandb_mode="online"),
-        model=dataclasses.replace(TrainConfig().model, student="/models/x", dtype="bfloat16", threads=3,
+        model=dataclasses.replace(TrainConfig().model, student="org/x", revision="abc123", dtype="bfloat16", threads=3,
                                   device="cuda:1", attn_implementation="eager", gradient_checkpointing=True,
                                   lora_rank=0, lora_alpha=16, lora_dropout=0.1, lora_targets=("q_proj", "v_proj"),
                                   trust_remote_code=True,
                                   chat_template_kwargs={"enable_thinking": False, "n": 2, "t": 0.5, "s": 'a "b" é\n'}),
-        teacher=dataclasses.replace(TrainConfig().teacher, kind="external", model="org/teacher", template="teacher/hints",
+        teacher=dataclasses.replace(TrainConfig().teacher, kind="external", model="org/teacher", revision="v1.0",
+                                    template="teacher/hints",
                                     chat_template_kwargs={"enable_thinking": True},
                                     ema_rate=0.25, skip_self_success=False, demonstration_fallback="teacher/answer_note"),
         data=dataclasses.replace(TrainConfig().data, spec="champ?concepts=true", student_template="student/boxed", eval_size=10, split_seed=3),
