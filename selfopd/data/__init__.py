@@ -15,6 +15,7 @@ One spec string names a data source everywhere (CLI, configs, logs):
     hf:openai/gsm8k?split=test               (preset: config main, answer after "####")
     data/my.jsonl?prompt=question&answer=target&hints=tips&limit=100
     data/gsm8k_test.jsonl?preset=openai/gsm8k
+    hf:org/math?prompt=problem&answer=boxed:solution&revision=1a2b3c4
     kb:countries?entities=8 + rg:basic_arithmetic?size=400   (a mixture: selfopd.data.mixture)
 
 Options, by source (each is a `DataSpec` field of the same name; `id`, `prompt`,
@@ -26,9 +27,14 @@ Options, by source (each is a `DataSpec` field of the same name; `id`, `prompt`,
                  a preset supplies its own defaults, explicit options win)
               answer_sep   split the answer column at the last separator: the text after it is
                            the answer, the text before it the solution (gsm8k's "####")
+              answer=boxed:COLUMN  the answer is the last complete \\boxed{...} (or \\fbox{}) of
+                           COLUMN, braces balanced; the whole text is the solution unless
+                           solution= names a column. A row without one is a DataError naming
+                           the spec and the row (a skipped row would change the data silently)
               preset       a named mapping from PRESETS (hf: chosen by dataset name by default)
               limit        keep only the first N examples
     hf        config, split  the Hub config name and split (default: the preset's, else "train")
+              revision     the dataset's branch, tag or commit hash (default: its default branch)
     rg        seed (default 0), size (default 500): the number of items, distinct prompts
               unless distinct=false (the generator is drawn from until it gives that many, and
               says so when its problem space holds fewer); any other key is passed to the
@@ -41,6 +47,9 @@ Options, by source (each is a `DataSpec` field of the same name; `id`, `prompt`,
               fact sheet in meta["fact_sheet"]): see selfopd.data.knowledge
     champ     concepts=true  put the problem's concepts before its hints (most general first)
               limit
+
+Tables (hf, file) keep only the columns the spec maps, and a `teacher` column (it routes rows
+to teachers): the rest are dropped before any row is read.
 
 Values are read as bool (true/false), int, float or str, as the field's type says; generator
 options (unknown types) are guessed in that order. `&` and `=` cannot appear inside values.

@@ -9,11 +9,12 @@ import difflib
 import functools
 import json
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any
 
-from selfopd.data.spec import FILE_BUILDERS, PRESETS, DataError, DataSpec, Preset
+from selfopd.data.spec import BOXED, FILE_BUILDERS, PRESETS, TEACHER_COLUMN, DataError, DataSpec, Preset
 from selfopd.data.example import Example, prompt_key
 from selfopd.data.worked_solutions import arithmetic_solution
 
@@ -25,19 +26,28 @@ MAX_OPTION = 10**5  # the largest number a generator option may be, unless its d
 MAX_GENERATION_S = 120  # the longest a generator may take for the items asked for (10^5 demo items: about 30 s)
 
 
+def hub_request(spec: DataSpec) -> dict[str, str | None]:
+    """`datasets.load_dataset`'s arguments for an hf: spec: the dataset, its config and split (the
+    spec's, else its preset's), and the pinned revision (None: the default branch)."""
+    preset = PRESETS.get(spec.preset or spec.name)
+    return {"path": spec.name, "name": spec.config or (preset.config if preset else None),
+            "split": spec.split or (preset.split if preset else "train"), "revision": spec.revision}
+
+
 def load_hub(spec: DataSpec) -> list[Example]:
     """A Hub dataset through `datasets`; offline this fails, and the error says what to do."""
     import datasets
 
     preset = PRESETS.get(spec.preset or spec.name)
-    config = spec.config or (preset.config if preset else None)
-    split = spec.split or (preset.split if preset else "train")
+    request = hub_request(spec)
+    config, split = request["name"], request["split"]
     example = f"preset={spec.name}" if preset else "prompt=COLUMN&answer=COLUMN"
+    at = f", revision {spec.revision!r}" if spec.revision else ""
     try:
-        table = datasets.load_dataset(spec.name, config, split=split)
-    except Exception as e:  # network, missing dataset, bad config/split: all end here
+        table = datasets.load_dataset(**request)
+    except Exception as e:  # network, missing dataset, bad config/split/revision: all end here
         raise DataError(
-            f"could not load Hub dataset {spec.name!r} (config {config!r}, split {split!r}): "
+            f"could not load Hub dataset {spec.name!r} (config {config!r}, split {split!r}{at}): "
             f"{type(e).__name__}: {e}. Hub datasets need network access (or a copy in the local "
             f"Hugging Face cache); without network, download the data elsewhere and pass a local "
             f".jsonl/.parquet/.csv file instead, e.g. 'data/file.jsonl?{example}'"
@@ -95,18 +105,24 @@ def _check_json_lines(path: Path) -> None:
 
 
 def _rows_to_examples(table, spec: DataSpec, preset: Preset | None, id_prefix: str) -> list[Example]:
-    """Map table rows to Examples by the spec's columns (explicit option > preset > default)."""
+    """Map table rows to Examples by the spec's columns (explicit option > preset > default). Only
+    those columns (and a `teacher` column, for routing) are kept: the others are dropped before
+    any row is read, so a large unused column never reaches memory row by row."""
     p = preset or Preset(prompt="prompt", answer="answer")  # the defaults without a preset
-    options = {"id": spec.id_col, "prompt": spec.prompt_col, "answer": spec.answer_col,
+    boxed = spec.answer_col is not None and spec.answer_col.startswith(BOXED)
+    options = {"id": spec.id_col, "prompt": spec.prompt_col,
+               "answer": spec.answer_col[len(BOXED):] if boxed else spec.answer_col,
                "solution": spec.solution_col, "hints": spec.hints_col}
     cols = {name: getattr(p, name) if col is None else col for name, col in options.items()}
-    answer_sep = spec.answer_sep or p.answer_sep
+    answer_sep = spec.answer_sep or (None if boxed else p.answer_sep)
     label = spec.label
     for name, column in cols.items():
         if column is not None and column not in table.column_names:
             raise DataError(f"{label} row 0: missing field {name!r} (mapped from column "
                             f"{column!r}); the columns are: {', '.join(table.column_names)}")
-    used = {c for c in cols.values() if c is not None}
+    used = [c for c in dict.fromkeys(cols.values()) if c is not None]
+    table = table.select_columns(used + [TEACHER_COLUMN] * (TEACHER_COLUMN in table.column_names
+                                                            and TEACHER_COLUMN not in used))
 
     examples = []
     for i, row in enumerate(table):
@@ -114,6 +130,8 @@ def _rows_to_examples(table, spec: DataSpec, preset: Preset | None, id_prefix: s
         prompt = _cell(row, cols, "prompt", where, required=True)
         answer = _cell(row, cols, "answer", where, required=True)
         solution = _cell(row, cols, "solution", where, required=False)
+        if boxed:
+            answer, solution = _last_boxed(answer, where, cols["answer"]), solution or answer.strip()
         if answer_sep is not None:
             if answer_sep not in answer:
                 raise DataError(f"{where}: field 'answer' (column {cols['answer']!r}) "
@@ -131,6 +149,32 @@ def _rows_to_examples(table, spec: DataSpec, preset: Preset | None, id_prefix: s
             meta={"source": label, "row": i, "extra": {k: v for k, v in row.items() if k not in used}},
         ))
     return examples
+
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])\s*\{")
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last complete, non-empty `\\boxed{...}` (or `\\fbox{}`) of `text`, braces
+    balanced and `\\{` `\\}` escapes skipped, as the verifier reads a completion's (data comes before
+    verifiers, so this is the loader's own small reader)."""
+    for match in reversed(list(_BOXED.finditer(text))):
+        depth, i = 1, match.end()
+        while i < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 2 if text[i] == "\\" else 1
+        if depth == 0 and text[match.end():i - 1].strip():
+            return text[match.end():i - 1].strip()
+    return None
+
+
+def _last_boxed(text: str, where: str, column: str) -> str:
+    """The answer of answer=boxed:COLUMN, or one error naming the row."""
+    answer = last_boxed(text)
+    if answer is None:
+        raise DataError(f"{where}: field 'answer' (answer={BOXED}{column}) has no complete, non-empty \\boxed{{...}}; "
+                        "fix or drop the row, or name another column")
+    return answer
 
 
 def _cell(row: dict, cols: dict[str, str | None], name: str, where: str, required: bool) -> str | None:

@@ -61,13 +61,15 @@ PRESETS: dict[str, Preset] = {
 # --------------------------------------------------------------------------- the spec
 
 SOURCES = ("rg", "kb", "champ", "hf", "file")
+BOXED = "boxed:"  # answer=boxed:COLUMN: the answer is the last \boxed{} of that column
+TEACHER_COLUMN = "teacher"  # a table's column that names each row's teacher (selfopd.training.routing)
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 _COLUMN_KEYS = {"id": "id_col", "prompt": "prompt_col", "answer": "answer_col",
                 "solution": "solution_col", "hints": "hints_col"}  # spec key -> field
 _TABLE = {"id_col", "prompt_col", "answer_col", "solution_col", "hints_col",
           "answer_sep", "preset", "limit"}
 _APPLIES = {  # which DataSpec fields each source reads
-    "hf": _TABLE | {"config", "split", "distinct"},
+    "hf": _TABLE | {"config", "split", "revision", "distinct"},
     "file": _TABLE | {"distinct"},
     "rg": {"seed", "size", "task_config", "distinct"},
     "kb": {"seed", "entities", "unseen", "part", "sheet", "distinct"},
@@ -96,6 +98,7 @@ class DataSpec:
     preset: str | None = None  # key of PRESETS; hf picks one by dataset name when unset
     config: str | None = None  # hf: config name (None: the preset's, else the default one)
     split: str | None = None  # hf: split (None: the preset's, else "train")
+    revision: str | None = None  # hf: the dataset's revision (branch, tag or commit; None: the default branch)
     # reasoning-gym
     seed: int = 0  # generator seed: the same seed gives the same items in any process
     size: int = 500  # number of items to generate
@@ -137,6 +140,12 @@ class DataSpec:
         if self.preset is not None and self.preset not in PRESETS:
             raise DataError(f"{self.label}: unknown preset {self.preset!r}; "
                             f"allowed: {', '.join(PRESETS)}")
+        if self.answer_col is not None and self.answer_col.startswith(BOXED):
+            if not self.answer_col[len(BOXED):]:
+                raise DataError(f"{self.label}: answer={self.answer_col} names no column; write answer=boxed:COLUMN")
+            if self.answer_sep is not None:
+                raise DataError(f"{self.label}: answer={self.answer_col} and answer_sep both say where the answer "
+                                "is; give one")
         if self.source == "file" and Path(self.name).suffix.lower() not in FILE_BUILDERS:
             raise DataError(f"{self.name}: unknown file type; allowed: {', '.join(FILE_BUILDERS)}")
 

@@ -20,9 +20,8 @@ import torch
 from selfopd.config import DEFAULT_TEACHER, ConfigError, TrainConfig
 from selfopd.data.example import Example
 from selfopd.data.mixture import task_of
+from selfopd.data.spec import TEACHER_COLUMN  # a data file's column that names each row's teacher
 from selfopd.training.loss_metrics import preference_metrics
-
-TEACHER_COLUMN = "teacher"  # a data file's column that names each row's teacher
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ def test_field_mapping_for_each_file_type(tmp_path, suffix):
     ex = examples[3]
     assert (ex.prompt, ex.answer, ex.solution) == ("What is 3 + 1?", "4", "3 + 1 = 4")
     assert ex.hints == ("count up from 3",)
-    assert ex.meta["row"] == 3 and ex.meta["extra"] == {"level": 1}  # unmapped columns kept
+    assert ex.meta["row"] == 3 and ex.meta["extra"] == {}  # unmapped columns dropped
 
 
 def test_default_columns_and_generated_ids(tmp_path):
@@ -89,7 +89,7 @@ def test_math500_and_dapo_presets_on_local_files(tmp_path):
          "subject": "Prealgebra", "level": 1, "unique_id": "test/prealgebra/1.json"}])
     ex = load_examples(f"{math}?preset=HuggingFaceH4/MATH-500")[0]
     assert (ex.id, ex.answer, ex.solution) == ("test/prealgebra/1.json", "\\frac{5}{6}", "Over 6: $\\frac56$.")
-    assert ex.meta["extra"] == {"subject": "Prealgebra", "level": 1}
+    assert ex.meta["extra"] == {}
 
     wrapped = ("Solve the following math problem step by step. The last line of your response should be of "
                "the form Answer: \\boxed{$Answer} where $Answer is the answer to the problem.\n\nFind $a+b$ if "

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from selfopd.data import DataError, load_examples
+from selfopd.data import DataError, load_examples, parse_data_spec
 
 
 @pytest.mark.parametrize("spec, pattern", [
@@ -48,3 +48,89 @@ def test_items_that_would_take_hours_are_refused_at_the_pace_of_the_first():
 def test_a_data_file_that_is_a_folder_or_not_utf8_is_named(tmp_path, make, pattern):
     with pytest.raises(DataError, match=pattern):
         load_examples(str(make(tmp_path)))
+
+
+# --------------------------------------------------------------------------- hub data options
+
+def _jsonl(path, rows):
+    import json
+
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+SOLVED = [{"problem": "Half of 1?", "solution": r"First $\boxed{2}$ is wrong; it is $\boxed{\frac{1}{2}}$."},
+          {"problem": "Two plus two?", "solution": r"So \boxed {4}."}]
+
+
+def test_the_answer_is_the_last_boxed_of_a_column(tmp_path):
+    """answer=boxed:COLUMN: the last complete \\boxed{} (braces balanced), the whole text the solution
+    unless a solution column is named; a preset's answer_sep does not apply then."""
+    path = _jsonl(tmp_path / "math.jsonl", SOLVED)
+    examples = load_examples(f"{path}?prompt=problem&answer=boxed:solution")
+    assert [(ex.answer, ex.solution) for ex in examples] == [(r"\frac{1}{2}", SOLVED[0]["solution"]),
+                                                             ("4", SOLVED[1]["solution"])]
+    gsm = _jsonl(tmp_path / "gsm.jsonl", [{"question": "q", "answer": r"so \boxed{7} #### 7"}])
+    assert load_examples(f"{gsm}?preset=openai/gsm8k&answer=boxed:answer")[0].answer == "7"
+
+
+@pytest.mark.parametrize("solution", ["No box here.", r"Cut off: \boxed{\frac{1}{2}", r"Empty: \boxed{ }"])
+def test_a_row_without_a_boxed_answer_is_one_error_naming_spec_and_row(tmp_path, solution):
+    path = _jsonl(tmp_path / "math.jsonl", SOLVED + [{"problem": "p", "solution": solution}])
+    with pytest.raises(DataError, match=rf"^{path} row 2: field 'answer' \(answer=boxed:solution\) has no complete, "
+                                        r"non-empty \\boxed\{\.\.\.\}"):
+        load_examples(f"{path}?prompt=problem&answer=boxed:solution")
+
+
+@pytest.mark.parametrize("spec, pattern", [
+    ("d.jsonl?answer=boxed:", r"^d.jsonl: answer=boxed: names no column"),
+    ("d.jsonl?answer=boxed:solution&answer_sep=####", r"answer=boxed:solution and answer_sep both say where"),
+    ("d.jsonl?revision=v1", r"option 'revision' .*does not apply|unknown option 'revision'"),
+])
+def test_hub_data_options_that_cannot_work_are_refused(spec, pattern):
+    with pytest.raises(DataError, match=pattern):
+        parse_data_spec(spec)
+
+
+def test_a_dataset_revision_reaches_the_hub_loader():
+    """revision=REV is load_dataset's revision (checked on the arguments load_hub passes: offline, no
+    hub dataset can be loaded), and an offline failure names it."""
+    from selfopd.data.sources import hub_request
+
+    spec = parse_data_spec("hf:openai/gsm8k?revision=e53f048&split=test")
+    assert str(spec) == "hf:openai/gsm8k?split=test&revision=e53f048"
+    assert hub_request(spec) == {"path": "openai/gsm8k", "name": "main", "split": "test", "revision": "e53f048"}
+    assert hub_request(parse_data_spec("hf:org/ds"))["revision"] is None
+    with pytest.raises(DataError, match=r"could not load Hub dataset 'org/ds' \(config None, split 'train', "
+                                        r"revision 'v1'\)"):
+        load_examples("hf:org/ds?revision=v1")
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_only_the_columns_a_spec_uses_are_kept(tmp_path, suffix):
+    """Unused columns (here a 200 KB trace per row) are dropped before any row is read: no example
+    holds them; a `teacher` column stays, for routing."""
+    import pandas as pd
+
+    rows = [{"q": f"What is {i}?", "a": str(i), "trace": "x" * 200_000, "scores": list(range(1000)),
+             "teacher": "tutor" if i else ""} for i in range(4)]
+    path = tmp_path / f"big{suffix}"
+    frame = pd.DataFrame(rows)
+    frame.to_parquet(path) if suffix == ".parquet" else frame.to_json(path, orient="records", lines=True)
+    examples = load_examples(f"{path}?prompt=q&answer=a")
+    assert [ex.meta["extra"] for ex in examples] == [{"teacher": ""}] + [{"teacher": "tutor"}] * 3
+    assert all("x" * 1000 not in repr(ex) for ex in examples)
+    frame.drop(columns="teacher").to_parquet(path) if suffix == ".parquet" else \
+        frame.drop(columns="teacher").to_json(path, orient="records", lines=True)
+    assert load_examples(f"{path}?prompt=q&answer=a")[0].meta["extra"] == {}
+
+
+@pytest.mark.parametrize("text", [r"\boxed{1} then \boxed{\frac{1}{2}}", r"\boxed{\{1, 2\}}", r"\fbox{3} \boxed {4}",
+                                  r"\boxed{5} \boxed{", r"\boxed{} \boxed{ 6 }", r"\boxedx{7} \boxed{\boxed{8}}",
+                                  r"\boxed{a\}b}", "no box", r"\boxed{9}\\"])
+def test_the_loaders_boxed_reader_agrees_with_the_verifiers(text):
+    """Data comes before verifiers, so the loader reads \\boxed{} itself: as the grader does."""
+    from selfopd.data.sources import last_boxed
+    from selfopd.verifiers.extract import extract_boxed
+
+    assert last_boxed(text) == extract_boxed(text)
