@@ -184,7 +184,8 @@ def open_group(host: str, port: int, rank: int, world_size: int, backend: Backen
         from torch.distributed import ProcessGroupNCCL
 
         interface = nccl_interface(host)
-        if interface:  # NCCL reads it when it first starts in this process (not yet run on a GPU)
+        if interface:  # NCCL reads it when it first starts in this process (run on one H200 in a one-rank group
+            # on loopback, the GPU check's `transfer`; towards another machine not yet run on a GPU)
             os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
         options = ProcessGroupNCCL.Options()
         options._timeout = timeout
