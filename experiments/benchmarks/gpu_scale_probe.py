@@ -32,13 +32,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tiny", action="store_true", help="gpu_check's tiny model on the CPU")
+    parser.add_argument("--tokenizer-dir", type=Path, default=gpu_check.TOKENIZER_DIR,
+                        help="tokenizer files (default: what gpu_check --prepare wrote)")
     args = parser.parse_args(argv)
     device, shape, budget = ("cpu", TINY_SHAPE, 100) if args.tiny else ("cuda", SHAPE, 240)
     start = time.monotonic()
     work = Path(tempfile.mkdtemp())
     architecture = dict(gpu_check.TINY) if args.tiny else json.loads(gpu_check.MODEL_CONFIG.read_text())
     report = {"shape": shape, "cases": {}, "model": gpu_check.write_random_model(
-        work / "model", gpu_check.TOKENIZER_DIR, architecture, device, torch.bfloat16)}
+        work / "model", args.tokenizer_dir, architecture, device, torch.bfloat16)}
     for case in CASES:
         if time.monotonic() - start > budget:
             report["cases"][case.name] = "skipped: budget"
