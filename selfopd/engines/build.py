@@ -107,7 +107,8 @@ def external_teacher_bridge(config: TrainConfig, tokenizer: Any, teacher: Teache
     teacher_dir = resolve_model(teacher.model, teacher.revision)
     trust = config.model.trust_remote_code
     teacher_tokenizer = from_pretrained(AutoTokenizer, teacher_dir, trust_remote_code=trust)
-    vocab_size = from_pretrained(AutoConfig, teacher_dir, trust_remote_code=trust).vocab_size
+    teacher_config = from_pretrained(AutoConfig, teacher_dir, trust_remote_code=trust)
+    vocab_size = teacher_config.get_text_config().vocab_size  # a vision-language hub layout keeps it in its text config
     kwargs = teacher.template_kwargs(config.model.chat_template_kwargs)
     if teacher.tokenizer == "own":
         try:

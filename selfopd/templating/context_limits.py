@@ -19,14 +19,20 @@ CONTEXT_CHECKED = 64  # prompts per split (and teacher prompts) whose token coun
 COMPLETION_VARIABLES = ("attempt", "demonstration")
 
 
+def _positions(model_config: Any) -> int | None:
+    """A model's max_position_embeddings, from its text config in a vision-language hub layout (Qwen3.5's)."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    return getattr(text, "max_position_embeddings", None)
+
+
 def context_limits(config: TrainConfig, student_config: Any, teacher_config: Any) -> tuple[tuple[int, str],
                                                                                            tuple[int, str]]:
     """((tokens, what) the student's prompt + completion may fill, the same for the teacher's),
     from the models' max_position_embeddings and the vLLM servers selfopd launches (scoring
     on a server needs one position more). A server given by URL is checked when it answers."""
     engine = config.engine
-    student = [(getattr(student_config, "max_position_embeddings", None), "the student's max_position_embeddings")]
-    teacher = [(getattr(teacher_config, "max_position_embeddings", None), "the teacher's max_position_embeddings")]
+    student = [(_positions(student_config), "the student's max_position_embeddings")]
+    teacher = [(_positions(teacher_config), "the teacher's max_position_embeddings")]
     launched = engine.kind == "vllm_colocate" or engine.kind == "vllm"
     if launched and (engine.kind == "vllm_colocate" or not engine.student_urls):
         student.append((engine.max_model_len - 1, "engine.max_model_len - 1"))

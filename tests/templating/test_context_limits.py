@@ -43,3 +43,14 @@ def test_a_short_question_with_a_long_solution_is_refused_at_start_naming_its_ro
 def test_rows_that_fit_pass_and_the_student_check_still_reads_questions(tiny_model_dir):
     _check(tiny_model_dir, ROWS)
     _check(tiny_model_dir, [*ROWS, LONG_SOLUTION], template="teacher/reference_answer")  # it does not show solutions
+
+
+def test_a_vision_language_hub_layout_is_limited_by_its_text_configs_positions(tiny_family_dirs):
+    """Qwen3.5's hub checkpoints keep max_position_embeddings in their text config; read from the top level
+    there was no limit at all, and an in-process run's start-time check failed on an empty min()."""
+    from selfopd.templating.context_limits import context_limits
+
+    hub = AutoConfig.from_pretrained(tiny_family_dirs["qwen3_5_conditional"])
+    assert not hasattr(hub, "max_position_embeddings") or hub.max_position_embeddings is None
+    (student, _), (teacher, _) = context_limits(load_config(None), hub, hub)
+    assert student == teacher == hub.get_text_config().max_position_embeddings == 2048
