@@ -127,3 +127,23 @@ def test_a_truncated_answer_ending_in_the_right_number_is_wrong_unless_truncated
 
     assert records() == [(True, "stop"), (False, "length")]
     assert records("--set", "verifier.truncated=grade") == [(True, "stop"), (True, "length")]
+
+
+@pytest.mark.vllm
+def test_eval_on_a_launched_vllm_server_writes_avg_and_pass_at_k(tmp_path, servable_tiny_model_dir, capsys):
+    """`--engine vllm` launches the model's server as training launches the student's, samples k
+    answers a prompt there, stops it, and reports avg@k and pass@k over distinct prompts."""
+    from selfopd.engines.vllm_server import free_port, port_in_use
+
+    data = _rows(tmp_path, [(f"What is {i} + {i}?", str(2 * i)) for i in range(3)])
+    out, port = tmp_path / "eval", free_port()
+    assert main(["eval", "--data", str(data), "--model", str(servable_tiny_model_dir), "--engine", "vllm",
+                 "--samples", "2", "--temperature", "1", "--top-p", "0.9", "--max-tokens", "4",
+                 "--set", f"engine.port={port}", "--set", "model.dtype=float32", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["k"] == 2 and summary["avg@2"]["n"] == summary["pass@2"]["n"] == 3 and "pass@1" in summary
+    rows = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert sorted((row["id"], row["sample"]) for row in rows) == [(f"rows/{i}", s) for i in range(3) for s in (0, 1)]
+    assert all(1 <= row["completion_tokens"] <= 4 for row in rows)
+    assert (out / "server-logs").is_dir() and not port_in_use("127.0.0.1", port)  # the server was stopped
+    assert "avg@2 " in capsys.readouterr().out
