@@ -29,7 +29,8 @@ def add_eval_command(commands: argparse._SubParsersAction) -> None:
                                           "with --run: its latest checkpoint)")
     evaluate.add_argument("--step", type=like_setting(RunConfig, "steps"),
                           help="with --run: the checkpoint of that step (run.keep_checkpoints keeps several)")
-    evaluate.add_argument("--data", help="data spec to evaluate instead of the config's held-out split (all its items)")
+    evaluate.add_argument("--data", help="data spec to evaluate instead of the config's held-out split (all its items; "
+                                         "default: eval.data when set)")
     evaluate.add_argument("--fresh", action="store_true",
                           help="with --run and --data: draw the data past every prompt the run's data holds "
                                "(train and held-out) instead of refusing an overlap")
@@ -86,6 +87,7 @@ def _eval(args: argparse.Namespace) -> None:
     if args.step is not None:  # one line naming the steps kept when that step's checkpoint is not
         args.model = str(RunFolder(args.run_dir).kept_checkpoint(args.step))
     model = args.model or (latest_checkpoint(args.run_dir) if args.run_dir else None) or config.model.student
+    args.data = args.data if args.data is not None else config.eval.data or None  # eval.data: the in-run eval's set
     if args.data is not None:
         known = set(record.eval_prompts) | set(record.train_prompts) if args.fresh else ()
         examples, what = load_examples(args.data, exclude=known), args.data

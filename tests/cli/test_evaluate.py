@@ -111,6 +111,16 @@ def test_eval_samples_with_the_filters_given_and_reports_avg_and_pass_at_k(tmp_p
                      printed), printed
 
 
+def test_eval_data_of_the_config_is_what_eval_answers(tmp_path, tiny_model_dir, capsys):
+    """eval.data names the in-run eval's test set; `selfopd eval CONFIG` answers the same items."""
+    data = _rows(tmp_path, [(f"What is {i} + {i}?", str(2 * i)) for i in range(5)])
+    out = tmp_path / "eval"
+    assert main(["eval", "--model", str(tiny_model_dir), "--set", f"eval.data={data}", "--set", "eval.max_tokens=2",
+                 "--out", str(out)]) == 0
+    assert sorted(json.loads(line)["id"] for line in (out / "eval.jsonl").read_text().splitlines()) == [
+        f"rows/{i}" for i in range(5)]
+
+
 @pytest.mark.slow
 def test_a_truncated_answer_ending_in_the_right_number_is_wrong_unless_truncated_answers_are_graded(tmp_path):
     """The packaged SmolLM2, greedy with the demo's 32 tokens: "Calculate 1 + 4." is answered "1 + 4 = 5" (finished);
