@@ -9,15 +9,16 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from selfopd.config.auto import Machine, auto_dtype
 from selfopd.engines.memory_plan import (GIB, HEADROOM, RESERVE_GIB, Inputs, ModelShape, Process, gib, model_shape,
-                                         read_model_config, server_process, server_share, trainer_process)
+                                         read_model_config, server_process, trainer_process)
 
 PROMPT_TOKENS = 256  # assumed prompt length when none is given (`selfopd plan --prompt-tokens`)
 
 
-def resolved_dtype(dtype: str, on_gpu: bool) -> str:
-    """model.dtype as the run will use it: 'auto' is bfloat16 on a GPU, float32 on a CPU."""
-    return ("bfloat16" if on_gpu else "float32") if dtype == "auto" else dtype
+def resolved_dtype(config: Any, on_gpu: bool) -> str:
+    """model.dtype as the run will use it, 'auto' resolved by the rule a run applies (selfopd.config.auto)."""
+    return str(auto_dtype(config, Machine(cuda=on_gpu)).value) if config.model.dtype == "auto" else config.model.dtype
 
 
 def plan_inputs(config: Any, on_gpu: bool, world: int, prompt_tokens: int,
@@ -33,7 +34,7 @@ def plan_inputs(config: Any, on_gpu: bool, world: int, prompt_tokens: int,
     elif in_process and teacher.kind in ("frozen", "ema") and not model.lora:
         held = student
     return Inputs(
-        student=student, teacher=held, teacher_kind=teacher.kind, dtype=resolved_dtype(model.dtype, on_gpu),
+        student=student, teacher=held, teacher_kind=teacher.kind, dtype=resolved_dtype(config, on_gpu),
         on_gpu=on_gpu, engine=config.engine.kind, teacher_in_process=in_process and teacher.kind != "none",
         world=world, lora_rank=model.lora_rank, lora_params=student.lora_params(model.lora_rank, model.lora_targets),
         checkpointing=model.gradient_checkpointing, prompts_per_step=config.rollout.prompts_per_step,
@@ -170,7 +171,7 @@ def plan_run(config: Any, *, capacity_gib: float | None, gpu_name: str = "GPU", 
              world: int = 1, prompt_tokens: int = PROMPT_TOKENS, shapes: dict[str, ModelShape] | None = None) -> RunPlan:
     """The memory plan of `config` on GPUs of `capacity_gib` each (None: printed, not checked).
     `on_gpu`: whether the trainer runs on a GPU (default: model.device is not 'cpu' and a capacity is known)."""
-    from selfopd.engines.gpu_layout import server_slots
+    from selfopd.engines.gpu_layout import server_shares, server_slots
 
     device = config.model.device
     on_gpu = (device != "cpu" and (capacity_gib is not None or device.startswith("cuda"))) if on_gpu is None else on_gpu
@@ -184,7 +185,6 @@ def plan_run(config: Any, *, capacity_gib: float | None, gpu_name: str = "GPU", 
     engine = config.engine
     length = prompt_tokens + config.rollout.max_tokens
     if engine.kind == "vllm_colocate":
-        share, how = server_share(engine.gpu_memory_utilization or 0.4, 1, True)
         colocated = server_process(inputs.student, "vLLM in the trainer", processes[0].gpus, 1, inputs.dtype,
                                    engine.max_concurrency, length, None, "")
         phase = "sample" if engine.sleep_mode else "train"
@@ -193,12 +193,15 @@ def plan_run(config: Any, *, capacity_gib: float | None, gpu_name: str = "GPU", 
                      + (" (asleep while the trainer trains)" if engine.sleep_mode else ""))
     slots = server_slots(config) if engine.kind == "vllm" else []
     placed = [(slot, slot.gpus or tuple(range(slot.tensor_parallel_size))) for slot in slots]
+    trained_on = [gpu for p in processes for gpu in p.gpus] if on_gpu else []
+    gpu_count = 1 + max([gpu for _, gpus in placed for gpu in gpus] + trained_on, default=0)
+    shares = server_shares(slots, trained_on, gpu_count, engine.gpu_memory_utilization)
     for slot, gpus in placed:
         external = slot.name == "teacher" and config.teacher.kind == "external"
         shape = shapes["teacher"] if external else inputs.student
-        sharing = sum(gpus[0] in other for _, other in placed)
-        share, how = server_share(engine.gpu_memory_utilization, sharing,
-                                  on_gpu and any(gpus[0] in p.gpus for p in processes))
+        share, why = shares[slot.name]
+        how = (f"engine.gpu_memory_utilization = {share}" if engine.gpu_memory_utilization
+               else f"{share:.2f} of the GPU, from the layout ({why}): engine.gpu_memory_utilization = 0")
         processes.append(server_process(shape, f"{slot.name} server", gpus if on_gpu else (), slot.tensor_parallel_size,
                                         inputs.dtype, engine.max_concurrency, length,
                                         share * capacity if capacity and on_gpu else None, how))

@@ -38,7 +38,6 @@ QK_NORM_BYTES = {"float32": (8.0, 8.0), "autocast": (6.0, 6.0), "bfloat16": (6.0
 LINEAR_BYTES = {"float32": (27.0, 30.0), "autocast": (16.0, 24.5), "bfloat16": (16.0, 24.5), "lora": (16.0, 24.5)}
 FINAL_BYTES_PER_HIDDEN = 16  # per completion token: the final norm's saved tensors and the loss's fp32 hidden states
 RESERVE_GIB = 1.0  # per GPU: the CUDA context and the allocator's slack, outside every estimate
-ALONE_SHARE, TRAINER_SHARE = 0.9, 0.5  # engine.gpu_memory_utilization = 0: a server's share of its GPU
 
 
 @dataclass(frozen=True)
@@ -292,10 +291,4 @@ def gib(n: float) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
-def server_share(utilization: float, servers_on_gpu: int, trainer_there: bool) -> tuple[float, str]:
-    """(share of its GPU a server may take, why): the setting, or from the layout when it is 0."""
-    if utilization > 0:
-        return utilization, f"engine.gpu_memory_utilization = {utilization}"
-    share = (ALONE_SHARE - (TRAINER_SHARE if trainer_there else 0.0)) / max(servers_on_gpu, 1)
-    return share, f"{share:.2f} of the GPU, from the layout: engine.gpu_memory_utilization = 0"
 

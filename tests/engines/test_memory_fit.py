@@ -31,7 +31,8 @@ def qwen3_1p7b():
 
 
 def config(*overrides: str):
-    return load_config(None, ["model.dtype=bfloat16", "model.device=cuda", *overrides])
+    """A config as written (its 'auto' dtype not resolved for this CPU machine: the planner resolves it)."""
+    return load_config(None, ["model.dtype=bfloat16", "model.device=cuda", *overrides], resolve=False)
 
 
 @pytest.mark.parametrize("shape,overrides,measured", H200_PEAKS_GIB)
@@ -104,9 +105,11 @@ def test_a_frozen_teacher_in_process_is_a_second_fp32_copy(qwen3_1p7b):
     assert all(p.what != "teacher weights" for p in with_lora.processes[0].held)  # the base, adapters off
 
 
-def test_auto_dtype_is_bf16_on_a_gpu_and_fp32_on_a_cpu():
-    assert resolved_dtype("auto", True) == "bfloat16" and resolved_dtype("auto", False) == "float32"
-    assert resolved_dtype("float32", True) == "float32"
+def test_auto_dtype_is_the_runs_rule_bf16_on_a_gpu_fp32_on_a_cpu_and_with_lora_on_vllm():
+    auto = ("model.dtype=auto", "model.device=auto")
+    assert resolved_dtype(config(*auto), True) == "bfloat16" and resolved_dtype(config(*auto), False) == "float32"
+    assert resolved_dtype(config("model.dtype=float32"), True) == "float32"
+    assert resolved_dtype(config(*auto, "model.lora_rank=8", "engine.kind=vllm"), True) == "float32"
 
 
 def test_a_cpu_trainer_is_not_checked_against_a_gpu(qwen3_1p7b):
