@@ -33,7 +33,7 @@ model: setup
 # tests plus one real-model step of the demo (tests/test_demo_step.py), no vLLM servers,
 # no torchrun, nothing marked slow (times in CONTRIBUTING.md).
 test: model
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=40
 
 check: model
 	$(BIN)/python -m pytest -m "not (slow or vllm or distributed)" -q
