@@ -204,7 +204,7 @@ def test_eval_takes_model_data_split_and_eval_settings_from_a_training_config(tm
 
 def test_avg_at_k_needs_a_temperature(capsys):
     assert main(["eval", "--samples", "4"]) == 1
-    assert "needs temperature > 0" in capsys.readouterr().err
+    assert "needs --temperature > 0" in capsys.readouterr().err
 
 
 def test_train_show_config_prints_resolved_toml(capsys):

@@ -26,7 +26,8 @@ from selfopd.config import (
 
 # The defaults as the design states them; a changed default must change this table too.
 EXPECTED_DEFAULTS = {
-    "run": dict(name="run", out_dir="runs", seed=0, steps=20, eval_every=10, checkpoint_every=0, rollouts_to_save=32, progress=True,
+    "run": dict(name="run", out_dir="runs", seed=0, steps=20, eval_every=10, checkpoint_every=0, keep_checkpoints=1,
+                keep_best_checkpoint=False, rollouts_to_save=32, progress=True,
                 trackers=(), wandb_project="selfopd", wandb_mode="offline"),
     "model": dict(student="smollm2-135m-instruct", revision="", dtype="auto", device="auto", attn_implementation="auto",
                   gradient_checkpointing=False, lora_rank=0, lora_alpha=32.0, lora_dropout=0.0,
@@ -48,7 +49,7 @@ EXPECTED_DEFAULTS = {
         lr=1e-6, weight_decay=0.0, beta1=0.9, beta2=0.999, warmup_steps=0, schedule="constant", grad_clip=1.0, micro_batch_prompts=2,
         max_nonfinite_steps=3,
     ),
-    "eval": dict(max_tokens=48, batch_size=32),
+    "eval": dict(max_tokens=48, batch_size=32, data="", samples=1, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0),
     "probe": dict(tolerance=3e-4, bf16_tolerance=0.25),
     "engine": dict(kind="local", batch_size=64, packed_sampling=False, student_urls="", teacher_url="", teacher_engine="vllm", host="127.0.0.1", port=8100, max_model_len=2048,
                    weight_sync="auto", sync_port=0, sync_timeout_s=60.0, sync_buffer_mb=512,
@@ -91,7 +92,8 @@ def test_the_default_data_is_the_demos():
 
 def test_defaults():
     assert config_to_dict(load_config(None, resolve=False)) == EXPECTED_DEFAULTS  # 'auto' as written
-    assert load_config(None) == TrainConfig()
+    assert load_config(None, resolve=False) == TrainConfig()
+    assert load_config(None).model.dtype == "float32"  # 'auto' resolved on this CPU machine
 
 
 def test_every_field_has_help_and_a_comment_in_the_toml():
@@ -112,8 +114,8 @@ def test_round_trip_of_defaults(tmp_path):
 
 def test_round_trip_of_every_field_changed(tmp_path):
     config = TrainConfig(
-        run=RunConfig(name='odd "name" é end', out_dir="C:\\out dir", seed=7, steps=5, eval_every=0, checkpoint_every=2, rollouts_to_save=0, progress=False,
-                      trackers=("wandb", "tensorboard"), wandb_project="p", wandb_mode="online"),
+        run=RunConfig(name='odd "name" é end', out_dir="C:\\out dir", seed=7, steps=5, eval_every=0, checkpoint_every=2, keep_checkpoints=3,
+                      keep_best_checkpoint=True, rollouts_to_save=0, progress=False, trackers=("wandb", "tensorboard"), wandb_project="p", wandb_mode="online"),
         model=dataclasses.replace(TrainConfig().model, student="org/x", revision="abc123", dtype="bfloat16", threads=3,
                                   device="cuda:1", attn_implementation="eager", gradient_checkpointing=True,
                                   lora_rank=0, lora_alpha=16, lora_dropout=0.1, lora_targets=("q_proj", "v_proj"),
@@ -132,7 +134,8 @@ def test_round_trip_of_every_field_changed(tmp_path):
                                   pass_rate_weighting=True),
         optim=OptimConfig(lr=3e-6, weight_decay=0.01, beta1=0.8, beta2=0.95, warmup_steps=2, schedule="cosine", grad_clip=0.0, micro_batch_prompts=3,
                           max_nonfinite_steps=5),
-        eval=dataclasses.replace(TrainConfig().eval, max_tokens=7, batch_size=5),
+        eval=dataclasses.replace(TrainConfig().eval, max_tokens=7, batch_size=5, data="hf:org/x?split=test", samples=4,
+                                 temperature=0.6, top_p=0.95, top_k=20, min_p=0.05),
         probe=dataclasses.replace(TrainConfig().probe, tolerance=2.5e-5, bf16_tolerance=0.5),
         engine=EngineConfig(kind="vllm", batch_size=8, student_urls="http://a:1,http://b:2", teacher_url="https://c:3", host="0.0.0.0",
                             port=9000, max_model_len=4096, weight_sync="nccl", sync_port=29700, sync_timeout_s=30.0,
