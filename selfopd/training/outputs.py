@@ -3,7 +3,6 @@ rollouts and the training-curve plots, at the paths `selfopd.core.run_folder` de
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 from pathlib import Path
@@ -11,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from selfopd.config import ConfigError, TrainConfig
+from selfopd.config import ConfigError, RunConfig, TrainConfig
 from selfopd.core.atomic import write_text_atomic
 from selfopd.data import load_examples
 from selfopd.data.example import Example, prompt_key
@@ -20,7 +19,6 @@ from selfopd.run.rollouts import RolloutRecord, write_records
 from selfopd.core.distributed import ShardedSampling, full_optimizer_state, full_state_dict, is_sharded
 from selfopd.run.evaluate import evaluate
 from selfopd.core.faults import fault_point
-from selfopd.config import RunConfig
 from selfopd.core.run_folder import RunFolder, checkpoint_step
 from selfopd.training.rollout_pipeline import PENDING_FILE, pending_json
 from selfopd.training.state import Run
@@ -47,17 +45,18 @@ def run_eval(run: Run) -> dict[str, float] | None:
 
 
 def eval_examples(run: Run) -> Sequence[Example]:
-    """What the in-run eval answers: eval.data's items (`checked_eval_data`), else the run's held-out split."""
-    return checked_eval_data(run.config, run.train_examples) or run.eval_examples
+    """What the in-run eval answers: eval.data's items (`checked_eval_data`, when the run was built), else the
+    run's held-out split."""
+    return run.eval_data or run.eval_examples
 
 
 def checked_eval_data(config: TrainConfig, train_examples: Sequence[Example]) -> tuple[Example, ...]:
     """eval.data's items (none when it is ''), refused in one line naming the spec when one of its
-    prompts is a training prompt; `build_run` calls it before the run folder is made."""
+    prompts is a training prompt; `build_run` calls it once, before the run folder is made."""
     spec = config.eval.data
     if not spec:
         return ()
-    examples = _eval_data(spec)
+    examples = tuple(load_examples(spec))
     trained = {prompt_key(example.prompt) for example in train_examples}
     overlap = [example for example in examples if prompt_key(example.prompt) in trained]
     if overlap:
@@ -65,12 +64,6 @@ def checked_eval_data(config: TrainConfig, train_examples: Sequence[Example]) ->
                           f"are training prompts of this run (e.g. {overlap[0].prompt[:80]!r}); evaluate on prompts "
                           "the run does not train on")
     return examples
-
-
-@functools.lru_cache(maxsize=2)
-def _eval_data(spec: str) -> tuple[Example, ...]:
-    """eval.data's items, loaded once a process (the run evaluates them every run.eval_every steps)."""
-    return tuple(load_examples(spec))
 
 
 def eval_metrics(step: int, eval_dir: Path) -> dict[str, float]:

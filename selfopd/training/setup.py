@@ -73,7 +73,7 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
     examples = load_examples(config.data.spec)
     train_examples, eval_examples = split_examples(examples, eval_size=config.data.eval_size, seed=config.data.split_seed)
     check_mixture(config, train_examples)
-    checked_eval_data(config, train_examples)  # eval.data: refused before the run folder is made
+    eval_data = checked_eval_data(config, train_examples)  # eval.data: refused before the run folder is made
     # A resumed run renders from its own copies of the templates (RUN/templates/), a fresh one from the files.
     student_template = load_run_template(folder.root, config.data.student_template)
     tables = {DEFAULT_TEACHER: config.teacher, **config.teachers}  # every teacher's settings, by name
@@ -132,7 +132,7 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
                   device=options["device"], world=world, demonstration_fallback=fallback,
                   bridge=bridges[DEFAULT_TEACHER],
                   named_teachers={name: NamedTeacher(table, named_engines[name], *templates[name], bridges[name])
-                                  for name, table in config.teachers.items()},
+                                  for name, table in config.teachers.items()}, eval_data=eval_data,
                   router=router,
                   ema=open_ema(config, teacher_engine, resume_from, state.get("ema"), options))
         run.rollouts = open_pipeline(run.student_side, resume_from, run.step)  # with the rollouts a checkpoint had sampled ahead

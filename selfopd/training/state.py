@@ -50,7 +50,7 @@ class Run:
     student_template: PromptTemplate
     teacher_template: PromptTemplate
     train_examples: list[Example]
-    eval_examples: list[Example]
+    eval_examples: list[Example]  # the held-out split of data.spec (split.json, the probe)
     probe: tuple[list[int], list[int]]
     step: int = 0
     resources: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # servers, clients
@@ -62,6 +62,7 @@ class Run:
     bridge: TokenBridge | None = None  # teacher.tokenizer = 'own': the teacher's tokens and chat template
     named_teachers: dict[str, NamedTeacher] = field(default_factory=dict)  # [teachers.NAME], beside [teacher]
     router: Callable[[Example], str] | None = None  # with named teachers: each example's teacher
+    eval_data: tuple[Example, ...] = ()  # eval.data's items, checked against the training prompts ('' : none)
     # The student's rollouts of this and the coming steps (rollout.max_staleness); synchronous by default.
     rollouts: RolloutPipeline = field(default_factory=lambda: RolloutPipeline(0, background=False))
 
