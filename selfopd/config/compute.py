@@ -126,7 +126,7 @@ class EngineConfig(Section):
     weight_sync: WeightSyncKind = setting(
         "auto", "vllm: the collective that carries the weight push to the servers (vLLM's weight-transfer routes, "
         "selfopd's engine in the servers): 'gloo' (CPU memory, any machine), 'nccl' (GPU to GPU), 'auto': nccl "
-        "when CUDA is there. Every push is verified by per-tensor digests either way.")
+        "when CUDA is there. Pushes are verified by per-tensor digests either way (engine.verify_every).")
     sync_port: int = setting(
         0, "vllm: TCP port of the weight push's rendezvous on the trainer (engine.trainer_address); several groups "
         "take the ports after it. 0: a free port (set one to open it in a firewall).", ge=0, le=65535)
@@ -135,6 +135,12 @@ class EngineConfig(Section):
         "server's load) before the run stops, naming the server.", gt=0, most=MAX_SECONDS)
     sync_buffer_mb: int = setting(
         512, "vllm: size of the packed chunks the weight push broadcasts (each server holds about one while loading).",
+        ge=1, most=2**20)
+    verify_every: int = setting(
+        1, "vllm: verify the weight push by per-tensor digests every k-th push (1: every push). k > 1 saves the "
+        "verification's time (on a CPU about 40% of a push) on k - 1 pushes of k, at a price: a corrupted or partial "
+        "load goes unnoticed for up to k - 1 steps (the logprob probe still runs after every push). The first push "
+        "of a run or of a --resume, and a push after a failed or interrupted one, are always verified.",
         ge=1, most=2**20)
     student_servers: int = setting(1, "vllm: student servers to launch (each on its own GPUs when student_gpus is set).",
                                    ge=1, most=1024)

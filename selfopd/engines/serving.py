@@ -138,7 +138,8 @@ def open_weight_transfers(config: TrainConfig, student_urls: Sequence[str],
                     for group in groups]
         transfers[role] = WeightTransfer(controls, backend=weight_sync_kind(config), host=engine.trainer_address,
                                          port=port, timeout_s=engine.sync_timeout_s, buffer_mb=engine.sync_buffer_mb,
-                                         keep_requests=role == "student" and config.rollout.in_flight)
+                                         keep_requests=role == "student" and config.rollout.in_flight,
+                                         verify_every=engine.verify_every)
         port = port + len(groups) if port else 0
     student = transfers["student"]
     return student, (student if config.teacher.follows_student else transfers.get("ema"))

@@ -71,7 +71,11 @@ class VLLMEngine:
     supports_full_vocabulary = False
     samples_in_background = True  # the servers are other processes: a request runs while the trainer computes
     batches_itself = True  # the servers schedule their own batches: a caller sends a whole step at once
-    pushes_verified = True  # every push through its WeightTransfer is digest-verified
+
+    @property
+    def pushes_verified(self) -> bool:
+        """The last push was proven by digest (each is, unless engine.verify_every > 1 skipped it)."""
+        return self.weight_sync is None or bool(self.weight_sync.stats.get("sync/verified", 1.0))
 
     @property
     def max_scored_tokens(self) -> int:

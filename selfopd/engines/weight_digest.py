@@ -1,6 +1,6 @@
 """Exact proof that a vLLM server holds the trainer's weights: per-parameter digests, computed
 by the server from what it serves and by the trainer from what it sent, compared after
-every push.
+every push (or every k-th, `VerifySchedule`: `engine.verify_every`).
 
 The server side (`served_digests`, run in each worker) reports one entry per piece of a
 served tensor that comes from one trainer tensor:
@@ -243,6 +243,34 @@ Reports = Mapping[str, Sequence[Sequence[Entry]]]  # server -> each worker's ent
 
 class WeightSyncError(RuntimeError):
     """An engine does not serve the trainer's weights after a push (its digests or logprobs differ)."""
+
+
+class VerifySchedule:
+    """Which pushes of one transfer session are verified by digest (`engine.verify_every` = k): the
+    session's first push (a run's first, or the first after a --resume: a new session), the push
+    after one that failed or was interrupted, and then every k-th push. k = 1: every push.
+
+    `begin()` at the start of a push says whether it is verified and forgets what was trusted;
+    only `complete()`, at its successful end, restores the count, so whatever stops a push half-way
+    (an error, a KeyboardInterrupt) makes the next push a verified one."""
+
+    def __init__(self, every: int = 1) -> None:
+        if type(every) is not int or every < 1:
+            raise ValueError(f"engine.verify_every: expected an integer >= 1, got {every!r}")
+        self.every = every
+        self.since: int | None = None  # pushes completed unverified since the last verified one; None: none trusted
+        self._after = 0
+
+    def begin(self) -> bool:
+        """A push starts: whether it is verified."""
+        last, self.since = self.since, None
+        verified = last is None or last + 1 >= self.every
+        self._after = 0 if last is None or verified else last + 1
+        return verified
+
+    def complete(self) -> None:
+        """The push begun last ended well: the count goes on from it."""
+        self.since = self._after
 
 
 def pieces_needed(reports: Reports) -> dict[str, dict[Piece, Entry]]:

