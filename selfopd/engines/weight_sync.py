@@ -205,7 +205,8 @@ class WeightTransfer:
         self._last = (weights, version)
         self.schedule.complete()
         self.stats = {"time/push": time.perf_counter() - started, "time/push_broadcast": broadcast_s,
-                      "time/push_verify": verify_s, "sync/verified": float(verified), "sync/untrained_tensors": float(sum(self.untrained.values())),
+                      "time/push_verify": verify_s, "sync/verified": float(verified),
+                      "sync/untrained_tensors": float(sum(self.untrained.values())),
                       "sync/gigabytes": sent / 1e9, "sync/broadcasts": float(len(self.groups) * len(
                           chunk_ranges(update.sizes, self.buffer_bytes))), "sync/groups": float(len(self.groups))}
         return self.stats

@@ -82,9 +82,9 @@ def test_with_k_2_a_layer_left_unloaded_is_caught_at_the_next_verified_push(serv
         assert first["sync/verified"] == 1 and first["time/push_verify"] > 0 and engine.pushes_verified
         second = transfer.push(moved, version=2)  # the server leaves DROPPED stale: unnoticed, unverified
         assert second["sync/verified"] == 0 and second["time/push_verify"] == 0 and not engine.pushes_verified
-        with pytest.raises(WeightSyncError, match=rf"^{url}: after the push of step 3, worker 0's "
-                                                  rf"{DROPPED.replace('.', '[.]')}\S+ \(from {DROPPED.replace('.', '[.]')}"
-                                                  r"\S+\) holds other weights than the trainer sent"):
+        layer = DROPPED.replace(".", "[.]")
+        with pytest.raises(WeightSyncError, match=rf"^{url}: after the push of step 3, worker 0's {layer}\S+ "
+                                                  rf"\(from {layer}\S+\) holds other weights than the trainer sent"):
             transfer.push(moved, version=3)
         engine.close()  # closes the transfer
 
