@@ -44,27 +44,38 @@ def window_logprobs(hidden_BWH: Tensor, weight_VH: Tensor, mask_BW: Tensor, dtyp
 class _ChunkedDivergence(torch.autograd.Function):
     """values_BT = J(softmax(hidden @ weight.T), teacher) per position, chunk by chunk.
 
-    Nothing of size V outlives a chunk: forward keeps only its inputs, and backward
-    recomputes each chunk and applies its analytic dJ/dlogits straight to hidden and
-    weight. Autograd through the same arithmetic would keep several (B, T, V) tensors
-    (checkpointing per chunk still keeps several (B, W, V) ones while recomputing);
-    this way a chunk peaks at about three (B, W, V) tensors (four for JSD).
+    Nothing of size V but one window outlives a chunk: forward keeps its inputs and, when a
+    gradient will be asked for, the last window's dJ/dlogits; backward uses that window first
+    and frees it, then recomputes each other chunk and applies its analytic dJ/dlogits straight
+    to hidden and weight. Autograd through the same arithmetic would keep several (B, T, V)
+    tensors (checkpointing per chunk still keeps several (B, W, V) ones while recomputing);
+    this way a chunk peaks at about three (B, W, V) tensors (four for JSD), and when one window
+    holds every position (completions of at most `chunk_size` tokens on average), backward
+    forms no logits at all.
     """
 
     @staticmethod
-    def forward(ctx, hidden_BTH: Tensor, weight_VH: Tensor, mask_BT: Tensor, chunk_divergence: ChunkFunction, chunk_size: int) -> Tensor:
+    def forward(ctx, hidden_BTH: Tensor, weight_VH: Tensor, mask_BT: Tensor, chunk_divergence: ChunkFunction, chunk_size: int,
+                keep_last: bool) -> Tensor:
         with full_precision(hidden_BTH.device.type):
-            return _ChunkedDivergence._forward(ctx, hidden_BTH, weight_VH, mask_BT, chunk_divergence, chunk_size)
+            return _ChunkedDivergence._forward(ctx, hidden_BTH, weight_VH, mask_BT, chunk_divergence, chunk_size, keep_last)
 
     @staticmethod
-    def _forward(ctx, hidden_BTH: Tensor, weight_VH: Tensor, mask_BT: Tensor, chunk_divergence: ChunkFunction, chunk_size: int) -> Tensor:
+    def _forward(ctx, hidden_BTH: Tensor, weight_VH: Tensor, mask_BT: Tensor, chunk_divergence: ChunkFunction, chunk_size: int,
+                 keep_last: bool) -> Tensor:
         dtype = torch.promote_types(torch.promote_types(hidden_BTH.dtype, weight_VH.dtype), torch.float32)
         values_BT = torch.zeros(mask_BT.shape, dtype=dtype, device=hidden_BTH.device)
+        ctx.last_grad = None
         for start in range(0, hidden_BTH.shape[1], chunk_size):
             window = slice(start, start + chunk_size)
             mask_BW = mask_BT[:, window]
+            # The last window's d values / d logits, when backward will want it, are formed now from the same
+            # logprobs (the values do not depend on it) and kept: backward then does not form that window's
+            # logits again, the student's or a teacher's (the whole head when one window holds every position).
+            # Kept is one window, freed before backward forms any other: the peak is backward's as before.
+            last = keep_last and start + chunk_size >= hidden_BTH.shape[1]
             # Passed without a name, so the chunk can free the student's logprobs early.
-            chunk_BW, _ = chunk_divergence(window_logprobs(hidden_BTH[:, window], weight_VH, mask_BW, dtype), window, mask_BW, False)
+            chunk_BW, ctx.last_grad = chunk_divergence(window_logprobs(hidden_BTH[:, window], weight_VH, mask_BW, dtype), window, mask_BW, last)
             values_BT[:, window] = torch.where(mask_BW, chunk_BW, 0.0)
         ctx.save_for_backward(hidden_BTH, weight_VH, mask_BT)
         ctx.chunk_divergence, ctx.chunk_size, ctx.dtype = chunk_divergence, chunk_size, dtype
@@ -81,10 +92,15 @@ class _ChunkedDivergence(torch.autograd.Function):
         hidden_BTH, weight_VH, mask_BT = ctx.saved_tensors
         grad_hidden_BTH = torch.zeros_like(hidden_BTH) if ctx.needs_input_grad[0] else None
         grad_weight_VH = torch.zeros(weight_VH.shape, dtype=ctx.dtype, device=weight_VH.device) if ctx.needs_input_grad[1] else None
-        for start in range(0, hidden_BTH.shape[1], ctx.chunk_size):
+        starts = list(range(0, hidden_BTH.shape[1], ctx.chunk_size))
+        kept, ctx.last_grad = ctx.last_grad, None  # a second backward (retain_graph) forms it again
+        for start in ([starts[-1]] + starts[:-1]) if kept is not None else starts:  # the kept window first, freed first
             window = slice(start, start + ctx.chunk_size)
             mask_BW = mask_BT[:, window]
-            _, grad_logits_BWV = ctx.chunk_divergence(window_logprobs(hidden_BTH[:, window], weight_VH, mask_BW, ctx.dtype), window, mask_BW, True)
+            if kept is not None:
+                grad_logits_BWV, kept = kept, None
+            else:
+                _, grad_logits_BWV = ctx.chunk_divergence(window_logprobs(hidden_BTH[:, window], weight_VH, mask_BW, ctx.dtype), window, mask_BW, True)
             grad_logits_BWV.mul_(torch.where(mask_BW, grad_BT[:, window].to(ctx.dtype), 0.0)[..., None])
             # In the head's precision (`ctx.dtype`), whatever the dtype of hidden states or weight.
             if grad_hidden_BTH is not None:
@@ -95,7 +111,7 @@ class _ChunkedDivergence(torch.autograd.Function):
             del grad_logits_BWV
         if grad_weight_VH is not None:
             grad_weight_VH = grad_weight_VH.to(weight_VH.dtype)
-        return grad_hidden_BTH, grad_weight_VH, None, None, None
+        return grad_hidden_BTH, grad_weight_VH, None, None, None, None
 
 
 def check_hidden_and_head(hidden_BTH: Tensor, weight_VH: Tensor, mask_BT: Tensor, chunk_size: int) -> None:
@@ -109,13 +125,16 @@ def check_hidden_and_head(hidden_BTH: Tensor, weight_VH: Tensor, mask_BT: Tensor
 
 
 def chunked_on_real_positions(hidden_BTH: Tensor, weight_VH: Tensor, mask_BT: Tensor, chunk_divergence: ChunkFunction,
-                             chunk_size: int) -> Tensor:
+                             chunk_size: int, keep_last: bool = True) -> Tensor:
     """`_ChunkedDivergence` over the masked-in positions only, back in (B, T) with exactly 0 (and
     zero gradient) elsewhere: padding never costs a (V, H) matmul. `chunk_divergence` reads
     per-position inputs compacted alike (`compact`). A window holds chunk_size x B real
-    positions, as many logits as a (B, chunk_size) window of the padded layout."""
+    positions, as many logits as a (B, chunk_size) window of the padded layout. `keep_last`: when
+    differentiated, keep the last window's gradient from forward to backward (`_ChunkedDivergence`);
+    False where another loss window is formed before backward, which would then peak one window higher."""
+    differentiated = keep_last and torch.is_grad_enabled() and (hidden_BTH.requires_grad or weight_VH.requires_grad)
     values_1N = _ChunkedDivergence.apply(hidden_BTH[mask_BT][None], weight_VH, _all_real(mask_BT),
-                                         chunk_divergence, chunk_size * mask_BT.shape[0])
+                                         chunk_divergence, chunk_size * mask_BT.shape[0], differentiated)
     return values_1N.new_zeros(mask_BT.shape).index_put(torch.nonzero(mask_BT, as_tuple=True), values_1N[0])
 
 
@@ -130,7 +149,7 @@ def _all_real(mask_BT: Tensor) -> Tensor:
 
 def token_logprobs_from_hidden(
     hidden_BTH: Tensor, lm_head_weight_VH: Tensor, tokens_BT: Tensor, chunk_size: int = 256,
-    mask_BT: Tensor | None = None,
+    mask_BT: Tensor | None = None, keep_last: bool = True,
 ) -> Tensor:
     """Like `token_logprobs`, from final hidden states and the unembedding matrix.
 
@@ -142,7 +161,7 @@ def token_logprobs_from_hidden(
     Llama/Qwen/SmolLM2; `hidden_BTH` is the output of the final norm. The head's matmul and
     the log-softmax run in at least fp32 with autocast off, inside a bf16 region too: bf16
     logits of ~30 are off by ~0.1 nats. `mask_BT` (optional): positions outside it get 0 and
-    cost nothing (padding).
+    cost nothing (padding). `keep_last` as in `chunked_on_real_positions`.
     """
     if hidden_BTH.ndim != 3 or tokens_BT.shape != hidden_BTH.shape[:2]:
         raise ValueError(f"need hidden (B, T, H) and tokens (B, T), got {tuple(hidden_BTH.shape)} and {tuple(tokens_BT.shape)}")
@@ -158,6 +177,6 @@ def token_logprobs_from_hidden(
         grad_BWV = student_lp_BWV.exp_().neg_()  # d log s_y / d logits = onehot(y) - s
         return values_BW, grad_BWV.scatter_add_(-1, tokens_BW1, torch.ones_like(tokens_BW1, dtype=grad_BWV.dtype))
 
-    return chunked_on_real_positions(hidden_BTH, lm_head_weight_VH, mask_BT, chunk_token_logprob, chunk_size)
+    return chunked_on_real_positions(hidden_BTH, lm_head_weight_VH, mask_BT, chunk_token_logprob, chunk_size, keep_last)
 
 

@@ -42,10 +42,11 @@ def completion_logprobs(model: Any, sequences: Sequences, pad_id: int, chunk_siz
 
 
 def logprobs_from_hidden(model: Any, hidden_BCH: Tensor, targets_BC: Tensor, mask_BC: Tensor,
-                         chunk_size: int = 256) -> Tensor:
-    """The second half of `completion_logprobs`, for callers that also need the hidden states."""
+                         chunk_size: int = 256, keep_last: bool = True) -> Tensor:
+    """The second half of `completion_logprobs`, for callers that also need the hidden states
+    (`keep_last`: `selfopd.engines.kernels.chunked_on_real_positions`'s)."""
     head_VH = model.get_output_embeddings().weight
-    return token_logprobs_from_hidden(hidden_BCH, head_VH, targets_BC, chunk_size, mask_BC)
+    return token_logprobs_from_hidden(hidden_BCH, head_VH, targets_BC, chunk_size, mask_BC, keep_last)
 
 
 def tempered(hidden_BCH: Tensor, temperature: float) -> Tensor:

@@ -118,9 +118,10 @@ def micro_batch_loss(run: Run, micro: Sequence[Scored], backward: Backward, star
     with run.autocast():  # the decoder only: the head and log-softmax run in fp32 (selfopd.engines.kernels)
         hidden_BCH, tokens_BC, mask_BC = completion_hidden(run.model, sequences, run.pad_id)  # with grad
     hidden_BCH = tempered(hidden_BCH, run.temperature)  # the sampling distribution's logits
-    # Differentiated only by a policy-gradient term; else read for the advantage and metrics.
+    # Differentiated only by a policy-gradient term; else read for the advantage and metrics. Its loss
+    # window is kept for backward only when no divergence's window is formed after it.
     with contextlib.nullcontext() if not exact or loss_cfg.lambda_rl else torch.no_grad():
-        student_lp_BC = logprobs_from_hidden(run.model, hidden_BCH, tokens_BC, mask_BC)
+        student_lp_BC = logprobs_from_hidden(run.model, hidden_BCH, tokens_BC, mask_BC, keep_last=not exact)
     mask_BC = mask_BC.bool()
     length = mask_BC.shape[1]
     inputs = LossInputs(

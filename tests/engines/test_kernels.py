@@ -82,3 +82,52 @@ def test_token_logprobs_from_hidden_match_model_logits(tiny_llama):
     tiny_llama.zero_grad()
 
 
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 100])
+def test_backward_forms_no_logits_again_for_the_last_window(chunk_size):
+    """The last window's d values / d logits is formed in forward and kept: backward forms the
+    logits only of the other windows (none when one window holds every position), and none is
+    formed for a gradient under no_grad. The gradients are the recomputing path's bit for bit (a
+    second backward through the retained graph recomputes every window)."""
+    from selfopd.engines.kernels import chunked_on_real_positions
+
+    torch.manual_seed(7)
+    B, T, H, V = 2, 5, 4, 9
+    hidden_BTH = torch.randn(B, T, H, requires_grad=True)
+    weight_VH = torch.randn(V, H, requires_grad=True)
+    mask_BT = torch.rand(B, T) > 0.3
+    calls: list[bool] = []
+
+    def entropy(lp_BWV: torch.Tensor, window: slice, mask_BW: torch.Tensor, need_grad: bool):
+        calls.append(need_grad)
+        p_BWV = lp_BWV.exp()
+        values_BW = -(p_BWV * lp_BWV).sum(-1)
+        return values_BW, (-p_BWV * (lp_BWV + values_BW[..., None]) if need_grad else None)
+
+    windows = -(-int(mask_BT.sum()) // (chunk_size * B))
+    with torch.no_grad():
+        chunked_on_real_positions(hidden_BTH, weight_VH, mask_BT, entropy, chunk_size)
+    assert calls == [False] * windows
+    calls.clear()
+    weights_BT = torch.randn(B, T)
+    loss = (weights_BT * chunked_on_real_positions(hidden_BTH, weight_VH, mask_BT, entropy, chunk_size)).sum()
+    first = torch.autograd.grad(loss, (hidden_BTH, weight_VH), retain_graph=True)
+    assert calls == [False] * (windows - 1) + [True] + [True] * (windows - 1)  # forward, then backward
+    again = torch.autograd.grad(loss, (hidden_BTH, weight_VH))
+    assert len(calls) == 3 * windows - 1
+    for kept, recomputed in zip(first, again):
+        if windows == 1:
+            assert torch.equal(kept, recomputed)
+        else:  # the kept window's part of the head's gradient is added first: another order of an fp32 sum
+            assert torch.allclose(kept, recomputed, rtol=1e-6, atol=1e-6)
+    logprobs_BTV = torch.log_softmax(hidden_BTH.double() @ weight_VH.double().T, -1)
+    reference_BT = torch.where(mask_BT, -(logprobs_BTV.exp() * logprobs_BTV).sum(-1), 0.0)
+    reference = torch.autograd.grad((weights_BT.double() * reference_BT).sum(), (hidden_BTH, weight_VH))
+    for actual, expected in zip(first, reference):
+        assert torch.allclose(actual.double(), expected.double(), rtol=0, atol=1e-5)
+    calls.clear()  # keep_last=False (another loss window follows before backward): every window formed again
+    values_BT = chunked_on_real_positions(hidden_BTH, weight_VH, mask_BT, entropy, chunk_size, keep_last=False)
+    recomputed = torch.autograd.grad((weights_BT * values_BT).sum(), (hidden_BTH, weight_VH))
+    assert calls == [False] * windows + [True] * windows
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-6) for a, b in zip(first, recomputed))
