@@ -35,6 +35,18 @@ if _WORKER.startswith("gw"):
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(int(_WORKER[2:]) % (os.cpu_count() or 1)))
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`--dist loadgroup`): the tests that start vLLM servers run on one worker, in turn and
+    first (they are the longest chain; two workers' servers at once outgrow a 24 GiB machine's memory), and
+    every other file runs whole on one worker, so its module fixtures are built once."""
+    if not _WORKER.startswith("gw"):
+        return
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group("vllm" if item.get_closest_marker("vllm") else item.nodeid.split("::")[0]))
+    items.sort(key=lambda item: item.get_closest_marker("vllm") is None)  # stable: file order kept within each
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """The packaged SmolLM2-135M-Instruct as an fp32 safetensors folder (converted once)."""
