@@ -32,11 +32,11 @@ model: setup
 # The whole suite (what CI runs). `make check` is the fast tier for iteration: the unit
 # tests plus one real-model step of the demo (tests/test_demo_step.py), no vLLM servers,
 # no torchrun, nothing marked slow (times in CONTRIBUTING.md).
-# Two workers by default (TEST_WORKERS=0 runs the suite in one process): the tests that start vLLM
-# servers run in turn on one of them, every other file whole on either (tests/conftest.py).
+# Two workers by default (TEST_WORKERS=0 runs the suite in one process): the files that start vLLM
+# servers run in turn on one of them, first; every other file whole on either (tests/conftest.py).
 TEST_WORKERS ?= 2
 test: model
-	$(BIN)/python -m pytest --durations=40 -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest --durations=40 -n $(TEST_WORKERS) --dist loadfile
 
 check: model
 	$(BIN)/python -m pytest -m "not (slow or vllm or distributed)" -q

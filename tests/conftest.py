@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import os
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
 
 from tests.fuzz_settings import CI_EXAMPLES
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Property tests are reproducible and bounded: the same examples every run (no random seed,
 # no example database), a fixed number of them, and no per-example deadline (a loaded
@@ -35,16 +39,40 @@ if _WORKER.startswith("gw"):
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(int(_WORKER[2:]) % (os.cpu_count() or 1)))
 
 
+@functools.cache
+def starts_vllm_servers(path: str) -> bool:
+    """Whether the test file at `path` (relative to the repository) holds tests marked `vllm`: read, not imported,
+    so the xdist controller, which collects nothing, can tell."""
+    return "mark.vllm" in (ROOT / path).read_text(errors="replace")
+
+
+def xdist_scope(nodeid: str) -> str:
+    """The unit a worker takes whole: every file that starts vLLM servers together (two workers' servers at once
+    outgrow a 24 GiB machine's memory, and they are the longest chain), any other file alone (its module
+    fixtures built once)."""
+    path = nodeid.split("::")[0]
+    return "vllm" if starts_vllm_servers(path) else path
+
+
 @pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile`, with the vLLM files as one unit, first (workers collect them first: below)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class VLLMFilesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid)
+
+    config.option.loadscopereorder = False  # units go out in collection order
+    return VLLMFilesTogether(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`--dist loadgroup`): the tests that start vLLM servers run on one worker, in turn and
-    first (they are the longest chain; two workers' servers at once outgrow a 24 GiB machine's memory), and
-    every other file runs whole on one worker, so its module fixtures are built once."""
-    if not _WORKER.startswith("gw"):
-        return
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group("vllm" if item.get_closest_marker("vllm") else item.nodeid.split("::")[0]))
-    items.sort(key=lambda item: item.get_closest_marker("vllm") is None)  # stable: file order kept within each
+    """Under pytest-xdist the vLLM files come first (stable: the order within them and among the others is kept)."""
+    if _WORKER.startswith("gw"):
+        items.sort(key=lambda item: xdist_scope(item.nodeid) != "vllm")
 
 
 @pytest.fixture(scope="session")
