@@ -4,6 +4,7 @@
     bash experiments/benchmarks/gpu_check.sh --out $OUT/gpu_check.json   # the trainer check, one GPU
     bash experiments/benchmarks/gpu_check.sh vllm                        # the vLLM check, 2+ GPUs
     python -m experiments.benchmarks.gpu_check vllm --plan --gpus 2      # its layout, checked, anywhere
+    bash experiments/benchmarks/gpu_check.sh scale --out $OUT/gpu_scale_probe.json  # scale mode: gpu_scale_probe.py
 
 gpu_check.sh runs `python3 -m experiments.benchmarks.gpu_check ARGS` from the tree's root with
 PYTHONPATH=. (selfopd is imported from the copy of the tree, not installed) under a time limit
@@ -194,6 +195,13 @@ def prepare_tokenizer(target: Path = TOKENIZER_DIR) -> Path:
         if (source / name).is_file():
             shutil.copy2(source / name, target / name)
     return target
+
+
+def require_tokenizer(tokenizer_dir: Path) -> None:
+    """Stop with one line naming the folder when `--prepare`'s tokenizer files are not there."""
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        raise SystemExit(f"{tokenizer_dir}: no tokenizer.json; run `python -m experiments.benchmarks.gpu_check "
+                         "--prepare` here and carry .cache/gpu_check_tokenizer")
 
 
 def write_random_model(folder: Path, tokenizer_dir: Path, config: dict[str, Any], init_device: str,
@@ -577,9 +585,7 @@ def run_check(out: Path, device: str, tiny: bool, tokenizer_dir: Path, steps: in
     deadline = started + budget_s
     missing = missing_dependencies()
     print("missing packages:", ", ".join(f"{k} ({v})" for k, v in missing.items()) or "none", flush=True)
-    if not (tokenizer_dir / "tokenizer.json").is_file():
-        raise SystemExit(f"{tokenizer_dir}: no tokenizer.json; run `python -m experiments.benchmarks.gpu_check "
-                         "--prepare` here and carry .cache/gpu_check_tokenizer")
+    require_tokenizer(tokenizer_dir)
     big = dict(TINY) if tiny else json.loads(MODEL_CONFIG.read_text())
     shape = ({"prompts": 2, "samples": 2, "max_tokens": 8, "micro_batch_prompts": 1} if tiny else
              {"prompts": 8, "samples": 4, "max_tokens": 128, "micro_batch_prompts": 4})
@@ -652,9 +658,7 @@ def dry_run(out: Path, device: str, tokenizer_dir: Path, work_dir: Path) -> dict
     """Everything but the timed and compared steps, in seconds: the packages, the tokenizer, selfopd
     imported from this tree, a tiny model, every case's config, and the weight push's wire."""
     missing = missing_dependencies()
-    if not (tokenizer_dir / "tokenizer.json").is_file():
-        raise SystemExit(f"{tokenizer_dir}: no tokenizer.json; run `python -m experiments.benchmarks.gpu_check "
-                         "--prepare` here and carry .cache/gpu_check_tokenizer")
+    require_tokenizer(tokenizer_dir)
     import selfopd
     from selfopd.training.trainer import build_run, train_step  # noqa: F401  (what the cases call)
     from selfopd.verifiers import verify  # noqa: F401  (a mapped folder: present only as the package sees it)
