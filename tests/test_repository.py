@@ -28,7 +28,6 @@ NOT_YET = {  # paths the docs name that a step still to come writes
     "experiments/benchmarks/results/gpu_check.json": "the trainer GPU check's result, once it has run on a GPU",
     "experiments/self_vs_external/results/self_vs_external_runs.tar.xz": "its --keep-records file, once rerun",
     "experiments/recipes": "where the pre-registration ships a cure that beats GRPO alone (none has)",
-    "experiments/benchmarks/results/push_verify.json": "what engine.verify_every saves, once push_verify.py has run",
 }
 
 
