@@ -138,7 +138,7 @@ class EngineConfig(Section):
         ge=1, most=2**20)
     verify_every: int = setting(
         1, "vllm: verify the weight push by per-tensor digests every k-th push (1: every push). k > 1 saves the "
-        "verification's time (on a CPU about 40% of a push) on k - 1 pushes of k, at a price: a corrupted or partial "
+        "verification's time (58% of a push on a 2-core CPU, docs/results/benchmarks.md) on k - 1 pushes of k, at a price: a corrupted or partial "
         "load goes unnoticed for up to k - 1 steps (the logprob probe still runs after every push). The first push "
         "of a run or of a --resume, and a push after a failed or interrupted one, are always verified.",
         ge=1, most=2**20)
