@@ -81,15 +81,22 @@ def sync_weights(run: Run) -> dict[str, float]:
     return push_stats(run)
 
 
+FLAGS = frozenset({"sync/verified"})  # 1 or 0 per push: over transfers, 1 only when every push was (min, not a sum)
+
+
 def push_stats(run: Run) -> dict[str, float]:
     """What the last pushes to vLLM servers took (seconds, gigabytes, broadcasts; `WeightTransfer.stats`),
-    summed over the transfers of the run's engines (one, or two with an `ema` teacher)."""
+    summed over the transfers of the run's engines (one, or two with an `ema` teacher); a flag
+    (`FLAGS`) is the least of them, so `sync/verified` says whether every push was verified."""
     transfers = {id(t): t for t in (getattr(e, "weight_sync", None) for e in (run.student_engine, run.teacher_engine))
                  if t is not None and getattr(t, "stats", None)}
     totals: dict[str, float] = {}
     for transfer in transfers.values():
         for key, value in transfer.stats.items():
-            totals[key] = totals.get(key, 0.0) + value
+            if key not in totals:
+                totals[key] = value
+            else:
+                totals[key] = min(totals[key], value) if key in FLAGS else totals[key] + value
     return totals
 
 

@@ -1,0 +1,37 @@
+"""`push_stats`: the weight pushes' stats of a run's transfers, combined into one step's metrics."""
+
+from types import SimpleNamespace
+
+from selfopd.training.weight_checks import push_stats
+
+
+def _engine(stats: dict[str, float]) -> SimpleNamespace:
+    """An engine holding a transfer whose last push left `stats` (a real `WeightTransfer` needs vLLM servers)."""
+    return SimpleNamespace(weight_sync=SimpleNamespace(stats=stats))
+
+
+def _stats(verified: float, seconds: float) -> dict[str, float]:
+    """The keys `WeightTransfer.push` reports."""
+    return {"time/push": seconds, "time/push_broadcast": seconds / 2, "time/push_verify": seconds / 4 * verified,
+            "sync/verified": verified, "sync/untrained_tensors": 0.0, "sync/gigabytes": 0.5,
+            "sync/broadcasts": 3.0, "sync/groups": 1.0}
+
+
+def test_push_stats_sums_costs_and_verified_means_every_push_was():
+    """Student and `ema` teacher transfers: times, bytes and counts add up; the flag is 1 only when
+    both pushes were verified (a sum would report 2, or 1 with one skipped)."""
+    for student, teacher, verified in [(1.0, 1.0, 1.0), (1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 0.0)]:
+        run = SimpleNamespace(student_engine=_engine(_stats(student, 4.0)), teacher_engine=_engine(_stats(teacher, 2.0)))
+        totals = push_stats(run)
+        assert totals["sync/verified"] == verified
+        assert totals["time/push"] == 6.0 and totals["sync/gigabytes"] == 1.0
+        assert totals["sync/broadcasts"] == 6.0 and totals["sync/groups"] == 2.0
+
+
+def test_push_stats_of_one_shared_transfer_is_its_own():
+    """A `self` teacher shares the student's transfer: counted once; engines without one add nothing."""
+    shared = _engine(_stats(0.0, 4.0))
+    assert push_stats(SimpleNamespace(student_engine=shared, teacher_engine=shared)) == _stats(0.0, 4.0)
+    local = SimpleNamespace()
+    assert push_stats(SimpleNamespace(student_engine=shared, teacher_engine=local)) == _stats(0.0, 4.0)
+    assert push_stats(SimpleNamespace(student_engine=local, teacher_engine=local)) == {}
