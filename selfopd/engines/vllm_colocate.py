@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import time
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -39,7 +40,7 @@ from selfopd.engines.vllm import (VLLMEngine, check_sample_lengths, check_score_
 from selfopd.engines.vllm_server import ServerError
 from selfopd.engines.gpu_layout import COLOCATED_SHARE
 from selfopd.engines.vllm_worker import load_in_place, worker_digests
-from selfopd.engines.weight_digest import Entry, expected_digest, pieces_needed, verify
+from selfopd.engines.weight_digest import Entry, VerifySchedule, expected_digest, pieces_needed, verify
 from selfopd.core.models import resolve_model
 
 REPLICA = "in-process vLLM"  # how errors and the probe name this engine
@@ -51,7 +52,11 @@ class ColocatedVLLMEngine:
     supports_full_vocabulary = False
     samples_in_background = False  # the trainer's process; asleep (GPU memory freed) while it trains
     batches_itself = True  # vLLM schedules its own batches
-    pushes_verified = True  # every update is digest-verified
+
+    @property
+    def pushes_verified(self) -> bool:
+        """The last update was proven by digest (each is, unless engine.verify_every > 1 skipped it)."""
+        return bool(self.stats.get("sync/verified", 1.0))
 
     @property
     def max_scored_tokens(self) -> int:
@@ -59,7 +64,10 @@ class ColocatedVLLMEngine:
 
     def __init__(self, model: str, *, dtype: str = "float32", max_model_len: int = 2048, max_logprobs: int = 20,
                  gpu_memory_utilization: float = 0.4, cpu_kv_cache_gb: int = 1, sleep_mode: bool = True,
-                 eager: bool | None = None, seed: int = 0, trust_remote_code: bool = False) -> None:
+                 eager: bool | None = None, seed: int = 0, trust_remote_code: bool = False,
+                 verify_every: int = 1) -> None:
+        self.schedule = VerifySchedule(verify_every)  # before vLLM loads: a bad k fails at once, naming the setting
+        self.stats: dict[str, float] = {}  # the last update's, as a server push reports them (`push_stats`)
         on_gpu = torch.cuda.is_available()
         self.sleeps = sleep_mode and on_gpu
         self.max_model_len = max_model_len
@@ -125,21 +133,30 @@ class ColocatedVLLMEngine:
     @torch.no_grad()
     def update_weights(self, weights: Mapping[str, torch.Tensor] | WeightSource, version: int) -> None:
         """Load the trainer's tensors into vLLM's model in place, prove it holds them (the digests of
-        `selfopd.engines.weight_digest`, as a server's push is proven), then drop the prefix cache
-        (computed with the old weights, it would make the next rollouts off-policy)."""
+        `selfopd.engines.weight_digest`, as a server's push is proven) when `self.schedule` says so
+        (engine.verify_every), then drop the prefix cache (computed with the old weights, it would make
+        the next rollouts off-policy). `self.stats`: a server push's `sync/verified` and times."""
+        verified = self.schedule.begin()  # until this update ends well, the next one is verified
+        started = time.perf_counter()
         self._wake()
         tensors = [(name, tensor.detach()) for name, tensor in as_source(weights)]
         for result in self.llm.collective_rpc(load_in_place, args=(tensors, len(tensors))):  # one worker
             refuse_partial_load(result, REPLICA)
-        reports = {REPLICA: [[Entry.from_json(item) for item in worker]
-                             for worker in self.llm.collective_rpc(worker_digests)]}
-        needed = pieces_needed(reports)
-        verify(reports, {piece: expected_digest(tensor, entry, tensor.dtype)
-                         for name, tensor in tensors for piece, entry in needed.get(name, {}).items()}, version)
+        tick = time.perf_counter()
+        if verified:
+            reports = {REPLICA: [[Entry.from_json(item) for item in worker]
+                                 for worker in self.llm.collective_rpc(worker_digests)]}
+            needed = pieces_needed(reports)
+            verify(reports, {piece: expected_digest(tensor, entry, tensor.dtype)
+                             for name, tensor in tensors for piece, entry in needed.get(name, {}).items()}, version)
+        verify_s = time.perf_counter() - tick if verified else 0.0
         if self.llm.reset_prefix_cache() is False:
             raise ServerError(f"{REPLICA}: vLLM did not reset its prefix cache after the weight update; prefixes "
                               "cached with the old weights would make the next rollouts off-policy")
         self.version = version
+        self.schedule.complete()
+        self.stats = {"time/push": time.perf_counter() - started, "time/push_verify": verify_s,
+                      "sync/verified": float(verified)}
 
     def sleep(self) -> None:
         """Free vLLM's GPU memory until the next call (weights to CPU, KV cache dropped);
@@ -183,7 +200,7 @@ def open_colocated_engines(config: TrainConfig, stack: contextlib.ExitStack) -> 
         max_logprobs=max(20, config.loss.top_k),
         gpu_memory_utilization=engine.gpu_memory_utilization or COLOCATED_SHARE, cpu_kv_cache_gb=engine.cpu_kv_cache_gb,
         sleep_mode=engine.sleep_mode, eager={"on": False, "off": True}.get(engine.compile), seed=config.run.seed,
-        trust_remote_code=config.model.trust_remote_code)
+        trust_remote_code=config.model.trust_remote_code, verify_every=engine.verify_every)
     stack.callback(student.close)
     return student, teacher or student
 

@@ -85,10 +85,11 @@ FLAGS = frozenset({"sync/verified"})  # 1 or 0 per push: over transfers, 1 only 
 
 
 def push_stats(run: Run) -> dict[str, float]:
-    """What the last pushes to vLLM servers took (seconds, gigabytes, broadcasts; `WeightTransfer.stats`),
-    summed over the transfers of the run's engines (one, or two with an `ema` teacher); a flag
-    (`FLAGS`) is the least of them, so `sync/verified` says whether every push was verified."""
-    transfers = {id(t): t for t in (getattr(e, "weight_sync", None) for e in (run.student_engine, run.teacher_engine))
+    """What the last pushes to vLLM took (seconds, gigabytes, broadcasts; `WeightTransfer.stats`, or the
+    stats of an engine that loads its own weights, the colocated one), summed over the run's transfers
+    (one, or two with an `ema` teacher); a flag (`FLAGS`) is the least of them, so `sync/verified`
+    says whether every push was verified."""
+    transfers = {id(t): t for t in (getattr(e, "weight_sync", e) for e in (run.student_engine, run.teacher_engine))
                  if t is not None and getattr(t, "stats", None)}
     totals: dict[str, float] = {}
     for transfer in transfers.values():

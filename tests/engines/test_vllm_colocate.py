@@ -28,6 +28,7 @@ from selfopd.engines.base import SamplingParams, rest_engines
 from selfopd.engines.local import LocalEngine
 from selfopd.engines.vllm_colocate import REPLICA, ColocatedVLLMEngine, check_colocate_config
 from selfopd.engines.vllm_server import ServerError
+from selfopd.engines.weight_digest import VerifySchedule
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -129,6 +130,33 @@ def test_a_partial_weight_load_is_refused_naming_what_was_not_loaded(colocated, 
 
 @pytest.mark.slow
 @pytest.mark.vllm
+def test_with_verify_every_2_every_other_update_skips_the_digests(colocated, smollm2_model, base_weights_after):
+    """engine.verify_every = 2 (`VerifySchedule`, as a server push): the first update and every second
+    are verified; a skipped one reports `sync/verified` 0 and no verification time; after a refused
+    update the next one is verified whatever k says, and the count goes on from it."""
+    weights = dict(smollm2_model.named_parameters())
+    some = {name: tensor for name, tensor in weights.items() if ".layers.0." not in name}
+    every_push = colocated.schedule
+    colocated.schedule = VerifySchedule(2)  # what ColocatedVLLMEngine(verify_every=2) starts with
+    try:
+        marks = []
+        for version, pushed in enumerate([weights, weights, weights, some, weights, weights], start=1):
+            try:
+                colocated.update_weights(pushed, version=version)
+            except ServerError:
+                marks.append("x")
+                continue
+            stats = colocated.stats
+            assert colocated.pushes_verified == (stats["sync/verified"] == 1)
+            assert (stats["time/push_verify"] > 0) == colocated.pushes_verified and stats["time/push"] > 0
+            marks.append("V" if colocated.pushes_verified else ".")
+        assert "".join(marks) == "V.VxV."
+    finally:
+        colocated.schedule = every_push
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
 def test_requests_vllm_cannot_serve_are_refused_before_sending(colocated):
     with pytest.raises(ServerError, match=rf"{REPLICA}: sequence 0 .* max_model_len >= prompt \+ completion \+ 1"):
         colocated.score([([1] * 1000, [2] * 24)])
@@ -191,9 +219,11 @@ def test_the_default_colocated_setup_is_accepted():
 @pytest.mark.vllm
 def test_selfopd_train_with_the_colocated_engine_runs_two_steps(tmp_path):
     """A self teacher on the same instance; a large learning rate, so a missed update would
-    fail the probe (the run stops with WeightSyncError otherwise)."""
+    fail the probe (the run stops with WeightSyncError otherwise). engine.verify_every = 2: the
+    push at start is verified, step 1's is not, step 2's is (the metrics say which)."""
     steps = train_demo_steps(tmp_path, "two", ["engine.kind=vllm_colocate", "engine.max_model_len=1024",
-                                                   "optim.lr=1e-4", "optim.warmup_steps=0"])
+                                                   "optim.lr=1e-4", "optim.warmup_steps=0", "engine.verify_every=2"])
+    assert [m["sync/verified"] for m in steps] == [0.0, 1.0]
     assert all(m["tokens/completion"] > 0 for m in steps)
     assert all(abs(m["opd/reverse_kl"]) > 0 for m in steps)  # the privileged note makes the teacher differ
     assert (tmp_path / "two/checkpoints/step_00002/model.safetensors").exists()

@@ -32,6 +32,12 @@ def test_push_stats_of_one_shared_transfer_is_its_own():
     """A `self` teacher shares the student's transfer: counted once; engines without one add nothing."""
     shared = _engine(_stats(0.0, 4.0))
     assert push_stats(SimpleNamespace(student_engine=shared, teacher_engine=shared)) == _stats(0.0, 4.0)
-    local = SimpleNamespace()
+    local, fixed = SimpleNamespace(), SimpleNamespace(weight_sync=None)  # in process; a frozen teacher's server
     assert push_stats(SimpleNamespace(student_engine=shared, teacher_engine=local)) == _stats(0.0, 4.0)
-    assert push_stats(SimpleNamespace(student_engine=local, teacher_engine=local)) == {}
+    assert push_stats(SimpleNamespace(student_engine=local, teacher_engine=fixed)) == {}
+
+
+def test_an_engine_that_loads_its_own_weights_reports_its_own_stats():
+    """The colocated engine has no transfer: its `stats` are the push's (a `self` teacher is the same engine)."""
+    colocated = SimpleNamespace(stats={"time/push": 2.0, "time/push_verify": 0.0, "sync/verified": 0.0})
+    assert push_stats(SimpleNamespace(student_engine=colocated, teacher_engine=colocated)) == colocated.stats
