@@ -92,7 +92,7 @@ def _eval(args: argparse.Namespace) -> None:
         known = set(record.eval_prompts) | set(record.train_prompts) if args.fresh else ()
         examples, what = load_examples(args.data, exclude=known), args.data
         if record is not None and not args.fresh:
-            overlap = trained_on(examples, record)
+            overlap = trained_on(examples, record.train_prompts)
             if overlap:
                 raise UserError(f"{len(overlap)} of the {distinct_prompts(examples)} distinct prompts of {args.data} "
                                 f"were trained on by {args.run_dir} (e.g. {overlap[0].prompt!r}); evaluate its held-out "

@@ -156,10 +156,11 @@ class SplitRecord:
                             "loader changed since the run started; start a new run")
 
 
-def trained_on(examples: Iterable[Example], record: SplitRecord) -> list[Example]:
-    """The examples whose prompt the recorded run trained on."""
-    trained = set(record.train_prompts)
-    return [e for e in examples if prompt_key(e.prompt) in trained]
+def trained_on(examples: Iterable[Example], trained: Iterable[str]) -> list[Example]:
+    """The examples whose prompt is one of the `trained` prompt keys (`prompt_key`): what a run's split
+    record (`SplitRecord.train_prompts`), an sft teacher's record or a run's training set trained on."""
+    keys = set(trained)
+    return [e for e in examples if prompt_key(e.prompt) in keys]
 
 
 def load_split(spec: str, eval_size: int, split_seed: int) -> tuple[list[Example], list[Example]]:

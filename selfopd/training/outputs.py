@@ -14,7 +14,7 @@ from selfopd.config import ConfigError, RunConfig, TrainConfig
 from selfopd.core.atomic import write_text_atomic
 from selfopd.data import load_examples
 from selfopd.data.example import Example, prompt_key
-from selfopd.data.split import distinct_prompts
+from selfopd.data.split import distinct_prompts, trained_on
 from selfopd.run.rollouts import RolloutRecord, write_records
 from selfopd.core.distributed import ShardedSampling, full_optimizer_state, full_state_dict, is_sharded
 from selfopd.run.evaluate import evaluate
@@ -57,8 +57,7 @@ def checked_eval_data(config: TrainConfig, train_examples: Sequence[Example]) ->
     if not spec:
         return ()
     examples = tuple(load_examples(spec))
-    trained = {prompt_key(example.prompt) for example in train_examples}
-    overlap = [example for example in examples if prompt_key(example.prompt) in trained]
+    overlap = trained_on(examples, (prompt_key(example.prompt) for example in train_examples))
     if overlap:
         raise ConfigError("eval.data", f"{spec}: {len(overlap)} of its {distinct_prompts(examples)} distinct prompts "
                           f"are training prompts of this run (e.g. {overlap[0].prompt[:80]!r}); evaluate on prompts "

@@ -22,7 +22,7 @@ from selfopd.training.ema import EmaWeights
 from selfopd.engines.build import (external_teacher_bridge, load_model, model_options, open_named_teachers,
                                    open_training_engines)
 from selfopd.training.routing import open_router
-from selfopd.data.example import Example, prompt_key
+from selfopd.data.example import Example
 from selfopd.engines.lora import adapters_off, prepare_student, trainable_parameters
 from selfopd.core.models import resolve_model
 from selfopd.core.file_checks import checkpoint_problem
@@ -31,7 +31,7 @@ from selfopd.core.torch_files import load_data
 from selfopd.training.state import NamedTeacher, Run
 from selfopd.engines.scoring import check_plain_head
 from selfopd.data.mixture import by_task
-from selfopd.data.split import split_examples
+from selfopd.data.split import split_examples, trained_on
 from selfopd.run.templates import load_run_template
 from selfopd.templating.templates import (
     SAMPLE_DEMONSTRATION,
@@ -316,7 +316,7 @@ def check_external_teacher_split(teacher: str, eval_examples: Sequence[Example],
     from selfopd.core.models import teacher_trained_prompts
 
     trained = teacher_trained_prompts(resolve_model(teacher, revision))
-    shared = [e for e in eval_examples if trained and prompt_key(e.prompt) in trained]
+    shared = trained_on(eval_examples, trained or ())
     if shared:
         raise ConfigError("teacher.model", f"{teacher} was fine-tuned (selfopd sft) on {len(shared)} of this run's "
                           f"{len(eval_examples)} held-out prompts (e.g. {shared[0].prompt!r}): train the teacher with "

@@ -285,8 +285,8 @@ def test_a_run_records_its_split_and_finds_overlaps(tmp_path):
     record.write(tmp_path)
     again = SplitRecord.read(tmp_path)
     assert again == record and len(again.eval_ids) == 5 and len(again.train_prompts) == 25
-    assert trained_on(evals, again) == []
-    assert len(trained_on(examples, again)) == 50  # every copy of the 25 training prompts
+    assert trained_on(evals, again.train_prompts) == []
+    assert len(trained_on(examples, again.train_prompts)) == 50  # every copy of the 25 training prompts
     other = SplitRecord.of("spec", 1, *split_examples(examples, eval_size=5, seed=1))
     with pytest.raises(DataError, match=r"run-x: the data now gives another split than the run recorded \(\d+ held-out"):
         record.check_same(other, "run-x")
