@@ -145,7 +145,11 @@ def open_training_engines(config: TrainConfig, model: Any, tokenizer: Any, log_d
         from selfopd.engines.vllm_colocate import open_colocated_engines
 
         return open_colocated_engines(config, resources)
-    student = local_engine(config, model, tokenizer, packed=packed_sampling(config, model))
+    if config.engine.compiled_sampling and world.distributed:
+        raise ConfigError("engine.compiled_sampling", "is not supported under torchrun (each rank samples with the "
+                          "sharded model gathered); set it to false")
+    student = local_engine(config, model, tokenizer, packed=packed_sampling(config, model),
+                           compiled=config.engine.compiled_sampling)
     return student, open_local_teacher(config.teacher, config, model, tokenizer, student, world)
 
 

@@ -16,6 +16,7 @@ import torch
 from selfopd.core.devices import autocast, model_device
 from selfopd.core.distributed import gathered_for_generation, is_sharded
 from selfopd.engines.base import Rollout, SamplingParams, TokenScores, WeightSource, as_source
+from selfopd.engines.compiled import compiled_decoding, compiled_width
 from selfopd.engines.packed import packed_linears
 from selfopd.engines.scoring import completion_hidden, left_pad, logprobs_from_hidden, tempered, topk_from_hidden
 
@@ -25,10 +26,12 @@ class LocalEngine:
 
     def __init__(self, model: Any, tokenizer: Any, batch_size: int = 16, chunk_size: int = 256,
                  forward_context: Callable[[], ContextManager[Any]] | None = None,
-                 precision: str = "float32", packed: bool = False) -> None:
+                 precision: str = "float32", packed: bool = False, compiled: bool = False) -> None:
         self.model = model
         # Sample through MKL's packed products (`selfopd.engines.packed`); scoring is unchanged.
         self.packed = packed
+        # Sample with a static KV cache and a compiled decode step (`compiled_decoding`).
+        self.compiled = compiled
         # Entered around every forward pass: a `frozen` teacher that is the live LoRA student
         # with its adapters off (selfopd.engines.lora.adapters_off) reads the base weights this way.
         self.forward_context = forward_context or contextlib.nullcontext
@@ -128,8 +131,10 @@ class LocalEngine:
 
     def _sample_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
         device = model_device(self.model)
-        ids_BT, mask_BT = (t.to(device) for t in left_pad(prompts, self.pad_id))
+        width = compiled_width(max(map(len, prompts))) if self.compiled else 0
+        ids_BT, mask_BT = (t.to(device) for t in left_pad(prompts, self.pad_id, width))
         width = ids_BT.shape[1]
+        options = compiled_decoding(device) if self.compiled else {}
         policy = SampledPolicy(params.temperature, params.top_p, params.top_k, params.min_p)
         sharded = is_sharded(self.model)
         packing = packed_linears(self.model, len(prompts)) if self.packed else contextlib.nullcontext()
@@ -143,6 +148,7 @@ class LocalEngine:
                 do_sample=False,  # SampledPolicy draws each token; generate's argmax takes it
                 logits_processor=[policy],
                 synced_gpus=sharded,  # sharded ranks step together until every rank is done
+                **options,
             )[:, width:]
         logprobs_BS = policy.drawn_logprobs(new_BS.shape[1], new_BS.shape[0]).cpu()
         new_BS = new_BS.cpu()

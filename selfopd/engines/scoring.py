@@ -189,10 +189,10 @@ def _cache_argument(decoder: Any) -> str:
     raise NotImplementedError(f"{type(decoder).__name__}.forward takes neither past_key_values nor cache")
 
 
-def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """(ids, attention mask), both (rows, longest): every row ends at the last column, where
-    decoding continues."""
-    width = max(len(row) for row in rows)
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int, width: int = 0) -> tuple[Tensor, Tensor]:
+    """(ids, attention mask), both (rows, the longest row or `width` if wider): every row ends at
+    the last column, where decoding continues."""
+    width = max(width, *(len(row) for row in rows))
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for index, row in enumerate(rows):

@@ -23,6 +23,7 @@ from selfopd.engines.build import (external_teacher_bridge, load_model, model_op
                                    open_training_engines)
 from selfopd.training.routing import open_router
 from selfopd.data.example import Example
+from selfopd.engines.compiled import compile_decoder_layers
 from selfopd.engines.lora import adapters_off, prepare_student, trainable_parameters
 from selfopd.core.models import resolve_model
 from selfopd.core.file_checks import checkpoint_problem
@@ -107,6 +108,9 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
                           teacher_tokenizer=bridges[name].teacher if bridges[name] is not None else None,
                           teacher_kwargs=table.template_kwargs(config.model.chat_template_kwargs))
     model = prepare_student(model, config.model, resume_from)  # LoRA adapters, when model.lora_rank > 0
+    if config.model.compile_layers and not compile_decoder_layers(model):
+        raise ConfigError("model.compile_layers", f"{type(model).__name__} has no decoder layers that transformers "
+                          "marks (GradientCheckpointingLayer) to compile; set it to false")
     shard_model(model, world)  # before the optimizer: it must hold the sharded parameters
     optimizer = adamw(trainable_parameters(model), config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))

@@ -30,7 +30,7 @@ EXPECTED_DEFAULTS = {
                 keep_best_checkpoint=False, rollouts_to_save=32, progress=True,
                 trackers=(), wandb_project="selfopd", wandb_mode="offline"),
     "model": dict(student="smollm2-135m-instruct", revision="", dtype="auto", device="auto", attn_implementation="auto",
-                  gradient_checkpointing=False, lora_rank=0, lora_alpha=32.0, lora_dropout=0.0,
+                  gradient_checkpointing=False, compile_layers=False, lora_rank=0, lora_alpha=32.0, lora_dropout=0.0,
                   lora_targets=("all-linear",), chat_template_kwargs={}, threads=0, trust_remote_code=False),
     "teacher": dict(kind="self", model="", revision="", tokenizer="student", template="teacher/reference_answer", chat_template_kwargs={}, ema_rate=0.05, skip_self_success=True,
                     tasks=(), demonstration_fallback="teacher/empty"),
@@ -51,7 +51,7 @@ EXPECTED_DEFAULTS = {
     ),
     "eval": dict(max_tokens=48, batch_size=32, data="", samples=1, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0),
     "probe": dict(tolerance=3e-4, bf16_tolerance=0.25),
-    "engine": dict(kind="local", batch_size=64, packed_sampling=False, student_urls="", teacher_url="", teacher_engine="vllm", host="127.0.0.1", port=8100, max_model_len=2048,
+    "engine": dict(kind="local", batch_size=64, packed_sampling=False, compiled_sampling=False, student_urls="", teacher_url="", teacher_engine="vllm", host="127.0.0.1", port=8100, max_model_len=2048,
                    weight_sync="auto", sync_port=0, sync_timeout_s=60.0, sync_buffer_mb=512, verify_every=1,
                    trainer_address="127.0.0.1", compile="auto", gpu_memory_utilization=0.0,
                    cpu_kv_cache_gb=1, extra_server_args="", startup_timeout_s=900.0, request_timeout_s=0.0,
@@ -117,7 +117,7 @@ def test_round_trip_of_every_field_changed(tmp_path):
         run=RunConfig(name='odd "name" é end', out_dir="C:\\out dir", seed=7, steps=5, eval_every=0, checkpoint_every=2, keep_checkpoints=3,
                       keep_best_checkpoint=True, rollouts_to_save=0, progress=False, trackers=("wandb", "tensorboard"), wandb_project="p", wandb_mode="online"),
         model=dataclasses.replace(TrainConfig().model, student="org/x", revision="abc123", dtype="bfloat16", threads=3,
-                                  device="cuda:1", attn_implementation="eager", gradient_checkpointing=True,
+                                  device="cuda:1", attn_implementation="eager", gradient_checkpointing=True, compile_layers=True,
                                   lora_rank=0, lora_alpha=16, lora_dropout=0.1, lora_targets=("q_proj", "v_proj"),
                                   trust_remote_code=True,
                                   chat_template_kwargs={"enable_thinking": False, "n": 2, "t": 0.5, "s": 'a "b" é\n'}),
@@ -153,10 +153,10 @@ def test_round_trip_of_every_field_changed(tmp_path):
     for section, defaults in EXPECTED_DEFAULTS.items():
         for key, default in defaults.items():
             # vLLM needs temperature 1, top-k a sampled baseline, LoRA with vLLM fp32, top-k the student's tokenizer,
-            # a teacher scored in process no teacher server, packed sampling the local engine: round-tripped below
+            # a teacher scored in process no teacher server, packed and compiled sampling the local engine: round-tripped below
             if (section, key) not in (("rollout", "temperature"), ("loss", "opd_baseline"), ("model", "lora_rank"),
                                       ("teacher", "tokenizer"), ("teacher", "tasks"), ("engine", "teacher_engine"),
-                                      ("engine", "packed_sampling")):
+                                      ("engine", "packed_sampling"), ("engine", "compiled_sampling")):
                 assert changed[section][key] != default, f"{section}.{key} not changed: the round trip would not test it"
     assert load_config(write(tmp_path, config_to_toml(config))) == config
     contrastive = dataclasses.replace(TrainConfig(), loss=dataclasses.replace(TrainConfig().loss, opd_baseline="wrong_context"))
@@ -165,7 +165,7 @@ def test_round_trip_of_every_field_changed(tmp_path):
     assert load_config(write(tmp_path, config_to_toml(lora))) == lora
     tempered = dataclasses.replace(config, engine=EngineConfig(), rollout=dataclasses.replace(config.rollout, temperature=0.7))
     assert load_config(write(tmp_path, config_to_toml(tempered))) == tempered
-    packed = TrainConfig(engine=dataclasses.replace(TrainConfig().engine, packed_sampling=True))
+    packed = TrainConfig(engine=dataclasses.replace(TrainConfig().engine, packed_sampling=True, compiled_sampling=True))
     assert load_config(write(tmp_path, config_to_toml(packed)), resolve=False) == packed
     scored_here = dataclasses.replace(config, engine=dataclasses.replace(config.engine, teacher_url="", teacher_gpus="",
                                                                          teacher_engine="local"))

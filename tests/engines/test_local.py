@@ -201,3 +201,61 @@ def test_each_family_samples_left_padded_batches_as_rows_alone(tiny_family_dirs,
         assert batched[0].completion_ids == alone.completion_ids
         torch.testing.assert_close(torch.tensor(batched[0].sampler_logprobs), torch.tensor(alone.sampler_logprobs),
                                    atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5"])
+def test_compiled_decoding_samples_what_eager_decoding_samples(tiny_family_dirs, family):
+    """A static KV cache and a compiled decode step change no draw: the same tokens and logprobs as
+    generate's eager decoding, before and after the weights change in place (the compiled step takes
+    them as inputs: an optimizer step reaches it), and a batch whose prompts are a few tokens longer
+    reuses the compiled step (its prompts are padded to the same width)."""
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = tiny_family_dirs[family]
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    eager = LocalEngine(model, tokenizer, batch_size=8)
+    compiled = LocalEngine(model, tokenizer, batch_size=8, compiled=True, packed=family == "llama")
+    params = SamplingParams(max_tokens=12, n=2, seed=5)
+    first = [list(range(5, 8)), list(range(10, 30)), [100]]
+    longer = [list(range(5, 12)), list(range(10, 33)), [100, 101]]
+
+    def assert_same_draws(prompts: list[list[int]]) -> None:
+        reference = [r for group in eager.sample(prompts, params) for r in group]
+        drawn = [r for group in compiled.sample(prompts, params) for r in group]
+        assert [r.completion_ids for r in drawn] == [r.completion_ids for r in reference]
+        for a, b in zip(drawn, reference):
+            torch.testing.assert_close(torch.tensor(a.sampler_logprobs), torch.tensor(b.sampler_logprobs),
+                                       atol=1e-5, rtol=0)
+
+    torch._dynamo.reset()
+    assert_same_draws(first)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 1  # the decode step was compiled
+    assert_same_draws(longer)
+    with torch.no_grad():
+        model.get_decoder().norm.weight.mul_(1.5)
+    assert_same_draws(first)
+    assert counters["stats"]["unique_graphs"] == graphs  # no second compilation
+
+
+def test_compiled_sampling_is_refused_where_it_cannot_run(tiny_model_dir, smollm2_tokenizer):
+    import contextlib
+
+    from transformers import AutoModelForCausalLM
+
+    from selfopd.config import ConfigError, load_config
+    from selfopd.core.distributed import World
+    from selfopd.engines.build import open_training_engines
+
+    with pytest.raises(ConfigError, match=r"engine.compiled_sampling: is for the in-process sampler"):
+        load_config(None, ["engine.compiled_sampling=true", "engine.kind=vllm", "rollout.temperature=1"])
+    config = load_config(None, [f"model.student={tiny_model_dir}", "engine.compiled_sampling=true", "teacher.kind=self"])
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with contextlib.ExitStack() as resources, pytest.raises(ConfigError, match=r"compiled_sampling: is not supported "
+                                                                                r"under torchrun"):
+        open_training_engines(config, model, smollm2_tokenizer, tiny_model_dir, resources, World(rank=0, size=2))
+    with contextlib.ExitStack() as resources:
+        student, _ = open_training_engines(config, model, smollm2_tokenizer, tiny_model_dir, resources)
+    assert student.compiled
