@@ -9,8 +9,9 @@ student's final norm is then scaled by 1.1, so that the loss and its gradient ar
 In one process (what other processes take of the machine, they take from both paths): one
 warm-up, then `--reps` repetitions of the teacher's scoring (`step.score`) and of the student's
 forward, heads and backward (`step.forward_backward`, gradients zeroed after each), alternating
-two paths: `recompute` (every loss window formed again in backward, as before the kernels kept
-the last window's gradient) and `new` (the kernels as they are); then one more of each under
+three paths: `recompute` (every loss window formed again in backward, as before the kernels kept
+the last window's gradient), `new` (the kernels as they are) and `compiled` (`new` with the student's
+decoder layers compiled, model.compile_layers; its warm-up call compiles); then one more of each under
 torch.profiler (record_shapes) for the top operators by self time. Reported: per path the median
 seconds of each phase, its ratio to the phase's FLOP floor on this machine (`vs_trl.phase_floors`'s
 formulas, the limits measured in the same run) and to the batch's matrix products alone at their
@@ -48,6 +49,7 @@ def child(reps: int, out: Path) -> None:
 
     with tempfile.TemporaryDirectory(prefix="train_phase-") as scratch:
         run = build_run(selfopd_config("full", Path(scratch), "train_phase"))
+        _student.append(run.model)
         try:
             sampled = run.rollouts.take(run.student_side, run.step, PhaseTimer())
             rollouts = [r for group in sampled.groups for r in group]
@@ -63,7 +65,7 @@ def child(reps: int, out: Path) -> None:
                 run.optimizer.zero_grad(set_to_none=True)
                 return timer.seconds["teacher"], timer.seconds["train"], backward.loss_total, norm
 
-            paths = ("recompute", "new")
+            paths = ("recompute", "new", "compiled")
             runs: dict[str, list] = {path: [] for path in paths}
             for rep in range(reps + 1):  # the paths alternate: what other processes take, they take from both
                 for path in paths:
@@ -111,6 +113,10 @@ def loss_windows(path: str) -> Iterator[None]:
     from selfopd.training import divergences
 
     original = kernels.chunked_on_real_positions
+    if path == "compiled":
+        with compiled_layers():
+            yield
+        return
     if path == "recompute":
         def recomputing(hidden: Any, weight: Any, mask: Any, function: Any, chunk: int, keep_last: bool = True) -> Any:
             return original(hidden, weight, mask, function, chunk, False)
@@ -120,6 +126,23 @@ def loss_windows(path: str) -> Iterator[None]:
         yield
     finally:
         kernels.chunked_on_real_positions = divergences.chunked_on_real_positions = original
+
+
+_student: list[Any] = []  # the run's student, for `compiled_layers`
+
+
+@contextlib.contextmanager
+def compiled_layers() -> Iterator[None]:
+    """The student's decoder layers compiled (model.compile_layers) while the block runs, eager after."""
+    from selfopd.engines.compiled import compile_decoder_layers
+
+    model = _student[0]
+    compile_decoder_layers(model)
+    try:
+        yield
+    finally:
+        for module in model.modules():
+            module.__dict__.pop("forward", None)
 
 
 def student_scoring_seconds(run: Any, rollouts: list[Any]) -> float:
@@ -213,10 +236,11 @@ def main() -> None:
         print(f"{path}: teacher {timed['teacher_median_s']:.3f} s ({timed['teacher_over_floor']:.2f}x floor), train "
               f"{timed['train_median_s']:.3f} s ({timed['train_over_floor']:.2f}x floor, {timed['train_over_matmuls']:.2f}x "
               f"its matmuls), loss {timed['loss']!r}, grad norm {timed['grad_norm']!r}")
-    paired = [new / old for new, old in zip(result["paths"]["new"]["train_s"], result["paths"]["recompute"]["train_s"])]
-    report["train_new_over_recompute"] = {"per_rep": paired, "median": statistics.median(paired)}
-    print(f"train phase, new / recompute per repetition: median {statistics.median(paired):.3f} "
-          f"({', '.join(f'{r:.3f}' for r in paired)})")
+    for path, base in (("new", "recompute"), ("compiled", "new")):
+        paired = [a / b for a, b in zip(result["paths"][path]["train_s"], result["paths"][base]["train_s"])]
+        report[f"train_{path}_over_{base}"] = {"per_rep": paired, "median": statistics.median(paired)}
+        print(f"train phase, {path} / {base} per repetition: median {statistics.median(paired):.3f} "
+              f"({', '.join(f'{r:.3f}' for r in paired)})")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out}")
