@@ -5,7 +5,10 @@ Qwen3-1.7B shape, per phase against the bf16 matmul peak measured in the same ru
     bash experiments/benchmarks/gpu_check.sh scale --out $OUT/gpu_scale_probe.json   # one GPU, < 8 minutes
     PYTHONPATH=. python3 -m experiments.benchmarks.gpu_scale_probe --tiny --out /tmp/probe.json  # CPU dry run
 
-Cases: the sampled-token loss, the full-vocabulary jsd, jsd + gradient checkpointing, LoRA (rank 64),
+Cases: the sampled-token loss, the same sampled with a static KV cache and a compiled decode step
+(`engine.compiled_sampling`, CUDA graphs), the same with the decoder layers compiled
+(`model.compile_layers`; a compiled case's first step compiles), the full-vocabulary jsd,
+jsd + gradient checkpointing, LoRA (rank 64),
 with gpu_check's random model (`write_random_model`) and timing (`time_case`, the real `build_run` +
 `train_step`). Per case and phase (the step metrics' `time/*`): the median time over the steps after
 the first, the tokens that phase handled and tokens/s; for the train phase and the teacher's forward
@@ -47,7 +50,11 @@ import torch
 from experiments.benchmarks import gpu_check
 from experiments.benchmarks.gpu_check import Case
 
-CASES = (Case("sampled-token", ()), Case("jsd", ("loss.divergence=jsd",)),
+# The compiled cases run on a GPU only: on the CPU dry run their compiles would take most of its budget
+# (the settings themselves are CPU-tested in tests/engines/test_compiled.py and test_local.py).
+CASES = (Case("sampled-token", ()), Case("compiled-sampling", ("engine.compiled_sampling=true",), ("cuda",)),
+         Case("compiled-layers", ("model.compile_layers=true",), ("cuda",)),
+         Case("jsd", ("loss.divergence=jsd",)),
          Case("jsd+checkpointing", ("loss.divergence=jsd", "model.gradient_checkpointing=true")),
          Case("lora", ("model.lora_rank=64",), ("peft",)))
 SHAPE = {"prompts": 16, "samples": 4, "max_tokens": 512, "micro_batch_prompts": 4}
