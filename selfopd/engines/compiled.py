@@ -51,7 +51,8 @@ def compile_decoder_layers(model: Any) -> int:
     layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
     for layer in layers:
         layer.forward = types.MethodType(_layer_forward, layer)  # shadows the class's
-    _recompile_limit[0] = max(_recompile_limit[0], 4 * len(layers) + 8)  # a graph per layer, with and without cache
+    global _recompile_limit
+    _recompile_limit = max(_recompile_limit, 4 * len(layers) + 8)  # a graph per layer, with and without cache
     return len(layers)
 
 
@@ -61,10 +62,10 @@ def _layer_forward(layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         return forward(layer, *args, **kwargs)
     if forward not in _compiled:  # one compiled function per layer class: each keeps its own graphs
         _compiled[forward] = torch.compile(forward, dynamic=True)
-    limit = _recompile_limit[0]
-    with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(256, 4 * limit)):
+    with torch._dynamo.config.patch(recompile_limit=_recompile_limit,
+                                    accumulated_recompile_limit=max(256, 4 * _recompile_limit)):
         return _compiled[forward](layer, *args, **kwargs)
 
 
 _compiled: dict[Any, Any] = {}
-_recompile_limit = [8]  # torch's default; raised for the deepest model compiled
+_recompile_limit = 8  # torch's default; raised for the deepest model compiled

@@ -131,8 +131,8 @@ class LocalEngine:
 
     def _sample_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
         device = model_device(self.model)
-        width = compiled_width(max(map(len, prompts))) if self.compiled else 0
-        ids_BT, mask_BT = (t.to(device) for t in left_pad(prompts, self.pad_id, width))
+        padded = compiled_width(max(map(len, prompts))) if self.compiled else 0
+        ids_BT, mask_BT = (t.to(device) for t in left_pad(prompts, self.pad_id, padded))
         width = ids_BT.shape[1]
         options = compiled_decoding(device) if self.compiled else {}
         policy = SampledPolicy(params.temperature, params.top_p, params.top_k, params.min_p)

@@ -106,6 +106,15 @@ def test_lora_student_shards_and_takes_the_step_of_one(tmp_path, tiny_model_dir)
     assert max(a[name].abs().max().item() for name in a if "lora_B" in name) > 10 * TOLERANCE  # B starts at 0
 
 
+def test_compiled_layers_shard_and_take_the_step_of_one(tmp_path, tiny_model_dir):
+    """model.compile_layers under FSDP2: each rank's compiled layers (the sharded modules' forward) take
+    the step one process takes with its compiled layers."""
+    config_file = two_processes.config_file(tmp_path, tiny_model_dir)
+    one = train(load_config(config_file, ["run.name=one", "run.steps=1", "model.compile_layers=true"]))
+    _torchrun(str(config_file), "--set", "run.name=two", "--set", "run.steps=1", "--set", "model.compile_layers=true")
+    _assert_same_run(one, tmp_path / "runs" / "two", 1)
+
+
 def test_the_hybrid_qwen3_5_shards_and_takes_the_step_of_one(tmp_path, tiny_family_dirs):
     """FSDP2 units over Qwen3.5's Gated DeltaNet and attention layers: one step on 2 processes is one process's."""
     config_file = two_processes.config_file(tmp_path, tiny_family_dirs["qwen3_5"])
