@@ -56,7 +56,8 @@ class ModelConfig(Section):
         "scoring stay eager): layers share one compiled graph (one each with the shared prompt's KV cache), so "
         "elementwise work is fused in forward and backward. The first steps compile (13 s for SmolLM2 on 2 CPU "
         "cores); fp32 sums are reordered (the loss moves by ~1e-6 relative). "
-        "Not yet run on a GPU or under torchrun. docs/results/benchmarks.md")
+        "Under torchrun each rank compiles its FSDP2 layers (tested on the CPU). Not yet run on a GPU. "
+        "docs/results/benchmarks.md")
     lora_rank: int = setting(0, "LoRA rank (peft); 0 trains every weight. With LoRA a 'frozen' teacher is the "
                              "base model with the adapters disabled: no second copy in memory.", ge=0, most=65536)
     lora_alpha: float = setting(32.0, "LoRA alpha: the adapter's update is scaled by lora_alpha / lora_rank.", gt=0,
