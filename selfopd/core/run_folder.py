@@ -117,9 +117,21 @@ class RunFolder:
                               f"{checkpoint_steps_text(complete)}")
 
     def eval_accuracy(self, step: int) -> float | None:
-        """The accuracy of the finished eval of `step` (its summary.json; None: no finished eval)."""
+        """The accuracy of the finished eval of `step` (its summary.json; None: no finished eval).
+        A summary that is not JSON or whose accuracy is not a number in [0, 1] (a damaged or
+        hand-edited file) raises CheckpointError naming the file, not a traceback mid-prune."""
         summary = self.eval_dir(step) / "summary.json"
-        return float(json.loads(summary.read_text())["accuracy"]) if summary.is_file() else None
+        if not summary.is_file():
+            return None
+        try:
+            accuracy = json.loads(summary.read_text())["accuracy"]
+        except (ValueError, KeyError, TypeError) as error:
+            raise CheckpointError(f"{summary}: not an eval summary with an 'accuracy' ({type(error).__name__}: "
+                                  f"{error}); fix or delete that eval folder") from None
+        if isinstance(accuracy, bool) or not isinstance(accuracy, (int, float)) or not 0 <= accuracy <= 1:
+            raise CheckpointError(f"{summary}: 'accuracy' is {accuracy!r}, not a number in [0, 1]; fix or delete "
+                                  "that eval folder")
+        return float(accuracy)
 
     @staticmethod
     def trainer_state(checkpoint: Path) -> Path:

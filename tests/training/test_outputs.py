@@ -58,6 +58,20 @@ def test_the_best_eval_s_checkpoint_is_kept_the_earlier_on_a_tie(tmp_path, tiny_
     assert _kept(folder) == ["step_00005"]
 
 
+@pytest.mark.parametrize("summary", ['{"accuracy": "high"}', '{"accuracy": NaN}', '{"n": 4}', "{not json",
+                                     '{"accuracy": true}'])
+def test_a_damaged_eval_summary_stops_the_prune_in_one_line_keeping_every_checkpoint(tmp_path, tiny_model_dir,
+                                                                                   summary):
+    from selfopd.core.run_folder import CheckpointError
+
+    folder = _folder(tmp_path, tiny_model_dir, range(1, 4), accuracy={1: 0.5, 2: 0.75})
+    path = folder.eval_dir(2) / "summary.json"
+    path.write_text(summary)
+    with pytest.raises(CheckpointError, match=rf"^{path}: .*fix or delete that eval folder$"):
+        prune_checkpoints(folder, folder.checkpoint(3), RunConfig(keep_best_checkpoint=True))
+    assert _kept(folder) == [".step_00004.partial", "step_00001", "step_00002", "step_00003"]  # nothing deleted
+
+
 def test_a_resume_keeps_its_checkpoint_and_the_guard_s_and_drops_a_damaged_newer_one(tmp_path, tiny_model_dir):
     folder = _folder(tmp_path, tiny_model_dir, range(1, 6), accuracy={4: 1.0})
     weights = folder.checkpoint(4) / "model.safetensors"
