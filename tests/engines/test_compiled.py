@@ -62,3 +62,12 @@ def test_compiled_layers_train_what_eager_layers_train(tmp_path, tiny_family_dir
     apart = torch.linalg.vector_norm(compiled_end - eager_end) / torch.linalg.vector_norm(eager_end - start)
     assert apart < (0.2 if "model.dtype=bfloat16" in extra else 0.05)
     assert not torch.equal(compiled_end, eager_end)  # compiled code ran
+
+
+def test_every_decoder_layer_is_compiled_and_a_model_without_them_compiles_nothing(tiny_family_dirs):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_family_dirs["qwen3_5_conditional"])  # a vision-language layout
+    assert compile_decoder_layers(model) == model.config.get_text_config().num_hidden_layers
+    assert compile_decoder_layers(torch.nn.Sequential(torch.nn.Linear(2, 2))) == 0
+    assert [compiled_width(n) for n in (1, 64, 65)] == [64, 64, 128]
