@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -73,15 +70,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.child_out:
         return child(args.reps, args.child_out)
-    from experiments.benchmarks.train_phase import commit_of
+    from experiments.benchmarks.train_phase import child_result, commit_of
     from experiments.benchmarks.vs_trl import machine_limits, phase_floors
 
-    with tempfile.NamedTemporaryFile(suffix=".json") as out, tempfile.TemporaryDirectory() as cache:
-        # A process of its own (the limits are measured alone), compiling from an empty cache.
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TORCHINDUCTOR_CACHE_DIR": cache}
-        subprocess.run([sys.executable, "-m", "experiments.benchmarks.sampling_paths", "--reps", str(args.reps),
-                        "--child-out", out.name], env=env, check=True, cwd=ROOT)
-        result = json.loads(Path(out.name).read_text())
+    result = child_result("experiments.benchmarks.sampling_paths", args.reps)
     limits = machine_limits()
 
     def floor(call: dict) -> float:

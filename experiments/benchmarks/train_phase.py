@@ -49,7 +49,6 @@ def child(reps: int, out: Path) -> None:
 
     with tempfile.TemporaryDirectory(prefix="train_phase-") as scratch:
         run = build_run(selfopd_config("full", Path(scratch), "train_phase"))
-        _student.append(run.model)
         try:
             sampled = run.rollouts.take(run.student_side, run.step, PhaseTimer())
             rollouts = [r for group in sampled.groups for r in group]
@@ -69,13 +68,13 @@ def child(reps: int, out: Path) -> None:
             runs: dict[str, list] = {path: [] for path in paths}
             for rep in range(reps + 1):  # the paths alternate: what other processes take, they take from both
                 for path in paths:
-                    with loss_windows(path):
+                    with path_code(path, run.model):
                         timed = phases()
                     if rep:
                         runs[path].append(timed)
             profiles = {}
             for path in paths:
-                with loss_windows(path):
+                with path_code(path, run.model):
                     profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
                     timer = PhaseTimer()
                     with profile:
@@ -106,6 +105,24 @@ def child(reps: int, out: Path) -> None:
 
 
 @contextlib.contextmanager
+def path_code(path: str, model: Any) -> Iterator[None]:
+    """The code a path runs: `recompute` and `new` (`loss_windows`), or `compiled`: `new` with the
+    student's decoder layers compiled (model.compile_layers), eager again after the block."""
+    if path != "compiled":
+        with loss_windows(path):
+            yield
+        return
+    from selfopd.engines.compiled import compile_decoder_layers
+
+    compile_decoder_layers(model)
+    try:
+        yield
+    finally:
+        for module in model.modules():
+            module.__dict__.pop("forward", None)
+
+
+@contextlib.contextmanager
 def loss_windows(path: str) -> Iterator[None]:
     """`new`: the kernels as they are; `recompute`: every loss window formed again in backward
     (`keep_last=False`), the kernels' arithmetic before they kept the last window's gradient."""
@@ -113,10 +130,6 @@ def loss_windows(path: str) -> Iterator[None]:
     from selfopd.training import divergences
 
     original = kernels.chunked_on_real_positions
-    if path == "compiled":
-        with compiled_layers():
-            yield
-        return
     if path == "recompute":
         def recomputing(hidden: Any, weight: Any, mask: Any, function: Any, chunk: int, keep_last: bool = True) -> Any:
             return original(hidden, weight, mask, function, chunk, False)
@@ -126,23 +139,6 @@ def loss_windows(path: str) -> Iterator[None]:
         yield
     finally:
         kernels.chunked_on_real_positions = divergences.chunked_on_real_positions = original
-
-
-_student: list[Any] = []  # the run's student, for `compiled_layers`
-
-
-@contextlib.contextmanager
-def compiled_layers() -> Iterator[None]:
-    """The student's decoder layers compiled (model.compile_layers) while the block runs, eager after."""
-    from selfopd.engines.compiled import compile_decoder_layers
-
-    model = _student[0]
-    compile_decoder_layers(model)
-    try:
-        yield
-    finally:
-        for module in model.modules():
-            module.__dict__.pop("forward", None)
 
 
 def student_scoring_seconds(run: Any, rollouts: list[Any]) -> float:
@@ -213,11 +209,7 @@ def main() -> None:
         return child(args.reps, args.child_out)
     from experiments.benchmarks.vs_trl import machine_limits
 
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:  # a process of its own: the limits are measured alone
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        subprocess.run([sys.executable, "-m", "experiments.benchmarks.train_phase", "--reps", str(args.reps),
-                        "--child-out", out.name], env=env, check=True, cwd=ROOT)
-        result = json.loads(Path(out.name).read_text())
+    result = child_result("experiments.benchmarks.train_phase", args.reps)
     limits = machine_limits()
     flops = limits["matmul_gflop_s"] * 1e9
     tokens = result["prompt_tokens"] + result["completion_tokens"]
@@ -244,6 +236,16 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out}")
+
+
+def child_result(module: str, reps: int) -> dict[str, Any]:
+    """What `python -m module --reps R --child-out FILE` wrote: the measurement runs in a process of its
+    own (the machine's limits are then measured alone), offline, compiling from an empty inductor cache."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out, tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TORCHINDUCTOR_CACHE_DIR": cache}
+        subprocess.run([sys.executable, "-m", module, "--reps", str(reps), "--child-out", out.name], env=env,
+                       check=True, cwd=ROOT)
+        return json.loads(Path(out.name).read_text())
 
 
 def commit_of(code: Path) -> str:
