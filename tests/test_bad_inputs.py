@@ -108,6 +108,20 @@ FRESH: list[Case] = [
     ("secret-pasted-in-set", lambda s: s.train("engine.api_key_env=sk-live-123"),  # the key is never echoed
      r"^selfopd: error: --set engine\.api_key_env=\*\*\*: engine\.api_key_env: must be the NAME of an environment variable"),
     ("missing-config", lambda s: ["train", str(s.tmp / "nope.toml")], r"{tmp}/nope\.toml: no such config file"),
+    ("weak-key-variable", lambda s: s.train("engine.api_key_env=HOME"),
+     r"engine\.api_key_env: 'HOME' does not name a secret: its value would be sent to servers as their key"),
+    ("server-flag-that-loads-code", lambda s: s.train("engine.extra_server_args=--tool-parser-plugin /tmp/p.py"),
+     r"engine\.extra_server_args: '--tool-parser-plugin' is not one of the vLLM flags extra_server_args passes on"),
+    ("template-name-too-long", lambda s: s.train("data.student_template=" + "x" * 300),
+     r"no template 'x{80}'\.\.\. \(300 characters\): File name too long"),
+    ("nan-answer", lambda s: s.train("data.spec=" + str(s.file("nan.jsonl", '{"prompt": "1 + 1?", "answer": NaN}\n'))),
+     r"{tmp}/nan\.jsonl row 0: field 'answer' \(mapped from column 'answer'\) is NaN, not text"),
+    ("trainer-address-not-an-address", lambda s: s.train("engine.kind=vllm", "rollout.temperature=1",
+                                                         "engine.trainer_address=not an address"),
+     r"engine\.trainer_address: 'not an address': .*; it must be an address of this machine that the servers reach"),
+    ("trainer-address-of-another-machine", lambda s: s.train("engine.kind=vllm", "rollout.temperature=1",
+                                                             "engine.trainer_address=203.0.113.7"),
+     r"engine\.trainer_address: '203\.0\.113\.7': Cannot assign requested address; it must be an address of this"),
     ("unknown-set-key", lambda s: s.train("optim.lrr=1e-3"), r"--set optim\.lrr=1e-3: optim\.lrr: unknown key"),
     ("bad-set-syntax", lambda s: s.train("optim.lr"), r"--set optim\.lr: expected section\.key=value"),
     ("bad-set-value", lambda s: s.train("optim.lr=fast"), r"--set optim\.lr=fast: optim\.lr: expected a number"),
@@ -302,6 +316,22 @@ RESUME: list[Case] = [
     ("resume-garbage-split", lambda s: ((s.tmp / "runs/done/split.json").write_bytes(b"\x00\x9fgarbage"),
                                         _resume(s.tmp / "runs" / "done"))[-1],
      r"{tmp}/runs/done/split\.json: not a split record \(not valid JSON"),
+    ("resume-folder-loads-a-server-plugin", lambda s: ((c := s.tmp / "runs/done/config.toml").write_text(
+        c.read_text().replace('extra_server_args = ""', 'extra_server_args = "--tool-parser-plugin planted.py"')),
+        _resume(c.parent))[-1],
+     r"{tmp}/runs/done/config\.toml: engine\.extra_server_args: '--tool-parser-plugin' is not one of the vLLM flags"),
+    ("resume-folder-sends-the-key-elsewhere", lambda s: ((c := s.tmp / "runs/done/config.toml").write_text(
+        c.read_text().replace('student_urls = ""', 'student_urls = "http://203.0.113.9:8000"')
+        .replace('api_key_env = ""', 'api_key_env = "SELFOPD_MY_API_KEY"')), _resume(c.parent))[-1],
+     r"{tmp}/runs/done/config\.toml: data\.spec: 'rg:chain_sum\?.*' in a run folder this user's selfopd did not "
+     r"write .* to accept it \(it also sets engine\.student_urls, engine\.api_key_env, which need the same\)$"),
+    ("resume-linked-checkpoints", lambda s: (shutil.move(s.tmp / "runs/done/checkpoints", s.tmp / "elsewhere"),
+                                             (s.tmp / "runs/done/checkpoints").symlink_to(s.tmp / "elsewhere"),
+                                             _resume(s.tmp / "runs/done"))[-1],
+     r"{tmp}/runs/done/checkpoints: a link \(to {tmp}/elsewhere\), which selfopd does not follow in a run folder"),
+    ("resume-garbage-metrics", lambda s: ((m := s.tmp / "runs/done/metrics.jsonl").write_text(
+        m.read_text() + "{not json\n"), _resume(m.parent))[-1],
+     r"{tmp}/runs/done/metrics\.jsonl:\d+: not a JSON line: .*; the file was damaged or altered"),
     ("resume-folder-asks-for-remote-code", lambda s: ((c := s.tmp / "runs/done/config.toml").write_text(
         c.read_text().replace("trust_remote_code = false", "trust_remote_code = true")), _resume(c.parent))[-1],
      r"{tmp}/runs/done/config\.toml: model\.trust_remote_code: true in the run folder's config, which selfopd never "

@@ -335,6 +335,7 @@ def _is_user_error(error: Exception) -> bool:
     from selfopd.data import DataError
     from selfopd.run.rollouts import DiagnosticsError
     from selfopd.run.folder_guard import FolderInUse, FolderNotWritable
+    from selfopd.core.folder_key import FolderKeyError
     from selfopd.core.models import ModelError
     from selfopd.templating.templates import TemplateError
     from selfopd.templating.tokenizer_check import TokenizerMismatch
@@ -345,6 +346,6 @@ def _is_user_error(error: Exception) -> bool:
 
     user_errors = (UserError, ConfigError, DataError, ModelError, TemplateError, TokenizerMismatch, WeightSyncError,
                    ServerError, DiagnosticsError, FileNotFoundError, FileExistsError, FolderInUse, FolderNotWritable,
-                   NonFiniteLoss, GuardStop)
+                   NonFiniteLoss, GuardStop, FolderKeyError)
     return isinstance(error, user_errors)
 

@@ -63,7 +63,9 @@ def _section_table(title: str, section: type[Section], demo: dict[str, Any] | No
     for f in dataclasses.fields(section):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         kind = describe_type(types[f.name]) + (f" in {f.metadata['bounds']}" if "bounds" in f.metadata else "")
-        cells = [f"`{f.name}`", kind, f"`{toml_value(default)}`", f.metadata["help"]]
+        guarded = (f" Guarded: {f.metadata['guarded']}, so a run folder from elsewhere cannot set it "
+                   "([security](../security.md#run-folders-from-elsewhere)).") if "guarded" in f.metadata else ""
+        cells = [f"`{f.name}`", kind, f"`{toml_value(default)}`", f.metadata["help"] + guarded]
         if demo is not None:
             cells.append(f"`{toml_value(demo[f.name])}`" if demo[f.name] != default else "")
         rows.append("| " + " | ".join(cell.replace("|", "\\|").replace("\n", " ") for cell in cells) + " |")

@@ -101,7 +101,8 @@ class RunConfig(Section):
     trackers: tuple[Tracker, ...] = setting(
         (), "Where metrics go besides RUN/metrics.jsonl: 'tensorboard' (RUN/tensorboard/), 'wandb' (RUN/wandb/).")
     wandb_project: str = setting("selfopd", "wandb: the W&B project of the run.")
-    wandb_mode: WandbMode = setting("offline", "wandb: 'offline' (no network; `wandb sync` later) or 'online'.")
+    wandb_mode: WandbMode = setting("offline", "wandb: 'offline' (no network; `wandb sync` later) or 'online'.",
+                                    guarded="'online' sends the run's metrics over the network")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -116,7 +117,8 @@ class RunConfig(Section):
 class DataConfig(Section):
     SECTION: ClassVar[str] = "data"
     spec: str = setting(
-        DEMO_DATA, "Data spec (see selfopd.data): where the prompts, answers and privileged information come from.")
+        DEMO_DATA, "Data spec (see selfopd.data): where the prompts, answers and privileged information come from.",
+        guarded="it decides what data is generated, downloaded or read")
     student_template: str = setting("student/plain", "Prompt template the student sees.")
     eval_size: int = setting(200, "Held-out examples, never trained on, for the greedy eval.", ge=1, most=MAX_ITEMS)
     split_seed: int = setting(0, "Seed of the train / eval split.", ge=0, most=MAX_SEED)
@@ -176,7 +178,7 @@ class EvalConfig(Section):
     batch_size: int = setting(32, "Prompts per eval generation batch.", ge=1, most=MAX_BATCH)
     data: str = setting(
         "", "Data spec of the in-run eval ('': the run's held-out split of data.spec); refused when it holds a prompt "
-        "the run trains on.")
+        "the run trains on.", guarded="it decides what data is generated, downloaded or read")
     samples: int = setting(
         1, "Answers per eval prompt, k: the eval reports avg@k and the unbiased pass@k (1: one answer each).", ge=1,
         most=MAX_SAMPLES)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from selfopd.config.revisions import revision_problem
+from selfopd.config.server_args import server_args_problem
 from selfopd.config.settings import (MAX_BATCH, MAX_SECONDS, MAX_TOKENS, MAX_WEIGHT, Section, TableValue,
                                      check_printable, fail, setting)
 
@@ -74,7 +75,8 @@ class ModelConfig(Section):
     threads: int = setting(0, "Torch CPU threads (0: torch's default).", ge=0, most=4096)
     trust_remote_code: bool = setting(
         False, "Run Python code shipped with a model folder or hub repo (its own architecture): passed to every "
-        "transformers load and to vLLM (--trust-remote-code). Only for models whose code you trust.")
+        "transformers load and to vLLM (--trust-remote-code). Only for models whose code you trust.",
+        guarded="it runs the Python files of the run's models")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -105,7 +107,8 @@ class EngineConfig(Section):
     SECTION: ClassVar[str] = "engine"
     kind: EngineKind = setting(
         "local", "Who samples and scores: 'local' is in-process transformers; 'vllm' uses vLLM servers; "
-        "'vllm_colocate' runs vLLM in the trainer's process on the trainer's GPU (one GPU).")
+        "'vllm_colocate' runs vLLM in the trainer's process on the trainer's GPU (one GPU).",
+        guarded="it starts vLLM servers")
     batch_size: int = setting(
         64, "local: sequences per sampling or scoring forward of the training engines (memory vs speed).", ge=1,
         most=MAX_BATCH)
@@ -119,20 +122,25 @@ class EngineConfig(Section):
         "sampling call of each batch size compiles (about 40 s for SmolLM2 on 2 CPU cores); prompts are padded to a "
         "multiple of 64 tokens so later steps reuse it. Combines with engine.packed_sampling. Not under torchrun.")
     student_urls: str = setting(
-        "", "vllm: comma-separated URLs of running student servers (several serve one model); empty: selfopd launches one.")
+        "", "vllm: comma-separated URLs of running student servers (several serve one model); empty: selfopd launches one.",
+        guarded="requests and the API key go to these hosts")
     teacher_url: str = setting(
-        "", "vllm: URL of a running teacher server; empty: selfopd launches one (self, frozen or external teacher).")
+        "", "vllm: URL of a running teacher server; empty: selfopd launches one (self, frozen or external teacher).",
+        guarded="requests and the API key go to this host")
     teacher_engine: TeacherEngine = setting(
         "vllm", "vllm: who scores the teacher. 'vllm': a server (launched, or engine.teacher_url). 'local': the "
         "trainer's process, as with engine.kind = 'local' (a 'self' teacher is the trainer's own module, so nothing "
         "is pushed to it): the student servers sample, and no teacher server is launched. It lifts the limits of a "
-        "vLLM teacher: full-vocabulary losses and temperatures other than 1 are allowed. docs/async.md")
+        "vLLM teacher: full-vocabulary losses and temperatures other than 1 are allowed. docs/async.md",
+        guarded="it starts a teacher server")
     host: str = setting(
         "127.0.0.1", "vllm: address launched servers bind to (127.0.0.1: this machine only). Another address needs "
-        "engine.api_key_env: every route of a launched server but /health requires the key.")
+        "engine.api_key_env: every route of a launched server but /health requires the key.",
+        guarded="it decides who can reach the servers selfopd launches")
     port: int = setting(
         8100, "vllm: the first launched student server's port; student server i takes port + i, the teacher "
-        "port + student_servers.", ge=1, le=65535)
+        "port + student_servers.", ge=1, le=65535,
+        guarded="it opens ports")
     max_model_len: int = setting(2048, "vllm: launched servers' context length; must hold prompt + completion + 1.",
                                  ge=16, most=MAX_TOKENS)
     weight_sync: WeightSyncKind = setting(
@@ -141,7 +149,8 @@ class EngineConfig(Section):
         "when CUDA is there. Pushes are verified by per-tensor digests either way (engine.verify_every).")
     sync_port: int = setting(
         0, "vllm: TCP port of the weight push's rendezvous on the trainer (engine.trainer_address); several groups "
-        "take the ports after it. 0: a free port (set one to open it in a firewall).", ge=0, le=65535)
+        "take the ports after it. 0: a free port (set one to open it in a firewall).", ge=0, le=65535,
+        guarded="it opens a port")
     sync_timeout_s: float = setting(
         60.0, "vllm: seconds the weight push may wait for one step of it (joining the group, a broadcast, a "
         "server's load) before the run stops, naming the server.", gt=0, most=MAX_SECONDS)
@@ -170,7 +179,8 @@ class EngineConfig(Section):
         "backward and optimizer step.")
     trainer_address: str = setting(
         "127.0.0.1", "vllm: the address at which the servers reach this trainer's weight-push group (its TCP "
-        "rendezvous on engine.sync_port).")
+        "rendezvous on engine.sync_port).",
+        guarded="the weight push listens there")
     compile: Switch = setting(
         "auto", "vllm: torch.compile and CUDA graphs in launched servers; 'auto' is on with a GPU, off on CPU (minutes to start).")
     gpu_memory_utilization: float = setting(
@@ -178,7 +188,11 @@ class EngineConfig(Section):
         "its GPUs 0.9; servers sharing a GPU split 0.9, less 0.5 where the trainer is; vllm_colocate 0.4).",
         ge=0, le=1)
     cpu_kv_cache_gb: int = setting(1, "vllm on CPU: KV cache size of each launched server, GiB.", ge=1, most=65536)
-    extra_server_args: str = setting("", "vllm: more command-line arguments for launched servers (shell syntax).")
+    extra_server_args: str = setting(
+        "", "vllm: more command-line arguments for launched servers (shell syntax): only flags known not to load code, "
+        "open an address or change the model served (scheduling, memory, kernels, logging; the list is in "
+        "docs/security.md), e.g. '--max-num-seqs 8 --kv-cache-dtype fp8'.",
+        guarded="its flags reach the servers selfopd starts")
     startup_timeout_s: float = setting(900.0, "vllm: seconds to wait for launched servers to answer /health.", ge=1,
                                        most=MAX_SECONDS)
     request_timeout_s: float = setting(
@@ -192,7 +206,8 @@ class EngineConfig(Section):
     api_key_env: str = setting(
         "", "vllm: name of an environment variable holding the servers' API key (the key itself never goes in a "
         "config): launched servers require it on every route but /health, every request sends it. Empty: each "
-        "launch generates a key that only the launching process knows (`selfopd serve` writes it to a file).")
+        "launch generates a key that only the launching process knows (`selfopd serve` writes it to a file).",
+        guarded="it names an environment variable whose value is sent as a key")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -224,6 +239,10 @@ class EngineConfig(Section):
             # The value is not echoed: it may be the key itself, pasted by mistake.
             fail(self._key("api_key_env"), "must be the NAME of an environment variable holding the key (letters, "
                  "digits and _), not the key itself")
+        if self.api_key_env and not re.search(r"KEY|TOKEN|SECRET|PASSWORD", self.api_key_env.upper()):
+            fail(self._key("api_key_env"), f"{self.api_key_env!r} does not name a secret: its value would be sent to "
+                 "servers as their key; name a variable that says it holds one (its name contains KEY, TOKEN, SECRET "
+                 "or PASSWORD, e.g. SELFOPD_VLLM_API_KEY)")
         for name in ("student_gpus", "teacher_gpus"):
             for gpu in getattr(self, name).split(","):
                 if gpu.strip() and not gpu.strip().isdigit():
@@ -254,11 +273,8 @@ class EngineConfig(Section):
         except ValueError as error:  # "No closing quotation", "No escaped character"
             fail(self._key("extra_server_args"), f"does not parse as shell words ({error}): "
                  f"{self.extra_server_args!r}; quote or escape it as a shell would")
-        for word in words:
-            flag = managed_flag(word)
-            if flag is not None:
-                fail(self._key("extra_server_args"), f"{word!r} is vLLM's {flag}, which extra_server_args may not "
-                     f"set: {SERVER_FLAGS[flag]}")
+        if (problem := server_args_problem(words)) is not None:
+            fail(self._key("extra_server_args"), problem)
 
     def _check_distinct_servers(self) -> None:
         """A student server listed twice would take twice the prompts and be sent the weights once."""
@@ -277,6 +293,17 @@ class EngineConfig(Section):
         if not key:
             fail(self._key("api_key_env"), f"names the environment variable {self.api_key_env}, which is not set "
                  "or empty here; export the servers' API key in it")
+        return key
+
+    def launch_key(self) -> str | None:
+        """The key of the servers selfopd launches (None: each launch makes its own): engine.api_key_env's,
+        refused unless it looks like a secret, since it alone keeps the network off those servers' routes."""
+        key = self.api_key()
+        if key is not None and (len(key) < MIN_KEY_CHARACTERS or len(set(key)) < 10 or not key.isascii()
+                                or not key.isprintable() or any(char.isspace() for char in key)):
+            fail(self._key("api_key_env"), f"the value of {self.api_key_env} is not a key a launched server can "
+                 f"take: it must be {MIN_KEY_CHARACTERS} or more random printable characters without spaces (e.g. "
+                 f"export {self.api_key_env}=$(openssl rand -hex 32)); the value is not shown")
         return key
 
     def teacher_parallel_size(self) -> int:
@@ -298,6 +325,9 @@ class EngineConfig(Section):
         return [url.strip().rstrip("/") for url in getattr(self, name).split(",") if url.strip()]
 
 
+MIN_KEY_CHARACTERS = 32  # 128 bits as hex; a variable such as HOME or USER holds no secret
+
+
 def is_loopback(host: str) -> bool:
     """`host` is this machine only (localhost, 127.0.0.0/8, ::1): nothing else can connect to it."""
     import ipaddress
@@ -306,43 +336,6 @@ def is_loopback(host: str) -> bool:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:  # a host name: it may resolve to any address
         return False
-
-
-# Flags of vLLM's api_server that selfopd sets on every server it launches
-# (selfopd.engines.vllm_server.server_command) and relies on, with where they come from; a later
-# copy in extra_server_args would win (a server on 0.0.0.0, without selfopd's key or weight checks).
-SERVER_FLAGS = {
-    "--host": "selfopd sets it from engine.host",
-    "--port": "selfopd sets it from engine.port",
-    "--model": "selfopd sets it from model.student or teacher.model",
-    "--served-model-name": "selfopd names each server by its role",
-    "--api-key": "selfopd sets the key from engine.api_key_env",
-    "--middleware": "selfopd's middleware checks the key on every route",
-    "--worker-extension-cls": "selfopd's extension verifies every weight push",
-    "--weight-transfer-config": "selfopd's engine carries the push's secret",
-    "--trust-remote-code": "selfopd sets it from model.trust_remote_code",
-    "--dtype": "selfopd sets it from model.dtype",
-    "--max-model-len": "selfopd sets it from engine.max_model_len",
-    "--max-logprobs": "selfopd sets it from loss.top_k",
-    "--logprobs-mode": "the trainer's importance ratio needs processed logprobs",
-    "--generation-config": "sampling settings come from the config",
-    "--tensor-parallel-size": "selfopd sets it from engine.tensor_parallel_size",
-    "-tp": "selfopd sets it from engine.tensor_parallel_size",
-    "--enable-prefix-caching": "selfopd sets it so that no cache outlives a weight push",
-    "--config": "a file of flags could set any of these",
-}
-
-
-def managed_flag(word: str) -> str | None:
-    """The flag of SERVER_FLAGS a command-line word sets, as vLLM's parser reads it ('--host=x',
-    '--no-enable-prefix-caching', '--served_model_name', '--weight-transfer-config.backend',
-    an abbreviation such as '--ho'); None for any other word."""
-    if not word.startswith("-") or word == "-":
-        return None
-    name = word.split("=", 1)[0].split(".", 1)[0]
-    name = name[:2] + name[2:].replace("_", "-") if name.startswith("--") else name
-    name = "--" + name[len("--no-"):] if name.startswith("--no-") else name
-    return next((flag for flag in SERVER_FLAGS if flag == name or (len(name) > 3 and flag.startswith(name))), None)
 
 
 def server_key(url: str) -> str:

@@ -48,11 +48,13 @@ T = TypeVar("T")
 
 
 def setting(default: Any, help: str, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
-            lt: float | None = None, most: float | None = None) -> Any:
+            lt: float | None = None, most: float | None = None, guarded: str | None = None) -> Any:
     """A section field with its default and the help line `--show-config` prints; a number also
-    declares its range (`Bounds`), checked when the section is built and shown in the reference."""
+    declares its range (`Bounds`), checked when the section is built and shown in the reference.
+    `guarded`: what the setting does that a run folder from elsewhere may not decide (`load_run_config`)."""
     bounds = Bounds(ge, gt, le, lt, most)
-    metadata = {"help": help, **({"bounds": bounds} if bounds != Bounds() else {})}
+    metadata = {"help": help, **({"bounds": bounds} if bounds != Bounds() else {}),
+                **({"guarded": guarded} if guarded else {})}
     if isinstance(default, dict):  # a table: each section gets its own copy
         return field(default_factory=lambda: dict(default), metadata=metadata)
     return field(default=default, metadata=metadata)

@@ -30,20 +30,33 @@ def read_metrics(path: Path) -> list[dict]:
     """One dict per line of `path`; keys absent on a line stay absent (eval runs every N steps).
 
     An unterminated last line that does not parse is skipped: it is a line the trainer is
-    still writing, so a run can be plotted while it trains. Any other bad line is an error.
+    still writing, so a run can be plotted while it trains. Any other line that is not a JSON
+    object with a whole "step" (an altered or damaged file) raises RunFolderError naming file and line.
     """
-    text = Path(path).read_text()
+    from selfopd.core.run_folder import RunFolderError
+
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = Path(path).read_bytes()[:error.start].count(b"\n") + 1
+        raise RunFolderError(f"{path}:{line}: not UTF-8 text (byte 0x{error.object[error.start]:02x}); the file was "
+                             "damaged or altered: move it aside, or restore it") from None
     lines = text.split("\n")
     metrics = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            metrics.append(json.loads(line))
+            value = json.loads(line)
         except json.JSONDecodeError as error:
             if number == len(lines):  # the last piece after the final newline: partially written
                 continue
-            raise ValueError(f"{path}:{number}: not a JSON line: {error}") from error
+            raise RunFolderError(f"{path}:{number}: not a JSON line: {error}; the file was damaged or altered: move it "
+                                 "aside, or restore it") from None
+        if not (isinstance(value, dict) and type(value.get("step")) is int and value["step"] >= 0):
+            raise RunFolderError(f"{path}:{number}: not a metrics line (a JSON object with a whole 'step'); the file "
+                                 "was damaged or altered: move it aside, or restore it")
+        metrics.append(value)
     return metrics
 
 

@@ -1,6 +1,7 @@
 """Where everything of a training run lives: the one definition of the run-folder layout.
 
     RUN/config.toml                  the full config (loads to the run's TrainConfig)
+    RUN/config.sig                   this user's signature of it (selfopd.core.folder_key)
     RUN/split.json                   held-out prompt ids and keys, every training prompt's key
     RUN/metrics.jsonl                one JSON line per step and per eval
     RUN/eval/step_NNNNN/             eval.jsonl (per prompt), then summary.json (present: finished)
@@ -21,19 +22,28 @@ moment resumes from its last checkpoint (`selfopd train --resume`) with nothing 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from selfopd.core.file_checks import checkpoint_problem
+from selfopd.core.atomic import write_text_atomic
+from selfopd.core.folder_key import sign_config, signed_by_user
 from selfopd.core.models import ModelError
 
 if TYPE_CHECKING:
     from selfopd.config import TrainConfig
 
 
-class CheckpointError(ModelError):
+class RunFolderError(ModelError):
+    """A run folder's file that is damaged, altered, or not what selfopd wrote there."""
+
+
+class CheckpointError(RunFolderError):
     """A run's checkpoint that cannot be resumed from: incomplete, damaged, or holding more than data."""
 
 
@@ -51,6 +61,18 @@ class RunFolder:
     @property
     def config(self) -> Path:
         return self.root / "config.toml"
+
+    def write_config(self, config_toml: str) -> None:
+        """config.toml of a fresh run, with this user's signature of it (`selfopd.core.folder_key`)."""
+        signature = sign_config(config_toml)
+        if signature is not None:
+            write_text_atomic(self.signature, signature)
+        write_text_atomic(self.config, config_toml)
+
+    @property
+    def signature(self) -> Path:
+        """This user's signature of config.toml (`selfopd.core.folder_key`), written with it."""
+        return self.root / "config.sig"
 
     @property
     def split(self) -> Path:
@@ -94,8 +116,9 @@ class RunFolder:
         return self.checkpoints / f".step_{step:05d}.partial"
 
     def checkpoint_folders(self) -> list[Path]:
-        """Every checkpoint folder, oldest first, complete or not (staging folders never match)."""
-        return sorted(path for path in self.checkpoints.glob("step_*") if path.is_dir())
+        """Every checkpoint folder, oldest first, complete or not (staging folders never match; a link is
+        no checkpoint, see `refuse_links`)."""
+        return sorted(path for path in self.checkpoints.glob("step_*") if path.is_dir() and not path.is_symlink())
 
     def complete_checkpoints(self) -> list[Path]:
         """Every complete checkpoint (`checkpoint_problem`), oldest first: one a kill, a full disk or a
@@ -178,6 +201,25 @@ class RunFolder:
         return self.config.is_file()
 
 
+# What selfopd never reads in a run folder: a tracker's own files (wandb links its latest run).
+UNREAD_FOLDERS = ("wandb",)
+
+
+def refuse_links(folder: RunFolder) -> None:
+    """A run folder selfopd resumes, evaluates or diagnoses holds no links (but in UNREAD_FOLDERS): one
+    could send a read elsewhere, or a write and checkpoint pruning into another folder. The root may be
+    a link: the user named it."""
+    for top, folders, files in os.walk(folder.root):
+        if Path(top) == folder.root:
+            folders[:] = [name for name in folders if name not in UNREAD_FOLDERS]
+        for name in folders + files:
+            path = Path(top) / name
+            if path.is_symlink():
+                raise CheckpointError(f"{path}: a link (to {os.readlink(path)}), which selfopd does not follow in a "
+                                      f"run folder: it reads, writes and deletes only real files and folders inside "
+                                      f"{folder.root}; replace the link with a copy of what it points to")
+
+
 def checkpoint_step(checkpoint: Path) -> int:
     """The step of a checkpoint folder (RUN/checkpoints/step_NNNNN)."""
     return int(Path(checkpoint).name.removeprefix("step_"))
@@ -198,20 +240,54 @@ def portable_path(path: str | Path) -> str:
         return str(path)
 
 
-TRUST_REMOTE_CODE = "model.trust_remote_code"
+TRUST_REMOTE_CODE = "model.trust_remote_code"  # never taken from a folder, even one this user wrote
+
+
+def guarded_values(config: TrainConfig) -> Iterator[tuple[str, str, Any, Any]]:
+    """(key, why, value, default) of every setting a run folder from elsewhere may not decide
+    (`setting(..., guarded=...)`): launch, network, code and data-source settings."""
+    from selfopd.config import KEYED_SECTIONS, SECTIONS
+
+    sections = [(name, getattr(config, name)) for name in SECTIONS]
+    sections += [(f"{field}.{name}", table) for field in KEYED_SECTIONS for name, table in getattr(config, field).items()]
+    for prefix, section in sections:
+        for f in dataclasses.fields(section):
+            if "guarded" in f.metadata:
+                default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+                yield f"{prefix}.{f.name}", f.metadata["guarded"], getattr(section, f.name), default
+
+
+def _as_set(key: str, value: Any) -> str:
+    """`--set KEY=VALUE` as a shell takes it."""
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    return f"--set {shlex.quote(f'{key}={text}')}"
 
 
 def load_run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
     """A run folder's config.toml with the command line's `overrides` (`--resume`, `eval --run`,
-    `diagnose`). The folder is data, not code: a config.toml that sets model.trust_remote_code
-    (which would run Python files of the run's models) is refused unless the command line sets it."""
+    `diagnose`). The folder is data, not code (docs/security.md): it holds no links (`refuse_links`),
+    and a guarded setting (one that starts processes, imports code, names a host, URL or environment
+    variable, or a data source) whose value is not its default is taken only when the command line
+    restates it or this user's selfopd wrote the folder (`selfopd.core.folder_key`);
+    model.trust_remote_code only when the command line sets it."""
     from selfopd.config import ConfigError, load_config
+    from selfopd.config.checks import escaped
 
-    path = RunFolder(Path(run_dir)).config
-    config = load_config(path, overrides)
-    asked = [o for o in overrides if o.partition("=")[0].strip() == TRUST_REMOTE_CODE]
-    if config.model.trust_remote_code and not load_config(None, asked).model.trust_remote_code:
-        raise ConfigError(TRUST_REMOTE_CODE, f"true in the run folder's config, which selfopd never takes from a "
-                          f"folder (it runs the Python files of the run's models): pass --set "
-                          f"{TRUST_REMOTE_CODE}=true if you trust them", source=str(path))
+    folder = RunFolder(Path(run_dir))
+    refuse_links(folder)
+    config = load_config(folder.config, overrides)
+    restated = {override.partition("=")[0].strip() for override in overrides}
+    written = load_config(folder.config, resolve=False)
+    unrestated = [(key, why, value) for key, why, value, default in guarded_values(written)
+                  if value != default and key not in restated]
+    for key, why, value in unrestated:
+        if key == TRUST_REMOTE_CODE:
+            raise ConfigError(key, f"true in the run folder's config, which selfopd never takes from a folder ({why}): "
+                              f"pass --set {key}=true if you trust them", source=str(folder.config))
+    if unrestated and not signed_by_user(folder.config, folder.signature):
+        (key, why, value), others = unrestated[0], [key for key, _, _ in unrestated[1:]]
+        also = f" (it also sets {', '.join(others)}, which need the same)" if others else ""
+        raise ConfigError(key, escaped(f"{value!r} in a run folder this user's selfopd did not write (unsigned, "
+                                       f"altered, or another user's), which decides no such setting ({why}): "
+                                       f"{_as_set(key, value)} to accept it{also}"), source=str(folder.config))
     return config

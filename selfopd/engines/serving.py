@@ -69,7 +69,7 @@ def planned_servers(config: TrainConfig, layout: GPULayout | None = None) -> lis
         gpu=on_gpu,
         max_logprobs=max(ServerSpec.max_logprobs, config.loss.top_k),
         cpu_kv_cache_gb=engine.cpu_kv_cache_gb, extra_args=tuple(shlex.split(engine.extra_server_args)),
-        trust_remote_code=config.model.trust_remote_code, api_key=engine.api_key(),
+        trust_remote_code=config.model.trust_remote_code, api_key=engine.launch_key(),
         trainer_address=engine.trainer_address,
     )
     return [ServerSpec(name=slot.name, model=teacher_dir if slot.name == "teacher" else student_dir, port=slot.port,
@@ -211,7 +211,7 @@ def serve_key(config: TrainConfig, log_dir: Path) -> Iterator[tuple[str, str]]:
     engine.api_key_env's key; without one, a new key in LOG_DIR/api_key, readable by its owner only,
     never printed, deleted when the servers stop."""
     if config.engine.api_key_env:
-        yield config.engine.api_key(), f"selfopd train CONFIG --set engine.api_key_env={config.engine.api_key_env}"
+        yield config.engine.launch_key(), f"selfopd train CONFIG --set engine.api_key_env={config.engine.api_key_env}"
         return
     key, path = new_key(), log_dir / "api_key"
     log_dir.mkdir(parents=True, exist_ok=True)

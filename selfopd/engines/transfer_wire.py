@@ -108,7 +108,11 @@ class Group:
 
 def listen(host: str, port: int) -> socket.socket:
     """A TCP socket listening on host:port alone (port 0: a free one), for rank 0's store."""
-    family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError as error:  # socket.gaierror: not an address, a name that does not resolve
+        raise OSError(f"cannot listen on {host}:{port} for the weight push (engine.trainer_address, "
+                      f"engine.sync_port): {error.strerror or error}") from None
     listener = socket.socket(family, kind)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -119,6 +123,18 @@ def listen(host: str, port: int) -> socket.socket:
         raise OSError(f"cannot listen on {host}:{port} for the weight push (engine.trainer_address, "
                       f"engine.sync_port): {error.strerror or error}") from None
     return listener
+
+
+def check_trainer_address(host: str) -> None:
+    """Refuse, before any server starts or folder is made, an engine.trainer_address the weight push
+    could not listen on (not an address of this machine, a name that does not resolve)."""
+    from selfopd.config import ConfigError
+
+    try:
+        listen(host, 0).close()
+    except OSError as error:
+        raise ConfigError("engine.trainer_address", f"{host!r}: {str(error).partition('): ')[2] or error}; it must be "
+                          "an address of this machine that the servers reach (the weight push listens there)") from None
 
 
 def local_address_to(host: str) -> str:

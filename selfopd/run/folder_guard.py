@@ -17,7 +17,6 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
-from selfopd.core.atomic import write_text_atomic
 from selfopd.core.run_folder import RunFolder
 
 T = TypeVar("T")
@@ -76,7 +75,7 @@ def claimed_run_folder(folder: RunFolder, config_toml: str | None) -> Iterator[N
         if config_toml is not None:
             refuse_finished(folder)
             with writing(folder.config):
-                write_text_atomic(folder.config, config_toml)
+                folder.write_config(config_toml)
         yield
 
 

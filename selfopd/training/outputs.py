@@ -147,8 +147,8 @@ def prune_checkpoints(folder: RunFolder, keep: Path, settings: RunConfig) -> Non
     complete = [path for path in folder.complete_checkpoints() if checkpoint_step(path) <= checkpoint_step(keep)]
     kept = {keep, *complete[-settings.keep_checkpoints:]} | {folder.checkpoint(step) for step in fired_steps(folder.root)}
     best = best_checkpoint(folder, complete) if settings.keep_best_checkpoint else None
-    for old in folder.checkpoints.iterdir():
-        if old not in kept and old != best:
+    for old in folder.checkpoints.iterdir():  # real folders only: a link is never followed, nor deleted
+        if old not in kept and old != best and old.is_dir() and not old.is_symlink():
             shutil.rmtree(old)
 
 

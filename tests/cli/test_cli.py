@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from selfopd.cli import build_parser, main
+from selfopd.core.run_folder import RunFolder
 
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "experiments" / "demo" / "demo.toml"
 SMALL_DATA = "rg:chain_sum?min_terms=2&max_terms=2&size=40&seed=3"
@@ -158,7 +159,7 @@ def _recorded_run(tmp_path: Path) -> tuple[Path, "SplitRecord"]:
     config = load_config(None, [f"data.spec={SMALL_DATA}", "data.eval_size=6", "eval.max_tokens=6", "eval.batch_size=8"])
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "config.toml").write_text(config_to_toml(config))
+    RunFolder(run_dir).write_config(config_to_toml(config))  # as `selfopd train` writes it: signed
     record = SplitRecord.of(SMALL_DATA, 0, *load_split(SMALL_DATA, 6, 0))
     record.write(run_dir)
     return run_dir, record
@@ -229,3 +230,29 @@ def test_train_config_error_is_one_line(capsys):
     assert main(["train", str(DEMO_CONFIG), "--set", "loss.normalisation=tokens", "--show-config"]) == 1
     err = capsys.readouterr().err
     assert "loss.normalisation" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("layers", r"{model}/config\.json: num_hidden_layers = 1000000000: past 16,777,216, the most a model size can be"),
+    ("chat template", r"{model}/chat_template\.jinja:1: the model's chat template: rendering took over 2 s of CPU "
+                      r"time, the time limit of a prompt \(docs/templates\.md#limits\)"),
+], ids=["layers", "chat template"])
+def test_train_on_a_hostile_model_is_one_line_in_seconds_and_makes_no_run_folder(tmp_path, tiny_model_dir, capsys,
+                                                                                   kind, message):
+    """A config of 10**9 layers and a chat template of nested loops: refused at the start checks,
+    before the run folder is made (before, the one grew memory for minutes, the other hung)."""
+    from tests.cli.test_evaluate import _hostile_model
+
+    model = _hostile_model(tiny_model_dir, tmp_path / "model", kind)
+    sets = [f"data.spec={SMALL_DATA}", "data.eval_size=4", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
+            "optim.micro_batch_prompts=1", "rollout.max_tokens=4", "eval.max_tokens=4", "run.progress=false",
+            "run.eval_every=0", f"model.student={model}",
+            f"run.out_dir={tmp_path / 'runs'}"]
+    started = time.monotonic()
+    assert main(["train", str(DEMO_CONFIG), *[arg for s in sets for arg in ("--set", s)]]) == 1
+    assert time.monotonic() - started < 60
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and not re.search(r"examples/s\]|\| \d+/\d+ \[", line)]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("selfopd: error: ") and re.search(message.format(model=re.escape(str(model))), lines[0])
+    assert not (tmp_path / "runs").exists()

@@ -140,7 +140,7 @@ def test_round_trip_of_every_field_changed(tmp_path):
         engine=EngineConfig(kind="vllm", batch_size=8, student_urls="http://a:1,http://b:2", teacher_url="https://c:3", host="0.0.0.0",
                             port=9000, max_model_len=4096, weight_sync="nccl", sync_port=29700, sync_timeout_s=30.0,
                             sync_buffer_mb=64, verify_every=4, trainer_address="10.0.0.2", compile="on",
-                            gpu_memory_utilization=0.8, cpu_kv_cache_gb=4, extra_server_args="--seed 1\n--x 'a b'\t--y",
+                            gpu_memory_utilization=0.8, cpu_kv_cache_gb=4, extra_server_args="--seed 1\n--kv-cache-dtype 'fp8'\t--enforce-eager",
                             startup_timeout_s=60.0, request_timeout_s=30.0, retries=0, max_concurrency=8,
                             student_servers=2, student_gpus="1,2,3,4", teacher_gpus="5,6,7", tensor_parallel_size=2,
                             teacher_tensor_parallel_size=3, sleep_mode=False, api_key_env="MY_KEY"),

@@ -99,8 +99,8 @@ def test_a_run_name_too_long_for_a_folder_is_refused():
 
 
 def test_strings_keep_tabs_and_newlines_but_no_other_control_character(tmp_path):
-    config = TrainConfig(engine=dataclasses.replace(TrainConfig().engine, extra_server_args="--a 1\n--b\t2"))
-    assert config.engine.extra_server_args == "--a 1\n--b\t2"
+    config = TrainConfig(engine=dataclasses.replace(TrainConfig().engine, extra_server_args="--seed 1\n--block-size\t2"))
+    assert config.engine.extra_server_args == "--seed 1\n--block-size\t2"
     with pytest.raises(ConfigError, match=r"data\.student_template: holds the invisible or control character U\+202E"):
         load_config(None, ["data.student_template=student/plain\u202e"])
 
@@ -119,11 +119,12 @@ def test_a_config_path_that_is_a_folder_or_not_utf8_is_named(tmp_path):
 
 
 def test_extra_server_args_that_do_not_parse_are_refused_at_config_time():
-    for args, reason in [("--x 'open", "No closing quotation"), ('--x "open', "No closing quotation"),
-                         ("--x \\", "No escaped character")]:
+    for args, reason in [("--seed 'open", "No closing quotation"), ('--seed "open', "No closing quotation"),
+                         ("--seed \\", "No escaped character")]:
         with pytest.raises(ConfigError, match=rf"engine\.extra_server_args: does not parse as shell words \({reason}\)"):
             load_config(None, [f"engine.extra_server_args={args}"])
-    assert load_config(None, ["engine.extra_server_args=--x 'a b' --y"]).engine.extra_server_args == "--x 'a b' --y"
+    assert load_config(None, ["engine.extra_server_args=--seed '1' --enforce-eager"]).engine.extra_server_args \
+        == "--seed '1' --enforce-eager"
 
 
 def test_a_run_at_the_largest_seeds_trains(tmp_path, tiny_model_dir):

@@ -15,6 +15,7 @@ from selfopd.core.heatmaps import (
     save_token_heatmap_html, token_heatmap_html,
 )
 from selfopd.core.plots import DPI, plot_training_curves, read_metrics
+from selfopd.core.run_folder import RunFolderError
 
 
 def synthetic_metrics(steps: int = 20, eval_every: int = 5) -> list[dict]:
@@ -43,7 +44,21 @@ def test_read_metrics_keeps_gaps_and_skips_a_partly_written_last_line(tmp_path):
 def test_read_metrics_names_a_bad_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
-    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON line"):
+    with pytest.raises(RunFolderError, match=r"metrics.jsonl:2: not a JSON line"):
+        read_metrics(path)
+
+
+@pytest.mark.parametrize("text, expected", [
+    (b'{"step": 1}\n[1, 2]\n', r"metrics\.jsonl:2: not a metrics line \(a JSON object with a whole 'step'\)"),
+    (b'{"step": 1}\n{"step": "1"}\n', r"metrics\.jsonl:2: not a metrics line"),
+    (b'{"step": 1}\n{"loss": 2}\n', r"metrics\.jsonl:2: not a metrics line"),
+    (b'{"step": 1}\n{"step": 2, "x": "\xff"}\n', r"metrics\.jsonl:2: not UTF-8 text \(byte 0xff\); the file was damaged"),
+])
+def test_read_metrics_refuses_lines_selfopd_does_not_write(tmp_path, text, expected):
+    """A non-JSON or altered metrics.jsonl ended `--resume` and `diagnose` in a traceback."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(text)
+    with pytest.raises(RunFolderError, match=expected):
         read_metrics(path)
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import secrets
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -20,7 +22,7 @@ from selfopd.engines.server_auth import SECRET_ENV, TRAINER_ENV, transfer_secret
 from selfopd.engines.transfer_wire import interface_of
 from selfopd.engines.vllm_server import server_command, server_env
 from selfopd.core.models import ModelError
-from selfopd.engines.serving import planned_servers
+from selfopd.engines.serving import planned_servers, serve_key
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,7 +106,7 @@ def test_launched_servers_bind_to_loopback_unless_told_otherwise(monkeypatch):
     for server in (spec, teacher):
         command = server_command(server)
         assert command[command.index("--host") + 1] == "127.0.0.1"
-    monkeypatch.setenv("SELFOPD_VLLM_API_KEY", "sk-selfopd-test-0123456789")
+    monkeypatch.setenv("SELFOPD_VLLM_API_KEY", "sk-selfopd-test-0123456789abcdefghijklmnop")
     (spec, _) = planned_servers(_demo("engine.kind=vllm", "engine.host=0.0.0.0", "engine.api_key_env=SELFOPD_VLLM_API_KEY"))
     assert server_command(spec)[server_command(spec).index("--host") + 1] == "0.0.0.0"
     assert spec.url.startswith("http://127.0.0.1:")  # the client still connects on this machine
@@ -138,7 +140,7 @@ def test_the_workers_get_the_push_secret_and_the_trainer_address_and_bind_their_
 
 
 def test_the_api_key_reaches_servers_in_their_environment_never_their_command_line(monkeypatch):
-    key = "sk-selfopd-test-0123456789"
+    key = "sk-selfopd-test-0123456789abcdefghijklmnop"
     monkeypatch.setenv("SELFOPD_VLLM_API_KEY", key)
     monkeypatch.setenv("VLLM_API_KEY", "inherited-by-accident")
     keyed = planned_servers(_demo("engine.kind=vllm", "engine.api_key_env=SELFOPD_VLLM_API_KEY"))
@@ -161,3 +163,35 @@ def test_api_key_env_must_name_a_set_variable_and_is_never_echoed(monkeypatch, t
     with pytest.raises(ConfigError, match="keyed.toml: engine.api_key_env: must be the NAME") as error:
         load_config(tmp_path / "keyed.toml")
     assert pasted not in str(error.value)
+
+
+@pytest.mark.parametrize("variable", ["HOME", "PATH", "USER", "CUDA_VISIBLE_DEVICES"])
+def test_api_key_env_must_name_a_variable_that_holds_a_secret(variable):
+    """api_key_env = HOME made $HOME's value the key of servers on 0.0.0.0 (and sent it as a bearer token)."""
+    with pytest.raises(ConfigError, match=rf"engine\.api_key_env: '{variable}' does not name a secret: .* \(its name "
+                                          r"contains KEY, TOKEN, SECRET or PASSWORD"):
+        _demo("engine.kind=vllm", "engine.host=0.0.0.0", f"engine.api_key_env={variable}")
+
+
+@pytest.mark.parametrize("variable, value", [("SELFOPD_WEAK_KEY", "/root"), ("SELFOPD_WEAK_KEY", "password"),
+                                             ("SELFOPD_WEAK_KEY", "a" * 40), ("SELFOPD_WEAK_KEY", "abc def " * 6),
+                                             ("SELFOPD_WEAK_KEY", "0123456789" * 3)])
+def test_a_launched_server_takes_only_a_key_that_looks_like_a_secret(monkeypatch, variable, value):
+    """A variable's value is a launched server's key (which alone keeps the network off its routes) only when
+    it is 32+ random printable characters; the value is never echoed."""
+    monkeypatch.setenv(variable, value)
+    config = _demo("engine.kind=vllm", "engine.host=0.0.0.0", f"engine.api_key_env={variable}")
+    with pytest.raises(ConfigError, match=rf"engine\.api_key_env: the value of {variable} is not a key a launched "
+                                          r"server can take: it must be 32 or more random") as error:
+        planned_servers(config)
+    assert value not in str(error.value)
+    with pytest.raises(ConfigError, match="is not a key a launched server can take"):
+        with serve_key(config, Path("/nonexistent")):
+            pass
+    assert config.engine.api_key() == value  # a running server's own key is the server's business: it is sent
+
+
+def test_a_strong_key_is_taken_for_a_launch(monkeypatch):
+    monkeypatch.setenv("SELFOPD_STRONG_KEY", secrets.token_hex(16))
+    (spec, _) = planned_servers(_demo("engine.kind=vllm", "engine.host=0.0.0.0", "engine.api_key_env=SELFOPD_STRONG_KEY"))
+    assert spec.api_key == os.environ["SELFOPD_STRONG_KEY"]
