@@ -121,8 +121,9 @@ def test_the_training_step_reads_as_short_named_phases():
 
 
 # The subpackages in the order data flows through them; a package imports only itself and
-# those before it (selfopd.verifiers, the answer checkers, sits with the data).
-FLOW = ["config", "core", "data", "verifiers", "templating", "engines", "run", "training", "diagnostics",
+# those before it (selfopd.verifiers, the answer checkers, sits with the data, just before it: the
+# loader refuses items whose reference or metadata a scorer would run as code, by the verifiers' grammars).
+FLOW = ["config", "core", "verifiers", "data", "templating", "engines", "run", "training", "diagnostics",
         "comparisons", "cli"]
 
 

@@ -8,7 +8,11 @@ the time limit: some scorers call sympy on the model's answer and could hang on 
 
 Some scorers read the answer with sympy's `parse_expr` or Python's `eval`, which run Python:
 for those tasks the answer must first read in the task's grammar (`task_grammars.py`), or it
-scores 0 as `rejected` without any scorer seeing it.
+scores 0 as `rejected` without any scorer seeing it. They run the item's own reference or metadata
+too, which a generator may have copied from a data spec's options: an item whose such field does not
+read in its grammar (`references.py`) is not checked at all (0, `unchecked`: no verdict, and the
+data's fault, not the answer's; logged as a warning). Some scorers pay for answers that break their
+puzzle's rules: those answers score 0 before the scorer sees them (`strict_tasks.py`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from .extract import extract_answer
 from .latex import command_arguments
 from .normalize import strip_math_delimiters
 from .prescreen import too_costly
+from .references import screen_entry
 from .result import VerifyResult, no_answer, rejected, scored, unchecked
+from .strict_tasks import strict_reason
 from .task_grammars import screen_answer
 from .timeout import DEFAULT_TIMEOUT_S, CheckTimeout, WorkerError, run_in_worker
 
@@ -73,12 +79,17 @@ def verify_reasoning_gym(
     """Extract the final answer and score it with reasoning-gym task `task` on its `entry`.
 
     correct is score == 1; reward is 1.0 or 0.0, or reasoning-gym's own score (partial
-    credit) with `partial_credit`.
+    credit) with `partial_credit` (none for an answer that breaks its puzzle's rules: 0).
     """
     check_task(task)
     found = extract_answer(completion)
     if found is None:
         return no_answer()
+    bad_item = screen_entry(task, entry)
+    if bad_item is not None:  # before the answer: whatever it is, this item's scorer would run the item
+        logger.warning("reasoning-gym %s: item not checked (%s): an item's reference and metadata must read in its "
+                       "task's grammar", task, bad_item)
+        return unchecked(found.text, found.method)
     answer = answer_for_scorer(found.text)
     refused = screen_answer(task, answer, entry)
     if refused is not None:
@@ -86,6 +97,10 @@ def verify_reasoning_gym(
         return rejected(found.text, found.method)
     if too_costly(answer):
         return unchecked(found.text, found.method)
+    broken = strict_reason(task, answer, entry)
+    if broken is not None:
+        logger.debug("reasoning-gym %s: the answer breaks the puzzle's rules: %s", task, broken)
+        return scored(found.text, found.method, 0.0, partial_credit)
     try:
         score = run_in_worker(
             "reasoning_gym_score",

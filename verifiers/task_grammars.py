@@ -21,7 +21,8 @@ from typing import Any
 
 from .grammar import Expression, Grammar, Integer, Literal, reject_reason
 
-_PLAIN_NAME = re.compile(r"[A-Za-z][A-Za-z0-9]{0,15}")
+# A variable name that reaches sympy; the data loader holds generator options that name variables to it too.
+PLAIN_NAME = re.compile(r"[A-Za-z][A-Za-z0-9]{0,15}")
 # What an antiderivative of reasoning-gym's integrands needs. Not `Integral`: some reference
 # answers are sympy's unevaluated Integral(...), and an answer that restates the question as
 # Integral(integrand, x) would be scored correct.
@@ -34,7 +35,7 @@ ELEMENTARY_FUNCTIONS = frozenset({
 def _variables(*names: Any) -> frozenset[str]:
     """The entry's own variable names that are plain names (the entry is the generator's, but a
     name is the one thing here that reaches the parser as code, so it is checked as well)."""
-    return frozenset(n for n in names if isinstance(n, str) and _PLAIN_NAME.fullmatch(n))
+    return frozenset(n for n in names if isinstance(n, str) and PLAIN_NAME.fullmatch(n))
 
 
 def _integral(metadata: Mapping[str, Any], functions: frozenset[str]) -> Expression:
@@ -58,14 +59,21 @@ GRAMMARS: dict[str, Callable[[Mapping[str, Any]], Grammar]] = {
 }
 
 
+def metadata_of(entry: Any) -> Mapping[str, Any]:
+    """The entry's metadata, {} when it has none."""
+    metadata = entry.get("metadata") if isinstance(entry, Mapping) else None
+    return metadata if isinstance(metadata, Mapping) else {}
+
+
+def source_task(task: str, entry: Mapping[str, Any]) -> str:
+    """The task whose scorer judges `entry`: a composite item's source dataset, else `task`."""
+    return str(metadata_of(entry).get("source_dataset")) if task == "composite" else task
+
+
 def grammar_for(task: str, entry: Mapping[str, Any]) -> Grammar | None:
     """The grammar an answer to `entry` of `task` must read in; None when its scorer runs no Python."""
-    metadata = entry.get("metadata") if isinstance(entry, Mapping) else None
-    metadata = metadata if isinstance(metadata, Mapping) else {}
-    if task == "composite":
-        task = str(metadata.get("source_dataset"))
-    rule = GRAMMARS.get(task)
-    return None if rule is None else rule(metadata)
+    rule = GRAMMARS.get(source_task(task, entry))
+    return None if rule is None else rule(metadata_of(entry))
 
 
 def screen_answer(task: str, answer: str, entry: Mapping[str, Any]) -> str | None:

@@ -38,8 +38,11 @@ Options, by source (each is a `DataSpec` field of the same name; `id`, `prompt`,
     rg        seed (default 0), size (default 500): the number of items, distinct prompts
               unless distinct=false (the generator is drawn from until it gives that many, and
               says so when its problem space holds fewer); any other key is passed to the
-              task's generator config (e.g. min_terms); unknown keys fail with the allowed
-              list (no limit: use size)
+              task's generator config (e.g. min_terms) as the type of its field: numbers,
+              true/false, a comma-separated list for a tuple or list (operators=+,-; variable
+              names plain: variables=a,b); unknown keys and values of the wrong type fail with
+              one line naming them (no limit: use size). An item whose reference or metadata
+              would not read in its task's grammar is refused (selfopd.verifiers.references)
     kb        seed (default 0), entities (24 trained), unseen (8 never trained), part (study: the
               trained entities' training phrasings and, split off for eval, their other
               phrasings; train, heldout, unseen alone; fresh: the trained facts in

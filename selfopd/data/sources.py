@@ -4,7 +4,6 @@ by default) and CHAMP."""
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import functools
 import json
@@ -16,13 +15,14 @@ from typing import Any
 
 from selfopd.data.spec import BOXED, FILE_BUILDERS, PRESETS, TEACHER_COLUMN, DataError, DataSpec, Preset
 from selfopd.data.example import Example, prompt_key
+from selfopd.data.rg_options import checked_options
 from selfopd.data.worked_solutions import arithmetic_solution
+from selfopd.verifiers.references import screen_entry
 
 # Distinct procedural prompts: draw at most this many items per prompt asked for, and stop
 # early once this many draws in a row (or as many as found so far) brought nothing new.
 MAX_DRAWS_PER_ITEM = 50
 MIN_STALL_DRAWS = 2000
-MAX_OPTION = 10**5  # the largest number a generator option may be, unless its default is larger
 MAX_GENERATION_S = 120  # the longest a generator may take for the items asked for (10^5 demo items: about 30 s)
 
 
@@ -156,8 +156,8 @@ _BOXED = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])\s*\{")
 
 def last_boxed(text: str) -> str | None:
     """The content of the last complete, non-empty `\\boxed{...}` (or `\\fbox{}`) of `text`, braces
-    balanced and `\\{` `\\}` escapes skipped, as the verifier reads a completion's (data comes before
-    verifiers, so this is the loader's own small reader)."""
+    balanced and `\\{` `\\}` escapes skipped, as the verifier reads a completion's (the loader's own small
+    reader, held equal to the verifier's by a test)."""
     for match in reversed(list(_BOXED.finditer(text))):
         depth, i = 1, match.end()
         while i < len(text) and depth:
@@ -181,6 +181,9 @@ def _cell(row: dict, cols: dict[str, str | None], name: str, where: str, require
     """The text for Example field `name`; a required field must be present and non-blank."""
     column = cols[name]
     text = None if column is None else _as_text(row[column], f"{where}: field {name!r}")
+    if required and isinstance(row.get(column), float) and math.isnan(row[column]):
+        raise DataError(f"{where}: field {name!r} (mapped from column {column!r}) is NaN, not text: an empty cell of a "
+                        "CSV or parquet table, or NaN written in the file; fix or drop the row")
     if required and text is None:
         raise DataError(f"{where}: missing field {name!r} (mapped from column {column!r})")
     if required and not text.strip():
@@ -234,12 +237,7 @@ def load_reasoning_gym(spec: DataSpec, exclude: frozenset[str] = frozenset()) ->
         raise DataError(f"rg:{task}: unknown reasoning-gym task"
                         + (f" (did you mean {', '.join(close)}?)" if close else "")
                         + f"; allowed: {', '.join(sorted(DATASETS))}")
-    allowed = {f.name: f.default for f in dataclasses.fields(DATASETS[task][1])}
-    for key, value in spec.task_config.items():
-        if key not in allowed:
-            raise DataError(f"rg:{task}: unknown option {key!r}; allowed: {', '.join(allowed)}")
-        _check_option_size(task, key, value, allowed[key])
-    config = {"seed": spec.seed, "size": spec.size, **spec.task_config}
+    config = {"seed": spec.seed, "size": spec.size, **checked_options(task, DATASETS[task][1], spec.task_config)}
     # Excluded prompts of the same generator come up in the stream too: they count towards the
     # draw budget and as progress (a new distinct prompt, if not one we may keep).
     draws = max(MAX_DRAWS_PER_ITEM * (spec.size + len(exclude)), MIN_STALL_DRAWS) if spec.dedup else spec.size
@@ -269,6 +267,10 @@ def load_reasoning_gym(spec: DataSpec, exclude: frozenset[str] = frozenset()) ->
         if answer is None or not str(answer).strip():
             raise DataError(f"rg:{task} row {i}: missing field 'answer' (this task has no reference "
                             f"answer; its score_answer judges answers by rules)")
+        bad = screen_entry(task, entry)  # the scorer would run it as Python (selfopd.verifiers.references)
+        if bad is not None:
+            raise DataError(f"rg:{task} row {i}: {bad}; an item's reference and metadata must read in its task's "
+                            f"grammar (generator options {spec.task_config or 'default'})")
         try:
             json.dumps(entry)  # entries go into logs and caches
         except TypeError as e:
@@ -303,17 +305,6 @@ def _draw(dataset: Any, i: int, spec: DataSpec, kept: int, started: float) -> di
     except Exception as error:  # the generator's own failure, whatever it raises
         raise DataError(f"{spec.label} row {i}: the generator failed with options {spec.task_config or 'default'}: "
                         f"{type(error).__name__}: {error}") from None
-
-
-def _check_option_size(task: str, key: str, value: Any, default: Any) -> None:
-    """A numeric generator option at most MAX_OPTION (or its default, when larger): past it one item can
-    take minutes (chain_sum's max_terms=10^5 takes 1 s an item and a 700 KB prompt) or never end."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return
-    limit = max(MAX_OPTION, abs(default) if isinstance(default, (int, float)) else 0)
-    if not abs(value) <= limit:  # also NaN
-        raise DataError(f"rg:{task}: option {key}={value} must be within [-{limit}, {limit}] (a larger one makes one "
-                        "item take minutes, or never end)")
 
 
 def _worked_solution(task: str, entry: dict) -> str | None:

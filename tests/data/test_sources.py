@@ -30,6 +30,26 @@ def test_an_option_up_to_its_own_default_is_taken():
     assert len(load_examples("rg:count_bits?max_n=2147483647&size=3")) == 3  # its default is past 10^5
 
 
+
+REWIRE = "vars(__import__('sympy')).update(parse_expr=callable),"
+
+
+def test_an_item_whose_reference_would_run_as_code_is_refused_naming_its_row(monkeypatch):
+    """The row check stands on its own: with the option check out of the way (as for a generator that
+    copies text into its items some other way), the item whose reference is code is refused."""
+    from selfopd.data import sources
+
+    monkeypatch.setattr(sources, "checked_options", lambda task, config_class, options: dict(options), raising=False)
+    spec = (f"rg:polynomial_multiplication?size=2&variables={REWIRE}&allow_cross_variable_product=true"
+            "&allow_multivariate_polynomials=true")
+    with pytest.raises(DataError) as caught:
+        load_examples(spec)
+    assert str(caught.value) == (
+        "rg:polynomial_multiplication row 0: metadata 'variables' holds \"vars(__import__('sympy')).update(parse_expr="
+        "callable)\", not a plain name; an item's reference and metadata must read in its task's grammar (generator "
+        f"options {parse_data_spec(spec).task_config})")
+
+
 def test_items_that_would_take_hours_are_refused_at_the_pace_of_the_first():
     started = time.monotonic()
     with pytest.raises(DataError, match=r"^rg:chain_sum: \d+ of 100000 items took \d+ s, so all of them would take "
@@ -129,7 +149,7 @@ def test_only_the_columns_a_spec_uses_are_kept(tmp_path, suffix):
                                   r"\boxed{5} \boxed{", r"\boxed{} \boxed{ 6 }", r"\boxedx{7} \boxed{\boxed{8}}",
                                   r"\boxed{a\}b}", "no box", r"\boxed{9}\\"])
 def test_the_loaders_boxed_reader_agrees_with_the_verifiers(text):
-    """Data comes before verifiers, so the loader reads \\boxed{} itself: as the grader does."""
+    """The loader reads \\boxed{} itself: as the grader does."""
     from selfopd.data.sources import last_boxed
     from selfopd.verifiers.extract import extract_boxed
 

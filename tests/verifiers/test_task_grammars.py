@@ -1,5 +1,5 @@
 """The per-task grammars against the installed reasoning-gym: every scorer that evaluates text
-has one, and none refuses reasoning-gym's own answers (a grammar too strict is a defect)."""
+has one, and none refuses reasoning-gym's own answers or items (a grammar too strict is a defect)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import reasoning_gym
 from reasoning_gym.factory import DATASETS
 
 from selfopd.verifiers import verify_reasoning_gym
+from selfopd.verifiers.references import screen_entry
 from selfopd.verifiers.task_grammars import GRAMMARS, grammar_for, screen_answer
 
 EVALUATORS = re.compile(r"\b(eval|exec|compile|sympify|parse_expr|parse_latex|literal_eval|simplify|lambdify|S)\s*\(")
@@ -62,8 +63,11 @@ def _own_answer(task: str, entry: dict) -> str:
 
 @pytest.mark.parametrize("task", sorted(GRAMMARS))
 def test_reasoning_gym_own_answers_read_and_score_one(task):
+    """Every item's reference answer and metadata pass `references.screen_entry` (the loader and the
+    scorer refuse an item that fails it), and its own answer reads and scores 1."""
     checked = 0
     for entry in _entries(task):
+        assert screen_entry(task, entry) is None, (entry["answer"], entry["metadata"])
         answer = _own_answer(task, entry)
         if task == "intermediate_integration" and "Integral(" in answer:
             continue  # sympy gave up on this one: not an answer (see the test below)
