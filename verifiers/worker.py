@@ -12,7 +12,9 @@ refuses to start processes, open sockets, load native code or signal other proce
 (outside the parent's setup tasks) to open files for writing, remove, rename or create them.
 Tripping the hook ends the worker after its reply ("violation"): code ran that should not
 have, and the worker may no longer be trusted.
-Limits, not a sandbox: the answer grammars (`task_grammars.py`) are the boundary.
+The hook and limits are the inner walls, behind the answer grammars (`task_grammars.py`); the
+OS boundary is the bubblewrap sandbox the parent starts this process in (`isolation.py`,
+unless the caller chose the "limits" mode: see `timeout.py`).
 """
 
 from __future__ import annotations
@@ -49,11 +51,14 @@ _in_setup = [False]
 
 
 def _audit(event: str, args: tuple[Any, ...]) -> None:
-    """Refuse what a scorer never does (see above); remember that it was tried."""
+    """Refuse what a scorer never does (see above); remember that it was tried. In a setup task
+    (no answer involved) a refusal is not a violation: importing reasoning-gym makes matplotlib,
+    with no font cache it can write, ask `fc-list` for fonts; refused, it reads the font folders."""
     writes = event in FILE_EVENTS or (event == "open" and len(args) > 2 and isinstance(args[2], int)
                                       and args[2] & _WRITE_FLAGS)
     if event in BLOCKED_EVENTS or (writes and not _in_setup[0]):
-        _violations.append(event)
+        if not _in_setup[0]:
+            _violations.append(event)
         raise PermissionError(f"the verifier worker may not {event}")
 
 
@@ -80,6 +85,19 @@ def _echo(value: Any) -> Any:
     return value
 
 
+def _facts() -> dict[str, Any]:
+    """What this process sees of itself: tests check the sandbox from inside the real worker."""
+    with open("/proc/net/dev") as f:
+        interfaces = sorted(line.split(":")[0].strip() for line in f.read().splitlines()[2:])
+    kinds = ("user", "pid", "net", "ipc", "uts", "mnt", "cgroup")
+    names = ("RLIMIT_AS", "RLIMIT_FSIZE", "RLIMIT_NPROC", "RLIMIT_CORE", "RLIMIT_NOFILE")
+    return {"uid": os.getuid(), "gid": os.getgid(), "pid": os.getpid(), "cwd": os.getcwd(),
+            "cwd_entries": sorted(os.listdir(".")), "root_entries": sorted(os.listdir("/")),
+            "environ": dict(os.environ), "interfaces": interfaces,
+            "namespaces": {kind: os.readlink(f"/proc/self/ns/{kind}") for kind in kinds},
+            "limits": {name: list(resource.getrlimit(getattr(resource, name))) for name in names}}
+
+
 def _tasks() -> dict[str, Callable[..., Any]]:
     """What the parent may ask for, by name (nothing arbitrary is ever executed)."""
     from .equivalence import math_verify_equivalent
@@ -91,6 +109,7 @@ def _tasks() -> dict[str, Callable[..., Any]]:
         "import_reasoning_gym": import_reasoning_gym,
         "echo": _echo,
         "sleep": time.sleep,  # tests use it to exercise the kill path
+        "facts": _facts,  # tests: what the worker's own process sees
     }
 
 

@@ -62,6 +62,7 @@ def _eval(args: argparse.Namespace) -> None:
     from selfopd.data import load_examples
     from selfopd.run.eval_engine import open_eval_engine
     from selfopd.run.evaluate import evaluate
+    from selfopd.run.verifier_isolation import use_verifier_isolation
     from selfopd.data.split import SplitRecord, distinct_prompts, load_split, trained_on
     from selfopd.templating.templates import load_template
     from selfopd.training.trainer import latest_checkpoint
@@ -75,6 +76,7 @@ def _eval(args: argparse.Namespace) -> None:
         raise UserError("--fresh needs --run RUN_DIR and --data SPEC: it draws SPEC past the run's prompts")
     check_output_folder(args.out, "--out")  # before the answers are computed, not when they are written
     config = load_run_config(args.run_dir, args.overrides) if args.run_dir else load_config(args.config, args.overrides)
+    use_verifier_isolation(config.verifier.isolation)
     flags = {name: value for name in SAMPLING if (value := getattr(args, name)) is not None}
     sampling = {name: flags.get(name, getattr(config.eval, name)) for name in SAMPLING}
     if sampling["samples"] > 1 and sampling["temperature"] == 0:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from selfopd.cli.common import DEFAULT_MODEL, DEFAULT_STUDENT, UserError, add_overrides, command
+from selfopd.run.verifier_isolation import use_verifier_isolation
 
 if TYPE_CHECKING:
     from selfopd.config import TrainConfig
@@ -57,6 +58,7 @@ def _config(args: argparse.Namespace) -> TrainConfig:
     from selfopd.config import load_config
 
     config = load_config(args.config, args.overrides)
+    use_verifier_isolation(config.verifier.isolation)
     args.data = args.data or config.data.spec
     args.student = args.student or config.data.student_template
     args.model = args.model or config.model.student
@@ -198,6 +200,7 @@ def _prompts_rank(args: argparse.Namespace) -> None:
         if value < 1:
             raise UserError(f"{flag} must be >= 1, got {value}")
     config = load_config(args.config, args.overrides)
+    use_verifier_isolation(config.verifier.isolation)
     templates = _rank_templates(args.templates, config.data.spec)  # every name checked before any model loads
     out = args.out or Path("runs") / f"prompts-rank-{config.run.name}"
     tournament = run_tournament(config, templates, args.prompts, args.samples, args.gap_items, args.top_k)

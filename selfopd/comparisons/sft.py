@@ -38,6 +38,7 @@ from typing import Any, ClassVar, Literal, Sequence
 
 from selfopd.core.atomic import write_json_atomic, write_lines_atomic, write_text_atomic
 from selfopd.core.models import MARKER
+from selfopd.run.verifier_isolation import use_verifier_isolation
 from selfopd.config import SECTIONS, TrainConfig, build_config
 from selfopd.data.example import Example, prompt_key
 from selfopd.config.settings import (MAX_BATCH, MAX_ITEMS, MAX_SAMPLES, MAX_STEPS, MAX_TEMPERATURE, MAX_TOKENS,
@@ -163,6 +164,7 @@ def run_sft(config: SftConfig, progress: bool = True, student_run: Path | None =
     `student_run`: a training run whose held-out prompts the teacher must never train on
     (refused, before any model loads, if it would).
     """
+    use_verifier_isolation(config.train.verifier.isolation)
     finished = _finished_config(config.model_dir)
     if finished is not None:
         _refuse_other_config(config, finished, f"{config.model_dir} holds an SFT model")

@@ -10,6 +10,7 @@ from typing import ClassVar, Literal
 from selfopd.config.settings import Section, check_printable, fail, setting
 
 TruncatedPolicy = Literal["wrong", "grade"]
+Isolation = Literal["sandbox", "limits"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,11 @@ class VerifierConfig(Section):
     truncated: TruncatedPolicy = setting(
         "wrong", "A completion stopped at max_tokens (finish_reason 'length'): 'wrong' (scored 0, not read: the "
         "number it last wrote is not a final answer) or 'grade' (graded like a finished one).")
+    isolation: Isolation = setting(
+        "sandbox", "Where answers are scored: 'sandbox', worker processes in a bubblewrap sandbox (no network, none "
+        "of your files, processes or environment, a process limit; refused at start where bubblewrap cannot run); "
+        "'limits', plain worker processes with rlimits and an audit hook only (machines without user namespaces). "
+        "docs/security.md", guarded="'limits' scores model text without a sandbox")
 
     def __post_init__(self) -> None:
         super().__post_init__()

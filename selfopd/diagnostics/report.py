@@ -30,6 +30,7 @@ from selfopd.diagnostics.signals_report import (SignalDiagnosis, measure_signals
 from selfopd.engines.base import Engine
 from selfopd.data.example import Example
 from selfopd.core.run_folder import RunFolder, load_run_config
+from selfopd.run.verifier_isolation import use_verifier_isolation
 from selfopd.core.stats import MeanEstimate
 
 CLASS_NOTES = {
@@ -107,9 +108,8 @@ class RunDiagnosis:
 
 def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, progress: bool = True,
                 transfer_items: int = 64, teacher: str = "default", overrides: Sequence[str] = ()) -> RunDiagnosis:
-    """Everything the report shows, from RUN_DIR's config (with `--set` `overrides`), saved rollouts and
-    evaluations; `with_model` adds the wrong-context contrast and the gap (the run's starting weights) and,
-    with a checkpoint, the transfer on `transfer_items` trained and held-out prompts. `teacher`: one of several."""
+    """Everything the report shows, from RUN_DIR's config (with `overrides`), rollouts and evals; `with_model` adds the
+    wrong-context contrast, the gap and, with a checkpoint, the transfer on `transfer_items` trained and held-out prompts."""
     from selfopd.data import load_examples
     from selfopd.data.split import split_examples
     from selfopd.run.summary import summarize_run
@@ -118,6 +118,7 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
         raise FileNotFoundError(f"{run_dir}: not a run folder (no config.toml)")
     if (config := load_run_config(run_dir, overrides)).teacher.kind == "none":
         raise DiagnosticsError(f"{run_dir}: teacher.kind = 'none' (GRPO alone): no teacher signal to diagnose")
+    use_verifier_isolation(config.verifier.isolation)
     by_step = read_run_rollouts(run_dir)
     examples = load_examples(config.data.spec)
     train_examples, eval_examples = split_examples(examples, eval_size=config.data.eval_size, seed=config.data.split_seed)

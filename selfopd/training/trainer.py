@@ -27,6 +27,7 @@ from selfopd.training.state import Run
 from selfopd.run.templates import config_template_names, save_run_templates
 from selfopd.data.split import SplitRecord
 from selfopd.run.tracking import MetricsLog
+from selfopd.run.verifier_isolation import use_verifier_isolation
 from selfopd.training.step import SKIPPED, batch_for_step, train_step  # noqa: F401  (public here)
 from selfopd.training.weight_checks import WeightSyncError  # noqa: F401  (public here)
 
@@ -57,6 +58,7 @@ def train(config: TrainConfig, resume: bool = False, initial_eval: Path | None =
     config = resolve_auto(config, Machine.here())  # a TrainConfig built in Python may still say 'auto'
     main = current_world().is_main
     folder = RunFolder.of(config.run.out_dir, config.run.name)
+    use_verifier_isolation(config.verifier.isolation)  # every rank grades; a sandbox that cannot start stops here
     if main:  # refused before any model loads; the folder itself is made once the inputs pass their checks
         check_writable(folder.root)
         check_not_in_use(folder.root)

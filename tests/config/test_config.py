@@ -60,7 +60,7 @@ EXPECTED_DEFAULTS = {
     "guard": dict(action="warn", window=6, kl_drop=0.1, accuracy_drop=0.05, truncated_share=0.5, truncated_rise=0.1,
                   truncated_z=1.645,
                   preference_max=0.0, preference_groups=8, starved_teacher_steps=5),
-    "verifier": dict(reasoning_start="<think>", reasoning_end="</think>", truncated="wrong"),
+    "verifier": dict(reasoning_start="<think>", reasoning_end="</think>", truncated="wrong", isolation="sandbox"),
 }
 
 
@@ -147,7 +147,8 @@ def test_round_trip_of_every_field_changed(tmp_path):
         guard=GuardConfig(action="stop", window=5, kl_drop=0.2, accuracy_drop=0.1, truncated_share=0.75,
                           truncated_rise=0.2, truncated_z=2.5, preference_max=-0.1, preference_groups=12,
                           starved_teacher_steps=3),
-        verifier=VerifierConfig(reasoning_start="<reasoning>", reasoning_end="</reasoning>", truncated="grade"),
+        verifier=VerifierConfig(reasoning_start="<reasoning>", reasoning_end="</reasoning>", truncated="grade",
+                                isolation="limits"),
     )
     changed = config_to_dict(config)
     for section, defaults in EXPECTED_DEFAULTS.items():
@@ -329,7 +330,7 @@ def test_the_expected_fields_are_literals():
         ("model", "dtype"), ("model", "attn_implementation"), ("teacher", "kind"), ("teacher", "tokenizer"), ("loss", "normalisation"), ("loss", "divergence"),
         ("loss", "opd_on"), ("loss", "opd_baseline"), ("optim", "schedule"),
         ("engine", "kind"), ("engine", "teacher_engine"), ("engine", "weight_sync"), ("engine", "compile"), ("run", "wandb_mode"),
-        ("guard", "action"), ("verifier", "truncated"),
+        ("guard", "action"), ("verifier", "truncated"), ("verifier", "isolation"),
     }
 
 
