@@ -7,10 +7,12 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 from selfopd.cli.common import UserError, add_overrides, check_output_folder, command, like_setting
 from selfopd.config import EvalConfig, RunConfig
+from selfopd.core.file_checks import checkpoint_problem
 from selfopd.core.run_folder import RunFolder, load_run_config
 
 
@@ -65,7 +67,6 @@ def _eval(args: argparse.Namespace) -> None:
     from selfopd.run.verifier_isolation import use_verifier_isolation
     from selfopd.data.split import SplitRecord, distinct_prompts, load_split, trained_on
     from selfopd.templating.templates import load_template
-    from selfopd.training.trainer import latest_checkpoint
     from selfopd.verifiers import Grading
 
     if args.engine == "local" and args.server:
@@ -88,7 +89,7 @@ def _eval(args: argparse.Namespace) -> None:
         raise UserError("--step needs --run RUN_DIR (and no --model): it names one of the run's checkpoints")
     if args.step is not None:  # one line naming the steps kept when that step's checkpoint is not
         args.model = str(RunFolder(args.run_dir).kept_checkpoint(args.step))
-    model = args.model or (latest_checkpoint(args.run_dir) if args.run_dir else None) or config.model.student
+    model = args.model or (_run_model(args.run_dir, config.model.student) if args.run_dir else config.model.student)
     args.data = args.data if args.data is not None else config.eval.data or None  # eval.data: the in-run eval's set
     if args.data is not None:
         known = set(record.eval_prompts) | set(record.train_prompts) if args.fresh else ()
@@ -133,3 +134,19 @@ def at_k_line(summary: dict) -> str:
     parts = [f"{name} {summary[name]['value']:.3f} [{summary[name]['ci95'][0]:.3f}, {summary[name]['ci95'][1]:.3f}]"
              for name in names]
     return f"{', '.join(parts)} (95% intervals over {summary[names[0]]['n']} distinct prompts)"
+
+
+def _run_model(run_dir: Path, student: str) -> str:
+    """What `eval --run RUN` evaluates: the run's newest complete checkpoint. A run whose checkpoints are
+    all incomplete or damaged is refused, naming why (it silently fell back to the starting model);
+    one that stopped before its first checkpoint evaluates model.student, saying so."""
+    folder = RunFolder(run_dir)
+    if (latest := folder.latest_checkpoint()) is not None:
+        return str(latest)
+    problems = [checkpoint_problem(path, folder.trainer_state(path)) for path in folder.checkpoint_folders()]
+    if problems:
+        raise UserError(f"{run_dir}: no complete checkpoint to evaluate ({'; '.join(map(str, problems))}); pass "
+                        "--model to evaluate another model")
+    print(f"selfopd: warning: {run_dir} has no checkpoint yet: evaluating its starting model, {student}",
+          file=sys.stderr)
+    return student

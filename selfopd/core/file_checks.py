@@ -2,14 +2,20 @@
 
 A model folder or checkpoint can come from elsewhere, or from a write cut short (a kill, a full
 disk): a loader handed a truncated safetensors file or a half-written JSON file stops with a
-traceback deep inside a library. These checks read only headers and small files, and each
-problem is one phrase that names the file."""
+traceback deep inside a library; one with a safetensors header of absurd shapes, or a config.json
+whose sizes are not sizes or describe a model far past its weights, grows memory before any error
+(transformers builds a model from its config before it reads a weight: `selfopd.core.model_sizes`).
+These checks read only headers and small files, and each problem is one phrase that names the file."""
 
 from __future__ import annotations
 
 import json
+import math
 import zipfile
 from pathlib import Path
+from typing import Any
+
+from selfopd.core.model_sizes import config_problem
 
 SAFETENSORS_HEADER_LIMIT = 100 * 2**20  # the safetensors library's own bound on a header
 
@@ -26,9 +32,23 @@ def json_object_problem(path: Path) -> str | None:
     return None if isinstance(value, dict) else f"{path}: holds a JSON {type(value).__name__}, not an object"
 
 
+# Bits an element of each safetensors dtype takes (the safetensors format's own list).
+DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8,
+              "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
+              "C64": 64, "F64": 64, "I64": 64, "U64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+
+
 def safetensors_problem(path: Path) -> str | None:
-    """Why `path` is not a whole safetensors file: its header must parse and its size must be
-    what the header describes (None: it is)."""
+    """Why `path` is not a whole safetensors file (None: it is): see `safetensors_elements`."""
+    problem = safetensors_elements(path)
+    return problem if isinstance(problem, str) else None
+
+
+def safetensors_elements(path: Path) -> int | str:
+    """The number of elements the tensors of the safetensors file `path` hold, or why it is not a
+    whole one: its header must parse, each tensor's shape be non-negative integers whose elements
+    take exactly the bytes its data_offsets span, the tensors lie one after the other, and the
+    file's size be what the header describes."""
     size = path.stat().st_size
     with path.open("rb") as handle:
         head = handle.read(8)
@@ -37,12 +57,45 @@ def safetensors_problem(path: Path) -> str | None:
             return f"{path}: not a safetensors file, or cut short ({size} bytes)"
         try:
             header = json.loads(handle.read(length).decode("utf-8"))
-            end = max([int(entry["data_offsets"][1]) for name, entry in header.items() if name != "__metadata__"],
-                      default=0)
+            tensors = sorted(((name, entry) for name, entry in header.items() if name != "__metadata__"),
+                             key=lambda item: _offsets(item[1]))
         except (UnicodeDecodeError, ValueError, TypeError, KeyError, IndexError, AttributeError):
             return f"{path}: its safetensors header is damaged"
+    end = elements = 0
+    for name, entry in tensors:
+        if (problem := _tensor_problem(name, entry, end)) is not None:
+            return f"{path}: {problem}"
+        count = math.prod(entry["shape"])
+        elements, end = elements + count, entry["data_offsets"][1]
     if size != 8 + length + end:
         return f"{path}: cut short or damaged ({size} bytes where its header describes {8 + length + end})"
+    return elements
+
+
+def _offsets(entry: Any) -> tuple[int, int]:
+    begin, end = entry["data_offsets"]
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in (begin, end)):
+        raise TypeError("data_offsets are not integers")
+    return begin, end
+
+
+def _tensor_problem(name: str, entry: dict, start: int) -> str | None:
+    """Why one tensor of a safetensors header is not whole (None: it is), `start` where the
+    tensor before it ends."""
+    shape, dtype, (begin, end) = entry.get("shape"), entry.get("dtype"), entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
+        return f"tensor {name!r} has dtype {dtype!r}, not a safetensors dtype"
+    if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                              for n in shape):
+        return f"tensor {name!r} has shape {shape!r}: not a list of non-negative integers"
+    bits = math.prod(shape) * DTYPE_BITS[dtype]
+    if begin != start or end < begin:
+        return (f"tensor {name!r} has data_offsets [{begin}, {end}], where its data should start at {start} "
+                "(overlapping or out of order: damaged)")
+    if bits != 8 * (end - begin):
+        size = bits // 8 if bits % 8 == 0 else bits / 8
+        return (f"tensor {name!r} has shape {shape} of {dtype}: {size} bytes, but its data_offsets [{begin}, {end}] "
+                f"span {end - begin}")
     return None
 
 
@@ -58,8 +111,9 @@ def zip_problem(path: Path) -> str | None:
 
 def model_folder_problem(folder: Path) -> str | None:
     """The first file of a model folder that is not whole: a JSON file (config, tokenizer,
-    index, ...) that does not parse, a safetensors file cut short, or a shard its index names
-    that is missing (None: none)."""
+    index, ...) that does not parse, a safetensors file cut short or damaged, a shard its index
+    names that is missing, or a config.json whose sizes are not sizes or describe more than the
+    weights hold (`selfopd.core.model_sizes`) (None: none)."""
     for path in sorted(folder.glob("*.json")):
         if (problem := json_object_problem(path)) is not None:
             return problem
@@ -70,9 +124,14 @@ def model_folder_problem(folder: Path) -> str | None:
             missing = sorted({str(shard) for shard in shards.values()} - {p.name for p in folder.iterdir()})
             if missing:
                 return f"{folder / missing[0]}: missing, though {path.name} names it"
+    elements, data_bytes = None, 0
     for path in sorted(folder.glob("*.safetensors")):
-        if (problem := safetensors_problem(path)) is not None:
-            return problem
+        if isinstance(count := safetensors_elements(path), str):
+            return count
+        elements, data_bytes = (elements or 0) + count, data_bytes + path.stat().st_size
+    config = folder / "config.json"
+    if config.is_file() and not (folder / "adapter_config.json").is_file():  # an adapter's weights are not the model's
+        return config_problem(config, json.loads(config.read_text()), elements, data_bytes)
     return None
 
 

@@ -36,7 +36,8 @@ def from_pretrained(loader: Any, folder: str | os.PathLike[str], *, trust_remote
     """`loader.from_pretrained(folder, ...)` (a transformers Auto class) with trust_remote_code
     always explicit, so only model.trust_remote_code runs a model's own code; a folder that
     needs it is refused with one line that names the setting. A local folder's files are
-    checked whole first (`model_folder_problem`): a damaged one is named, not a library's traceback."""
+    checked first (`model_folder_problem`: whole, and a config whose sizes are sizes and not far past
+    its weights): a damaged or hostile one is named, not a library's traceback or a memory bomb."""
     from huggingface_hub.errors import StrictDataclassError
 
     if Path(folder).is_dir() and (problem := model_folder_problem(Path(folder))) is not None:
@@ -80,7 +81,8 @@ def selfopd_home() -> Path:
 
 def resolve_model(spec: str | os.PathLike[str], revision: str = "") -> Path:
     """Return a local folder for `spec`, converting or downloading it on first use. `revision`
-    pins a hub id (a folder or packaged model, already resolved, is used as it is)."""
+    pins a hub id (a folder or packaged model, already resolved, is used as it is). A folder, and a
+    hub snapshot once downloaded, is checked (`model_folder_problem`) before anything builds from it."""
     text = str(spec)
     if text in PACKAGED_MODELS:
         return prepare_packaged_model(text)
@@ -88,6 +90,8 @@ def resolve_model(spec: str | os.PathLike[str], revision: str = "") -> Path:
     if path.exists():
         if not (path / "config.json").is_file():
             raise ModelError(f"model folder {path} has no config.json: not a Hugging Face model folder")
+        if (problem := model_folder_problem(path)) is not None:  # before a loader or a vLLM server builds from it
+            raise ModelError(f"cannot load the model folder {path}: {problem}")
         return path
     if looks_like_hub_id(text):
         return _download_from_hub(text, revision)
@@ -175,14 +179,19 @@ def _download_from_hub(repo_id: str, revision: str = "") -> Path:
 
     # *.py: a model's own code, downloaded but run only with model.trust_remote_code (`from_pretrained`).
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"]
+    at = f" at revision {revision!r}" if revision else ""
     try:
-        return Path(snapshot_download(repo_id, revision=revision or None, allow_patterns=patterns))
+        folder = Path(snapshot_download(repo_id, revision=revision or None, allow_patterns=patterns))
     except Exception as error:  # the hub client raises many types; all mean "not available"
-        at = f" at revision {revision!r}" if revision else ""
         raise ModelError(
             f"could not download model {repo_id!r}{at} from the Hugging Face hub ({type(error).__name__}: {error}). "
             "Offline, use a local folder or a packaged model: " + ", ".join(PACKAGED_MODELS)
         ) from error
+    # Checked once downloaded, before any loader (a vLLM server launched on it too) builds from it.
+    if (problem := model_folder_problem(folder)) is not None:
+        raise ModelError(f"cannot load the model folder {folder} (model {repo_id!r}{at} from the Hugging Face hub): "
+                         f"{problem}")
+    return folder
 
 
 def _sha256(path: Path) -> str:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Sequence
 
 from selfopd.data.example import Example
+from selfopd.templating.chat_template import chat_text
 from selfopd.templating.templates import (
     OPTIONAL_FIELDS,
     PROMPTS_DIR,
@@ -137,8 +138,7 @@ def generation_prompt(tokenizer: Any, messages: Sequence[dict[str, str]], templa
     """The text the chat template's generation prompt adds after `messages` with these arguments:
     what the completion is scored right after (the whole prompt when the two renderings diverge)."""
     def render(add: bool) -> str:
-        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=add, tokenize=False,
-                                             **template_kwargs)
+        return chat_text(tokenizer, messages, add, template_kwargs)
 
     whole, conversation = render(True), render(False)
     return whole[len(conversation):] if whole.startswith(conversation) else whole

@@ -319,7 +319,7 @@ class Sandbox(ImmutableSandboxedEnvironment):
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         del self.globals["lipsum"]  # lorem ipsum of any length: no use in a prompt
-        self.filters = {name: _guarded_filter(name, f) for name, f in self.filters.items()}
+        self.filters = {name: guarded_filter(name, f) for name, f in self.filters.items()}
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         what = f"{operator!r}"
@@ -361,7 +361,7 @@ class Sandbox(ImmutableSandboxedEnvironment):
         return functools.update_wrapper(checked, value)
 
 
-def _guarded_filter(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+def guarded_filter(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
     """`function` (a filter), its input and result bounded like a call's."""
     lead = 1 if getattr(function, "jinja_pass_arg", None) is not None else 0  # context, eval context or environment
     what = f"filter {name!r}"

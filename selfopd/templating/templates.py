@@ -36,6 +36,8 @@ from jinja2 import meta as jinja_meta
 from jinja2.sandbox import SecurityError
 
 from selfopd.data.example import Example
+from selfopd.templating.chat_template import chat_ids
+from selfopd.templating.errors import TemplateError, TemplateLimitError
 from selfopd.templating.sandbox import MAX_RENDER_CHARS, LIMITS_DOC, RenderLimit, Sandbox, render_budget
 from selfopd.templating.template_files import FolderLoader, IncludeRefused, TemplateFileError, read_template_file
 
@@ -59,14 +61,6 @@ OPTIONAL_FIELDS = ("solution", "hints", "fact_sheet")  # privileged fields only 
 # A stand-in sibling demonstration, for rendering a template before any rollout exists
 # (start-up checks, `selfopd prompts lint` and `render`).
 SAMPLE_DEMONSTRATION = "Adding the two numbers step by step gives the final answer, \\boxed{0}."
-
-
-class TemplateError(ValueError):
-    """A template that cannot be found, parsed or rendered; the message names the file."""
-
-
-class TemplateLimitError(TemplateError):
-    """A template that went past a size, work or time limit while rendering."""
 
 
 # What expressions in a template can raise while rendering: the template's fault, reported
@@ -242,10 +236,9 @@ def prompt_token_ids(tokenizer: Any, messages: Sequence[Message],
     """Token ids of `messages` through the model's own chat template, ending with the
     assistant header: appending a completion's exact ids gives a valid sequence.
     `template_kwargs`: the role's chat-template arguments (model.chat_template_kwargs for the
-    student, `TeacherConfig.template_kwargs` for a teacher), e.g. enable_thinking."""
-    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=False,
-                                        **template_kwargs)
-    return list(ids)
+    student, `TeacherConfig.template_kwargs` for a teacher), e.g. enable_thinking. The chat template
+    renders within the bounds of selfopd's own templates (`chat_template`)."""
+    return chat_ids(tokenizer, messages, True, template_kwargs)
 
 
 def _user_content(messages: Sequence[Message]) -> str:
@@ -259,8 +252,12 @@ def _find_template(name: str, root: Path | None = None) -> Path:
     searched = ([root / name, root / f"{name}.jinja"] if root is not None else [])
     candidates = [*searched, Path(name), PROMPTS_DIR / name, PROMPTS_DIR / f"{name}.jinja"]
     for candidate in candidates:
-        if candidate.is_file():
-            return candidate.resolve()
+        try:
+            if candidate.is_file():
+                return candidate.resolve()
+        except OSError as error:  # a name past what the file system takes (ENAMETOOLONG)
+            raise TemplateError(f"no template {name[:80]!r}{'...' if len(name) > 80 else ''} ({len(name)} characters): "
+                                f"{error.strerror}; name a template file or one of the shipped templates") from None
     raise TemplateError(
         f"no template {name!r}: not a file and not one of the shipped templates ({', '.join(list_templates())})"
     )

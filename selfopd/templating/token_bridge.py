@@ -27,6 +27,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from selfopd.templating.chat_template import chat_ids
 from selfopd.templating.templates import Message, prompt_token_ids
 from selfopd.templating.token_alignment import SpanAlignment, align_spans, decode, token_ends
 from selfopd.templating.tokenizer_check import CHAT_PROBES, TokenizerMismatch, check_tokenizers_compatible
@@ -121,8 +122,7 @@ def turn_end(tokenizer: Any, name: str, template_kwargs: Mapping[str, Any] | Non
     for label, messages in CHAT_PROBES:
         prompt = prompt_token_ids(tokenizer, messages, kwargs)
         answer = tokenizer.encode(BOUNDARY_ANSWER, add_special_tokens=False)
-        whole = list(tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": BOUNDARY_ANSWER}],
-                                                   tokenize=True, return_dict=False, **kwargs))
+        whole = chat_ids(tokenizer, [*messages, {"role": "assistant", "content": BOUNDARY_ANSWER}], False, kwargs)
         if whole[: len(prompt)] != prompt:
             at = next(i for i, (a, b) in enumerate(zip(whole, prompt)) if a != b) if len(whole) >= len(prompt) else len(whole)
             raise ChatBoundaryError(

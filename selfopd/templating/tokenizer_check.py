@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+from selfopd.templating.chat_template import chat_text
+from selfopd.templating.errors import TemplateLimitError
 from selfopd.templating.templates import Message, prompt_token_ids
 
 MAX_EXAMPLES = 5
@@ -152,7 +154,8 @@ def _chat_template_problems(student_tokenizer: Any, teacher_tokenizer: Any, name
 def _render(tokenizer: Any, messages: Sequence[Message], kwargs: Mapping[str, Any]) -> tuple[list[int], str] | Exception:
     """Generation-prompt ids and text, or the error of a tokenizer without a usable template."""
     try:
-        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False, **kwargs)
-        return prompt_token_ids(tokenizer, messages, kwargs), text
+        return prompt_token_ids(tokenizer, messages, kwargs), chat_text(tokenizer, messages, True, kwargs)
+    except TemplateLimitError:  # a template past a bound stops here: the next render would too
+        raise
     except Exception as error:  # a missing or broken template: reported by the caller
         return error

@@ -157,3 +157,82 @@ def test_eval_on_a_launched_vllm_server_writes_avg_and_pass_at_k(tmp_path, serva
     assert all(1 <= row["completion_tokens"] <= 4 for row in rows)
     assert (out / "server-logs").is_dir() and not port_in_use("127.0.0.1", port)  # the server was stopped
     assert "avg@2 " in capsys.readouterr().out
+
+
+def _hostile_model(tiny_model_dir, folder, kind: str):
+    """A copy of the tiny model made hostile in one way: a config of 10**9 layers (transformers would
+    build them before reading a weight), one of 20x its width (a model far past its weights), a
+    safetensors header of an absurd shape, or a chat template of nested loops."""
+    import shutil
+
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    if kind in ("layers", "width"):
+        config.update(num_hidden_layers=10**9) if kind == "layers" else config.update(hidden_size=1280)
+        (folder / "config.json").write_text(json.dumps(config))
+    elif kind == "shape":
+        weights = folder / "model.safetensors"
+        raw = weights.read_bytes()
+        length = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8:8 + length])
+        header["model.embed_tokens.weight"]["shape"] = [10**12, 10**12]
+        text = json.dumps(header).encode()
+        weights.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + length:])
+    else:
+        (folder / "chat_template.jinja").write_text(
+            "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}")
+    return folder
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("layers", r"{model}/config\.json: num_hidden_layers = 1000000000: past 16,777,216, the most a model size can be"),
+    ("width", r"{model}/config\.json: its sizes \(num_hidden_layers 2, hidden_size 1280, intermediate_size 128, "
+              r"vocab_size 49152\) describe a model of at least [\d,]+ parameters, more than 2x the 3,219,776 its "
+              r"safetensors files hold"),
+    ("shape", r"{model}/model\.safetensors: tensor 'model\.embed_tokens\.weight' has shape \[1000000000000, "
+              r"1000000000000\] of F32"),
+    ("chat template", r"{model}/chat_template\.jinja:1: the model's chat template: rendering took over 2 s of CPU "
+                      r"time, the time limit of a prompt"),
+], ids=["layers", "width", "shape", "chat template"])
+def test_eval_of_a_run_with_a_hostile_model_is_one_line_in_seconds(tmp_path, tiny_model_dir, capsys, kind, message):
+    """`selfopd eval --run RUN --model FOLDER` with a model folder from elsewhere: one line naming
+    the file and key, exit 1, no traceback, no output, in seconds; before, the layers grew memory
+    for minutes and the template rendered for hours."""
+    import time
+
+    from selfopd.config import config_to_toml, load_config
+    from selfopd.core.run_folder import RunFolder
+    from selfopd.data.split import SplitRecord, load_split
+
+    spec = "rg:chain_sum?min_terms=2&max_terms=2&size=20&seed=3"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    RunFolder(run_dir).write_config(config_to_toml(load_config(None, [f"data.spec={spec}", "data.eval_size=2"])))
+    SplitRecord.of(spec, 0, *load_split(spec, 2, 0)).write(run_dir)
+    model = _hostile_model(tiny_model_dir, tmp_path / "model", kind)
+    out = tmp_path / "eval"
+    started = time.monotonic()
+    assert main(["eval", "--run", str(run_dir), "--model", str(model), "--out", str(out)]) == 1
+    assert time.monotonic() - started < 60
+    assert re.search(message.format(model=re.escape(str(model))), _one_line(capsys))
+    assert not out.exists()
+
+
+def test_eval_of_a_run_whose_checkpoints_are_all_damaged_is_refused_naming_why(tmp_path, tiny_model_dir, capsys):
+    """It evaluated the run's starting model without a word before."""
+    from selfopd.config import config_to_toml, load_config
+    from selfopd.core.run_folder import RunFolder
+
+    from selfopd.data.split import SplitRecord, load_split
+
+    data = "rg:chain_sum?min_terms=2&max_terms=2&size=40&seed=3"
+    run = RunFolder(tmp_path / "run")
+    run.root.mkdir()
+    run.write_config(config_to_toml(load_config(None, [f"model.student={tiny_model_dir}", f"data.spec={data}",
+                                                       "data.eval_size=4"])))
+    SplitRecord.of(data, 0, *load_split(data, 4, 0)).write(run.root)
+    run.checkpoint(2).mkdir(parents=True)  # a kill before its first file
+    assert main(["eval", "--run", str(run.root)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"selfopd: error: {run.root}: no complete checkpoint to evaluate ({run.checkpoint(2)}: empty (its "
+                   "write was cut short)); pass --model to evaluate another model"], err

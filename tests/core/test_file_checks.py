@@ -72,3 +72,95 @@ def test_a_checkpoint_is_complete_with_weights_config_and_a_whole_trainer_state(
     assert checkpoint_problem(empty, empty / state.name) == f"{empty}: empty (its write was cut short)"
     (folder / "model.safetensors").unlink()
     assert checkpoint_problem(folder, state) == f"{folder}: holds no weights (*.safetensors)"
+
+
+def _edit_header(path: Path, edit) -> None:
+    """Rewrite the safetensors file `path` with its header changed by `edit(header)`, its data kept."""
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + length])
+    edit(header)
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + length:])
+
+
+def _set(name: str, key: str, value):
+    return lambda header: header[name].__setitem__(key, value)
+
+
+# `folder`'s weights: "b", 4 floats at [0, 16], then "w", 16 floats at [16, 80].
+@pytest.mark.parametrize("edit, expected", [
+    (_set("w", "shape", [10**12, 10**12]),
+     r"tensor 'w' has shape \[1000000000000, 1000000000000\] of F32: 4000000000000000000000000 bytes, but its "
+     r"data_offsets \[16, 80\] span 64"),
+    (_set("w", "shape", [-4, -16]), r"tensor 'w' has shape \[-4, -16\]: not a list of non-negative integers"),
+    (_set("w", "shape", "4x4"), r"tensor 'w' has shape '4x4': not a list of non-negative integers"),
+    (_set("w", "shape", [4, 4.0]), r"tensor 'w' has shape \[4, 4\.0\]: not a list of non-negative integers"),
+    (_set("w", "dtype", "F128"), r"tensor 'w' has dtype 'F128', not a safetensors dtype"),
+    (_set("w", "dtype", ["F32"]), r"tensor 'w' has dtype \['F32'\], not a safetensors dtype"),
+    (_set("w", "dtype", "F16"), r"tensor 'w' has shape \[4, 4\] of F16: 32 bytes, but its data_offsets \[16, 80\] span 64"),
+    (_set("w", "data_offsets", [16, 76]), r"tensor 'w' has shape \[4, 4\] of F32: 64 bytes, but its data_offsets "
+                                          r"\[16, 76\] span 60"),
+    (_set("w", "data_offsets", [8, 72]), r"tensor 'w' has data_offsets \[8, 72\], where its data should start at 16 "
+                                         r"\(overlapping or out of order: damaged\)"),
+    (_set("b", "data_offsets", [64, 80]), r"tensor 'w' has data_offsets \[16, 80\], where its data should start at 0"),
+    (_set("w", "data_offsets", [16, 10**30]), r"tensor 'w' has shape \[4, 4\] of F32: 64 bytes, but its data_offsets "
+                                              r"\[16, 1000000000000000000000000000000\] span"),
+    (_set("w", "data_offsets", [16, -80]), r"tensor 'w' has data_offsets \[16, -80\], where its data should start"),
+    (_set("w", "data_offsets", [16, "80"]), r"its safetensors header is damaged"),
+    (lambda header: header.update(x={"dtype": "F32", "shape": [1], "data_offsets": [80, 84]}),
+     r"cut short or damaged \(\d+ bytes where its header describes \d+\)"),
+])
+def test_a_safetensors_header_of_absurd_or_inconsistent_tensors_is_named(folder, edit, expected):
+    """What the safetensors library refuses with a traceback (or, for absurd shapes, what a loader
+    would allocate) is one phrase naming the file and the tensor, before any loader runs."""
+    path = folder / "model.safetensors"
+    _edit_header(path, edit)
+    assert re.search(f"^{path}: {expected}", safetensors_problem(path)), safetensors_problem(path)
+    assert model_folder_problem(folder) == safetensors_problem(path)
+
+
+def test_the_safetensors_dtypes_are_the_libraries_own(tmp_path):
+    """Every dtype torch saves through safetensors is known, with its size."""
+    from safetensors.torch import _SIZE, _TYPES
+
+    from selfopd.core.file_checks import DTYPE_BITS
+
+    for name, dtype in _TYPES.items():
+        assert DTYPE_BITS[name] == 8 * _SIZE[dtype], name
+    save_file({"x": torch.ones(3, dtype=torch.bfloat16), "y": torch.ones(2, 2, dtype=torch.int64),
+               "z": torch.ones(5, dtype=torch.float8_e4m3fn)}, tmp_path / "m.safetensors")
+    assert safetensors_problem(tmp_path / "m.safetensors") is None
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"num_hidden_layers": 10**9}, r"num_hidden_layers = 1000000000: past 16,777,216, the most a model size can be"),
+    ({"vocab_size": -1}, r"vocab_size = -1: a model size must be a positive whole number"),
+    ({"num_hidden_layers": 0}, r"num_hidden_layers = 0: a model size must be a positive whole number"),
+    ({"hidden_size": "64"}, r"hidden_size = '64': a model size must be a positive whole number"),
+    ({"text_config": {"vocab_size": 0}}, r"text_config\.vocab_size = 0: a model size must be a positive whole number"),
+    ({"vision_config": {"depth": 10**9}}, r"vision_config\.depth = 1000000000: past 16,777,216"),
+    ({"intermediate_size": -5}, r"intermediate_size = -5: a model size must be a whole number >= 0"),
+    ({"num_attention_heads": [4] * 10**5 + [-1]},  # a million characters in a config: 60 in the message
+     r"num_attention_heads = \[4, 4, 4, [4, ]+4,\.\.\.: a model size must be a positive whole number$"),
+    ({"vocab_size": 10**400}, r"vocab_size = 1000+\.\.\.: past 16,777,216"),
+    ({"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 20},
+     r"its sizes \(num_hidden_layers 20, hidden_size 256, intermediate_size 1024\) describe a model of at least "
+     r"13,107,200 parameters, more than 2x the 20 its safetensors files hold \(a damaged or hostile config\): refused "
+     r"before anything is built"),
+])
+def test_a_config_whose_sizes_are_not_sizes_or_past_the_weights_is_named(folder, change, expected):
+    """What transformers would build from before it reads a weight: refused naming the file and key."""
+    config = {"model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2,
+              "num_hidden_layers": 2, **change}
+    (folder / "config.json").write_text(json.dumps(config))
+    assert re.search(f"^{folder}/config.json: {expected}", model_folder_problem(folder)), model_folder_problem(folder)
+
+
+def test_an_adapter_folder_is_not_compared_with_its_base_models_config(folder):
+    """A LoRA adapter's weights are a sliver of the model its config.json describes."""
+    (folder / "config.json").write_text(json.dumps({"hidden_size": 4096, "num_hidden_layers": 32,
+                                                    "intermediate_size": 11008, "vocab_size": 32000}))
+    assert "describe a model of at least" in model_folder_problem(folder)
+    (folder / "adapter_config.json").write_text('{"r": 8}')
+    assert model_folder_problem(folder) is None

@@ -238,3 +238,29 @@ def test_a_revision_that_pins_nothing_is_refused(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as error:
         load_config(None, overrides)
     assert "\n" not in str(error.value)
+
+
+def test_a_hub_model_is_checked_once_downloaded(hub_cache):
+    """A hub repository's config.json of 10**9 layers is refused when resolved, before any loader or
+    vLLM server (launched on the resolved folder) builds from it."""
+    config = hub_cache / "snapshots" / SHAS["v1"] / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "num_hidden_layers": 10**9}))
+    assert resolve_model("org/tiny") == hub_cache / "snapshots" / SHAS["main"]
+    with pytest.raises(ModelError, match=rf"^cannot load the model folder {hub_cache}/snapshots/b+ \(model 'org/tiny' at "
+                                         rf"revision 'v1' from the Hugging Face hub\): {config}: num_hidden_layers = "
+                                         r"1000000000: past 16,777,216, the most a model size can be$"):
+        resolve_model("org/tiny", "v1")
+
+
+def test_a_local_folder_is_checked_when_resolved(tiny_model_dir, tmp_path):
+    """`selfopd serve` launches vLLM on the resolved folder with no transformers load before it."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    assert resolve_model(folder) == folder
+    (folder / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()),
+                                                    "vocab_size": -1}))
+    with pytest.raises(ModelError, match=rf"^cannot load the model folder {folder}: {folder}/config\.json: vocab_size = "
+                                         r"-1: a model size must be a positive whole number$"):
+        resolve_model(folder)
