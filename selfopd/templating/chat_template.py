@@ -27,7 +27,7 @@ from jinja2 import nodes
 from jinja2.exceptions import TemplateError as JinjaTemplateError
 from jinja2.ext import Extension, loopcontrols
 
-from selfopd.templating.errors import TemplateLimitError
+from selfopd.templating.errors import TemplateError, TemplateLimitError
 from selfopd.templating.sandbox import LIMITS_DOC, MAX_RENDER_CHARS, RenderLimit, Sandbox, guarded_filter, render_budget
 
 FILENAME = "<chat template>"  # what the compiled template's frames carry, to find the line that failed
@@ -56,7 +56,19 @@ def chat_text(tokenizer: Any, messages: Sequence[Mapping[str, Any]], add_generat
     except RecursionError:
         raise TemplateLimitError(f"{template_location(tokenizer, None)}: the model's chat template calls itself "
                                  "past Python's recursion limit") from None
+    except JinjaTemplateError as error:  # raise_exception('...'), or an error in the template itself
+        raise ChatTemplateError(f"{template_location(tokenizer, error)}: the model's chat template: "
+                                f"{type(error).__name__}: {error}", str(error)) from None
     return "".join(pieces)
+
+
+class ChatTemplateError(TemplateError, JinjaTemplateError):
+    """A model's chat template that raised (`raise_exception`, or a template error): one line naming the
+    model's file for selfopd's commands, and still the jinja2 error transformers' callers catch."""
+
+    def __init__(self, message: str, raised: str) -> None:
+        super().__init__(message)
+        self.raised = raised
 
 
 def chat_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,

@@ -17,7 +17,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from selfopd.templating.chat_template import chat_ids, chat_text
-from selfopd.templating.errors import TemplateLimitError
+from selfopd.templating.errors import TemplateError, TemplateLimitError
 from selfopd.templating.sandbox import MAX_RENDER_SECONDS
 from selfopd.templating.templates import prompt_token_ids
 from tests.thinking_template import THINKING_TEMPLATE
@@ -90,8 +90,10 @@ def test_a_template_that_raises_raises_as_transformers_does(smollm2_tokenizer):
     messages = [{"role": "narrator", "content": "x"}]
     with pytest.raises(jinja2.TemplateError, match="^bad role$"):
         tokenizer.apply_chat_template(messages, tokenize=False)
-    with pytest.raises(jinja2.TemplateError, match="^bad role$"):
+    with pytest.raises(jinja2.TemplateError, match=r"\(its tokenizer's chat template, line \d+\): the model's chat "
+                                                   r"template: TemplateError: bad role$") as raised:
         chat_text(tokenizer, messages, True, {})
+    assert isinstance(raised.value, TemplateError) and raised.value.raised == "bad role"  # a user error, one line
 
 
 def _model_with_template(tiny_model_dir, tmp_path: Path, template: str, in_config: bool = False) -> Path:
