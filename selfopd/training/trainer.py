@@ -18,7 +18,7 @@ from selfopd.config import DEFAULT_TEACHER, TrainConfig, config_to_toml
 from selfopd.config.auto import Machine, resolve_auto
 from selfopd.core.distributed import all_sum, barrier, close_process_group, current_world
 from selfopd.run.folder_guard import check_not_in_use, check_writable, claimed_run_folder, refuse_finished, writing
-from selfopd.core.run_folder import RunFolder
+from selfopd.core.run_folder import RunFolder, refuse_links
 from selfopd.engines.transfer_wire import check_trainer_address
 from selfopd.training.outputs import plot_run, prune_checkpoints, reuse_eval, run_eval, save_checkpoint
 from selfopd.training.routing import starved_teachers
@@ -64,10 +64,12 @@ def train(config: TrainConfig, resume: bool = False, initial_eval: Path | None =
         check_not_in_use(folder.root)
         if config.engine.kind == "vllm":
             check_trainer_address(config.engine.trainer_address)
-        if resume and folder.metrics.exists():  # a damaged record is named now, not after the servers start
-            from selfopd.core.plots import read_metrics
+        if resume:  # a link or a damaged record is named now, not after the servers start (`selfopd compare`
+            refuse_links(folder)  # resumes its arms here, without load_run_config)
+            if folder.metrics.exists():
+                from selfopd.core.plots import read_metrics
 
-            read_metrics(folder.metrics)
+                read_metrics(folder.metrics)
     checkpoint = resume_checkpoint(folder) if resume else None  # the newest complete one, saying what it skips
     if not resume:
         refuse_finished(folder)

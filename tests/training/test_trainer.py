@@ -358,3 +358,18 @@ def test_a_teacher_row_past_the_teacher_context_stops_the_step_naming_it(tmp_pat
                        r"context of 40 tokens"):
         train_step(run)
     assert run.step == 0
+
+
+def test_a_resume_by_train_itself_refuses_links_before_anything_runs(tmp_path, tiny_model_dir):
+    """`selfopd compare` resumes its arms through train(resume=True), not load_run_config: the link check
+    runs there too, before a checkpoint is chosen or pruned."""
+    from selfopd.core.run_folder import CheckpointError, RunFolder
+
+    config = _config(tmp_path, tiny_model_dir)
+    run = RunFolder.of(config.run.out_dir, config.run.name)
+    (tmp_path / "elsewhere" / "step_00001").mkdir(parents=True)
+    run.root.mkdir(parents=True)
+    run.checkpoints.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(CheckpointError, match=r"checkpoints: a link \(to .*elsewhere\), which selfopd does not follow"):
+        train(config, resume=True)
+    assert (tmp_path / "elsewhere" / "step_00001").is_dir() and sorted(p.name for p in run.root.iterdir()) == ["checkpoints"]
