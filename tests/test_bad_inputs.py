@@ -229,6 +229,9 @@ FRESH: list[Case] = [
      r"{tmp}/t\.jinja:2: variable 'question' is undefined"),
     ("student-sees-answer", lambda s: s.train(s.setting("data.student_template", "t.jinja", "{{ prompt }} {{ answer }}")),
      r"{tmp}/t\.jinja:1: variable 'answer' is undefined"),
+    ("eval-template-sees-answer", lambda s: s.train(s.setting("eval.student_template", "t.jinja",
+                                                              "{{ prompt }} {{ answer }}")),
+     r"eval\.student_template: {tmp}/t\.jinja:1: variable 'answer' is undefined"),
     ("teacher-template-undefined", lambda s: s.train(s.setting("teacher.template", "t.jinja", "{{ prompt }}\n{{ secret }}")),
      r"{tmp}/t\.jinja:2: variable 'secret' is undefined"),
     ("sandbox-escape", lambda s: s.train(s.setting(
@@ -275,6 +278,12 @@ FRESH: list[Case] = [
      r"context of 2048"),
     ("is-ratio-with-top-p", lambda s: s.train("rollout.top_p=0.9"),
      r"loss\.is_cap: must be 0 with rollout\.top_p = 0\.9 < 1"),
+    ("is-ratio-with-top-k", lambda s: s.train("rollout.top_k=20"),
+     r"loss\.is_cap: must be 0 with rollout\.top_k = 20 > 0"),
+    ("wrong-reward-under-group-norm", lambda s: s.train("loss.lambda_rl=1", "loss.wrong_reward=-1"),
+     r"loss\.wrong_reward: -1 changes nothing with loss\.rl_advantage = 'group_norm'"),
+    ("entry-clip-of-sampled-tokens", lambda s: s.train("loss.token_clip=0.05", "loss.clip_per=vocabulary_entry"),
+     r"loss\.clip_per: 'vocabulary_entry' caps the terms of a full-vocabulary divergence; loss\.divergence is 'sampled'"),
     ("resume-and-config", lambda s: ["train", str(s.file("c.toml", "")), "--resume", str(s.tmp)],
      r"give either a CONFIG or --resume RUN_DIR"),
 ]

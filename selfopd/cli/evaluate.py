@@ -21,8 +21,9 @@ def add_eval_command(commands: argparse._SubParsersAction) -> None:
                         "greedy or avg@k accuracy of a model on distinct held-out prompts, with a 95%% interval")
     evaluate.add_argument("config", nargs="?", type=Path,
                           help="training config whose model, data, split, template, eval and verifier settings "
-                               "(what is graded: the text after a reasoning block, verifier.truncated) are the "
-                               "defaults (default: all defaults; with --run: the run's own)")
+                               "(what is graded: the text after a reasoning block, verifier.truncated; eval."
+                               "student_template, eval.chat_template_kwargs, eval.truncated and eval.reasoning "
+                               "where set) are the defaults (default: all defaults; with --run: the run's own)")
     add_overrides(evaluate, "eval.max_tokens=96")
     evaluate.add_argument("--run", dest="run_dir", type=Path, metavar="RUN_DIR",
                           help="evaluate that run's recorded held-out prompts (its split.json), by default with its "
@@ -49,8 +50,9 @@ def add_eval_command(commands: argparse._SubParsersAction) -> None:
                               help=f"{what} (default: eval.{name}, {getattr(EvalConfig(), name)})")
     evaluate.add_argument("--engine", choices=("local", "vllm"),
                           help="local: in process (HF generate); vllm: vLLM servers of the model, launched as training "
-                               "launches the student's ([engine] settings) unless --server (default: local, or vllm "
-                               "with --server)")
+                               "launches the student's ([engine] settings) unless --server (default: vllm with "
+                               "--server, or with --run when the run's engine.kind is 'vllm' or 'vllm_colocate': the "
+                               "run's own engine; else local)")
     evaluate.add_argument("--server", metavar="URL",
                           help="a running vLLM server that serves the model (its tokenizer is read from --model or the "
                                "config's model.student)")
@@ -62,12 +64,11 @@ def add_eval_command(commands: argparse._SubParsersAction) -> None:
 def _eval(args: argparse.Namespace) -> None:
     from selfopd.config import load_config
     from selfopd.data import load_examples
-    from selfopd.run.eval_engine import open_eval_engine
-    from selfopd.run.evaluate import evaluate
+    from selfopd.run.eval_engine import eval_engine_kind, open_eval_engine
+    from selfopd.run.evaluate import eval_prompting, evaluate
     from selfopd.run.verifier_isolation import use_verifier_isolation
     from selfopd.data.split import SplitRecord, distinct_prompts, load_split, trained_on
     from selfopd.templating.templates import load_template
-    from selfopd.verifiers import Grading
 
     if args.engine == "local" and args.server:
         raise UserError("--server URL samples on that vLLM server: drop --engine local (or --server)")
@@ -83,7 +84,8 @@ def _eval(args: argparse.Namespace) -> None:
     if sampling["samples"] > 1 and sampling["temperature"] == 0:
         raise UserError(f"--samples {sampling['samples']} (avg@k) needs --temperature > 0: greedy samples are identical")
     config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, **flags))
-    template = load_template(config.data.student_template)
+    prompting = eval_prompting(config)  # the in-run eval's template, chat-template arguments and grading
+    template = load_template(prompting.template)
     record = SplitRecord.read(args.run_dir) if args.run_dir else None
     if args.step is not None and (args.run_dir is None or args.model):
         raise UserError("--step needs --run RUN_DIR (and no --model): it names one of the run's checkpoints")
@@ -108,19 +110,23 @@ def _eval(args: argparse.Namespace) -> None:
         else:
             examples = {"train": train, "eval": held_out, "all": train + held_out}[args.split]
             what = f"{config.data.spec} [{args.split}]"
+    kind = eval_engine_kind(args.engine, args.server, config if args.run_dir else None)
+    if kind == "vllm" and args.engine is None and args.server is None:
+        print(f"sampling on vLLM, as {args.run_dir} trained (engine.kind = {config.engine.kind!r}); --engine local "
+              "samples in process")
     with contextlib.ExitStack() as stack:
-        engine, tokenizer = open_eval_engine(model, config, args.engine or ("vllm" if args.server else "local"),
-                                             args.server, stack, args.out / "server-logs")
+        engine, tokenizer = open_eval_engine(model, config, kind, args.server, stack, args.out / "server-logs")
         accuracy, _ = evaluate(engine, tokenizer, examples, template, config.eval.max_tokens, config.eval.batch_size,
-                               out_dir=args.out, seed=args.seed, grading=Grading.of(config.verifier),
-                               template_kwargs=config.model.chat_template_kwargs,
+                               out_dir=args.out, seed=args.seed, grading=prompting.grading,
+                               template_kwargs=prompting.template_kwargs,
                                **{name: sampling[name] for name in SAMPLING if name != "max_tokens"})
     print(f"{model} on {what} with {template.name}: accuracy {accuracy} "
           f"({len(examples)} items, {distinct_prompts(examples)} distinct prompts)")
     summary = json.loads((args.out / "summary.json").read_text())
     print(at_k_line(summary))
     print(f"truncated at eval.max_tokens: {summary['truncated_share']:.1%} of answers; no answer graded: "
-          f"{summary['no_answer_share']:.1%} (verifier.truncated = {config.verifier.truncated!r})")
+          f"{summary['no_answer_share']:.1%} ({'eval' if config.eval.truncated else 'verifier'}.truncated = "
+          f"{prompting.grading.truncated!r})")
     print(f"wrote {args.out / 'eval.jsonl'} and {args.out / 'summary.json'}")
 
 

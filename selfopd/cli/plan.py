@@ -45,6 +45,7 @@ def _plan(args: argparse.Namespace) -> int:
 def memory_plan(config: Any, gpu_memory_gib: float | None = None, gpu_name: str = "", trainer_gpus: int | None = None,
                 prompt_tokens: int = 256) -> Any:
     """The RunPlan of `config` on the GPUs given, or on this machine's."""
+    from selfopd.config.auto import Machine
     from selfopd.engines.memory_fit import detected_gpu, plan_run
 
     here = detected_gpu()
@@ -52,7 +53,7 @@ def memory_plan(config: Any, gpu_memory_gib: float | None = None, gpu_name: str 
         gpu_name, gpu_memory_gib = gpu_name or here[0], here[1]
     world = trainer_gpus or int(os.environ.get("WORLD_SIZE", "1") or 1)
     return plan_run(config, capacity_gib=gpu_memory_gib, gpu_name=gpu_name or "GPU", world=world,
-                    prompt_tokens=prompt_tokens)
+                    prompt_tokens=prompt_tokens, gpu_count=Machine.here().gpu_count if here is not None else None)
 
 
 def show_plan(config: Any) -> str:

@@ -165,7 +165,10 @@ def loss_label(loss: Any) -> str:
              "OPD on failed only" if loss.opd_on == "failed" else "",
              "vs wrong context" if loss.opd_baseline == "wrong_context" else "",
              "pass-rate weighted" if loss.pass_rate_weighting else "",
-             f"clip {loss.token_clip:g}" if loss.token_clip else ""]
+             f"clip {loss.token_clip:g}" + (" per vocabulary entry" if loss.clip_per == "vocabulary_entry" else "")
+             if loss.token_clip else "",
+             {"group_mean": "GRPO r - mean", "raw": "GRPO raw reward"}.get(loss.rl_advantage, ""),
+             f"wrong reward {loss.wrong_reward:g}" if loss.wrong_reward else ""]
     extra = ", ".join(cure for cure in cures if cure)
     return f"{loss.lambda_opd:g} x OPD + {loss.lambda_rl:g} x GRPO" + (f" ({extra})" if extra else "")
 

@@ -183,7 +183,8 @@ def run_tournament(config: TrainConfig, templates: Sequence[PromptTemplate], pro
     temperature = config.rollout.temperature or 1.0
     batch_size = config.eval.batch_size
     params = SamplingParams(max_tokens=config.rollout.max_tokens, temperature=config.rollout.temperature,
-                            top_p=config.rollout.top_p, n=samples, seed=config.run.seed)
+                            top_p=config.rollout.top_p, top_k=config.rollout.top_k, min_p=config.rollout.min_p,
+                            n=samples, seed=config.run.seed)
     records = student_records(student, items, prompting, params, batch_size, progress,
                               sample_chunk=max(1, batch_size // samples), skip_self_success=config.teacher.skip_self_success)
     baseline = gap_baseline(student, teacher, gap_examples, prompting, config.eval.max_tokens, batch_size, progress)
@@ -199,6 +200,9 @@ def run_tournament(config: TrainConfig, templates: Sequence[PromptTemplate], pro
         "prompts": prompts, "samples": samples, "gap_items": gap_items, "temperature": config.rollout.temperature,
         "top_p": config.rollout.top_p, "max_tokens": config.rollout.max_tokens, "seed": config.run.seed,
         "gap_max_tokens": config.eval.max_tokens, "top_k": top_k, "rule": RULE,
+        # the rollouts' other filters, named only when on ("top_k" above is the teacher's)
+        **({"sample_top_k": config.rollout.top_k} if config.rollout.top_k else {}),
+        **({"min_p": config.rollout.min_p} if config.rollout.min_p else {}),
     }
     return Tournament(predicted_order(scores), settings, distinct_prompts(items), len(records),
                       sum(r.correct for r in records), distinct_prompts(gap_examples))

@@ -38,6 +38,7 @@ from selfopd.config.compute import (  # noqa: F401  (sections of TrainConfig, pu
 )
 from selfopd.config.loss import FULL_VOCABULARY, Divergence, LossConfig, Normalisation  # noqa: F401  (public here too)
 from selfopd.config.guard import GuardConfig  # noqa: F401  (a section of TrainConfig, public here too)
+from selfopd.config.evaluation import EvalConfig  # noqa: F401  (a section of TrainConfig, public here too)
 from selfopd.config.verifier import VerifierConfig  # noqa: F401  (a section of TrainConfig, public here too)
 from selfopd.config.teachers import (  # noqa: F401  (a section of TrainConfig and its names, public here too)
     DEFAULT_TEACHER,
@@ -120,7 +121,8 @@ class DataConfig(Section):
         DEMO_DATA, "Data spec (see selfopd.data): where the prompts, answers and privileged information come from.",
         guarded="it decides what data is generated, downloaded or read")
     student_template: str = setting("student/plain", "Prompt template the student sees.")
-    eval_size: int = setting(200, "Held-out examples, never trained on, for the greedy eval.", ge=1, most=MAX_ITEMS)
+    eval_size: int = setting(200, "Held-out examples, never trained on, for the greedy eval (0: none held out, "
+                             "every example trains; needs eval.data, a test set of its own).", ge=0, most=MAX_ITEMS)
     split_seed: int = setting(0, "Seed of the train / eval split.", ge=0, most=MAX_SEED)
 
     def __post_init__(self) -> None:
@@ -141,6 +143,11 @@ class RolloutConfig(Section):
         "in-process teacher logprobs are taken at it, so a teacher equal to the student has advantage 0.",
         ge=0.0, most=MAX_TEMPERATURE)
     top_p: float = setting(1.0, "Nucleus sampling mass, in (0, 1] (1: off); below 1 needs loss.is_cap = 0.", gt=0, le=1)
+    top_k: int = setting(0, "Top-k sampling: draw from the k most likely tokens only (0: off; OPSD: 20); above 0 needs "
+                         "loss.is_cap = 0. The trainer's and the teacher's logprobs stay those of the whole tempered "
+                         "distribution, as in OPSD.", ge=0, most=MAX_TOKENS)
+    min_p: float = setting(0.0, "Min-p sampling: drop tokens below min_p x the top token's probability (0: off); above "
+                           "0 needs loss.is_cap = 0.", ge=0, le=1)
     max_staleness: int = setting(
         0, "Sample ahead: k >= 1 samples step s + k's prompts with step s's weights while step s trains, so every "
         "trained rollout is exactly k optimizer steps old (the first k steps' rollouts: the initial weights). 0: "
@@ -169,32 +176,6 @@ class OptimConfig(Section):
     max_nonfinite_steps: int = setting(
         3, "A step whose loss or gradient is NaN or inf is skipped (no update, logged as skipped); this many in a "
         "row stop the run, its last checkpoint intact.", ge=1, most=MAX_STEPS)
-
-
-@dataclass(frozen=True)
-class EvalConfig(Section):
-    SECTION: ClassVar[str] = "eval"
-    max_tokens: int = setting(48, "Most completion tokens per eval answer.", ge=1, most=MAX_TOKENS)
-    batch_size: int = setting(32, "Prompts per eval generation batch.", ge=1, most=MAX_BATCH)
-    data: str = setting(
-        "", "Data spec of the in-run eval ('': the run's held-out split of data.spec); refused when it holds a prompt "
-        "the run trains on.", guarded="it decides what data is generated, downloaded or read")
-    samples: int = setting(
-        1, "Answers per eval prompt, k: the eval reports avg@k and the unbiased pass@k (1: one answer each).", ge=1,
-        most=MAX_SAMPLES)
-    temperature: float = setting(0.0, "Eval sampling temperature (0: greedy; samples > 1 needs > 0).", ge=0.0,
-                                 most=MAX_TEMPERATURE)
-    top_p: float = setting(1.0, "Eval nucleus sampling mass, in (0, 1] (1: off).", gt=0, le=1)
-    top_k: int = setting(0, "Eval top-k sampling: the k most likely tokens (0: off).", ge=0, most=MAX_TOKENS)
-    min_p: float = setting(0.0, "Eval min-p sampling: drop tokens below min_p x the top token's probability (0: off).",
-                           ge=0.0, le=1)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_printable(self._key("data"), self.data, allow="")
-        if self.samples > 1 and self.temperature == 0:
-            fail(self._key("samples"),
-                 f"{self.samples} samples a prompt need eval.temperature > 0: greedy answers are identical")
 
 
 @dataclass(frozen=True)
@@ -241,6 +222,9 @@ class TrainConfig:
                 "optim.micro_batch_prompts",
                 f"must divide rollout.prompts_per_step ({self.rollout.prompts_per_step}), got {self.optim.micro_batch_prompts}",
             )
+        if self.data.eval_size == 0 and not self.eval.data.strip():
+            fail("data.eval_size", "0 holds nothing out of data.spec, so the in-run eval needs eval.data, a test set "
+                 "of its own; set eval.data, or data.eval_size >= 1")
         if self.optim.warmup_steps > self.run.steps:
             fail("optim.warmup_steps", f"must be <= run.steps ({self.run.steps}), got {self.optim.warmup_steps}")
         if self.loss.divergence in FULL_VOCABULARY and not self.engine.teacher_in_process:
@@ -256,17 +240,25 @@ class TrainConfig:
             fail("loss.is_cap", f"must be 0 with rollout.top_p = {self.rollout.top_p} < 1: the sampler's logprobs are "
                  "over the renormalised nucleus, the trainer's over the whole tempered distribution, so their ratio "
                  "is the nucleus mass (below 1 on every token), not an importance weight")
+        for name, value, filtered in (("top_k", self.rollout.top_k, self.rollout.top_k > 0),
+                                      ("min_p", self.rollout.min_p, self.rollout.min_p > 0)):
+            if filtered and self.loss.is_cap:
+                fail("loss.is_cap", f"must be 0 with rollout.{name} = {value} > 0: the sampler's logprobs are over the "
+                     f"renormalised tokens {name} keeps, the trainer's over the whole tempered distribution, so their "
+                     "ratio is the kept mass (below 1 on every token), not an importance weight")
         if self.teacher.kind == "ema" and self.model.lora:
             fail("teacher.kind", "'ema' with model.lora_rank > 0 is not supported: use teacher.kind = 'frozen' or "
                  "'self' with LoRA, or model.lora_rank = 0 with 'ema'")
         if self.teacher.kind == "ema" and self.engine.kind == "vllm_colocate":
             fail("teacher.kind", "'ema' with engine.kind = 'vllm_colocate' is not supported: use engine.kind = "
                  "'local' or 'vllm'")
-        if self.model.lora and self.model.dtype == "bfloat16" and self.engine.kind in VLLM_KINDS:
+        if (self.model.lora and self.model.dtype == "bfloat16" and self.engine.kind in VLLM_KINDS
+                and not self.model.lora_bf16_servers):
             fail("model.lora_rank", f"LoRA with model.dtype = 'bfloat16' and engine.kind = {self.engine.kind!r} is "
                  "refused: vLLM would serve W + dW rounded to bf16, and an update far below bf16's resolution of W "
                  "(dW of std 1e-5 on weights of std 0.02) mostly rounds away, so the servers would sample and score "
-                 "close to the base model; use model.dtype = 'float32' or engine.kind = 'local' with LoRA")
+                 "close to the base model; use model.dtype = 'float32' or engine.kind = 'local' with LoRA, or accept "
+                 "it with model.lora_bf16_servers = true (what OPSD's code does)")
         if self.engine.kind == "vllm_colocate" and re.fullmatch(r"cuda:[1-9]\d*", self.model.device):
             fail("model.device", f"{self.model.device!r} with engine.kind = 'vllm_colocate': the in-process vLLM "
                  "always takes GPU 0 of what the process sees; run with CUDA_VISIBLE_DEVICES=N and model.device = "
@@ -286,10 +278,11 @@ class TrainConfig:
         if self.loss.opd_baseline == "same_engine" and self.teacher.kind != "self":
             fail("loss.opd_baseline", f"'same_engine' takes the student's logprobs from the teacher's engine, which "
                  f"serves the student's weights only with teacher.kind = 'self' (got {self.teacher.kind!r})")
-        if self.loss.lambda_rl > 0 and self.rollout.samples_per_prompt < 2:
+        if self.loss.lambda_rl > 0 and self.rollout.samples_per_prompt < 2 and self.loss.rl_advantage != "raw":
             fail(
                 "rollout.samples_per_prompt",
-                "must be >= 2 when loss.lambda_rl > 0: a GRPO group of one sample has advantage 0",
+                "must be >= 2 when loss.lambda_rl > 0: a GRPO group of one sample has advantage 0 (with "
+                "loss.rl_advantage = 'raw', which has no group baseline, 1 is allowed)",
             )
 
 

@@ -67,6 +67,11 @@ class ModelConfig(Section):
     lora_targets: tuple[str, ...] = setting(
         ("all-linear",), "Modules that get adapters: names as peft's target_modules ('all-linear': every linear "
         "layer but the output head).")
+    lora_bf16_servers: bool = setting(
+        False, "LoRA with model.dtype = 'bfloat16' and vLLM engines: the servers take W + dW rounded to bf16, as OPSD's "
+        "code pushes its merged adapters to its bf16 vLLM. Off: refused, since an update far below bf16's resolution "
+        "of W rounds away and the servers then sample close to the base model (the logprob probe still checks each "
+        "push within probe.bf16_tolerance).")
     chat_template_kwargs: dict[str, TableValue] = setting(
         {}, "Extra arguments of the student's chat template, e.g. {enable_thinking = false} (Qwen3 and Qwen3.5 think "
         "by default; false makes their generation prompt end with an empty <think></think> block). Used wherever "
@@ -187,6 +192,11 @@ class EngineConfig(Section):
         0.0, "vllm on GPU: share of GPU memory each launched server may take. 0: from the layout (a server alone on "
         "its GPUs 0.9; servers sharing a GPU split 0.9, less 0.5 where the trainer is; vllm_colocate 0.4).",
         ge=0, le=1)
+    check_memory_plan: bool = setting(
+        True, "on GPU: `selfopd train` plans the run's memory per GPU before the run folder is made and any weights "
+        "load (`selfopd plan` on this machine: the models' config.json, prompts assumed 256 tokens) and refuses in "
+        "one line, naming the settings that fit, when a GPU cannot hold its part. false: start without the check. "
+        "On a CPU it does nothing.")
     cpu_kv_cache_gb: int = setting(1, "vllm on CPU: KV cache size of each launched server, GiB.", ge=1, most=65536)
     extra_server_args: str = setting(
         "", "vllm: more command-line arguments for launched servers (shell syntax): only flags known not to load code, "

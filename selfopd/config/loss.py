@@ -13,6 +13,8 @@ Divergence = Literal["sampled", "topk_reverse_kl", "reverse_kl", "forward_kl", "
 FULL_VOCABULARY = ("reverse_kl", "forward_kl", "jsd")  # divergences that need the teacher in process
 OpdBaseline = Literal["student", "wrong_context", "same_engine"]
 OpdOn = Literal["all", "failed"]
+RlAdvantage = Literal["group_norm", "group_mean", "raw"]
+ClipPer = Literal["position", "vocabulary_entry"]
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,19 @@ class LossConfig(Section):
     lambda_opd: float = setting(1.0, "Weight of the OPD advantage teacher_lp - student_lp (minus the reverse KL per token).",
                                 ge=0.0, most=MAX_WEIGHT)
     lambda_rl: float = setting(0.0, "Weight of the GRPO advantage of the verifier reward.", ge=0.0, most=MAX_WEIGHT)
+    rl_advantage: RlAdvantage = setting(
+        "group_norm", "The GRPO term's advantage of a rollout, on every token of it, from its reward r. 'group_norm': "
+        "(r - mean) / (std + 1e-6) over the prompt's group (a group whose rewards are all equal gets 0); "
+        "'group_mean': r - mean (Dr. GRPO's, no std); 'raw': r itself, no baseline (REINFORCE; what slime runs "
+        "with a custom reward post-process, as the Modal OPD tutorial does: an all-wrong group gets loss.wrong_reward "
+        "on every token). Needs loss.lambda_rl > 0.")
+    wrong_reward: float = setting(
+        0.0, "The GRPO term's reward of a wrong rollout: a wrong or unchecked answer, no answer, one cut off at "
+        "rollout.max_tokens (verifier.truncated = 'wrong'), or one that ends inside its reasoning. A correct answer "
+        "pays 1; partial credit (loss.partial_credit) is paid as the scorer gives it. The logged reward/mean and "
+        "saved rollouts keep the verifier's reward (0 for wrong). -1: the Modal OPD tutorial's +1 / -1. Needs "
+        "loss.lambda_rl > 0, and with rl_advantage = 'group_norm' partial credit (else it changes nothing).",
+        ge=-1.0, le=0.0)
     normalisation: Normalisation = setting("token", "Loss average: over all completion tokens ('token') or per sequence first ('sequence').")
     is_cap: float = setting(2.0, "Cap of the truncated importance-sampling ratio trainer/engine (0: no ratio).", ge=0,
                             most=MAX_WEIGHT)
@@ -36,8 +51,15 @@ class LossConfig(Section):
     token_clip: float = setting(
         0.0, "Per-token clip c of the teacher term (0: off). 'sampled': each token's teacher_lp - student_lp is "
         "clipped to [-c, c] before lambda_opd weighs it and the GRPO term is added; other divergences: each "
-        "position's divergence is clamped at c, a clamped position giving no gradient. Logged: opd/clipped_share.",
-        ge=0.0, most=MAX_WEIGHT)
+        "position's divergence is clamped at c, a clamped position giving no gradient (loss.clip_per = "
+        "'position'). Logged: opd/clipped_share.", ge=0.0, most=MAX_WEIGHT)
+    clip_per: ClipPer = setting(
+        "position", "What loss.token_clip caps under a full-vocabulary divergence. 'position': each position's "
+        "divergence. 'vocabulary_entry': each vocabulary entry's term of it before the sum over the vocabulary, as "
+        "OPSD's jsd_token_clip does (jsd.clamp(max=c) on the (B, T, V) terms): a capped entry gives no gradient, "
+        "and a KL's clipped sum can be negative (a JSD's terms are >= 0). opd/clipped_share then counts positions "
+        "with any entry capped. 'vocabulary_entry' needs loss.divergence 'reverse_kl', 'forward_kl' or 'jsd' and "
+        "loss.token_clip > 0.")
     partial_credit: bool = setting(
         False, "Reward = the task scorer's partial credit (reasoning-gym pays 0.5 for '17' or '-7' when the answer "
         "is 7); off: 1 for a correct final answer, 0 otherwise.")
@@ -80,6 +102,20 @@ class LossConfig(Section):
             fail(self._key("is_cap"), f"must be 0 (off) or >= 1, got {self.is_cap!r}")
         if self.rlsd_weight > 0 and self.lambda_rl == 0:
             fail(self._key("rlsd_weight"), "weighs the GRPO term, which is off (loss.lambda_rl = 0)")
+        for name, active in (("rl_advantage", self.rl_advantage != "group_norm"), ("wrong_reward", self.wrong_reward != 0)):
+            if active and self.lambda_rl == 0:
+                fail(self._key(name), "shapes the GRPO term, which is off (loss.lambda_rl = 0)")
+        if self.wrong_reward != 0 and self.rl_advantage == "group_norm" and not self.partial_credit:
+            fail(self._key("wrong_reward"), f"{self.wrong_reward:g} changes nothing with loss.rl_advantage = "
+                 "'group_norm': a group of rewards 1 and wrong_reward is centred and scaled to the same advantages as "
+                 "one of 1 and 0 (use 'raw' or 'group_mean', as the Modal OPD tutorial's +1 / -1 needs)")
+        if self.clip_per == "vocabulary_entry":
+            if self.divergence not in FULL_VOCABULARY:
+                fail(self._key("clip_per"), f"'vocabulary_entry' caps the terms of a full-vocabulary divergence; "
+                     f"loss.divergence is {self.divergence!r} (use 'reverse_kl', 'forward_kl' or 'jsd')")
+            if self.token_clip == 0:
+                fail(self._key("clip_per"), "'vocabulary_entry' has nothing to cap: loss.token_clip is 0 "
+                     "(OPSD: 0.05)")
         for name, active in (("opd_on", self.opd_on != "all"), ("pass_rate_weighting", self.pass_rate_weighting),
                              ("opd_baseline", self.opd_baseline != "student")):
             if active and self.lambda_opd == 0 and not (name == "opd_baseline" and self.rlsd_weight > 0):

@@ -31,6 +31,8 @@ Options, by source (each is a `DataSpec` field of the same name; `id`, `prompt`,
                            COLUMN, braces balanced; the whole text is the solution unless
                            solution= names a column. A row without one is a DataError naming
                            the spec and the row (a skipped row would change the data silently)
+              unanswered=drop  leave out (and name, in one warning line) the rows with no answer
+                           (an empty cell, or no \\boxed{} for answer=boxed:COLUMN) instead of stopping
               preset       a named mapping from PRESETS (hf: chosen by dataset name by default)
               limit        keep only the first N examples
     hf        config, split  the Hub config name and split (default: the preset's, else "train")

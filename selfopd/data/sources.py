@@ -9,6 +9,7 @@ import functools
 import json
 import math
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -109,9 +110,9 @@ def _rows_to_examples(table, spec: DataSpec, preset: Preset | None, id_prefix: s
     those columns (and a `teacher` column, for routing) are kept: the others are dropped before
     any row is read, so a large unused column never reaches memory row by row."""
     p = preset or Preset(prompt="prompt", answer="answer")  # the defaults without a preset
-    boxed = spec.answer_col is not None and spec.answer_col.startswith(BOXED)
-    options = {"id": spec.id_col, "prompt": spec.prompt_col,
-               "answer": spec.answer_col[len(BOXED):] if boxed else spec.answer_col,
+    answer_col = spec.answer_col or p.answer  # a preset may read its answer from a \boxed{} too
+    boxed = answer_col.startswith(BOXED)
+    options = {"id": spec.id_col, "prompt": spec.prompt_col, "answer": answer_col[len(BOXED):] if boxed else answer_col,
                "solution": spec.solution_col, "hints": spec.hints_col}
     cols = {name: getattr(p, name) if col is None else col for name, col in options.items()}
     answer_sep = spec.answer_sep or (None if boxed else p.answer_sep)
@@ -124,10 +125,13 @@ def _rows_to_examples(table, spec: DataSpec, preset: Preset | None, id_prefix: s
     table = table.select_columns(used + [TEACHER_COLUMN] * (TEACHER_COLUMN in table.column_names
                                                             and TEACHER_COLUMN not in used))
 
-    examples = []
+    examples, dropped = [], []
     for i, row in enumerate(table):
         where = f"{label} row {i}"
         prompt = _cell(row, cols, "prompt", where, required=True)
+        if spec.unanswered == "drop" and _unanswered(row, cols["answer"], boxed):
+            dropped.append(i)
+            continue
         answer = _cell(row, cols, "answer", where, required=True)
         solution = _cell(row, cols, "solution", where, required=False)
         if boxed:
@@ -148,7 +152,21 @@ def _rows_to_examples(table, spec: DataSpec, preset: Preset | None, id_prefix: s
             hints=_as_hints(row[cols["hints"]] if cols["hints"] else None),
             meta={"source": label, "row": i, "extra": {k: v for k, v in row.items() if k not in used}},
         ))
+    if dropped:  # said once, with the rows, so the data under a run never changes unseen
+        missing = f"column {cols['answer']!r}" + (", no complete \\boxed{}" if boxed else "")
+        print(f"selfopd: warning: {label}: {len(dropped)} of {len(dropped) + len(examples)} rows have no answer "
+              f"({missing}) and were left out "
+              f"(unanswered=drop): rows {', '.join(map(str, dropped[:10]))}{' ...' if len(dropped) > 10 else ''}",
+              file=sys.stderr)
     return examples
+
+
+def _unanswered(row: dict, column: str, boxed: bool) -> bool:
+    """A row whose answer cell is empty, NaN, or (answer=boxed:COLUMN) holds no complete \\boxed{}."""
+    value = row.get(column)
+    if value is None or (isinstance(value, float) and math.isnan(value)) or not str(value).strip():
+        return True
+    return boxed and last_boxed(str(value)) is None
 
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])\s*\{")

@@ -56,6 +56,9 @@ PRESETS: dict[str, Preset] = {
     "zhuzilin/dapo-math-17k": Preset(
         prompt="prompt", answer="label", clean_prompt=_strip_dapo_instructions
     ),
+    # OPSD's training set (github.com/siyan-zhao/OPSD, opsd_train.py): OpenThoughts math problems with
+    # their solutions, the privileged text its teacher reads; the answer is the solution's last \boxed{}
+    "siyanzhao/Openthoughts_math_30k_opsd": Preset(prompt="problem", answer="boxed:solution", solution="solution"),
 }
 
 # --------------------------------------------------------------------------- the spec
@@ -67,7 +70,7 @@ FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv
 _COLUMN_KEYS = {"id": "id_col", "prompt": "prompt_col", "answer": "answer_col",
                 "solution": "solution_col", "hints": "hints_col"}  # spec key -> field
 _TABLE = {"id_col", "prompt_col", "answer_col", "solution_col", "hints_col",
-          "answer_sep", "preset", "limit"}
+          "answer_sep", "preset", "limit", "unanswered"}
 _APPLIES = {  # which DataSpec fields each source reads
     "hf": _TABLE | {"config", "split", "revision", "distinct"},
     "file": _TABLE | {"distinct"},
@@ -112,6 +115,7 @@ class DataSpec:
     concepts: bool = False  # prepend the problem's concepts to its hints
     # all but rg (use size there)
     limit: int | None = None  # keep the first `limit` examples
+    unanswered: Literal["refuse", "drop"] = "refuse"  # tables: a row with no answer stops the load, or is left out
     # all: keep each prompt once (None: yes for procedural sources, no otherwise)
     distinct: bool | None = None
 
@@ -146,6 +150,8 @@ class DataSpec:
             if self.answer_sep is not None:
                 raise DataError(f"{self.label}: answer={self.answer_col} and answer_sep both say where the answer "
                                 "is; give one")
+        if self.unanswered not in ("refuse", "drop"):
+            raise DataError(f"{self.label}: unanswered must be 'refuse' or 'drop', got {self.unanswered!r}")
         if self.source == "file" and Path(self.name).suffix.lower() not in FILE_BUILDERS:
             raise DataError(f"{self.name}: unknown file type; allowed: {', '.join(FILE_BUILDERS)}")
 

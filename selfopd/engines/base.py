@@ -17,7 +17,7 @@ class SamplingParams:
     """How the student samples. temperature 0 is greedy decoding. The filters apply in vLLM's order
     to the tempered distribution: min_p (drop tokens below min_p x the top token's probability),
     then top_k (the k most likely; 0: off), then top_p (the nucleus); with every filter off (the
-    defaults, and always in training unless rollout.top_p is set) nothing is filtered."""
+    defaults, and always in training unless rollout.top_p, top_k or min_p is set) nothing is filtered."""
 
     max_tokens: int = 64
     temperature: float = 1.0

@@ -1,7 +1,8 @@
 """A training config's memory plan per GPU, and whether it fits: the trainer's ranks and each vLLM
-server `selfopd.engines.gpu_layout` places, sized by `selfopd.engines.memory_plan`. When a GPU
-cannot hold what the plan puts on it, `RunPlan.refusal` is one line naming the GPU, the need, the
-capacity, and the settings that would make it fit (each tried on the plan)."""
+server `selfopd.engines.gpu_layout` places, sized by `selfopd.engines.memory_plan` and
+`selfopd.engines.server_memory`. When a GPU cannot hold what the plan puts on it, `RunPlan.refusal`
+is one line naming the GPU, the need, the capacity, and the settings that would make it fit (each
+tried on the plan); trainer GPUs it suggests are only GPUs the layout leaves free."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from selfopd.config.auto import Machine, auto_dtype
-from selfopd.engines.memory_plan import (GIB, HEADROOM, RESERVE_GIB, Inputs, ModelShape, Process, gib, model_shape,
-                                         read_model_config, server_process, trainer_process)
+from selfopd.engines.memory_plan import (GIB, HEADROOM, RESERVE_GIB, Inputs, ModelShape, Process, gib, planned_shape,
+                                         trainer_process)
+from selfopd.engines.server_memory import (Load, batched_token_budget, prompt_logprobs_part, server_process,
+                                           server_refusal, spike_bytes)
 
 PROMPT_TOKENS = 256  # assumed prompt length when none is given (`selfopd plan --prompt-tokens`)
 
@@ -40,7 +43,8 @@ def plan_inputs(config: Any, on_gpu: bool, world: int, prompt_tokens: int,
         checkpointing=model.gradient_checkpointing, prompts_per_step=config.rollout.prompts_per_step,
         samples=config.rollout.samples_per_prompt, max_tokens=config.rollout.max_tokens, prompt_tokens=prompt_tokens,
         micro_batch_prompts=config.optim.micro_batch_prompts, divergence=config.loss.divergence,
-        engine_batch=config.engine.batch_size)
+        engine_batch=config.engine.batch_size, eval_prompts=config.eval.batch_size, eval_samples=config.eval.samples,
+        eval_max_tokens=config.eval.max_tokens)
 
 
 def model_shapes(config: Any, shapes: dict[str, ModelShape] | None = None) -> dict[str, ModelShape]:
@@ -48,12 +52,11 @@ def model_shapes(config: Any, shapes: dict[str, ModelShape] | None = None) -> di
     model, teacher = config.model, config.teacher
     shapes = dict(shapes or {})
     if "student" not in shapes:
-        shapes["student"] = model_shape(read_model_config(model.student, "model.student", model.trust_remote_code),
-                                        model.student)
+        shapes["student"] = planned_shape(model.student, "model.student", model.trust_remote_code)
     if teacher.kind == "external" and "teacher" not in shapes:
-        shapes["teacher"] = model_shape(read_model_config(teacher.model, "teacher.model", model.trust_remote_code),
-                                        teacher.model)
+        shapes["teacher"] = planned_shape(teacher.model, "teacher.model", model.trust_remote_code)
     return shapes
+
 
 
 @dataclass
@@ -66,6 +69,7 @@ class RunPlan:
     gpu_name: str
     notes: list[str]
     suggest: Callable[[Inputs], list[tuple[str, float]]] | None = None
+    length_problem: str = ""  # launched servers whose engine.max_model_len cannot hold a sequence
 
     def per_gpu(self) -> dict[int, list[Process]]:
         gpus: dict[int, list[Process]] = {}
@@ -81,12 +85,13 @@ class RunPlan:
                  f"{', gradient checkpointing' if i.checkpointing else ''}; {i.prompts_per_step} prompts x {i.samples} "
                  f"samples, {i.prompt_tokens} prompt + {i.max_tokens} completion tokens, micro-batch "
                  f"{i.micro_batch_prompts} prompts, loss {i.divergence}"
-                 + (f", {i.world} FSDP ranks" if i.world > 1 else "")]
+                 + (f", {i.world} FSDP ranks" if i.world > 1 else "")
+                 + f"; in-run eval {i.eval_prompts} prompts x {i.eval_samples} samples, {i.eval_max_tokens} tokens"]
         for proc in self.processes:
             where = f"GPU {', '.join(map(str, proc.gpus))}" if proc.gpus else "CPU memory"
             lines.append(f"  {proc.name} ({where}): peak {gib(proc.peak)} in its {proc.peak_phase} phase"
                          + (f", of its share {gib(proc.budget)} ({proc.budget_how})" if proc.budget else ""))
-            for part in proc.held + proc.phases.get(proc.peak_phase, []):
+            for part in proc.held + proc.phases.get(proc.peak_phase, []) + proc.outside:
                 lines.append(f"    {part.what:<22}{gib(part.bytes):>11}  {part.how}")
             others = [f"{name} {gib(sum(p.bytes for p in parts))}" for name, parts in proc.phases.items()
                       if name != proc.peak_phase]
@@ -94,28 +99,35 @@ class RunPlan:
                 lines.append(f"    {'other phases':<22}{'':>11}  " + ", ".join(others))
         if self.capacity is not None:
             lines.append(f"  per GPU ({self.gpu_name}, {gib(self.capacity)}): the peaks + {HEADROOM:.0%} for the estimates' "
-                         f"error + {RESERVE_GIB:.0f} GiB for the CUDA context and the allocator's slack")
+                         f"error (a server: its whole share, + {HEADROOM:.0%} of what it takes beyond) + "
+                         f"{RESERVE_GIB:.0f} GiB for the CUDA context and the allocator's slack")
             for gpu, procs in self.per_gpu().items():
-                need = self.need(procs)
+                need = self.need(procs, gpu)
                 lines.append(f"    GPU {gpu}: {gib(need)} ({', '.join(p.name for p in procs)})"
                              f"{'' if need <= self.capacity else '  DOES NOT FIT'}")
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
     @staticmethod
-    def need(procs: list[Process]) -> float:
-        """Bytes a GPU must have for `procs`: their peaks, the estimates' headroom, the CUDA context."""
-        return sum(p.peak for p in procs) * (1 + HEADROOM) + RESERVE_GIB * GIB
+    def need(procs: list[Process], gpu: int | None = None) -> float:
+        """Bytes GPU `gpu` must have for `procs`: their peaks with the estimates' headroom (a vLLM server with a
+        share: the share, which it takes whole, and the headroom on what it allocates beyond, on its first GPU,
+        where tensor parallelism gathers the logits), the CUDA context."""
+        taken = sum(p.budget if p.budget else p.peak * (1 + HEADROOM) for p in procs)
+        beyond = sum(part.bytes for p in procs for part in p.outside if gpu is None or p.gpus[:1] == (gpu,))
+        return taken + beyond * (1 + HEADROOM) + RESERVE_GIB * GIB
 
     def refusal(self) -> str | None:
         """One line when a GPU cannot hold what the plan puts on it; None when everything fits."""
+        if self.length_problem:
+            return self.length_problem
         if self.capacity is None:
             return None
         for proc in self.processes:
             if proc.budget and proc.peak > proc.budget:
-                return _server_refusal(proc, self.gpu_name)
+                return server_refusal(proc, self.gpu_name)
         for gpu, procs in self.per_gpu().items():
-            need = self.need(procs)
+            need = self.need(procs, gpu)
             if need <= self.capacity:
                 continue
             names = " and ".join(p.name for p in procs)
@@ -123,7 +135,7 @@ class RunPlan:
                     f"{gib(need)} for the {names}")
             trainer = next((p for p in procs if p.name.startswith("trainer")), None)
             if trainer is None or self.suggest is None:
-                return line + "; place the servers on GPUs of their own (engine.student_gpus, engine.teacher_gpus)"
+                return line + "; " + self._server_fixes(procs, gpu)
 
             def with_trainer(peak: float) -> float:
                 return need + (peak - trainer.peak) * (1 + HEADROOM)
@@ -134,22 +146,34 @@ class RunPlan:
             return line + f"; {head}: " + ", ".join(f"{what} ({gib(with_trainer(n))})" for what, n in fits or tried)
         return None
 
+    def _server_fixes(self, procs: list[Process], gpu: int) -> str:
+        """What makes a GPU of servers fit: a smaller share when one allocates beyond it (prompt_logprobs), or
+        a smaller scheduler token budget; else GPUs of their own."""
+        capacity, reserve = self.capacity or 0.0, RESERVE_GIB * GIB
+        spiking = [p for p in procs if p.outside and p.gpus[:1] == (gpu,)]
+        beyond = sum(part.bytes for p in spiking for part in p.outside)
+        servers = [p for p in procs if p.budget]
+        if not beyond or not servers:
+            return "place the servers on GPUs of their own (engine.student_gpus, engine.teacher_gpus)"
+        fixes = []
+        share = int(100 * (capacity - reserve - beyond * (1 + HEADROOM)) / (len(servers) * capacity)) / 100
+        if share > 0:
+            fixes.append(f"engine.gpu_memory_utilization={share} (the share of each server on it)")
+        room = (capacity - reserve - sum(p.budget or 0 for p in servers)) / (1 + HEADROOM)
+        load = spiking[0].loads["score"]
+        tokens = max((n for n in range(256, 65537, 256) if spike_bytes(load, n) <= room), default=0)
+        if tokens >= 1024:  # vLLM refuses a token budget under max_num_seqs (1024 on 70 GiB GPUs and more)
+            fixes.append(f"engine.extra_server_args='--max-num-batched-tokens {tokens}' (prompt_logprobs of "
+                         f"{gib(spike_bytes(load, tokens))})")
+        fixes = fixes or ["place the teacher server on GPUs of its own with more memory"]
+        return (f"the {spiking[0].name}'s prompt_logprobs ({gib(beyond)}) come on top of "
+                f"the share vLLM takes; fits with: " + " or ".join(fixes))
 
-def _server_refusal(proc: Process, gpu_name: str) -> str:
-    weights = sum(p.bytes for p in proc.held)
-    kv = proc.peak - weights
-    need_more = proc.peak - (proc.budget or 0)
-    sequences = next((part.how.split(" sequences")[0] for part in proc.phases["serve"]), "?")
-    fit = int(max(proc.budget - weights, 0) / (kv / int(sequences))) if sequences.isdigit() and kv else 0
-    return (f"the memory plan does not fit: the {proc.name} on GPU {', '.join(map(str, proc.gpus))} ({gpu_name}) "
-            f"needs {gib(proc.peak)} (weights {gib(weights)}, KV cache {gib(kv)} for {sequences} sequences), "
-            f"{gib(need_more)} more than its share {gib(proc.budget or 0)} ({proc.budget_how}); lower "
-            f"engine.max_concurrency to {fit} or less, raise engine.gpu_memory_utilization, or raise "
-            "engine.tensor_parallel_size")
 
-
-def _suggestions(inputs: Inputs) -> list[tuple[str, float]]:
-    """(a setting that lowers the trainer's peak, the peak with it) for each that applies."""
+def _suggestions(inputs: Inputs, taken: frozenset[int] = frozenset(), gpu_count: int | None = None
+                 ) -> list[tuple[str, float]]:
+    """(a setting that lowers the trainer's peak, the peak with it) for each that applies; more trainer GPUs only
+    where GPUs 0..N-1 (the ranks' GPUs under torchrun) hold no server and the machine has them."""
     tries = []
     if not inputs.checkpointing:
         tries.append(("model.gradient_checkpointing=true", dataclasses.replace(inputs, checkpointing=True)))
@@ -161,16 +185,18 @@ def _suggestions(inputs: Inputs) -> list[tuple[str, float]]:
         lora = inputs.student.lora_params(16, ("all-linear",))
         tries.append(("model.lora_rank=16", dataclasses.replace(inputs, lora_rank=16, lora_params=lora)))
     for world in (2, 4, 8):
-        if world > inputs.world:
-            tries.append((f"{world} GPUs for the trainer (torchrun --nproc-per-node {world}, FSDP)",
+        if world > inputs.world and not taken & set(range(world)) and (gpu_count is None or world <= gpu_count):
+            tries.append((f"GPUs 0-{world - 1} for the trainer (torchrun --nproc-per-node {world}, FSDP)",
                           dataclasses.replace(inputs, world=world)))
     return [(what, trainer_process(changed, "trainer", (0,)).peak) for what, changed in tries]
 
 
 def plan_run(config: Any, *, capacity_gib: float | None, gpu_name: str = "GPU", on_gpu: bool | None = None,
-             world: int = 1, prompt_tokens: int = PROMPT_TOKENS, shapes: dict[str, ModelShape] | None = None) -> RunPlan:
+             world: int = 1, prompt_tokens: int = PROMPT_TOKENS, shapes: dict[str, ModelShape] | None = None,
+             gpu_count: int | None = None) -> RunPlan:
     """The memory plan of `config` on GPUs of `capacity_gib` each (None: printed, not checked).
-    `on_gpu`: whether the trainer runs on a GPU (default: model.device is not 'cpu' and a capacity is known)."""
+    `on_gpu`: whether the trainer runs on a GPU (default: model.device is not 'cpu' and a capacity is known).
+    `gpu_count`: the GPUs the machine has, when known (trainer GPUs are suggested within them)."""
     from selfopd.engines.gpu_layout import server_shares, server_slots
 
     device = config.model.device
@@ -181,35 +207,65 @@ def plan_run(config: Any, *, capacity_gib: float | None, gpu_name: str = "GPU", 
     processes = [trainer_process(inputs, f"trainer rank {rank}" if world > 1 else "trainer",
                                  (trainer_gpus[rank],) if on_gpu else ()) for rank in range(world if on_gpu else 1)]
     notes = [] if on_gpu else ["the trainer runs on the CPU: its memory is the machine's, not a GPU's"]
+    notes += [shape.note for shape in shapes.values() if shape.note]
     capacity = capacity_gib * GIB if capacity_gib is not None else None
-    engine = config.engine
-    length = prompt_tokens + config.rollout.max_tokens
+    engine, rollout, evals = config.engine, config.rollout, config.eval
+    length, eval_length = prompt_tokens + rollout.max_tokens, prompt_tokens + evals.max_tokens
     if engine.kind == "vllm_colocate":
         colocated = server_process(inputs.student, "vLLM in the trainer", processes[0].gpus, 1, inputs.dtype,
-                                   engine.max_concurrency, length, None, "")
+                                   {"serve": Load(1, engine.max_concurrency, 1, 1, 1, max(length, eval_length))},
+                                   None, "")
         phase = "sample" if engine.sleep_mode else "train"
         processes[0].phases.setdefault(phase, []).extend(colocated.held + colocated.phases["serve"])
-        notes.append(f"vllm_colocate: vLLM's weights and KV cache counted in the {phase} phase"
+        notes.append(f"vllm_colocate: vLLM's weights and KV cache ({engine.max_concurrency} sequences of up to "
+                     f"{max(length, eval_length)} tokens) counted in the {phase} phase"
                      + (" (asleep while the trainer trains)" if engine.sleep_mode else ""))
     slots = server_slots(config) if engine.kind == "vllm" else []
     placed = [(slot, slot.gpus or tuple(range(slot.tensor_parallel_size))) for slot in slots]
     trained_on = [gpu for p in processes for gpu in p.gpus] if on_gpu else []
-    gpu_count = 1 + max([gpu for _, gpus in placed for gpu in gpus] + trained_on, default=0)
-    shares = server_shares(slots, trained_on, gpu_count, engine.gpu_memory_utilization)
+    layout_gpus = 1 + max([gpu for _, gpus in placed for gpu in gpus] + trained_on, default=0)
+    shares = server_shares(slots, trained_on, layout_gpus, engine.gpu_memory_utilization)
+    students = sum(slot.name != "teacher" for slot in slots)
+    dtype_bytes = 2 if inputs.dtype == "bfloat16" else 4
     for slot, gpus in placed:
-        external = slot.name == "teacher" and config.teacher.kind == "external"
-        shape = shapes["teacher"] if external else inputs.student
+        teacher = slot.name == "teacher"
+        shape = shapes["teacher"] if teacher and config.teacher.kind == "external" else inputs.student
         share, why = shares[slot.name]
         how = (f"engine.gpu_memory_utilization = {share}" if engine.gpu_memory_utilization
                else f"{share:.2f} of the GPU, from the layout ({why}): engine.gpu_memory_utilization = 0")
-        processes.append(server_process(shape, f"{slot.name} server", gpus if on_gpu else (), slot.tensor_parallel_size,
-                                        inputs.dtype, engine.max_concurrency, length,
-                                        share * capacity if capacity and on_gpu else None, how))
+        concurrency = engine.max_concurrency
+        loads = ({"score": Load(rollout.prompts_per_step * rollout.samples_per_prompt, 1, concurrency, world, 1, length,
+                                shape.vocab, dtype_bytes)}
+                 if teacher else
+                 {"serve": Load(rollout.prompts_per_step, rollout.samples_per_prompt, concurrency, world, students, length),
+                  "eval": Load(evals.batch_size, evals.samples, concurrency, world, students, eval_length)})
+        proc = server_process(shape, f"{slot.name} server", gpus if on_gpu else (), slot.tensor_parallel_size,
+                              inputs.dtype, loads, share * capacity if capacity and on_gpu else None, how)
+        if teacher and on_gpu:  # vLLM's scoring forms full-vocabulary logits of each prompt (selfopd.engines.server_memory)
+            tokens, _, why_tokens = batched_token_budget(engine.extra_server_args, capacity, gpu_name)
+            proc.outside.append(prompt_logprobs_part(loads["score"], tokens, why_tokens))
+        processes.append(proc)
+    notes.append(f"prompts assumed {prompt_tokens} tokens (selfopd plan --prompt-tokens); vLLM's own forward "
+                 "pass and CUDA graphs are inside a server's share")
     for role, url in [("student", u) for u in engine.urls("student_urls")] + [("teacher", u) for u in engine.urls("teacher_url")]:
         notes.append(f"the {role} server at {url} is given by URL: planned where it runs, not here")
-    notes.append(f"prompts assumed {prompt_tokens} tokens (selfopd plan --prompt-tokens); vLLM's own forward "
-                 "pass and CUDA graphs are not counted in a server's share")
-    return RunPlan(inputs, processes, capacity if on_gpu else None, gpu_name, notes, _suggestions)
+    taken = frozenset(gpu for _, gpus in placed for gpu in gpus)
+    return RunPlan(inputs, processes, capacity if on_gpu else None, gpu_name, notes,
+                   lambda changed: _suggestions(changed, taken, gpu_count), _length_problem(config, slots, prompt_tokens))
+
+
+def _length_problem(config: Any, slots: list, prompt_tokens: int) -> str:
+    """engine.max_model_len too short for what the launched servers hold: the longest sequence + 1."""
+    if not slots:
+        return ""
+    longest = max((config.rollout.max_tokens, "rollout.max_tokens"),
+                  (config.eval.max_tokens if any(s.name != "teacher" for s in slots) else 0, "eval.max_tokens"))
+    needed = prompt_tokens + longest[0] + 1
+    if needed <= config.engine.max_model_len:
+        return ""
+    return (f"engine.max_model_len = {config.engine.max_model_len} cannot hold a prompt of {prompt_tokens} tokens "
+            f"(assumed: selfopd plan --prompt-tokens) + {longest[1]} ({longest[0]}) + 1 on the launched servers; "
+            f"raise it to {needed} or more")
 
 
 def detected_gpu() -> tuple[str, float] | None:

@@ -7,14 +7,15 @@ AdamW state (of what trains; FSDP divides all three by its world size), the bf16
 autocast keeps for backward, the activations autograd saves (`ACTIVATION_BYTES`: counted with
 `torch.autograd.graph.saved_tensors_hooks` on models of several shapes, tests/engines/
 test_memory_plan.py), and the loss window: `LOSS_CHUNK` positions of each row's full-vocabulary
-fp32 logits, a few tensors of them at once (`selfopd.engines.kernels`). A vLLM server's: its
-weights over its tensor-parallel GPUs and the KV cache of `engine.max_concurrency` sequences of
-prompt + max_tokens tokens (full-attention layers' keys and values; a Gated DeltaNet layer's fixed
-state per sequence). Estimates: within about 10% of what was measured (docs/memory-planner.md).
+fp32 logits, a few tensors of them at once (`selfopd.engines.kernels`); in process, the sampling
+and in-run eval KV caches and the teacher's scoring window. A vLLM server's parts are
+`selfopd.engines.server_memory`'s. Estimates: within about 10% of what was measured
+(docs/memory-planner.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,7 @@ class ModelShape:
     qk_norm: bool = False
     # (module name, sum of in + out features over the layers) of the decoder's linear layers: LoRA's size
     linears: tuple[tuple[str, int], ...] = ()
+    note: str = ""  # where its config.json came from, when not the hub cache or the folder named
 
     def lora_params(self, rank: int, targets: tuple[str, ...]) -> int:
         """Adapter parameters of rank `rank` on the modules `targets` names ('all-linear': every one)."""
@@ -100,6 +102,21 @@ def read_model_config(spec: str, key: str, trust_remote_code: bool = False) -> A
     except Exception as error:  # no such folder, no config.json, offline without a cached copy, ...
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ConfigError(key, f"{spec}: cannot read its config.json for the memory plan ({first})") from None
+
+
+def planned_shape(spec: str, key: str, trust_remote_code: bool = False) -> ModelShape:
+    """The shape of model `spec` for the plan: a hub id whose config.json ships with selfopd
+    (`selfopd.engines.published_configs`) is read from the Hugging Face cache, else from that copy,
+    never the network; anything else as `read_model_config` reads it."""
+    from pathlib import Path
+
+    from selfopd.engines.published_configs import planning_config
+
+    published = None if Path(spec).exists() else planning_config(spec, trust_remote_code)
+    if published is None:
+        return model_shape(read_model_config(spec, key, trust_remote_code), spec)
+    config, note = published
+    return dataclasses.replace(model_shape(config, spec), note=note)
 
 
 def model_shape(config: Any, name: str = "") -> ModelShape:
@@ -156,6 +173,8 @@ class Process:
     phases: dict[str, list[Part]] = field(default_factory=dict)
     budget: float | None = None  # a server's engine.gpu_memory_utilization of its GPU, bytes
     budget_how: str = ""
+    outside: list[Part] = field(default_factory=list)  # a server's memory beyond its budget (prompt_logprobs)
+    loads: dict[str, Any] = field(default_factory=dict)  # a server's phase -> server_memory.Load
 
     @property
     def peak_phase(self) -> str:
@@ -188,6 +207,9 @@ class Inputs:
     micro_batch_prompts: int
     divergence: str
     engine_batch: int  # engine.batch_size: rows per in-process sampling batch
+    eval_prompts: int = 0  # eval.batch_size: prompts per in-run eval batch (0: no in-run eval planned)
+    eval_samples: int = 1
+    eval_max_tokens: int = 0
 
 
 def scheme(inputs: Inputs) -> str:
@@ -213,7 +235,11 @@ def trainer_process(inputs: Inputs, name: str, gpus: tuple[int, ...]) -> Process
                               f"{inputs.teacher_kind} teacher in process, {8 * t_bytes}-bit"))
     proc.phases["train"] = _training(inputs, trainable)
     if inputs.engine == "local":
-        proc.phases["sample"] = [_hf_cache(inputs)]
+        proc.phases["sample"] = [_hf_cache(inputs, inputs.prompts_per_step * inputs.samples, inputs.max_tokens,
+                                           "sampling KV cache")]
+        if inputs.eval_prompts:
+            proc.phases["eval"] = [_hf_cache(inputs, -(-inputs.eval_prompts // inputs.world) * inputs.world
+                                             * inputs.eval_samples, inputs.eval_max_tokens, "in-run eval KV cache")]
     if inputs.teacher_in_process:
         proc.phases["score"] = [_scoring_window(inputs)]
     return proc
@@ -248,13 +274,14 @@ def _training(inputs: Inputs, trainable: int) -> list[Part]:
     return parts
 
 
-def _hf_cache(inputs: Inputs) -> Part:
-    """In-process sampling: transformers' cache of engine.batch_size rows at prompt + max_tokens."""
+def _hf_cache(inputs: Inputs, rows: int, max_tokens: int, what: str) -> Part:
+    """In-process sampling of `rows` rows over all ranks (rollouts, or the in-run eval's prompts x samples):
+    transformers' cache of at most engine.batch_size of a rank's rows at prompt + max_tokens."""
     s, dtype_bytes = inputs.student, 2 if inputs.dtype == "bfloat16" else 4
-    rows = min(inputs.engine_batch, inputs.prompts_per_step * inputs.samples // inputs.world)
-    length = inputs.prompt_tokens + inputs.max_tokens
+    rows = min(inputs.engine_batch, rows // inputs.world)
+    length = inputs.prompt_tokens + max_tokens
     cache = rows * (length * s.kv_bytes_per_token(dtype_bytes) + s.state_bytes_per_sequence(dtype_bytes))
-    return Part("sampling KV cache", cache, f"{rows} rows x {length} tokens, in process")
+    return Part(what, cache, f"{rows} rows x {length} tokens, in process")
 
 
 def _scoring_window(inputs: Inputs) -> Part:
@@ -264,20 +291,6 @@ def _scoring_window(inputs: Inputs) -> Part:
     positions = min(LOSS_CHUNK * rows, rows * inputs.max_tokens)
     return Part("scoring window", positions * s.vocab * 4 * SCORING_WINDOW_TENSORS,
                 f"{SCORING_WINDOW_TENSORS} x {_count(positions)} positions x {_count(s.vocab)} vocab, no grad")
-
-
-def server_process(shape: ModelShape, name: str, gpus: tuple[int, ...], tp: int, dtype: str, sequences: int,
-                   length: int, budget: float | None, budget_how: str) -> Process:
-    """A vLLM server, per GPU: its weights over its `tp` GPUs and the KV cache `sequences` need."""
-    dtype_bytes = 2 if dtype == "bfloat16" else 4
-    proc = Process(name, gpus, budget=budget, budget_how=budget_how)
-    proc.held.append(Part("weights", shape.params * dtype_bytes / tp, f"{dtype}" + (f", 1/{tp} (TP)" if tp > 1 else "")))
-    kv = sequences * (length * shape.kv_bytes_per_token(dtype_bytes, tp) + shape.state_bytes_per_sequence(dtype_bytes, tp))
-    layout = f"{shape.attention_layers} attention layers x {max(1, shape.kv_heads // tp)} KV heads x {shape.head_dim}"
-    if shape.linear_layers:
-        layout += f", {shape.linear_layers} Gated DeltaNet layers' state"
-    proc.phases["serve"] = [Part("KV cache", kv, f"{sequences} sequences x {length} tokens; {layout}")]
-    return proc
 
 
 def _count(n: float) -> str:

@@ -10,7 +10,7 @@ from typing import Any, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
-from selfopd.config import ConfigError
+from selfopd.config import ConfigError, TrainConfig
 from selfopd.core.atomic import write_json_atomic, write_lines_atomic
 from selfopd.data.example import Example, prompt_key
 from selfopd.data.mixture import task_of
@@ -20,6 +20,25 @@ from selfopd.core.stats import (MeanEstimate, Proportion, mean_interval, pass_ks
                                 prompt_pass_at_k)
 from selfopd.templating.templates import PromptTemplate, prompt_token_ids, render_student
 from selfopd.verifiers import Grading, grade
+
+
+@dataclass(frozen=True)
+class EvalPrompting:
+    """What an eval of a run renders and how it grades (`eval_prompting`)."""
+
+    template: str  # the template's name, as the config gives it
+    template_kwargs: dict[str, Any]  # the student's chat-template arguments, eval.chat_template_kwargs over them
+    grading: Grading
+
+
+def eval_prompting(config: TrainConfig) -> EvalPrompting:
+    """The prompt template, chat-template arguments and grading of `config`'s evals, the in-run eval and
+    `selfopd eval` alike: [eval]'s settings where set, else training's (`EvalConfig.template`,
+    `template_kwargs`, `grading` decide)."""
+    settings = config.eval
+    return EvalPrompting(settings.template(config.data.student_template),
+                         settings.template_kwargs(config.model.chat_template_kwargs),
+                         Grading.of(settings.grading(config.verifier)))
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,11 @@ INDEX = "index.json"
 
 
 def config_template_names(config: TrainConfig) -> list[str]:
-    """Every template a run of `config` may render: the student's, and each teacher's and its
-    fallback for rollouts without a sibling demonstration."""
-    names = [config.data.student_template, config.teacher.template, config.teacher.demonstration_fallback]
+    """Every template a run of `config` may render: the student's, the in-run eval's
+    (eval.student_template, when set), and each teacher's and its fallback for rollouts without a
+    sibling demonstration."""
+    names = [config.data.student_template, config.eval.template(config.data.student_template), config.teacher.template,
+             config.teacher.demonstration_fallback]
     for teacher in config.teachers.values():  # [teachers.NAME]
         names += [teacher.template, teacher.demonstration_fallback]
     return list(dict.fromkeys(names))

@@ -59,6 +59,8 @@ def check_context(config: TrainConfig, student_config: Any, teacher_config: Any,
                                       ("eval.max_tokens", config.eval.max_tokens, eval_examples)):
         lengths = {e.id: len(prompt_token_ids(tokenizer, render_student(student, e), config.model.chat_template_kwargs))
                    for e in _longest(examples)}
+        if not lengths:  # no held-out prompts (data.eval_size = 0: eval.data is checked where it is loaded)
+            continue
         longest = max(lengths, key=lengths.__getitem__)
         if lengths[longest] + completion > student_limit:
             raise ConfigError(key, f"data row {longest!r} of {config.data.spec}: its prompt ({lengths[longest]} tokens) "

@@ -14,7 +14,8 @@ The cures, each one setting of `[loss]`:
 - pass-rate weighting (SC-SDPO, arXiv 2605.27765), `loss.pass_rate_weighting`: each
   prompt's teacher term weighted by sqrt(p (1 - p)) of its group's pass rate.
 
-They compose: A_t = lambda_rl * A_grpo * rlsd_t + lambda_opd * w_b * clip(s_t), with
+They compose: A_t = lambda_rl * A_grpo * rlsd_t + lambda_opd * w_b * clip(s_t), with A_grpo the
+rollout's GRPO advantage (`rl_advantage`: group-normalised by default, `loss.rl_advantage`), and
 s_t = teacher_lp_t - baseline_lp_t (baseline: the student, the wrong-context teacher, or the
 teacher engine's own logprob after the student's prompt), rlsd_t the RLSD factor of s_t, and
 w_b the routing and pass-rate weight of rollout b. Shape letters as in `selfopd.training.loss`.
@@ -61,6 +62,14 @@ def grpo_advantage(rewards_N: Tensor, group_ids_N: Tensor, eps: float = 1e-6) ->
     give +-1. A group whose rewards are all equal carries no signal and gets exactly 0
     (never nan, and no rounding residue from the mean).
     """
+    centred_N, group_N, flat_N = _centred(rewards_N, group_ids_N)
+    std_G = group_means(centred_N**2, group_ids_N)[0].sqrt()
+    advantage_N = centred_N / (std_G[group_N] + eps)
+    return torch.where(flat_N, torch.zeros_like(advantage_N), advantage_N)
+
+
+def _centred(rewards_N: Tensor, group_ids_N: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(r - mean_group, each sample's dense group index, whether its group's rewards are all equal)."""
     if rewards_N.ndim != 1 or rewards_N.shape != group_ids_N.shape:
         raise ValueError(f"need 1-D rewards and group ids of one length, got {tuple(rewards_N.shape)} and {tuple(group_ids_N.shape)}")
     rewards_N = rewards_N.detach()
@@ -69,12 +78,40 @@ def grpo_advantage(rewards_N: Tensor, group_ids_N: Tensor, eps: float = 1e-6) ->
     mean_G, group_N = group_means(rewards_N, group_ids_N)
     zeros_G = rewards_N.new_zeros(mean_G.numel())
     centred_N = rewards_N - mean_G[group_N]
-    std_G = group_means(centred_N**2, group_ids_N)[0].sqrt()
     high_G = zeros_G.scatter_reduce(0, group_N, rewards_N, reduce="amax", include_self=False)
     low_G = zeros_G.scatter_reduce(0, group_N, rewards_N, reduce="amin", include_self=False)
-    flat_N = (high_G == low_G)[group_N]
-    advantage_N = centred_N / (std_G[group_N] + eps)
-    return torch.where(flat_N, torch.zeros_like(advantage_N), advantage_N)
+    return centred_N, group_N, (high_G == low_G)[group_N]
+
+
+def rl_rewards(rewards_N: Tensor, wrong_reward: float = 0.0) -> Tensor:
+    """The GRPO term's reward of each rollout: the verifier's (1 correct, 0 wrong, a partial credit
+    in between), with a wrong rollout's 0 paid as `wrong_reward` (`loss.wrong_reward`; -1: the
+    +1 / -1 rewards of the Modal OPD tutorial). Detached, floating point."""
+    rewards_N = rewards_N.detach()
+    if not rewards_N.is_floating_point():
+        rewards_N = rewards_N.float()
+    if wrong_reward == 0.0:
+        return rewards_N
+    return torch.where(rewards_N == 0, torch.full_like(rewards_N, wrong_reward), rewards_N)
+
+
+def rl_advantage(rewards_N: Tensor, group_ids_N: Tensor, kind: str = "group_norm", wrong_reward: float = 0.0,
+                 eps: float = 1e-6) -> Tensor:
+    """The GRPO term's advantage of each rollout (`loss.rl_advantage`), from `rl_rewards`:
+      "group_norm"  (r - mean) / (std + eps) over the group (`grpo_advantage`, the default);
+      "group_mean"  r - mean, no std (exactly 0 for a group whose rewards are all equal);
+      "raw"         r itself, no baseline: a group all wrong gets wrong_reward on every rollout
+                    (slime with a custom reward post-process, as the Modal OPD tutorial runs it).
+    With wrong_reward = 0, "group_norm" is `grpo_advantage` of the verifier's rewards bit for bit."""
+    rewards_N = rl_rewards(rewards_N, wrong_reward)
+    if kind == "group_norm":
+        return grpo_advantage(rewards_N, group_ids_N, eps)
+    centred_N, _, flat_N = _centred(rewards_N, group_ids_N)  # checks the shapes for "raw" too
+    if kind == "group_mean":
+        return torch.where(flat_N, torch.zeros_like(centred_N), centred_N)
+    if kind == "raw":
+        return rewards_N
+    raise ValueError(f"rl_advantage must be 'group_norm', 'group_mean' or 'raw', got {kind!r}")
 
 
 def group_means(values_N: Tensor, group_ids_N: Tensor) -> tuple[Tensor, Tensor]:
@@ -159,17 +196,19 @@ def cure_advantage(
     rlsd_clip: float = 0.2,
     token_clip: float = 0.0,
     eps: float = 1e-6,
+    rl_kind: str = "group_norm",
+    wrong_reward: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """(the full sampled-token advantage, its GRPO part alone), both (B, T), detached, 0 off
     completions. With rlsd_lam = 0, every w_b = 1 and the student as baseline, this is
     lambda_rl * A_grpo + lambda_opd * clip(teacher_lp - student_lp). The GRPO part (with its RLSD factor) is what an
-    exact-divergence loss keeps as a policy gradient."""
+    exact-divergence loss keeps as a policy gradient; A_grpo is `rl_advantage` of kind `rl_kind`."""
     mask_BT = mask_BT.bool()
     signal_BT = opd_advantage(teacher_lp_BT, baseline_lp_BT, mask_BT)  # unclipped s_t, 0 off completions
     zeros_BT = torch.zeros_like(signal_BT)
     grpo_BT = zeros_BT
     if lambda_rl != 0.0:
-        grpo_B = grpo_advantage(rewards_B, group_ids_B, eps).to(signal_BT.dtype)
+        grpo_B = rl_advantage(rewards_B, group_ids_B, rl_kind, wrong_reward, eps).to(signal_BT.dtype)
         grpo_BT = torch.where(mask_BT, grpo_B[:, None].expand_as(signal_BT), zeros_BT)
         if rlsd_lam != 0.0:
             grpo_BT = grpo_BT * rlsd_factor(grpo_BT, signal_BT, rlsd_lam, rlsd_clip)

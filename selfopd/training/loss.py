@@ -10,6 +10,9 @@ what the teacher likes and away from what it rejects, on the student's own sampl
     A_t = lambda_rl * A_grpo(b) * rlsd_t + lambda_opd * w_b * clip_c(teacher_lp_t - baseline_lp_t),
   whose expected gradient is that of lambda_opd * KL(student || teacher) minus lambda_rl times
   the GRPO objective (`selfopd.training.advantages` has each term and each cure's formula):
+    A_grpo(b)     rollout b's GRPO advantage from its reward (`rl_advantage`: (r - mean) / std
+                  over its group by default, r - mean, or r alone; a wrong rollout's reward is
+                  `wrong_reward`, 0 by default);
     baseline_lp   the student's logprob (plain OPD), the teacher's under a wrong context
                   (RLCSD/CEPO, `opd_baseline = "wrong_context"`), or the teacher engine's logprob
                   after the student's own prompt (`opd_baseline = "same_engine"`);
@@ -25,7 +28,10 @@ Any other divergence: the OPD term is exact per position, over whole distributio
            + lambda_opd * mean_t[ w_b * min(D_t, c) ],   (w_b only under routing/pass-rate weighting)
   D_t the reverse KL (`reverse_kl`), forward KL (`forward_kl`), generalised JSD (`jsd`) over
   the vocabulary, or the reverse KL over the teacher's top-k plus one tail bucket
-  (`topk_reverse_kl`); a position clamped at c gives no gradient.
+  (`topk_reverse_kl`); a position clamped at c gives no gradient. With `clip_per =
+  "vocabulary_entry"` (full-vocabulary divergences only; OPSD's clip) min(D_t, c) is instead
+  sum_v min(d_tv, c), where D_t = sum_v d_tv: each vocabulary entry's term is capped, a capped
+  term gives no gradient, and a KL's sum can be negative.
 mean_t is over completion tokens: over all of the batch's ("token") or per sequence first
 ("sequence", `normalisation`).
 
@@ -50,7 +56,7 @@ from torch import Tensor
 
 from selfopd.config import LossConfig, Normalisation
 from selfopd.training.advantages import check_same_shape, cure_advantage
-from selfopd.training.divergences import full_vocab_divergence, topk_reverse_kl
+from selfopd.training.divergences import EntryClipped, entry_clipped_divergence, full_vocab_divergence, topk_reverse_kl
 
 @dataclass(frozen=True)
 class LossInputs:
@@ -80,7 +86,7 @@ class LossParts:
 
     loss: Tensor
     advantage_BT: Tensor  # the sampled-token advantage A_t (computed under every divergence)
-    clipped_BT: Tensor  # bool: the positions `token_clip` clipped
+    clipped_BT: Tensor  # bool: the positions `token_clip` clipped (any of whose entries, per vocabulary entry)
     divergence_BT: Tensor | None  # D_t before the clip; None for "sampled"
 
 
@@ -89,40 +95,67 @@ def opd_loss(inputs: LossInputs, settings: LossConfig) -> LossParts:
     x, s = inputs, settings
     mask_BT = x.mask_BT.bool()
     baseline_BT = x.student_lp_BT if x.baseline_lp_BT is None else x.baseline_lp_BT
+    # The sampled-token advantage (trained under "sampled", logged otherwise) is clipped per token: a
+    # cap of each vocabulary entry's term is not a bound on it.
     advantage_BT, grpo_BT = cure_advantage(x.teacher_lp_BT, baseline_BT, mask_BT, x.rewards_B, x.group_ids_B,
                                            x.opd_weight_B, s.lambda_opd, s.lambda_rl, x.rlsd_lambda, s.rlsd_clip,
-                                           s.token_clip)
+                                           s.token_clip if s.clip_per == "position" else 0.0,
+                                           rl_kind=s.rl_advantage, wrong_reward=s.wrong_reward)
     ratio_BT = truncated_is_ratio(x.student_lp_BT, x.sampler_lp_BT, s.is_cap) if s.is_cap else None
     if s.divergence == "sampled":
         loss = policy_gradient_loss(x.student_lp_BT, advantage_BT, mask_BT, ratio_BT, s.normalisation)
         clipped_BT = clipped_tokens(x.teacher_lp_BT - baseline_BT, mask_BT, s.token_clip, two_sided=True)
         return LossParts(loss, advantage_BT.detach(), clipped_BT, None)
-    divergence_BT = teacher_divergence(x, s, mask_BT)
-    trained_BT = clipped_divergence(divergence_BT, s.token_clip)
+    if s.clip_per == "vocabulary_entry":
+        entry = entry_clipped(x, s, mask_BT)
+        trained_BT, divergence_BT, clipped_BT = entry.values_BT, entry.unclipped_BT, entry.clipped_BT
+    else:
+        divergence_BT = teacher_divergence(x, s, mask_BT)
+        trained_BT = clipped_divergence(divergence_BT, s.token_clip)
+        clipped_BT = clipped_tokens(divergence_BT, mask_BT, s.token_clip, two_sided=False)
     if s.opd_on != "all" or s.pass_rate_weighting:
         trained_BT = trained_BT * x.opd_weight_B[:, None].to(trained_BT.dtype)
     loss = (policy_gradient_loss(x.student_lp_BT, grpo_BT, mask_BT, ratio_BT, s.normalisation)
             + s.lambda_opd * masked_mean(trained_BT, mask_BT, s.normalisation))
-    clipped_BT = clipped_tokens(divergence_BT, mask_BT, s.token_clip, two_sided=False)
     return LossParts(loss, advantage_BT.detach(), clipped_BT, divergence_BT.detach())
+
+
+def entry_clipped(inputs: LossInputs, settings: LossConfig, mask_BT: Tensor) -> EntryClipped:
+    """The full-vocabulary divergence with each vocabulary entry's term capped at `token_clip`
+    (`clip_per = "vocabulary_entry"`): its clipped sum, differentiable, the divergence and
+    the positions clipped (`divergences.EntryClipped`)."""
+    x, s = inputs, settings
+    hidden_BTH, head_VH = _student_states(x, s)
+    teacher_hidden_BTH, teacher_head_VH = _teacher_states(x, s)
+    return entry_clipped_divergence(hidden_BTH, head_VH, mask_BT, s.token_clip, teacher_hidden_BTH=teacher_hidden_BTH,
+                                    teacher_weight_VH=teacher_head_VH, divergence=s.divergence, beta=s.jsd_beta)
+
+
+def _student_states(x: LossInputs, s: LossConfig) -> tuple[Tensor, Tensor]:
+    if x.student_hidden_BTH is None or x.student_head_VH is None:
+        raise ValueError(f"loss.divergence = {s.divergence!r} needs the student's hidden states and head")
+    return x.student_hidden_BTH, x.student_head_VH
+
+
+def _teacher_states(x: LossInputs, s: LossConfig) -> tuple[Tensor, Tensor]:
+    if x.teacher_states is None:
+        raise ValueError(f"loss.divergence = {s.divergence!r} needs the teacher's hidden states and head "
+                         "(a teacher in process)")
+    return x.teacher_states
 
 
 def teacher_divergence(inputs: LossInputs, settings: LossConfig, mask_BT: Tensor) -> Tensor:
     """D_t (B, T) of the student's next-token distributions from the teacher's, differentiable
     in the student's hidden states and head."""
     x = inputs
-    if x.student_hidden_BTH is None or x.student_head_VH is None:
-        raise ValueError(f"loss.divergence = {settings.divergence!r} needs the student's hidden states and head")
+    hidden_BTH, head_VH = _student_states(x, settings)
     if settings.divergence == "topk_reverse_kl":
         if x.teacher_topk is None:
             raise ValueError("loss.divergence = 'topk_reverse_kl' needs the teacher's top-k ids and logprobs")
         ids_BTK, logprobs_BTK = x.teacher_topk
-        return topk_reverse_kl(x.student_hidden_BTH, x.student_head_VH, ids_BTK, logprobs_BTK, mask_BT)
-    if x.teacher_states is None:
-        raise ValueError(f"loss.divergence = {settings.divergence!r} needs the teacher's hidden states and head "
-                         "(a teacher in process)")
-    teacher_hidden_BTH, teacher_head_VH = x.teacher_states
-    return full_vocab_divergence(x.student_hidden_BTH, x.student_head_VH, mask_BT, teacher_hidden_BTH=teacher_hidden_BTH,
+        return topk_reverse_kl(hidden_BTH, head_VH, ids_BTK, logprobs_BTK, mask_BT)
+    teacher_hidden_BTH, teacher_head_VH = _teacher_states(x, settings)
+    return full_vocab_divergence(hidden_BTH, head_VH, mask_BT, teacher_hidden_BTH=teacher_hidden_BTH,
                                  teacher_weight_VH=teacher_head_VH, divergence=settings.divergence,
                                  beta=settings.jsd_beta)
 

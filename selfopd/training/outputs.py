@@ -17,30 +17,31 @@ from selfopd.data.example import Example, prompt_key
 from selfopd.data.split import distinct_prompts, trained_on
 from selfopd.run.rollouts import RolloutRecord, write_records
 from selfopd.core.distributed import ShardedSampling, full_optimizer_state, full_state_dict, is_sharded
-from selfopd.run.evaluate import evaluate
+from selfopd.run.evaluate import eval_prompting, evaluate
 from selfopd.core.faults import fault_point
 from selfopd.core.run_folder import RunFolder, checkpoint_step
 from selfopd.training.rollout_pipeline import PENDING_FILE, pending_json
 from selfopd.training.state import Run
 from selfopd.training.teacher import Scored
-from selfopd.verifiers import Grading
 
 
 def run_eval(run: Run) -> dict[str, float] | None:
     """Held-out accuracy of the current student with its 95% interval over distinct prompts, as
     [eval] asks (greedy by default; avg@k and pass@k with eval.samples > 1), on eval.data or the
-    run's held-out split. It samples through the run's own student engine: the trainer's module in
-    process, the student's vLLM servers (just synced to this step's weights) when training samples
-    there. Under torchrun every rank generates its share of each batch; rank 0 writes and gets the
-    metrics (None elsewhere)."""
+    run's held-out split, prompted and graded as `eval_prompting` says (training's template,
+    chat-template arguments and [verifier] unless [eval] names others). It samples through the
+    run's own student engine: the trainer's module in process, the student's vLLM servers (just
+    synced to this step's weights) when training samples there. Under torchrun every rank
+    generates its share of each batch; rank 0 writes and gets the metrics (None elsewhere)."""
     cfg, settings = run.config, run.config.eval
     out_dir = run.folder.eval_dir(run.step)
     main = run.world.is_main
+    prompting = eval_prompting(cfg)  # eval.student_template, eval.chat_template_kwargs, eval.truncated, eval.reasoning
     evaluate(ShardedSampling(run.student_engine, run.world), run.tokenizer, eval_examples(run),
-             run.student_template, settings.max_tokens, settings.batch_size, out_dir=out_dir if main else None,
-             progress=cfg.run.progress and main, samples=settings.samples, temperature=settings.temperature,
-             top_p=settings.top_p, top_k=settings.top_k, min_p=settings.min_p, grading=Grading.of(cfg.verifier),
-             template_kwargs=cfg.model.chat_template_kwargs)
+             run.eval_template or run.student_template, settings.max_tokens, settings.batch_size,
+             out_dir=out_dir if main else None, progress=cfg.run.progress and main, samples=settings.samples,
+             temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k, min_p=settings.min_p,
+             grading=prompting.grading, template_kwargs=prompting.template_kwargs)
     return eval_metrics(run.step, out_dir) if main else None
 
 

@@ -103,8 +103,8 @@ def request_for_step(side: StudentSide, step: int) -> Request:
     first_group = side.world.rank * len(examples)
     messages = [render_student(side.template, e) for e in examples]
     params = SamplingParams(max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
-                            top_p=cfg.rollout.top_p, n=cfg.rollout.samples_per_prompt,
-                            seed=cfg.run.seed * 1_000_003 + step,
+                            top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, min_p=cfg.rollout.min_p,
+                            n=cfg.rollout.samples_per_prompt, seed=cfg.run.seed * 1_000_003 + step,
                             first_row=first_group * cfg.rollout.samples_per_prompt)
     prompts = [prompt_token_ids(side.tokenizer, m, cfg.model.chat_template_kwargs) for m in messages]
     return Request(step, examples, messages, prompts, params, first_group)

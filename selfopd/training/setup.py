@@ -37,6 +37,7 @@ from selfopd.run.templates import load_run_template
 from selfopd.templating.templates import (
     SAMPLE_DEMONSTRATION,
     PromptTemplate,
+    TemplateError,
     check_student_template,
     load_template,
     prompt_token_ids,
@@ -77,6 +78,7 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
     eval_data = checked_eval_data(config, train_examples)  # eval.data: refused before the run folder is made
     # A resumed run renders from its own copies of the templates (RUN/templates/), a fresh one from the files.
     student_template = load_run_template(folder.root, config.data.student_template)
+    eval_template = load_eval_template(config, folder.root, eval_data or eval_examples)
     tables = {DEFAULT_TEACHER: config.teacher, **config.teachers}  # every teacher's settings, by name
     router = open_router(config, train_examples, eval_examples) if config.teachers else None
     routed = routed_examples(train_examples, router)
@@ -104,7 +106,7 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
     for name, table in tables.items():
         if routed[name]:  # each teacher's prompts, of the examples routed to it (all of them: [teacher] alone)
             check_context(config, model.config, teacher_model_config(config, model.config, table), tokenizer,
-                          student_template, *templates[name], routed[name], eval_examples,
+                          student_template, *templates[name], routed[name], eval_data or eval_examples,
                           teacher_tokenizer=bridges[name].teacher if bridges[name] is not None else None,
                           teacher_kwargs=table.template_kwargs(config.model.chat_template_kwargs))
     model = prepare_student(model, config.model, resume_from)  # LoRA adapters, when model.lora_rank > 0
@@ -120,7 +122,7 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
         load_optimizer_state(model, optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step = state["step"]
-    probe_prompt = prompt_token_ids(tokenizer, render_student(student_template, eval_examples[0]),
+    probe_prompt = prompt_token_ids(tokenizer, render_student(student_template, (eval_examples or eval_data)[0]),
                                     config.model.chat_template_kwargs)
     probe = (probe_prompt, tokenizer.encode(PROBE_COMPLETION, add_special_tokens=False))
 
@@ -137,7 +139,7 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
                   bridge=bridges[DEFAULT_TEACHER],
                   named_teachers={name: NamedTeacher(table, named_engines[name], *templates[name], bridges[name])
                                   for name, table in config.teachers.items()}, eval_data=eval_data,
-                  router=router,
+                  eval_template=eval_template, router=router,
                   ema=open_ema(config, teacher_engine, resume_from, state.get("ema"), options))
         run.rollouts = open_pipeline(run.student_side, resume_from, run.step)  # with the rollouts a checkpoint had sampled ahead
         resources.callback(run.rollouts.close)  # before the servers stop: no request outlives them
@@ -232,6 +234,22 @@ def demonstration_fallback(config: TrainConfig, teacher: PromptTemplate, run_dir
         raise ConfigError(f"{teacher_key(config, table or config.teacher)}.demonstration_fallback", f"{fallback.name!r} uses 'demonstration' itself; the "
                           "fallback scores rollouts that have none (e.g. teacher/empty)")
     return fallback
+
+
+def load_eval_template(config: TrainConfig, run_dir: Path, examples: Sequence[Example]) -> PromptTemplate | None:
+    """eval.student_template's template (None when the eval renders the student's), checked as a student
+    template and rendered once on the first eval item, so that a bad one fails before any model loads
+    (one line naming the key)."""
+    name = config.eval.template(config.data.student_template)
+    if name == config.data.student_template:
+        return None
+    try:
+        template = load_run_template(run_dir, name)
+        check_student_template(template)
+        render_student(template, examples[0])
+    except TemplateError as error:
+        raise ConfigError("eval.student_template", str(error)) from None
+    return template
 
 
 def check_templates_render(student: PromptTemplate, teacher: PromptTemplate, example: Example,

@@ -63,6 +63,7 @@ class Run:
     named_teachers: dict[str, NamedTeacher] = field(default_factory=dict)  # [teachers.NAME], beside [teacher]
     router: Callable[[Example], str] | None = None  # with named teachers: each example's teacher
     eval_data: tuple[Example, ...] = ()  # eval.data's items, checked against the training prompts ('' : none)
+    eval_template: PromptTemplate | None = None  # eval.student_template's ('': None, the student's)
     # The student's rollouts of this and the coming steps (rollout.max_staleness); synchronous by default.
     rollouts: RolloutPipeline = field(default_factory=lambda: RolloutPipeline(0, background=False))
 

@@ -178,9 +178,11 @@ def check_sampler(run: Run) -> dict[str, float]:
     trainer gives them (`probe_rule`'s tolerance). A server that reports the raw logits' logprobs
     (started without --logprobs-mode processed_logprobs) or applies a setting of its own fails
     here, before any step trains on its rollouts. Skipped for an in-process student (it is the
-    trainer's module), greedy decoding and top_p < 1 (the sampler's nucleus is renormalised)."""
+    trainer's module), greedy decoding and a filter on (top_p < 1, top_k or min_p > 0: the sampler's
+    kept tokens are renormalised)."""
     rollout, student = run.config.rollout, run.student_engine
-    if serves_live_model(student, run) or rollout.temperature == 0 or rollout.top_p < 1.0:
+    filtered = rollout.top_p < 1.0 or rollout.top_k > 0 or rollout.min_p > 0
+    if serves_live_model(student, run) or rollout.temperature == 0 or filtered:
         return {}
     prompt = run.probe[0]
     replicas = getattr(student, "urls", ["the student engine"])

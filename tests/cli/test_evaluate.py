@@ -121,6 +121,98 @@ def test_eval_data_of_the_config_is_what_eval_answers(tmp_path, tiny_model_dir, 
         f"rows/{i}" for i in range(5)]
 
 
+def test_eval_renders_and_grades_as_the_eval_settings_say(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """OPSD's eval of a student trained without thinking: eval.student_template, eval.chat_template_kwargs
+    (over model.chat_template_kwargs), eval.truncated and eval.reasoning reach what `selfopd eval` renders,
+    records and prints; training's settings alone are what it used before."""
+    import selfopd.run.evaluate as evaluation
+    from tests.thinking_template import thinking_model_dir
+
+    rendered = []
+    original = evaluation.prompt_token_ids
+
+    def recording(tokenizer, messages, template_kwargs=None):
+        rendered.append((messages[-1]["content"], dict(template_kwargs or {})))
+        return original(tokenizer, messages, template_kwargs or {})
+
+    monkeypatch.setattr(evaluation, "prompt_token_ids", recording)
+    model = thinking_model_dir(tiny_model_dir, tmp_path / "thinking")
+    data = _rows(tmp_path, [(f"What is {i} + {i}?", str(2 * i)) for i in range(2)])
+    trained = ["--set", "data.student_template=student/opsd", "--set", "model.chat_template_kwargs=enable_thinking=false"]
+    evals = ["--set", "eval.student_template=student/opsd_eval", "--set", "eval.chat_template_kwargs=enable_thinking=true",
+             "--set", "eval.truncated=grade", "--set", "eval.reasoning=graded"]
+    suffix = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
+    for sets, template, content, kwargs, verifier, setting in (
+            (trained, "student/opsd", "Problem: What is 1 + 1?" + suffix, {"enable_thinking": False},
+             {"reasoning_start": "<think>", "reasoning_end": "</think>", "truncated": "wrong"},
+             "verifier.truncated = 'wrong'"),
+            ([*trained, *evals], "student/opsd_eval", "What is 1 + 1?" + suffix, {"enable_thinking": True},
+             {"reasoning_start": "", "reasoning_end": "", "truncated": "grade"}, "eval.truncated = 'grade'")):
+        rendered.clear()
+        out = tmp_path / f"eval{len(sets)}"
+        assert main(["eval", "--data", str(data), "--model", str(model), *sets, "--set", "eval.max_tokens=3",
+                     "--out", str(out)]) == 0
+        assert len(rendered) == 2 and rendered[1] == (content, kwargs)
+        summary = json.loads((out / "summary.json").read_text())
+        assert (summary["template"], summary["verifier"]) == (template, verifier)
+        printed = capsys.readouterr().out
+        assert f" with {template}: accuracy " in printed and f"({setting})" in printed, printed
+
+
+def _run_of(tmp_path, model, *sets: str):
+    """A run folder as `selfopd train` leaves it before its first checkpoint: the signed config, split.json."""
+    from selfopd.config import config_to_toml, load_config
+    from selfopd.core.run_folder import RunFolder
+    from selfopd.data.split import SplitRecord, load_split
+
+    spec = "rg:chain_sum?min_terms=2&max_terms=2&size=20&seed=3"
+    run = RunFolder(tmp_path / "run")
+    run.root.mkdir()
+    run.write_config(config_to_toml(load_config(None, [f"model.student={model}", f"data.spec={spec}",
+                                                       "data.eval_size=2", *sets])))
+    SplitRecord.of(spec, 0, *load_split(spec, 2, 0)).write(run.root)
+    return run.root
+
+
+@pytest.mark.parametrize("kind, flags, expected", [
+    ("vllm", [], "vllm"), ("vllm_colocate", [], "vllm"), ("local", [], "local"),
+    ("vllm", ["--engine", "local"], "local"), ("local", ["--engine", "vllm"], "vllm"),
+    ("vllm", ["--set", "engine.kind=local"], "local"),
+])
+def test_eval_of_a_run_samples_on_the_runs_own_engine_unless_told(tmp_path, tiny_model_dir, monkeypatch, capsys,
+                                                                  kind, flags, expected):
+    """`eval --run RUN` of a run trained on vLLM samples on vLLM (its student's server, launched as training
+    launches it), not in process with HF generate; --engine local still samples in process. The engine
+    is caught as it opens: no server starts here (tests/cli/test_evaluate.py's vllm test launches one)."""
+    import selfopd.run.eval_engine as eval_engine
+    from selfopd.cli.common import UserError
+
+    chosen = []
+
+    def opened(model, config, engine_kind, server, stack, log_dir, progress=True):
+        chosen.append(engine_kind)
+        raise UserError("stopped before sampling")
+
+    monkeypatch.setattr(eval_engine, "open_eval_engine", opened)
+    run = _run_of(tmp_path, tiny_model_dir, f"engine.kind={kind}")
+    assert main(["eval", "--run", str(run), *flags, "--out", str(tmp_path / "eval")]) == 1
+    assert chosen == [expected]
+    out = capsys.readouterr().out
+    assert ("sampling on vLLM, as" in out) == (expected == "vllm" and not flags)
+    if expected == "vllm" and not flags:
+        assert f"sampling on vLLM, as {run} trained (engine.kind = {kind!r}); --engine local samples in process" in out
+
+
+def test_the_eval_engine_is_decided_in_one_place():
+    from selfopd.config import load_config
+    from selfopd.run.eval_engine import eval_engine_kind
+
+    vllm, local = load_config(None, ["engine.kind=vllm"]), load_config(None)
+    assert [eval_engine_kind(None, None, vllm), eval_engine_kind(None, None, local), eval_engine_kind(None, None, None),
+            eval_engine_kind("local", None, vllm), eval_engine_kind(None, "http://127.0.0.1:8000", None)] == [
+        "vllm", "local", "local", "local", "vllm"]
+
+
 @pytest.mark.slow
 def test_a_truncated_answer_ending_in_the_right_number_is_wrong_unless_truncated_answers_are_graded(tmp_path):
     """The packaged SmolLM2, greedy with the demo's 32 tokens: "Calculate 1 + 4." is answered "1 + 4 = 5" (finished);

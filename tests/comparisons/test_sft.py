@@ -57,7 +57,7 @@ def test_defaults_are_the_demo_task_and_split():
         ("sft.samples_per_prompt=4", "sft.samples_per_prompt", "greedy samples are identical"),
         ("sft.name=a/b", "sft.name", "plain folder name"),
         ("sft.batch_size=0", "sft.batch_size", "must be >= 1"),
-        ("data.eval_size=0", "data.eval_size", "must be >= 1"),
+        ("data.eval_size=0", "data.eval_size", "0 holds nothing out of data.spec"),
         ("eval.max_tokenz=4", "eval.max_tokenz", "did you mean 'max_tokens'"),
     ],
 )

@@ -31,7 +31,7 @@ EXPECTED_DEFAULTS = {
                 trackers=(), wandb_project="selfopd", wandb_mode="offline"),
     "model": dict(student="smollm2-135m-instruct", revision="", dtype="auto", device="auto", attn_implementation="auto",
                   gradient_checkpointing=False, compile_layers=False, lora_rank=0, lora_alpha=32.0, lora_dropout=0.0,
-                  lora_targets=("all-linear",), chat_template_kwargs={}, threads=0, trust_remote_code=False),
+                  lora_targets=("all-linear",), lora_bf16_servers=False, chat_template_kwargs={}, threads=0, trust_remote_code=False),
     "teacher": dict(kind="self", model="", revision="", tokenizer="student", template="teacher/reference_answer", chat_template_kwargs={}, ema_rate=0.05, skip_self_success=True,
                     tasks=(), demonstration_fallback="teacher/empty"),
     "data": dict(
@@ -40,21 +40,23 @@ EXPECTED_DEFAULTS = {
         eval_size=200,
         split_seed=0,
     ),
-    "rollout": dict(prompts_per_step=8, samples_per_prompt=4, max_tokens=48, temperature=1.0, top_p=1.0,
-                    max_staleness=0),
-    "loss": dict(lambda_opd=1.0, lambda_rl=0.0, normalisation="token", is_cap=2.0, divergence="sampled", top_k=20, jsd_beta=0.5,
-                 token_clip=0.0, partial_credit=False, rlsd_weight=0.0, rlsd_decay_steps=50, rlsd_clip=0.2, opd_on="all",
+    "rollout": dict(prompts_per_step=8, samples_per_prompt=4, max_tokens=48, temperature=1.0, top_p=1.0, top_k=0,
+                    min_p=0.0, max_staleness=0),
+    "loss": dict(lambda_opd=1.0, lambda_rl=0.0, rl_advantage="group_norm", wrong_reward=0.0, normalisation="token",
+                 is_cap=2.0, divergence="sampled", top_k=20, jsd_beta=0.5,
+                 token_clip=0.0, clip_per="position", partial_credit=False, rlsd_weight=0.0, rlsd_decay_steps=50, rlsd_clip=0.2, opd_on="all",
                  opd_baseline="student", pass_rate_weighting=False),
     "optim": dict(
         lr=1e-6, weight_decay=0.0, beta1=0.9, beta2=0.999, warmup_steps=0, schedule="constant", grad_clip=1.0, micro_batch_prompts=2,
         max_nonfinite_steps=3,
     ),
-    "eval": dict(max_tokens=48, batch_size=32, data="", samples=1, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0),
+    "eval": dict(max_tokens=48, batch_size=32, data="", samples=1, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
+                 student_template="", chat_template_kwargs={}, truncated="", reasoning=""),
     "probe": dict(tolerance=3e-4, bf16_tolerance=0.25),
     "engine": dict(kind="local", batch_size=64, packed_sampling=False, compiled_sampling=False, student_urls="", teacher_url="", teacher_engine="vllm", host="127.0.0.1", port=8100, max_model_len=2048,
                    weight_sync="auto", sync_port=0, sync_timeout_s=60.0, sync_buffer_mb=512, verify_every=1,
                    trainer_address="127.0.0.1", compile="auto", gpu_memory_utilization=0.0,
-                   cpu_kv_cache_gb=1, extra_server_args="", startup_timeout_s=900.0, request_timeout_s=0.0,
+                   check_memory_plan=True, cpu_kv_cache_gb=1, extra_server_args="", startup_timeout_s=900.0, request_timeout_s=0.0,
                    retries=3, max_concurrency=64, student_servers=1, student_gpus="", teacher_gpus="",
                    tensor_parallel_size=1, teacher_tensor_parallel_size=0, sleep_mode=True, api_key_env=""),
     "guard": dict(action="warn", window=6, kl_drop=0.1, accuracy_drop=0.05, truncated_share=0.5, truncated_rise=0.1,
@@ -118,7 +120,7 @@ def test_round_trip_of_every_field_changed(tmp_path):
                       keep_best_checkpoint=True, rollouts_to_save=0, progress=False, trackers=("wandb", "tensorboard"), wandb_project="p", wandb_mode="online"),
         model=dataclasses.replace(TrainConfig().model, student="org/x", revision="abc123", dtype="bfloat16", threads=3,
                                   device="cuda:1", attn_implementation="eager", gradient_checkpointing=True, compile_layers=True,
-                                  lora_rank=0, lora_alpha=16, lora_dropout=0.1, lora_targets=("q_proj", "v_proj"),
+                                  lora_rank=0, lora_alpha=16, lora_dropout=0.1, lora_targets=("q_proj", "v_proj"), lora_bf16_servers=True,
                                   trust_remote_code=True,
                                   chat_template_kwargs={"enable_thinking": False, "n": 2, "t": 0.5, "s": 'a "b" é\n'}),
         teacher=dataclasses.replace(TrainConfig().teacher, kind="external", model="org/teacher", revision="v1.0",
@@ -127,20 +129,22 @@ def test_round_trip_of_every_field_changed(tmp_path):
                                     ema_rate=0.25, skip_self_success=False, demonstration_fallback="teacher/answer_note"),
         data=dataclasses.replace(TrainConfig().data, spec="champ?concepts=true", student_template="student/boxed", eval_size=10, split_seed=3),
         rollout=dataclasses.replace(TrainConfig().rollout, prompts_per_step=6, samples_per_prompt=2, max_tokens=9, temperature=1.0, top_p=0.95,
-                                    max_staleness=2),
+                                    top_k=20, min_p=0.05, max_staleness=2),
         loss=dataclasses.replace(TrainConfig().loss, lambda_opd=0.1, lambda_rl=0.3, normalisation="sequence", is_cap=0.0,
                                   divergence="topk_reverse_kl", top_k=7, jsd_beta=0.3, partial_credit=True,
+                                  rl_advantage="raw", wrong_reward=-1.0,
                                   token_clip=1.5, rlsd_weight=0.4, rlsd_decay_steps=20, rlsd_clip=0.3, opd_on="failed",
                                   pass_rate_weighting=True),
         optim=OptimConfig(lr=3e-6, weight_decay=0.01, beta1=0.8, beta2=0.95, warmup_steps=2, schedule="cosine", grad_clip=0.0, micro_batch_prompts=3,
                           max_nonfinite_steps=5),
         eval=dataclasses.replace(TrainConfig().eval, max_tokens=7, batch_size=5, data="hf:org/x?split=test", samples=4,
-                                 temperature=0.6, top_p=0.95, top_k=20, min_p=0.05),
+                                 temperature=0.6, top_p=0.95, top_k=20, min_p=0.05, student_template="student/opsd_eval",
+                                 chat_template_kwargs={"enable_thinking": True}, truncated="grade", reasoning="graded"),
         probe=dataclasses.replace(TrainConfig().probe, tolerance=2.5e-5, bf16_tolerance=0.5),
         engine=EngineConfig(kind="vllm", batch_size=8, student_urls="http://a:1,http://b:2", teacher_url="https://c:3", host="0.0.0.0",
                             port=9000, max_model_len=4096, weight_sync="nccl", sync_port=29700, sync_timeout_s=30.0,
                             sync_buffer_mb=64, verify_every=4, trainer_address="10.0.0.2", compile="on",
-                            gpu_memory_utilization=0.8, cpu_kv_cache_gb=4, extra_server_args="--seed 1\n--kv-cache-dtype 'fp8'\t--enforce-eager",
+                            gpu_memory_utilization=0.8, check_memory_plan=False, cpu_kv_cache_gb=4, extra_server_args="--seed 1\n--kv-cache-dtype 'fp8'\t--enforce-eager",
                             startup_timeout_s=60.0, request_timeout_s=30.0, retries=0, max_concurrency=8,
                             student_servers=2, student_gpus="1,2,3,4", teacher_gpus="5,6,7", tensor_parallel_size=2,
                             teacher_tensor_parallel_size=3, sleep_mode=False, api_key_env="MY_KEY"),
@@ -154,14 +158,19 @@ def test_round_trip_of_every_field_changed(tmp_path):
     for section, defaults in EXPECTED_DEFAULTS.items():
         for key, default in defaults.items():
             # vLLM needs temperature 1, top-k a sampled baseline, LoRA with vLLM fp32, top-k the student's tokenizer,
-            # a teacher scored in process no teacher server, packed and compiled sampling the local engine: round-tripped below
-            if (section, key) not in (("rollout", "temperature"), ("loss", "opd_baseline"), ("model", "lora_rank"),
+            # a teacher scored in process no teacher server, packed and compiled sampling the local engine, a per-entry
+            # clip a full-vocabulary divergence: round-tripped below
+            if (section, key) not in (("rollout", "temperature"), ("loss", "opd_baseline"), ("loss", "clip_per"),
+                                      ("model", "lora_rank"),
                                       ("teacher", "tokenizer"), ("teacher", "tasks"), ("engine", "teacher_engine"),
                                       ("engine", "packed_sampling"), ("engine", "compiled_sampling")):
                 assert changed[section][key] != default, f"{section}.{key} not changed: the round trip would not test it"
     assert load_config(write(tmp_path, config_to_toml(config))) == config
     contrastive = dataclasses.replace(TrainConfig(), loss=dataclasses.replace(TrainConfig().loss, opd_baseline="wrong_context"))
     assert load_config(write(tmp_path, config_to_toml(contrastive)), resolve=False) == contrastive
+    entry = dataclasses.replace(TrainConfig(), loss=dataclasses.replace(TrainConfig().loss, divergence="jsd", token_clip=0.05,
+                                                                        clip_per="vocabulary_entry"))
+    assert load_config(write(tmp_path, config_to_toml(entry)), resolve=False) == entry
     lora = dataclasses.replace(config, model=dataclasses.replace(config.model, lora_rank=8, dtype="float32"))
     assert load_config(write(tmp_path, config_to_toml(lora))) == lora
     tempered = dataclasses.replace(config, engine=EngineConfig(), rollout=dataclasses.replace(config.rollout, temperature=0.7))
@@ -328,9 +337,10 @@ def literal_fields():
 def test_the_expected_fields_are_literals():
     assert {(s, k) for s, k, _ in literal_fields()} == {
         ("model", "dtype"), ("model", "attn_implementation"), ("teacher", "kind"), ("teacher", "tokenizer"), ("loss", "normalisation"), ("loss", "divergence"),
-        ("loss", "opd_on"), ("loss", "opd_baseline"), ("optim", "schedule"),
+        ("loss", "opd_on"), ("loss", "opd_baseline"), ("loss", "rl_advantage"), ("loss", "clip_per"), ("optim", "schedule"),
         ("engine", "kind"), ("engine", "teacher_engine"), ("engine", "weight_sync"), ("engine", "compile"), ("run", "wandb_mode"),
-        ("guard", "action"), ("verifier", "truncated"), ("verifier", "isolation"),
+        ("guard", "action"), ("verifier", "truncated"), ("verifier", "isolation"), ("eval", "truncated"),
+        ("eval", "reasoning"),
     }
 
 
@@ -361,6 +371,11 @@ def test_list_fields_parse_from_toml_and_set():
         load_config(None, ["run.trackers=wandb,wandb"])
 
 
+# What a literal field's every value needs beside it to be accepted.
+LITERAL_NEEDS = {("loss", "rl_advantage"): ["loss.lambda_rl=1"],
+                 ("loss", "clip_per"): ["loss.divergence=jsd", "loss.token_clip=0.05"]}
+
+
 @pytest.mark.parametrize("section, key, allowed", list(literal_fields()), ids=lambda v: str(v))
 def test_literal_fields_accept_their_values_and_nothing_else(section, key, allowed):
     extra = ["teacher.model=org/t"] if (section, key) == ("teacher", "kind") else []
@@ -368,12 +383,14 @@ def test_literal_fields_accept_their_values_and_nothing_else(section, key, allow
         sets = (extra if value == "external" else ["teacher.kind=external", "teacher.model=org/t"] if value == "own"
                 else ["engine.kind=vllm", "rollout.temperature=1"] if (section, key) == ("engine", "teacher_engine")
                 else ["loss.lambda_opd=0", "loss.lambda_rl=1"] if value == "none" else [])
+        sets = [*sets, *LITERAL_NEEDS.get((section, key), [])]
         assert getattr(getattr(load_config(None, [f"{section}.{key}={value}", *sets], resolve=False), section),
                        key) == value
     with pytest.raises(ConfigError, match=rf"^--set {section}\.{key}=bogus: {section}\.{key}: must be one of "):
         load_config(None, [f"{section}.{key}=bogus"])
-    with pytest.raises(ConfigError, match=rf"^--set {section}\.{key}={allowed[0].upper()}: "):  # case matters
-        load_config(None, [f"{section}.{key}={allowed[0].upper()}"])
+    cased = next(value for value in allowed if value).upper()  # '' (eval.truncated's "as [verifier]") has no case
+    with pytest.raises(ConfigError, match=rf"^--set {section}\.{key}={cased}: "):  # case matters
+        load_config(None, [f"{section}.{key}={cased}"])
 
 
 def test_teacher_model_is_required_iff_kind_is_external(tmp_path):
@@ -404,6 +421,29 @@ def test_is_cap_zero_disables_and_one_is_allowed():
     assert load_config(None, ["loss.is_cap=1"]).loss.is_cap == 1.0
     with pytest.raises(ConfigError, match="loss.is_cap"):
         load_config(None, ["loss.is_cap=0.99"])
+
+
+@pytest.mark.parametrize("setting, shown", [("rollout.top_k=20", "rollout.top_k = 20 > 0"),
+                                            ("rollout.min_p=0.05", "rollout.min_p = 0.05 > 0")])
+def test_rollout_top_k_and_min_p_need_no_importance_ratio(setting, shown):
+    """Like top_p < 1, top_k and min_p renormalise the sampler's distribution over the tokens they keep,
+    so the ratio trainer / sampler is not an importance weight: refused unless loss.is_cap = 0."""
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [setting])
+    assert error.value.key == "loss.is_cap"
+    assert str(error.value) == (f"loss.is_cap: must be 0 with {shown}: the sampler's logprobs are over the renormalised "
+                                f"tokens {shown.split(' = ')[0].split('.')[1]} keeps, the trainer's over the whole tempered "
+                                "distribution, so their ratio is the kept mass (below 1 on every token), not an importance weight")
+    rollout = load_config(None, [setting, "loss.is_cap=0", "rollout.top_p=0.95"]).rollout
+    assert (rollout.top_k, rollout.min_p, rollout.top_p) != (0, 0.0, 1.0)
+
+
+def test_one_sample_per_prompt_trains_the_grpo_term_only_without_a_group_baseline():
+    """A group of one has a group-relative advantage of 0; the raw reward (loss.rl_advantage = 'raw') has none."""
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ["loss.lambda_rl=1", "rollout.samples_per_prompt=1", "loss.rl_advantage=group_mean"])
+    assert error.value.key == "rollout.samples_per_prompt"
+    assert load_config(None, ["loss.lambda_rl=1", "rollout.samples_per_prompt=1", "loss.rl_advantage=raw"])
 
 
 def test_direct_construction_is_validated_too():

@@ -17,7 +17,8 @@ from selfopd.config.settings import MAX_SEED, ConfigError, escaped, field_types,
 SCHEMA = {**SECTIONS, "sft": SftSection}
 # A field whose edge value another field of its section must make room for (a rule across fields).
 PARTNERS = {("loss", "lambda_opd"): {"lambda_rl": 1.0}, ("loss", "rlsd_weight"): {"lambda_rl": 1.0},
-            ("sft", "samples_per_prompt"): {"temperature": 1.0}, ("eval", "samples"): {"temperature": 1.0}}
+            ("sft", "samples_per_prompt"): {"temperature": 1.0}, ("eval", "samples"): {"temperature": 1.0},
+            ("loss", "wrong_reward"): {"lambda_rl": 1.0, "rl_advantage": "raw"}}
 
 
 def numeric_fields() -> list:

@@ -102,6 +102,28 @@ def test_a_row_without_a_boxed_answer_is_one_error_naming_spec_and_row(tmp_path,
         load_examples(f"{path}?prompt=problem&answer=boxed:solution")
 
 
+@pytest.mark.parametrize("solution", ["No box here.", r"Cut off: \boxed{\frac{1}{2}", ""])
+def test_unanswered_drop_leaves_out_and_names_the_rows_without_an_answer(tmp_path, capsys, solution):
+    path = _jsonl(tmp_path / "math.jsonl", [SOLVED[0], {"problem": "p", "solution": solution}, SOLVED[1]])
+    examples = load_examples(f"{path}?prompt=problem&answer=boxed:solution&unanswered=drop")
+    assert [ex.prompt for ex in examples] == ["Half of 1?", "Two plus two?"]
+    assert [ex.meta["row"] for ex in examples] == [0, 2]  # rows keep their numbers
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (  # after datasets' progress bar
+        f"selfopd: warning: {path}: 1 of 3 rows have no answer (column 'solution', no complete \\boxed{{}}) and were "
+        "left out (unanswered=drop): rows 1")
+    with pytest.raises(DataError, match="unanswered must be 'refuse' or 'drop'"):
+        load_examples(f"{path}?prompt=problem&answer=boxed:solution&unanswered=skip")
+
+
+def test_opsd_s_training_set_preset_reads_its_answer_from_the_solution_s_last_boxed(tmp_path):
+    """siyanzhao/Openthoughts_math_30k_opsd (OPSD's opsd_train.py): problem, solution; the answer is the
+    solution's last \\boxed{} (OPSD's teacher reads the solution; selfopd's held-out eval needs the answer)."""
+    path = _jsonl(tmp_path / "opsd.jsonl", SOLVED)
+    examples = load_examples(f"{path}?preset=siyanzhao/Openthoughts_math_30k_opsd")
+    assert [(ex.prompt, ex.answer, ex.solution) for ex in examples] == [
+        ("Half of 1?", r"\frac{1}{2}", SOLVED[0]["solution"]), ("Two plus two?", "4", SOLVED[1]["solution"])]
+
+
 @pytest.mark.parametrize("spec, pattern", [
     ("d.jsonl?answer=boxed:", r"^d.jsonl: answer=boxed: names no column"),
     ("d.jsonl?answer=boxed:solution&answer_sep=####", r"answer=boxed:solution and answer_sep both say where"),

@@ -59,20 +59,22 @@ def test_a_plan_that_does_not_fit_is_refused_in_one_line_with_what_fits(qwen3_1p
 def test_servers_get_weights_and_kv_cache_per_tensor_parallel_gpu(qwen3_1p7b):
     plan = plan_run(config("engine.kind=vllm", "engine.student_gpus=1,2", "engine.tensor_parallel_size=2",
                            "engine.teacher_gpus=3,4", "engine.max_concurrency=256", "rollout.max_tokens=4096",
-                           "model.gradient_checkpointing=true"),
-                    capacity_gib=80, gpu_name="H100", prompt_tokens=256, shapes={"student": qwen3_1p7b})
+                           "rollout.prompts_per_step=64", "model.gradient_checkpointing=true", "engine.max_model_len=8192"),
+                    capacity_gib=141, gpu_name="H200", prompt_tokens=256, shapes={"student": qwen3_1p7b})
     student = next(p for p in plan.processes if p.name == "student server")
     assert student.gpus == (1, 2)
     weights, kv = student.held[0].bytes, student.phases["serve"][0].bytes
     assert weights == qwen3_1p7b.params * 2 / 2
+    # 64 requests of 4 samples in flight (the default rollout.samples_per_prompt), one server: 256 sequences
     assert kv == 256 * (256 + 4096) * 28 * 2 * 4 * 128 * 2  # 8 KV heads, 4 a GPU
-    assert student.budget == pytest.approx(0.9 * 80 * GIB)  # alone on its GPU, engine.gpu_memory_utilization = 0
+    assert student.budget == pytest.approx(0.9 * 141 * GIB)  # alone on its GPU, engine.gpu_memory_utilization = 0
     assert plan.refusal() is None
 
 
 def test_a_server_over_its_share_is_refused_with_the_concurrency_that_fits(qwen3_1p7b):
     plan = plan_run(config("engine.kind=vllm", "engine.student_gpus=1", "engine.teacher_gpus=2",
-                           "engine.max_concurrency=1024", "rollout.max_tokens=8192", "engine.gpu_memory_utilization=0.5"),
+                           "engine.max_concurrency=1024", "rollout.max_tokens=8192", "engine.gpu_memory_utilization=0.5",
+                           "rollout.prompts_per_step=256", "engine.max_model_len=9000"),
                     capacity_gib=80, gpu_name="H100", shapes={"student": qwen3_1p7b})
     refusal = plan.refusal()
     assert refusal is not None and "\n" not in refusal
@@ -80,7 +82,8 @@ def test_a_server_over_its_share_is_refused_with_the_concurrency_that_fits(qwen3
     fit = int(refusal.split("engine.max_concurrency to ")[1].split()[0])
     fitted = plan_run(config("engine.kind=vllm", "engine.student_gpus=1", "engine.teacher_gpus=2",
                              f"engine.max_concurrency={fit}", "rollout.max_tokens=8192",
-                             "engine.gpu_memory_utilization=0.5"),
+                             "engine.gpu_memory_utilization=0.5", "rollout.prompts_per_step=256",
+                             "engine.max_model_len=9000"),
                       capacity_gib=80, gpu_name="H100", shapes={"student": qwen3_1p7b})
     assert "student server" not in (fitted.refusal() or "")
 
@@ -116,3 +119,77 @@ def test_a_cpu_trainer_is_not_checked_against_a_gpu(qwen3_1p7b):
     plan = plan_run(load_config(None, ["model.device=cpu"]), capacity_gib=1, shapes={"student": qwen3_1p7b})
     assert plan.refusal() is None and plan.processes[0].gpus == ()
     assert "CPU memory" in plan.table()
+
+
+def test_the_teacher_servers_prompt_logprobs_come_beyond_its_share_and_each_fix_fits(qwen3_1p7b):
+    """A teacher server alone on an 80 GiB GPU takes 0.9 of it (the KV cache fills its share); scoring 8,448-token
+    rows forms a step's 8,192 positions of 151,936-entry logits (bf16) and two fp32 copies on top: 11.6 GiB."""
+    overrides = ("engine.kind=vllm", "engine.student_gpus=1", "engine.teacher_gpus=2", "rollout.max_tokens=8192",
+                 "engine.max_model_len=9000", "model.gradient_checkpointing=true")
+    plan = plan_run(config(*overrides), capacity_gib=80, gpu_name="H100", shapes={"student": qwen3_1p7b})
+    teacher = next(p for p in plan.processes if p.name == "teacher server")
+    assert [part.what for part in teacher.outside] == ["prompt_logprobs"]
+    assert teacher.outside[0].bytes == 8192 * 151936 * (2 + 4 + 4)
+    assert plan.need([teacher]) == pytest.approx(0.9 * 80 * GIB + 1.1 * teacher.outside[0].bytes + GIB)
+    refusal = plan.refusal()
+    assert refusal.startswith("the memory plan does not fit: GPU 2 (H100, 80.0 GiB) needs 85.8 GiB for the teacher "
+                              "server; the teacher server's prompt_logprobs (11.6 GiB) come on top of the share vLLM "
+                              "takes; fits with: engine.gpu_memory_utilization=")
+    share = refusal.split("engine.gpu_memory_utilization=")[1].split()[0]
+    tokens = refusal.split("--max-num-batched-tokens ")[1].split("'")[0]
+    for fix in (f"engine.gpu_memory_utilization={share}", f"engine.extra_server_args=--max-num-batched-tokens {tokens}"):
+        assert plan_run(config(*overrides, fix), capacity_gib=80, gpu_name="H100",
+                        shapes={"student": qwen3_1p7b}).refusal() is None, fix
+
+
+def test_the_in_run_eval_counts_on_the_student_servers_and_its_batch_is_what_fits(qwen3_1p7b):
+    """AIME avg@16 at 32,768 tokens on 4 student servers: 32 prompts of 16 samples, 8 prompts a server."""
+    overrides = ("engine.kind=vllm", "engine.student_servers=4", "engine.student_gpus=4,5,6,7",
+                 "engine.teacher_engine=local", "engine.max_model_len=36864", "eval.max_tokens=32768",
+                 "eval.samples=16", "eval.temperature=0.6", "eval.batch_size=32", "model.gradient_checkpointing=true")
+    plan = plan_run(config(*overrides), capacity_gib=141, gpu_name="H200", shapes={"student": qwen3_1p7b}, world=4)
+    server = next(p for p in plan.processes if p.name == "student-0 server")
+    assert server.peak_phase == "eval"
+    assert server.phases["eval"][0].bytes == 8 * 16 * (256 + 32768) * 28 * 2 * 8 * 128 * 2
+    refusal = plan.refusal()
+    assert "the student-0 server on GPU 4 (H200) needs" in refusal and "in-run eval sequences" in refusal
+    fit = int(refusal.split("lower eval.batch_size to ")[1].split()[0])
+    fitted = plan_run(config(*overrides, f"eval.batch_size={fit}"), capacity_gib=141, gpu_name="H200",
+                      shapes={"student": qwen3_1p7b}, world=4)
+    assert "eval" not in (fitted.refusal() or "")
+
+
+def test_max_model_len_must_hold_the_longest_sequence_the_servers_serve(qwen3_1p7b):
+    plan = plan_run(config("engine.kind=vllm", "engine.student_gpus=1", "engine.teacher_gpus=2",
+                           "engine.max_model_len=2048", "eval.max_tokens=4096"),
+                    capacity_gib=None, on_gpu=True, shapes={"student": qwen3_1p7b})
+    assert plan.refusal() == ("engine.max_model_len = 2048 cannot hold a prompt of 256 tokens (assumed: selfopd plan "
+                              "--prompt-tokens) + eval.max_tokens (4096) + 1 on the launched servers; raise it to 4353 "
+                              "or more")
+
+
+def test_an_in_process_eval_is_a_phase_of_the_trainer(qwen3_1p7b):
+    plan = plan_run(config("eval.max_tokens=8192", "eval.batch_size=16", "eval.samples=4", "eval.temperature=1",
+                           "engine.batch_size=48"), capacity_gib=None, on_gpu=True, shapes={"student": qwen3_1p7b})
+    (part,) = plan.processes[0].phases["eval"]
+    assert part.bytes == 48 * (256 + 8192) * 28 * 2 * 8 * 128 * 2  # engine.batch_size rows of the 64 at a time
+
+
+def test_trainer_gpus_are_suggested_only_where_no_server_runs(qwen3_1p7b):
+    """OPSD's layout: 4 trainer ranks on GPUs 0-3, student servers on GPUs 4-7: never 8 GPUs for the trainer."""
+    def tried(plan):
+        return [what for what, _ in plan.suggest(plan.inputs)]
+
+    servers = ("engine.kind=vllm", "engine.student_servers=4", "engine.student_gpus=4,5,6,7",
+               "engine.teacher_engine=local", "rollout.max_tokens=4096", "engine.max_model_len=8192")
+    opsd = plan_run(config(*servers), capacity_gib=30, gpu_name="H100", shapes={"student": qwen3_1p7b}, world=4)
+    assert "model.gradient_checkpointing=true" in tried(opsd) and not any("torchrun" in what for what in tried(opsd))
+    assert opsd.refusal().startswith("the memory plan does not fit: GPU 0 ") and "torchrun" not in opsd.refusal()
+    split = plan_run(config("engine.kind=vllm", "engine.student_gpus=1", "engine.teacher_gpus=2",
+                            "rollout.max_tokens=1024"), capacity_gib=30, gpu_name="H100", shapes={"student": qwen3_1p7b})
+    assert not any("torchrun" in what for what in tried(split))  # GPUs 1 and 2 hold servers: no FSDP over 0-1 or 0-3
+    alone = plan_run(config("rollout.max_tokens=1024"), capacity_gib=30, gpu_name="H100",
+                     shapes={"student": qwen3_1p7b}, gpu_count=4)
+    assert [what for what in tried(alone) if "torchrun" in what] == [
+        "GPUs 0-1 for the trainer (torchrun --nproc-per-node 2, FSDP)",
+        "GPUs 0-3 for the trainer (torchrun --nproc-per-node 4, FSDP)"]  # the machine has 4

@@ -21,6 +21,7 @@ runs in process.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tomllib
 from pathlib import Path
@@ -58,6 +59,28 @@ def test_each_recipe_says_its_layouts_hub_ids_and_eval(name):
     assert written["model"]["student"].startswith("Qwen/") and written["data"]["spec"].startswith("hf:")
 
 
+TRAINER_GPUS = {"opd_qwen3_5_gsm8k": 1, "grpo_opd_qwen3_5_dapo": 2, "opsd_qwen3_aime": 4}  # the layouts' torchrun ranks
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_recipe_plans_its_memory_per_gpu_offline(name, capsys, tmp_path, monkeypatch):
+    """`selfopd plan RECIPE` with no Hugging Face cache and no network: the models' published config.json values
+    ship with selfopd, so every GPU the layout names gets its memory (whether it fits is the recipe's business)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # read when a file is looked up
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    main(["plan", str(recipe(name)), "--gpu-memory-gib", "80", "--gpu-name", "H100", "--trainer-gpus",
+          str(TRAINER_GPUS[name])])
+    out = capsys.readouterr().out
+    written = tomllib.loads(recipe(name).read_text())
+    gpus = {*range(TRAINER_GPUS[name]), *(int(gpu) for key in ("student_gpus", "teacher_gpus")
+                                          for gpu in written["engine"].get(key, "").split(",") if gpu.strip())}
+    assert "  per GPU (H100, 80.0 GiB): " in out
+    assert {int(line.split()[1].rstrip(":")) for line in out.splitlines() if line.startswith("    GPU ")} == gpus
+    assert "shipped with selfopd" in out
+
+
 # --------------------------------------------------------------------------- the miniatures
 
 def write_rows(path: Path, rows: list[dict]) -> Path:
@@ -77,14 +100,14 @@ def gsm8k_like(folder: Path, pairs=TRAIN, name: str = "gsm8k") -> str:
     return f"{write_rows(folder / f'{name}.jsonl', rows)}?preset=openai/gsm8k"
 
 
-def dapo_like(folder: Path) -> str:
+def dapo_like(folder: Path, pairs=TRAIN, name: str = "dapo") -> str:
     """zhuzilin/dapo-math-17k's shape: prompt (one chat message holding DAPO's instructions), label."""
     head = ("Solve the following math problem step by step. The last line of your response should be of the form "
             "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
     tail = '\n\nRemember to put your answer on its own line after "Answer:".'
     rows = [{"prompt": [{"role": "user", "content": f"{head}What is {a} times {b}?{tail}"}], "label": str(a * b)}
-            for a, b in TRAIN]
-    return f"{write_rows(folder / 'dapo.jsonl', rows)}?preset=zhuzilin/dapo-math-17k"
+            for a, b in pairs]
+    return f"{write_rows(folder / f'{name}.jsonl', rows)}?preset=zhuzilin/dapo-math-17k"
 
 
 def math_like(folder: Path) -> str:
@@ -93,6 +116,14 @@ def math_like(folder: Path) -> str:
     rows = [{"problem": f"Find $x$ if $x - {a} = {b}$.", "solution": f"Add {a}: $x = {b} + {a} = \\boxed{{{a + b}}}$.",
              "level": "Level 1", "type": "Algebra"} for a, b in TRAIN]
     return f"{write_rows(folder / 'math.jsonl', rows)}?prompt=problem&solution=solution&answer=boxed:solution"
+
+
+def openthoughts_like(folder: Path) -> str:
+    """siyanzhao/Openthoughts_math_30k_opsd's shape (OPSD's training set): problem, a long solution whose last
+    \\boxed{} is the answer; one row has none, which the recipe's unanswered=drop leaves out."""
+    rows = [{"problem": f"Find $x$ if $x - {a} = {b}$.", "solution": f"<think>\nAdd {a}.\n</think>\n$x = {b} + {a} = "
+             f"\\boxed{{{a + b}}}$."} for a, b in TRAIN] + [{"problem": "Prove it.", "solution": "No box here."}]
+    return f"{write_rows(folder / 'openthoughts.jsonl', rows)}?preset=siyanzhao/Openthoughts_math_30k_opsd&unanswered=drop"
 
 
 def aime_like(folder: Path) -> str:
@@ -125,8 +156,6 @@ def miniature(name: str, tmp_path: Path, model: Path, data: str, *extra: str) ->
 
 def trained(run: Path) -> list[dict]:
     """The run's step metrics, after checking it took 2 finite steps and evaluated its result."""
-    import math
-
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in lines if "loss/pg" in m]
     assert [m["step"] for m in steps] == [1, 2] and all(math.isfinite(m["loss/pg"]) for m in steps)
@@ -166,7 +195,7 @@ def test_the_dapo_grpo_opd_recipe_runs_in_miniature(tmp_path, tiny_models, smoll
     thinking on; in process (the vLLM path is the GSM8K recipe's)."""
     model = tiny_models["qwen3_5_conditional"]
     args = miniature("grpo_opd_qwen3_5_dapo", tmp_path, model, dapo_like(tmp_path), f"teacher.model={model}",
-                     "engine.kind=local")
+                     f"eval.data={dapo_like(tmp_path, TEST, 'dapo_test')}", "engine.kind=local")
     assert main(args) == 0
     run = tmp_path / "grpo_opd_qwen3_5_dapo"
     trained(run)
@@ -179,9 +208,36 @@ def test_the_dapo_grpo_opd_recipe_runs_in_miniature(tmp_path, tiny_models, smoll
 def test_the_opsd_recipe_runs_in_miniature(tmp_path, tiny_models):
     """A `self` Qwen3 teacher shown the worked solution, full-vocabulary reverse KL, thinking on; in process
     (its vLLM path, student servers sampling and the trainer scoring, is tests/engines/test_vllm.py's)."""
-    args = miniature("opsd_qwen3_aime", tmp_path, tiny_models["qwen3"], math_like(tmp_path), "engine.kind=local",
-                     f"eval.data={aime_like(tmp_path)}", "eval.samples=2",
+    args = miniature("opsd_qwen3_aime", tmp_path, tiny_models["qwen3"], openthoughts_like(tmp_path),
+                     "engine.kind=local", f"eval.data={aime_like(tmp_path)}", "eval.samples=2",
                      "engine.teacher_engine=vllm")  # its default: 'local' names the vLLM path's in-process teacher
     assert main(args) == 0
     steps = trained(tmp_path / "opsd_qwen3_aime")
-    assert all("opd/reverse_kl" in m for m in steps)
+    assert all(math.isfinite(m["loss/forward_kl"]) and 0 <= m["opd/clipped_share"] <= 1 for m in steps), steps
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_opsd_recipe_runs_in_miniature_through_a_vllm_server(tmp_path, tiny_models, capsys):
+    """Its own engine path: a student server samples (top-k, temperature 1.1), the trainer scores the frozen
+    teacher (the LoRA student with its adapters off) over the whole vocabulary, and the merged adapters are
+    pushed to the server in bf16 (model.lora_bf16_servers), every push digest-verified; then `selfopd eval --run`
+    merges the kept adapters for a vLLM server of its own."""
+    from selfopd.engines.vllm_server import free_port, port_in_use
+
+    port = next(p for p in iter(free_port, None) if not port_in_use("127.0.0.1", p + 1))
+    args = miniature("opsd_qwen3_aime", tmp_path, tiny_models["qwen3"], openthoughts_like(tmp_path),
+                     f"eval.data={aime_like(tmp_path)}", "eval.samples=2", f"engine.port={port}",
+                     "engine.startup_timeout_s=600")
+    assert main(args) == 0
+    steps = trained(tmp_path / "opsd_qwen3_aime")
+    assert all(m["time/push_verify"] > 0 and math.isfinite(m["loss/forward_kl"]) for m in steps), steps
+    assert [p.name for p in (tmp_path / "opsd_qwen3_aime" / "logs").glob("vllm_*.log")] == ["vllm_student_" + str(port)
+                                                                                          + ".log"]
+    # `selfopd eval --run` on the run's own engine: the LoRA checkpoint merged (bf16) for a vLLM server, then deleted
+    capsys.readouterr()
+    out = tmp_path / "eval"
+    assert main(["eval", "--run", str(tmp_path / "opsd_qwen3_aime"), "--out", str(out), "--set", "eval.max_tokens=8",
+                 "--set", "eval.samples=2", "--set", f"engine.port={port}"]) == 0
+    assert "selfopd: merging the LoRA adapters of" in capsys.readouterr().out
+    assert json.loads(next(out.rglob("summary.json")).read_text())["n"] == 2 and not list(out.glob(".merged-*"))

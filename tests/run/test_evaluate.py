@@ -33,3 +33,75 @@ def test_summary_reports_avg_and_pass_at_k_over_distinct_prompts(tmp_path):
         low, high = summary[f"pass@{k}"]["ci95"]
         assert 0 <= low <= summary[f"pass@{k}"]["value"] <= high <= 1
     assert summary["avg@6"]["value"] == pytest.approx(summary["pass@1"]["value"]) == pytest.approx((2 / 6 + 5 / 6) / 3)
+
+
+class _Answers:
+    """An engine that answers each prompt with the next of `answers` ((text, finish_reason)), and keeps
+    the prompt ids it was asked."""
+
+    def __init__(self, answers):
+        self.answers, self.prompts = list(answers), []
+
+    def sample(self, prompts, params):
+        from selfopd.engines.base import Rollout
+
+        self.prompts += prompts
+        return [[Rollout(prompt, [1, 2], [0.0, 0.0], reason, text)] for prompt, (text, reason)
+                in zip(prompts, [self.answers.pop(0) for _ in prompts])]
+
+
+# (completion, finish_reason) -> graded by default / eval.truncated=grade / eval.reasoning=graded / both
+ANSWERS = {
+    ("<think>3 + 4 = 7, so \\boxed{7}. Let me check", "length"): (None, None, None, "7"),  # cut inside its thinking
+    ("<think>I get \\boxed{7}.</think>", "stop"): (None, None, "7", "7"),  # the answer only in its thinking
+    ("<think>\\boxed{5}?</think> It is \\boxed{7}.", "stop"): ("7", "7", "7", "7"),  # the last answer either way
+    ("<think>no</think> It is \\boxed{7}. And", "length"): (None, "7", None, "7"),  # cut after its thinking
+}
+
+
+@pytest.mark.parametrize("column, sets", [
+    (0, []), (1, ["eval.truncated=grade"]), (2, ["eval.reasoning=graded"]),
+    (3, ["eval.truncated=grade", "eval.reasoning=graded"]),
+])
+def test_eval_truncated_and_reasoning_grade_what_they_say(column, sets, smollm2_tokenizer):
+    """OPSD's eval: the last \\boxed{} of the whole output, thinking included, a truncated output too
+    (eval.truncated = 'grade', eval.reasoning = 'graded'); each setting alone changes its part only,
+    and neither changes training's [verifier]."""
+    from selfopd.config import load_config
+    from selfopd.data.example import Example
+    from selfopd.run.evaluate import eval_prompting, evaluate
+    from selfopd.templating.templates import load_template
+
+    config = load_config(None, sets)
+    prompting = eval_prompting(config)
+    examples = [Example(id=f"q{i}", prompt=f"Question {i}: what is 3 + 4?", answer="7") for i in range(len(ANSWERS))]
+    _, records = evaluate(_Answers(ANSWERS), smollm2_tokenizer, examples, load_template(prompting.template),
+                          progress=False, grading=prompting.grading, template_kwargs=prompting.template_kwargs)
+    assert [record.extracted for record in records] == [expected[column] for expected in ANSWERS.values()]
+    assert [record.correct for record in records] == [expected[column] == "7" for expected in ANSWERS.values()]
+    assert (config.verifier.truncated, config.verifier.reasoning_start) == ("wrong", "<think>")
+
+
+def test_eval_template_and_chat_arguments_are_what_the_eval_renders(smollm2_dir, smollm2_tokenizer):
+    """eval.student_template and eval.chat_template_kwargs (merged over model.chat_template_kwargs) make the
+    prompt ids the eval samples from; unset, they are training's."""
+    from selfopd.config import load_config
+    from selfopd.data.example import Example
+    from selfopd.run.evaluate import eval_prompting, evaluate
+    from selfopd.templating.templates import load_template, prompt_token_ids
+    from tests.thinking_template import EMPTY_THINK, thinking_tokenizer
+
+    tokenizer = thinking_tokenizer(smollm2_dir)
+    example = Example(id="q", prompt="What is 3 + 4?", answer="7")
+    trained = ["data.student_template=student/opsd", "model.chat_template_kwargs=enable_thinking=false"]
+    opsd_eval = (f"{example.prompt}\n\nPlease reason step by step, and put your final answer within \\boxed{{}}.")
+    for sets, content, kwargs in (
+            (trained, f"Problem: {opsd_eval}", {"enable_thinking": False}),
+            ([*trained, "eval.student_template=student/opsd_eval", "eval.chat_template_kwargs=enable_thinking=true"],
+             opsd_eval, {"enable_thinking": True})):
+        prompting = eval_prompting(load_config(None, sets))
+        engine = _Answers([("\\boxed{7}", "stop")])
+        evaluate(engine, tokenizer, [example], load_template(prompting.template), progress=False,
+                 grading=prompting.grading, template_kwargs=prompting.template_kwargs)
+        assert engine.prompts == [prompt_token_ids(tokenizer, [{"role": "user", "content": content}], kwargs)]
+        assert tokenizer.decode(engine.prompts[0]).endswith(EMPTY_THINK) == (kwargs == {"enable_thinking": False})

@@ -140,3 +140,12 @@ def test_a_resumed_run_does_not_write_its_templates_through_a_planted_link(tmp_p
     with pytest.raises(TemplateError, match=rf"^{run}/templates/local: leads outside {run}/templates"):
         save_run_templates(run / "templates", ["teacher/answer_note", str(mine)])
     assert list(elsewhere.iterdir()) == []
+
+
+def test_the_run_keeps_the_eval_template_when_it_is_not_the_students():
+    from selfopd.config import load_config
+    from selfopd.run.templates import config_template_names
+
+    assert config_template_names(load_config(None)) == ["student/plain", "teacher/reference_answer", "teacher/empty"]
+    config = load_config(None, ["data.student_template=student/opsd", "eval.student_template=student/opsd_eval"])
+    assert config_template_names(config)[:2] == ["student/opsd", "student/opsd_eval"]

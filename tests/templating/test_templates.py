@@ -169,3 +169,32 @@ def test_the_role_chat_template_arguments_reach_the_prompt_ids(smollm2_dir, smol
     off = prompt_token_ids(thinking, messages, {"enable_thinking": False})
     assert off[: len(default)] == default and thinking.decode(off[len(default):]) == EMPTY_THINK
     assert prompt_token_ids(thinking, messages, {"enable_thinking": True}) == default
+
+
+@pytest.mark.parametrize("name, text", [
+    # OPSD (github.com/siyan-zhao/OPSD): data_collator.py's student message, eval/evaluate_math.py's eval prompt
+    ("student/opsd", "Problem: {p}\n\nPlease reason step by step, and put your final answer within \\boxed{{}}."),
+    ("student/opsd_eval", "{p}\n\nPlease reason step by step, and put your final answer within \\boxed{{}}."),
+    # nanopd/evaluate.py: the question + "\nPlease reason step by step, and put your final answer within \boxed{}."
+    ("student/step_by_step_boxed", "{p}\nPlease reason step by step, and put your final answer within \\boxed{{}}."),
+])
+def test_the_sources_prompts_render_as_the_sources_wrote_them(name, text):
+    """The shipped templates of the sources' training and eval prompts: character for character the
+    string each source's code builds (the whitespace between question and instruction included)."""
+    assert render_student(load_template(name), FULL) == [{"role": "user", "content": text.format(p=FULL.prompt)}]
+
+
+def test_opsds_teacher_prompt_renders_as_its_data_collator_builds_it():
+    """teacher/opsd against the string OPSD's data_collator.py (at 7448751) builds, piece for piece: the reference
+    solution between markers, the transition text (an em dash in it), the student's instruction."""
+    transition = ("\n\nAfter reading the reference solution above, make sure you truly understand "
+                  "the reasoning behind each step \u2014 do not copy or paraphrase it. Now, using your "
+                  "own words and independent reasoning, derive the same final answer to the problem above. "
+                  "Think step by step, explore different approaches, and don't be afraid to backtrack "
+                  "or reconsider if something doesn't work out:\n")
+    problem, solution = FULL.prompt, FULL.solution
+    expected = (f"Problem: {problem}\n\n" f"Here is a reference solution to this problem:\n"
+                f"=== Reference Solution Begin ===\n{solution}\n=== Reference Solution End ===\n"
+                f"{transition}\n" f"Please reason step by step, and put your final answer within \\boxed{{}}.")
+    student = render_student(load_template("student/opsd"), FULL)
+    assert render_teacher(load_template("teacher/opsd"), FULL, student) == [{"role": "user", "content": expected}]

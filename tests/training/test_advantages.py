@@ -12,7 +12,7 @@ import torch
 
 from selfopd.config import ConfigError, load_config
 from selfopd.training.advantages import (cure_advantage, grpo_advantage, opd_advantage, mean_prompt_weight, opd_rollout_weights, pass_rate_weights, rlsd_factor,
-                            rlsd_lambda)
+                            rlsd_lambda, rl_advantage, rl_rewards)
 from selfopd.data.example import Example
 from selfopd.training.loss import policy_gradient_loss
 from selfopd.templating.wrong_context import failed_sibling_answers, wrong_example
@@ -97,6 +97,103 @@ def test_lambda_zero_is_grpo_exactly_and_plain_settings_are_the_old_advantage_ex
     for lambda_opd, lambda_rl, clip in ((0.3, 1.0, 0.0), (1.0, 0.0, 0.0), (0.7, 0.5, 0.2)):
         mixed, _ = cure_advantage(teacher, student, mask, rewards, groups, ones, lambda_opd, lambda_rl, token_clip=clip)
         assert torch.equal(mixed, lambda_rl * grpo_BT + lambda_opd * opd_advantage(teacher, student, mask, clip))
+
+
+# ---- the GRPO term's baseline and the reward of a wrong rollout (loss.rl_advantage, loss.wrong_reward) ----
+
+
+def _rl_reference(rewards: list[float], groups: list[int], kind: str, wrong_reward: float) -> list[float]:
+    """float64, one rollout at a time: a wrong rollout (reward 0) paid wrong_reward, then the baseline."""
+    paid = [wrong_reward if r == 0 else r for r in rewards]
+    if kind == "group_norm":
+        return _grpo_reference(paid, groups)
+    if kind == "raw":
+        return paid
+    out = []
+    for b, r in enumerate(paid):
+        members = [paid[i] for i in range(len(paid)) if groups[i] == groups[b]]
+        out.append(0.0 if max(members) == min(members) else r - sum(members) / len(members))
+    return out
+
+
+def test_raw_advantage_gives_an_all_wrong_group_the_wrong_reward_on_every_token():
+    """The Modal OPD tutorial's GRPO term (slime with a custom reward post-process): +1 / -1 rewards,
+    no group mean, no std. A uniform all-wrong group (group 1 here) gets -1 on every completion
+    token, where the group-normalised default gives it exactly 0."""
+    teacher, student, mask, _, groups = _batch()
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    ones = torch.ones(6, dtype=torch.float64)
+    advantage, grpo_part = cure_advantage(teacher, student, mask, rewards, groups, ones, 0.0, 1.0,
+                                          rl_kind="raw", wrong_reward=-1.0)
+    assert torch.equal(advantage, grpo_part)
+    assert torch.equal(advantage[3:][mask[3:]], torch.full((int(mask[3:].sum()),), -1.0, dtype=torch.float64))
+    assert advantage[0][mask[0]].eq(1.0).all() and advantage[1:3][mask[1:3]].eq(-1.0).all()
+    assert advantage[~mask].eq(0).all()
+    default, _ = cure_advantage(teacher, student, mask, rewards, groups, ones, 0.0, 1.0)
+    assert default[3:].eq(0).all()  # the default: a uniform group carries no signal
+    # With lambda_rl and the teacher term: lambda_rl * r + lambda_opd * (teacher - student), token by token.
+    mixed, _ = cure_advantage(teacher, student, mask, rewards, groups, ones, 0.7, 0.5, rl_kind="raw", wrong_reward=-1.0)
+    paid = torch.tensor([1.0, -1, -1, -1, -1, -1], dtype=torch.float64)
+    assert torch.allclose(mixed, torch.where(mask, 0.5 * paid[:, None] + 0.7 * (teacher - student), 0.0),
+                          rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("kind", ["group_norm", "group_mean", "raw"])
+@pytest.mark.parametrize("wrong_reward", [0.0, -1.0, -0.3])
+def test_rl_advantage_matches_its_float64_formula(kind, wrong_reward):
+    """Ragged groups named in any order, partial credit (0.5, 0.25), groups all wrong, all right
+    and of one: each kind against its formula written rollout by rollout."""
+    rewards = [1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.25, 0.0, 1.0]
+    groups = [7, 7, 7, 3, 3, 9, 9, 5, 5, 2]
+    got = rl_advantage(torch.tensor(rewards, dtype=torch.float64), torch.tensor(groups), kind, wrong_reward)
+    want = _rl_reference(rewards, groups, kind, wrong_reward)
+    assert got.dtype == torch.float64
+    assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), rtol=1e-12, atol=1e-12), (got, want)
+    flat = torch.tensor([False, False, False, True, True, True, True, False, False, True])
+    if kind != "raw":
+        assert got[flat].eq(0).all()  # a group of equal rewards (or of one): exactly 0, no rounding residue
+    if kind == "group_mean":  # r - mean, exactly: the centred rewards of each group sum to 0
+        assert [round(float(got[[i for i, g in enumerate(groups) if g == group]].sum()), 12) for group in set(groups)] == [0.0] * 5
+
+
+def test_the_default_advantage_is_grpo_bit_for_bit():
+    """group_norm with wrong_reward 0 is the old GRPO advantage exactly (the behaviour digest's
+    defaults), in float32 and float64, and through cure_advantage's defaults."""
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.float64):
+        rewards = (torch.rand(24, generator=g) > 0.6).to(dtype) * torch.rand(24, generator=g).to(dtype).round()
+        groups = torch.arange(6).repeat_interleave(4)
+        assert torch.equal(rl_advantage(rewards, groups), grpo_advantage(rewards, groups))
+        assert torch.equal(rl_advantage(rewards, groups, "group_norm", 0.0), grpo_advantage(rewards, groups))
+    teacher, student, mask, rewards, groups = _batch(4)
+    ones = torch.ones(6, dtype=torch.float64)
+    explicit = cure_advantage(teacher, student, mask, rewards, groups, ones, 0.4, 1.0, 0.5, 0.2, 0.3,
+                              rl_kind="group_norm", wrong_reward=0.0)
+    default = cure_advantage(teacher, student, mask, rewards, groups, ones, 0.4, 1.0, 0.5, 0.2, 0.3)
+    assert all(torch.equal(a, b) for a, b in zip(explicit, default))
+
+
+def test_rl_rewards_pay_a_wrong_rollout_the_wrong_reward_and_keep_the_rest():
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.0])
+    assert rl_rewards(rewards, -1.0).tolist() == [1.0, -1.0, 0.5, -1.0]
+    assert torch.equal(rl_rewards(rewards), rewards)
+    assert rl_rewards(torch.tensor([1, 0]), -1.0).tolist() == [1.0, -1.0]  # integer rewards become floats
+    with pytest.raises(ValueError, match="rl_advantage"):
+        rl_advantage(rewards, torch.zeros(4), "mean")
+    with pytest.raises(ValueError, match="1-D"):
+        rl_advantage(rewards, torch.zeros(3), "raw")
+
+
+def test_rlsd_keeps_the_verifiers_sign_under_the_raw_advantage():
+    """RLSD's factor reads the sign of the GRPO advantage: under 'raw' with -1 for a wrong rollout,
+    every wrong rollout is pushed down (a factor within the clip), every right one up."""
+    teacher, student, mask, rewards, groups = _batch(5)
+    ones = torch.ones(6, dtype=torch.float64)
+    advantage, _ = cure_advantage(teacher, student, mask, rewards, groups, ones, 0.0, 1.0, 0.5, 0.2,
+                                  rl_kind="raw", wrong_reward=-1.0)
+    sign = torch.where(rewards > 0, 1.0, -1.0).double()[:, None].expand_as(advantage)
+    assert torch.equal(torch.sign(advantage[mask]), sign[mask])
+    assert advantage[mask].abs().min() >= 0.5 + 0.5 * 0.8 - 1e-12 and advantage[mask].abs().max() <= 0.5 + 0.5 * 1.2 + 1e-12
 
 
 def test_routing_trains_the_teacher_term_on_failed_rollouts_only():

@@ -12,7 +12,7 @@ import torch
 
 from selfopd.engines.kernels import token_logprobs_from_hidden
 from selfopd.training.advantages import opd_advantage
-from selfopd.training.divergences import full_vocab_divergence, topk_reverse_kl, topk_tail_logprob
+from selfopd.training.divergences import entry_clipped_divergence, full_vocab_divergence, topk_reverse_kl, topk_tail_logprob
 from selfopd.training.loss import masked_mean, policy_gradient_loss
 
 torch.set_num_threads(1)  # the test machine's cores are shared; these tensors are tiny anyway
@@ -326,6 +326,171 @@ def test_sampled_estimator_is_unbiased_for_the_full_reverse_kl():
     assert ((grad_NV.mean(dim=0) - reverse_grad_V).abs() < 5 * grad_se_V).all()
     assert abs(estimate_N.mean().item() - forward) > 20 * value_se
     assert ((grad_NV.mean(dim=0) - forward_grad_V).abs() > 20 * grad_se_V).any()
+
+
+# ---- each vocabulary entry's term capped (loss.clip_per = "vocabulary_entry", OPSD's clip) ----
+
+ENTRY = [("reverse_kl", 0.5), ("forward_kl", 0.5), ("jsd", 0.3), ("jsd", 0.5), ("jsd", 0.0), ("jsd", 1.0)]
+
+
+def _entry_run(variant: str, beta: float, x: dict, clip: float, teacher: str = "logits", chunk_size: int = 3):
+    kw = {"teacher_logits_BTV": x["teacher_logits"]} if teacher == "logits" else {"teacher_hidden_BTH": x["teacher_hidden"], "teacher_weight_VH": x["teacher_weight"]}
+    return entry_clipped_divergence(x["hidden"], x["weight"], x["mask"], clip, divergence=variant, beta=beta,
+                                    chunk_size=chunk_size, **kw)
+
+
+def _entry_terms(variant: str, beta: float, x: dict, teacher: str = "logits") -> torch.Tensor:
+    """(B, T, V) float64 terms d_v, from the definitions (jsd at beta 0 / 1: forward / reverse KL, as TRL)."""
+    s_lp = torch.log_softmax(x["hidden"].double() @ x["weight"].double().T, dim=-1)
+    t_logits = x["teacher_logits"] if teacher == "logits" else x["teacher_hidden"] @ x["teacher_weight"].T
+    t_lp = torch.log_softmax(t_logits.detach().double(), dim=-1)
+    s, t = s_lp.exp(), t_lp.exp()
+    if variant == "jsd" and beta in (0.0, 1.0):
+        variant = "forward_kl" if beta == 0.0 else "reverse_kl"
+    if variant == "reverse_kl":
+        return s * (s_lp - t_lp)
+    if variant == "forward_kl":
+        return t * (t_lp - s_lp)
+    m = beta * t + (1 - beta) * s
+    return beta * t * (t_lp - m.log()) + (1 - beta) * s * (s_lp - m.log())
+
+
+@pytest.mark.parametrize("variant, beta", ENTRY)
+@pytest.mark.parametrize("teacher", ["logits", "hidden"])
+def test_entry_clip_matches_float64_brute_force_at_every_chunk_size(variant, beta, teacher):
+    """sum_v min(d_v, c) and its gradient against autograd through `clamp` on the (B, T, V) terms
+    (float64 inputs); chunks of 1, 3 and 100 (the whole sequence, the plain computation) agree;
+    the unclipped sum is `full_vocab_divergence`; the flags are the positions with a term above c."""
+    x = _inputs(torch.float64, seed=11)
+    clip = 0.05
+    terms_BTV = _entry_terms(variant, beta, x, teacher)
+    assert 0.05 < (terms_BTV[x["mask"]] > clip).double().mean() < 0.6  # the cap acts on some entries, not all
+
+    def reference():
+        return torch.where(x["mask"], _entry_terms(variant, beta, x, teacher).clamp(max=clip).sum(-1), 0.0)
+
+    want = _values_and_grads(reference, x)
+    for chunk_size in (1, 3, 100):
+        clipped = _entry_run(variant, beta, x, clip, teacher, chunk_size)
+        got = _values_and_grads(lambda: _entry_run(variant, beta, x, clip, teacher, chunk_size).values_BT, x)
+        for a, b in zip(got, want):
+            assert torch.allclose(a, b, rtol=0, atol=1e-12), chunk_size
+        full = _run(variant, beta, x, teacher)
+        assert torch.allclose(clipped.unclipped_BT, full, rtol=0, atol=1e-12)
+        assert torch.equal(clipped.clipped_BT, (terms_BTV > clip).any(-1) & x["mask"])
+        assert not clipped.unclipped_BT.requires_grad and clipped.clipped_BT.dtype == torch.bool
+
+
+@pytest.mark.parametrize("variant, beta", ENTRY)
+def test_entry_clip_float32_matches_float64_and_passes_gradcheck(variant, beta):
+    x = _inputs(seed=12)
+    clip = 0.05
+    got = _values_and_grads(lambda: _entry_run(variant, beta, x, clip).values_BT, x)
+    want = _values_and_grads(lambda: torch.where(x["mask"], _entry_terms(variant, beta, x).clamp(max=clip).sum(-1), 0.0), x)
+    assert got[0].dtype == torch.float32
+    for a, b in zip(got, want):
+        assert torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-5)
+    x64 = _inputs(torch.float64, seed=12)
+
+    def fn(hidden, weight):
+        return _entry_run(variant, beta, {**x64, "hidden": hidden, "weight": weight}, clip, chunk_size=2).values_BT
+
+    # finite differences; no term of this data sits within gradcheck's step of the cap
+    assert torch.autograd.gradcheck(fn, (x64["hidden"].requires_grad_(True), x64["weight"].requires_grad_(True)))
+
+
+def test_entry_clip_can_go_negative_and_a_large_cap_is_the_divergence():
+    """As OPSD's README says, capping the positive terms of a KL leaves the negative ones: a tiny cap
+    makes sums negative. Each term of a JSD with 0 < beta < 1 is >= 0 (the log-sum inequality), so
+    its capped sum stays in [0, V c]. A cap above every term changes nothing, value or gradient."""
+    x = _inputs(torch.float64, seed=13)
+    for variant, beta in ENTRY:
+        values = _entry_run(variant, beta, x, 1e-4).values_BT[x["mask"]]
+        if variant == "jsd" and 0 < beta < 1:
+            assert (_entry_terms(variant, beta, x) >= 0).all() and ((values >= 0) & (values <= V * 1e-4 + 1e-15)).all()
+        else:
+            assert (values < 0).any(), (variant, beta)
+        unclipped = _values_and_grads(lambda: _run(variant, beta, x), x)
+        large = _values_and_grads(lambda: _entry_run(variant, beta, x, 1e6).values_BT, x)
+        for a, b in zip(large, unclipped):
+            assert torch.allclose(a, b, rtol=0, atol=1e-12)
+
+
+def test_entry_clip_caps_an_infinite_term_and_keeps_masked_garbage_out():
+    """A teacher with -inf where the student has mass: the reverse KL's term is inf, capped at c, and
+    gives no gradient (the rest of the position still does). inf/nan on masked positions: exactly 0."""
+    x = _inputs(seed=14)
+    x["teacher_logits"][0, 3, 4] = -math.inf
+    x["hidden"][~x["mask"]] = math.nan
+    x["teacher_logits"][~x["mask"]] = math.inf
+    clipped = _entry_run("reverse_kl", 0.5, x, 0.05)
+    assert clipped.unclipped_BT[0, 3] == math.inf and torch.isfinite(clipped.values_BT).all()
+    values, grad_hidden, grad_weight = _values_and_grads(lambda: _entry_run("reverse_kl", 0.5, x, 0.05).values_BT, x)
+    assert torch.isfinite(grad_hidden).all() and torch.isfinite(grad_weight).all()
+    assert grad_hidden[0, 3].abs().sum() > 0
+    off = ~x["mask"]
+    assert torch.equal(values[off], torch.zeros(int(off.sum()))) and grad_hidden[off].eq(0).all()
+    with pytest.raises(ValueError, match="entry clip"):
+        _entry_run("reverse_kl", 0.5, x, 0.0)
+
+
+def _opsd_generalized_jsd_loss(student_logits, teacher_logits, mask, beta, temperature, token_clip):
+    """OPSD's `OPSDTrainer.generalized_jsd_loss` (the OPSD repository's opsd_trainer.py L382-480, read
+    at commit 7448751 of its fork louieworth/OPSD), its full-vocabulary path (top_k off), restated line for line: logits over
+    the temperature, log_softmax, F.kl_div(input, target, log_target=True) = exp(target)(target -
+    input) per entry, the clamp on the (B, T, V) terms, then the sum over masked-in entries over the
+    number of masked-in positions ("batchmean")."""
+    import torch.nn.functional as F
+
+    student_log_probs = F.log_softmax(student_logits / temperature, dim=-1)
+    teacher_log_probs = F.log_softmax(teacher_logits / temperature, dim=-1)
+    if beta == 0:
+        jsd = F.kl_div(student_log_probs, teacher_log_probs, reduction="none", log_target=True)
+    elif beta == 1:
+        jsd = F.kl_div(teacher_log_probs, student_log_probs, reduction="none", log_target=True)
+    else:
+        beta = torch.tensor(beta, dtype=student_log_probs.dtype)
+        mixture_log_probs = torch.logsumexp(
+            torch.stack([student_log_probs + torch.log1p(-beta), teacher_log_probs + torch.log(beta)]), dim=0)
+        kl_teacher = F.kl_div(mixture_log_probs, teacher_log_probs, reduction="none", log_target=True)
+        kl_student = F.kl_div(mixture_log_probs, student_log_probs, reduction="none", log_target=True)
+        jsd = beta * kl_teacher + (1 - beta) * kl_student
+    if token_clip is not None:
+        jsd = jsd.clamp(max=token_clip)
+    jsd = jsd[mask]
+    return jsd.sum() / mask.sum()
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 0.5, 1.0])
+@pytest.mark.parametrize("token_clip", [None, 0.05])
+def test_jsd_is_opsds_generalized_jsd_at_the_same_beta_and_temperature(beta, token_clip):
+    """selfopd's 'jsd' at jsd_beta = b is OPSD's loss at beta = b: the mixture m = b t + (1 - b) s,
+    b KL(t || m) + (1 - b) KL(s || m), beta 0 forward KL(t || s) and 1 reverse KL(s || t), both
+    distributions tempered alike (the trainer divides the student's and the in-process teacher's
+    hidden states by rollout.temperature, OPSD both logits by its 1.1). With the per-entry cap
+    (clip_per = 'vocabulary_entry') it is OPSD's jsd_token_clip. Value and gradient, float64."""
+    x = _inputs(torch.float64, seed=15)
+    temperature = 1.1
+    teacher_logits = x["teacher_hidden"] @ x["teacher_weight"].T
+
+    def opsd():
+        return _opsd_generalized_jsd_loss(x["hidden"] @ x["weight"].T, teacher_logits, x["mask"], beta, temperature, token_clip)
+
+    def selfopd():
+        hidden, teacher_hidden = x["hidden"] / temperature, x["teacher_hidden"] / temperature
+        kw = dict(teacher_hidden_BTH=teacher_hidden, teacher_weight_VH=x["teacher_weight"], divergence="jsd", beta=beta)
+        values = (full_vocab_divergence(hidden, x["weight"], x["mask"], **kw) if token_clip is None
+                  else entry_clipped_divergence(hidden, x["weight"], x["mask"], token_clip, **kw).values_BT)
+        return masked_mean(values, x["mask"])
+
+    hidden, weight = x["hidden"].requires_grad_(True), x["weight"].requires_grad_(True)
+    want, got = opsd(), selfopd()
+    assert torch.allclose(got, want, rtol=0, atol=1e-12), (got.item(), want.item())
+    for a, b in zip(torch.autograd.grad(got, (hidden, weight)), torch.autograd.grad(want, (hidden, weight))):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12)
+    if token_clip is not None:  # the cap acts here: without it the loss differs
+        assert abs(opsd().item() - _opsd_generalized_jsd_loss(
+            (x["hidden"] @ x["weight"].T).detach(), teacher_logits, x["mask"], beta, temperature, None).item()) > 1e-3
 
 
 # ---- input checks -------------------------------------------------------------------------

@@ -50,3 +50,48 @@ def test_eval_data_answered_k_times_and_logged_as_avg_and_pass_at_k(tmp_path, ti
         (row["prompt"], sample) for row in rows for sample in (0, 1))
     summary = json.loads((run_dir / "eval" / "step_00001" / "summary.json").read_text())
     assert summary["sampling"]["top_k"] == 50 and summary["k"] == 2
+
+
+OPSD_EVAL = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
+
+
+@pytest.mark.parametrize("eval_sets, template, kwargs, verifier", [
+    ([], "student/opsd", {"enable_thinking": False}, {"reasoning_start": "<think>", "reasoning_end": "</think>",
+                                                       "truncated": "wrong"}),
+    (["eval.student_template=student/opsd_eval", "eval.chat_template_kwargs=enable_thinking=true",
+      "eval.truncated=grade", "eval.reasoning=graded"],
+     "student/opsd_eval", {"enable_thinking": True}, {"reasoning_start": "", "reasoning_end": "", "truncated": "grade"}),
+], ids=["training's", "OPSD's eval"])
+def test_the_in_run_eval_renders_and_grades_as_eval_settings_say(tmp_path, tiny_model_dir, monkeypatch, eval_sets,
+                                                                   template, kwargs, verifier):
+    """A run trained as OPSD trains (student/opsd, thinking off) evaluates on its own prompt by default,
+    and on OPSD's eval prompt with thinking on, truncated answers and thinking graded when [eval] says
+    so; the run folder keeps the eval's template."""
+    import selfopd.run.evaluate as evaluation
+    from tests.thinking_template import thinking_model_dir
+
+    rendered = []
+
+    def recording(tokenizer, messages, template_kwargs=None):
+        rendered.append((messages[-1]["content"], dict(template_kwargs or {})))
+        return original(tokenizer, messages, template_kwargs or {})
+
+    original = evaluation.prompt_token_ids
+    monkeypatch.setattr(evaluation, "prompt_token_ids", recording)
+    model = thinking_model_dir(tiny_model_dir, tmp_path / "thinking")
+    run_dir = train(_config(tmp_path, model, "run.name=opsd", "data.student_template=student/opsd",
+                            "model.chat_template_kwargs=enable_thinking=false", *eval_sets))
+    prefix = "Problem: " if template == "student/opsd" else ""
+    assert rendered and {content.startswith(prefix) and content.endswith(OPSD_EVAL) for content, _ in rendered} == {True}
+    assert {tuple(sorted(used.items())) for _, used in rendered} == {tuple(kwargs.items())}
+    for step in (0, 1):
+        summary = json.loads((run_dir / "eval" / f"step_{step:05d}" / "summary.json").read_text())
+        assert (summary["template"], summary["verifier"]) == (template, verifier)
+    assert template in json.loads((run_dir / "templates" / "index.json").read_text())
+
+
+def test_an_eval_template_the_student_cannot_render_is_refused_before_any_step(tmp_path, tiny_model_dir):
+    with pytest.raises(ConfigError, match=r"^eval\.student_template: .*teacher/answer_note\.jinja:\d+: variable "
+                                          r"'student_prompt' is undefined; available here: id, meta, prompt$"):
+        train(_config(tmp_path, tiny_model_dir, "run.name=leaky", "eval.student_template=teacher/answer_note"))
+    assert not (tmp_path / "leaky").exists()

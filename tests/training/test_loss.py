@@ -434,13 +434,20 @@ def _reference_loss(batch: dict, settings: LossConfig) -> tuple[torch.Tensor, tu
     def group_of(b):
         return [i for i in range(B) if groups[i] == groups[b]]
 
+    def paid(i):  # loss.wrong_reward for a wrong rollout
+        return 1.0 if correct[i] else s.wrong_reward
+
     def grpo(b):
-        rewards = [float(correct[i]) for i in group_of(b)]
+        rewards = [paid(i) for i in group_of(b)]
         mean = sum(rewards) / len(rewards)
+        if s.rl_advantage == "raw":
+            return paid(b)
         if max(rewards) == min(rewards):
             return 0.0
+        if s.rl_advantage == "group_mean":
+            return paid(b) - mean
         std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
-        return (float(correct[b]) - mean) / (std + EPS)
+        return (paid(b) - mean) / (std + EPS)
 
     def pass_weight(b):
         p = sum(correct[i] for i in group_of(b)) / len(group_of(b))
@@ -458,19 +465,22 @@ def _reference_loss(batch: dict, settings: LossConfig) -> tuple[torch.Tensor, tu
 
     def divergence(b, t):
         p, q = student_all[b, t].exp(), teacher_all[b, t].exp()
-        if s.divergence == "reverse_kl":
-            return (p * (p.log() - q.log())).sum()
-        if s.divergence == "forward_kl":
-            return (q * (q.log() - p.log())).sum()
-        if s.divergence == "jsd":
-            m = BETA * q + (1 - BETA) * p
-            return BETA * (q * (q.log() - m.log())).sum() + (1 - BETA) * (p * (p.log() - m.log())).sum()
+        if s.divergence in ("reverse_kl", "forward_kl", "jsd"):
+            return entry_terms(p, q).sum()
         top = teacher_all[b, t].detach().topk(TOP_K).indices.tolist()
         rest = [v for v in range(p.numel()) if v not in top]
         student_buckets = torch.stack([p[v] for v in top] + [p[rest].sum()])
         teacher_top = [q[v].item() for v in top]
         teacher_buckets = torch.tensor(teacher_top + [max(1 - sum(teacher_top), TAIL_FLOOR)], dtype=torch.float64)
         return (student_buckets * (student_buckets.log() - teacher_buckets.log())).sum()
+
+    def entry_terms(p, q):  # (V,) the full-vocabulary divergence's term of each vocabulary entry
+        if s.divergence == "reverse_kl":
+            return p * (p.log() - q.log())
+        if s.divergence == "forward_kl":
+            return q * (q.log() - p.log())
+        m = BETA * q + (1 - BETA) * p
+        return BETA * q * (q.log() - m.log()) + (1 - BETA) * p * (p.log() - m.log())
 
     pg_terms, opd_terms = [[] for _ in range(B)], [[] for _ in range(B)]
     for b in range(B):
@@ -495,9 +505,12 @@ def _reference_loss(batch: dict, settings: LossConfig) -> tuple[torch.Tensor, tu
                 pg_terms[b].append(-ratio * (rl_part + s.lambda_opd * weight(b) * clipped_signal) * student_lp)
             else:
                 pg_terms[b].append(-ratio * rl_part * student_lp)
-                d = divergence(b, t)
-                if s.token_clip and d.item() > s.token_clip:
-                    d = torch.tensor(s.token_clip, dtype=torch.float64)  # clamped: a constant
+                if s.clip_per == "vocabulary_entry":  # each entry's term capped, a capped one a constant
+                    d = entry_terms(student_all[b, t].exp(), teacher_all[b, t].exp()).clamp(max=s.token_clip).sum()
+                else:
+                    d = divergence(b, t)
+                    if s.token_clip and d.item() > s.token_clip:
+                        d = torch.tensor(s.token_clip, dtype=torch.float64)  # clamped: a constant
                 opd_terms[b].append(s.lambda_opd * weight(b) * d)
 
     def mean(terms):
@@ -532,3 +545,75 @@ def test_assembled_loss_matches_float64_reference_for_every_allowed_setting(dive
         clipped_somewhere |= settings.token_clip > 0 and loss.item() != _library_loss(
             batch, dataclasses.replace(settings, token_clip=0.0))[0].item()
     assert clipped_somewhere  # the clip acts on this data
+
+
+# The GRPO term's advantage and reward, and the per-vocabulary-entry cap: a grid of their own
+# (crossing them with every setting above would multiply its time by twelve).
+NEW_SETTING_VALUES = {
+    "rl_advantage": ["group_norm", "group_mean", "raw"],
+    "wrong_reward": [0.0, -1.0],
+    "partial_credit": [False, True],  # only what it allows: wrong_reward under group_norm
+    "clip_per": ["position", "vocabulary_entry"],
+    "token_clip": [0.0, 0.3],
+    "lambda_opd": [0.0, 0.7],
+    "lambda_rl": [0.0, 0.5],
+    "rlsd_weight": [0.0, 0.5],
+}
+
+
+@pytest.mark.parametrize("divergence", SETTING_VALUES["divergence"])
+def test_assembled_loss_matches_float64_reference_for_the_grpo_baseline_and_entry_clip(divergence):
+    """loss.rl_advantage, loss.wrong_reward and loss.clip_per, with the weights, RLSD and the
+    clip they interact with, against the token-by-token reference: group 1 of the micro-batch is
+    all wrong, so 'raw' with wrong_reward -1 pushes it down where the default leaves it at 0."""
+    batch = _micro_batch(seed=1)
+    names = list(NEW_SETTING_VALUES)
+    combos = []
+    for values in itertools.product(*(NEW_SETTING_VALUES[n] for n in names)):
+        try:
+            combos.append(LossConfig(divergence=divergence, top_k=TOP_K, jsd_beta=BETA, rlsd_decay_steps=10,
+                                     **dict(zip(names, values))))
+        except ConfigError:
+            pass
+    kinds = {(c.rl_advantage, c.wrong_reward, c.clip_per) for c in combos}
+    # 6 kinds of GRPO term (group_norm with -1 only beside partial credit), each per entry too for a full vocabulary
+    assert len(kinds) == (12 if divergence in ("reverse_kl", "forward_kl", "jsd") else 6)
+    entry_acts = raw_acts = False
+    for settings in combos:
+        loss, grads = _library_loss(batch, settings)
+        expected, expected_grads = _reference_loss(batch, settings)
+        label = {n: getattr(settings, n) for n in names}
+        assert loss.item() == pytest.approx(expected.item(), abs=1e-10), label
+        for grad, reference in zip(grads, expected_grads):
+            grad = torch.zeros_like(reference) if grad is None else grad
+            reference = torch.zeros_like(grad) if reference is None else reference
+            assert torch.allclose(grad, reference, rtol=1e-8, atol=1e-10), label
+        default = dataclasses.replace(settings, rl_advantage="group_norm", wrong_reward=0.0, clip_per="position")
+        moved = loss.item() != _library_loss(batch, default)[0].item()
+        entry_acts |= settings.clip_per == "vocabulary_entry" and moved
+        raw_acts |= settings.rl_advantage == "raw" and moved
+    assert raw_acts and (entry_acts or divergence not in ("reverse_kl", "forward_kl", "jsd"))
+
+
+def test_raw_advantage_pushes_down_an_all_wrong_group():
+    """The GRPO term alone (lambda_opd 0): under 'raw' with wrong_reward -1 every token of the all-wrong
+    group has advantage -1 and the loss's gradient lowers its tokens' logprobs; the default gives
+    that group advantage 0 exactly."""
+    batch = _micro_batch()
+    wrong = batch["group_ids_B"] == 3  # rollouts 2 and 3: both wrong
+    for settings, expected in ((LossConfig(lambda_opd=0.0, lambda_rl=1.0, rl_advantage="raw", wrong_reward=-1.0, is_cap=0.0), -1.0),
+                               (LossConfig(lambda_opd=0.0, lambda_rl=1.0, is_cap=0.0), 0.0)):
+        hidden_BTH = batch["hidden_BTH"].clone().requires_grad_(True)
+        student_lp_BT = token_logprobs(hidden_BTH @ batch["head_VH"].T, batch["tokens_BT"])
+        mask_BT = batch["mask_BT"]
+        inputs = LossInputs(student_lp_BT=student_lp_BT, teacher_lp_BT=torch.zeros_like(student_lp_BT),
+                            sampler_lp_BT=student_lp_BT.detach(), mask_BT=mask_BT,
+                            rewards_B=batch["correct_B"].double(), group_ids_B=batch["group_ids_B"],
+                            opd_weight_B=torch.ones(4, dtype=torch.float64))
+        parts = opd_loss(inputs, settings)
+        on_wrong = mask_BT & wrong[:, None]
+        assert torch.equal(parts.advantage_BT[on_wrong], torch.full((int(on_wrong.sum()),), expected, dtype=torch.float64))
+        # d loss / d logprob of a token = -A / (number of completion tokens): positive under 'raw', so descent lowers it
+        (grad_lp_BT,) = torch.autograd.grad(parts.loss, student_lp_BT)
+        assert torch.allclose(grad_lp_BT[on_wrong], torch.full_like(grad_lp_BT[on_wrong], -expected / int(mask_BT.sum())),
+                              rtol=1e-12, atol=0)

@@ -199,3 +199,108 @@ def test_a_run_prompts_the_student_with_its_chat_template_arguments(tmp_path, ti
     tokenizer = thinking_tokenizer(model)
     prompts = [tokenizer.decode(r.prompt_ids) for r in _rollouts(run_dir, 1)]
     assert prompts and all(p.endswith("<|im_start|>assistant\n" + EMPTY_THINK) for p in prompts)
+
+
+def test_a_run_samples_only_from_the_top_k_of_the_tempered_distribution(tmp_path, tiny_model_dir):
+    """rollout.top_k (OPSD samples with temperature 1.1, top_p 0.95, top_k 20): every token of a
+    trained step's saved rollouts is among the k most likely of the initial weights' tempered
+    distribution (the tiny random model spreads its mass over 49k tokens, so without the filter
+    almost none would be), and its sampler logprob is the renormalised one over those k."""
+    from transformers import AutoModelForCausalLM
+
+    k, temperature = 3, 1.1
+    run_dir = train(_config(tmp_path, tiny_model_dir, "run.steps=1", "run.name=top_k", f"rollout.top_k={k}",
+                            f"rollout.temperature={temperature}", "loss.is_cap=0"))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    rollouts = _rollouts(run_dir, 1)
+    assert len(rollouts) == 4 and sum(len(r.completion_ids) for r in rollouts) >= 8
+    for r in rollouts:
+        ids = torch.tensor([r.prompt_ids + r.completion_ids])
+        with torch.no_grad():
+            logits_CV = model(ids).logits[0, len(r.prompt_ids) - 1 : -1].double() / temperature
+        top_CK = logits_CV.topk(k, dim=-1)
+        completion_C1 = torch.tensor(r.completion_ids)[:, None]
+        assert (top_CK.indices == completion_C1).any(-1).all()
+        renormalised_C = torch.log_softmax(top_CK.values, -1).gather(-1, (top_CK.indices == completion_C1).long().argmax(-1, keepdim=True))
+        assert torch.allclose(torch.tensor(r.sampler_logprobs, dtype=torch.float64), renormalised_C[:, 0], rtol=0, atol=1e-4)
+
+
+class _FakeVLLM:
+    """An HTTP server that answers as a vLLM server does (the routes VLLMEngine calls) with one
+    token per sample, and keeps every completion request's JSON body."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        bodies = self.bodies = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _send(self, payload: dict) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):  # noqa: N802
+                self._send({"version": "0.32.0"} if self.path == "/version"
+                           else {"object": "list", "data": [{"id": "fake", "object": "model", "max_model_len": 4096}]})
+
+            def do_POST(self):  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                bodies.append(body)
+                choices = [{"index": i, "text": "7", "finish_reason": "stop", "token_ids": [22],
+                            "logprobs": {"tokens": ["7"], "token_logprobs": [-0.5], "top_logprobs": None, "text_offset": [0]}}
+                           for i in range(body["n"])]
+                self._send({"id": "c", "object": "text_completion", "created": 0, "model": "fake", "choices": choices})
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_the_step_request_carries_top_k_and_min_p_to_a_vllm_server(tmp_path):
+    """rollout.top_k and rollout.min_p reach the JSON of every sampling request a vLLM student gets
+    (vLLM's own top_k and min_p, beside top_p and the temperature); off, they are sent as off."""
+    from types import SimpleNamespace
+
+    from selfopd.core.distributed import World
+    from selfopd.data.example import Example
+    from selfopd.engines.vllm import VLLMEngine
+    from selfopd.templating.templates import load_template
+    from selfopd.training.rollout_pipeline import request_for_step
+
+    class Tokenizer:  # what prompt_token_ids reads of a tokenizer, without a model folder
+        def apply_chat_template(self, messages, **kwargs):
+            return [1, 2, 3]
+
+    server = _FakeVLLM()
+    try:
+        engine = VLLMEngine([server.url])
+        for sets, (top_k, min_p) in ((["rollout.top_k=20", "rollout.min_p=0.05", "rollout.top_p=0.95",
+                                       "rollout.temperature=1.1", "loss.is_cap=0"], (20, 0.05)), ([], (0, 0.0))):
+            config = load_config(None, ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
+                                        "optim.micro_batch_prompts=1", *sets])
+            examples = [Example(id=f"e{i}", prompt=f"What is {i} + 1?", answer=str(i + 1)) for i in range(4)]
+            side = SimpleNamespace(config=config, tokenizer=Tokenizer(), engine=engine, world=World(),
+                                   template=load_template(config.data.student_template), train_examples=examples)
+            request = request_for_step(side, 1)
+            assert (request.params.top_k, request.params.min_p) == (top_k, min_p)
+            server.bodies.clear()
+            groups = engine.sample(request.prompts, request.params)
+            assert [len(g) for g in groups] == [2, 2] and len(server.bodies) == 2
+            for body in server.bodies:
+                assert (body["top_k"], body["min_p"]) == (top_k, min_p)
+                assert (body["top_p"], body["temperature"]) == (config.rollout.top_p, config.rollout.temperature)
+        engine.close()
+    finally:
+        server.close()

@@ -277,6 +277,33 @@ def test_token_clip_is_logged_and_bounds_the_opd_advantage(tmp_path, tiny_model_
         assert max(abs(a) for a in advantages) <= 1e-5 + 1e-9
 
 
+def test_a_per_entry_clip_trains_a_step_and_logs_the_unclipped_divergence(tmp_path, tiny_model_dir):
+    """loss.clip_per = 'vocabulary_entry' (OPSD's clip) through a real step: a frozen answer-note teacher and
+    the tiny student disagree on many of the 49k entries of each position, so positions are clipped; the
+    logged loss/forward_kl stays the divergence itself, and the trained loss (capped terms) is below it."""
+    run = build_run(_config(tmp_path, tiny_model_dir, "teacher.kind=frozen", "loss.divergence=forward_kl",
+                            "loss.token_clip=1e-6", "loss.clip_per=vocabulary_entry", "run.name=entry-clip"))
+    run.run_dir.mkdir(parents=True)
+    metrics = train_step(run)
+    assert 0 < metrics["opd/clipped_share"] <= 1
+    assert metrics["loss/forward_kl"] > 0 and metrics["loss/pg"] < metrics["loss/forward_kl"]
+    assert math.isfinite(metrics["optim/grad_norm"]) and metrics["optim/grad_norm"] > 0
+
+
+def test_a_raw_reward_pushes_down_every_token_of_wrong_rollouts_in_a_run(tmp_path, tiny_model_dir):
+    """loss.rl_advantage = 'raw' with loss.wrong_reward = -1 (the Modal OPD tutorial's GRPO term) through a
+    real step: the tiny student answers nothing right, so every saved token's advantage is -1 (the default
+    gives these all-wrong groups 0), while the saved reward stays the verifier's 0."""
+    grpo = ("loss.lambda_opd=0", "loss.lambda_rl=1", "teacher.kind=none")
+    for name, extra, expected in (("raw", ("loss.rl_advantage=raw", "loss.wrong_reward=-1"), -1.0), ("norm", (), 0.0)):
+        run = build_run(_config(tmp_path, tiny_model_dir, *grpo, *extra, f"run.name={name}"))
+        run.run_dir.mkdir(parents=True)
+        metrics = train_step(run)
+        records = [json.loads(line) for line in run.folder.rollouts_file(1).read_text().splitlines()]
+        assert metrics["reward/accuracy"] == 0 and {r["reward"] for r in records} == {0.0}
+        assert {a for r in records for a in r["advantage"]} == {expected}
+
+
 def test_no_teacher_is_grpo_alone_without_a_teacher_forward(tmp_path, tiny_model_dir, monkeypatch):
     """teacher.kind = 'none': the metrics (less the teacher's opd/ ones) and weights of a `self` teacher
     run with loss.lambda_opd = 0, step for step, and no engine is ever asked to score."""
@@ -373,3 +400,22 @@ def test_a_resume_by_train_itself_refuses_links_before_anything_runs(tmp_path, t
     with pytest.raises(CheckpointError, match=r"checkpoints: a link \(to .*elsewhere\), which selfopd does not follow"):
         train(config, resume=True)
     assert (tmp_path / "elsewhere" / "step_00001").is_dir() and sorted(p.name for p in run.root.iterdir()) == ["checkpoints"]
+
+
+def test_no_held_out_prompts_with_a_test_set_of_its_own(tmp_path, tiny_model_dir):
+    """data.eval_size = 0 with eval.data (the Modal tutorial trains on rows 0-99 and evaluates rows 100-119): every
+    example of data.spec trains, the in-run eval scores eval.data; without eval.data it is refused."""
+    from selfopd.config import ConfigError
+    from selfopd.data.split import SplitRecord
+
+    test_set = "rg:products?min_terms=2&max_terms=2&min_digits=1&max_digits=1&size=3&seed=5"
+    config = _config(tmp_path, tiny_model_dir, "data.eval_size=0", f"eval.data={test_set}", "run.steps=1",
+                     "run.eval_every=0")
+    run_dir = train(config)
+    record = SplitRecord.read(run_dir)
+    assert record.eval_prompts == [] and len(set(record.train_prompts)) == 60
+    evals = [line for line in _lines(run_dir) if "eval/accuracy" in line]
+    assert len(evals) == 2 and all(line["eval/n"] == 3 for line in evals), evals
+    with pytest.raises(ConfigError, match=r"data\.eval_size: 0 holds nothing out of data\.spec, so the in-run eval "
+                                          r"needs eval\.data"):
+        _config(tmp_path, tiny_model_dir, "data.eval_size=0")

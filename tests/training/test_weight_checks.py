@@ -41,3 +41,28 @@ def test_an_engine_that_loads_its_own_weights_reports_its_own_stats():
     """The colocated engine has no transfer: its `stats` are the push's (a `self` teacher is the same engine)."""
     colocated = SimpleNamespace(stats={"time/push": 2.0, "time/push_verify": 0.0, "sync/verified": 0.0})
     assert push_stats(SimpleNamespace(student_engine=colocated, teacher_engine=colocated)) == colocated.stats
+
+
+def test_the_sampler_probe_is_skipped_when_a_filter_renormalises_the_sampler():
+    """check_sampler compares a server's sampled logprobs with the trainer's whole tempered distribution:
+    with rollout.top_p < 1, top_k > 0 or min_p > 0 the server's are over the kept tokens only, so the
+    probe would fail every such run; it is skipped, and a run without a filter does ask the server."""
+    import pytest
+
+    from selfopd.config import load_config
+    from selfopd.training.weight_checks import check_sampler
+
+    class Asked(Exception):
+        pass
+
+    def sample(*args, **kwargs):
+        raise Asked
+
+    for sets in (["rollout.top_k=20"], ["rollout.min_p=0.05"], ["rollout.top_p=0.95"]):
+        config = load_config(None, [*sets, "loss.is_cap=0"])
+        run = SimpleNamespace(config=config, model=object(), student_engine=SimpleNamespace(sample=sample))
+        assert check_sampler(run) == {}
+    run = SimpleNamespace(config=load_config(None, []), model=object(), student_engine=SimpleNamespace(sample=sample),
+                          probe=([1, 2], [3]))
+    with pytest.raises(Asked):
+        check_sampler(run)
