@@ -65,13 +65,13 @@ TRAINER_GPUS = {"opd_qwen3_5_gsm8k": 1, "grpo_opd_qwen3_5_dapo": 2, "opsd_qwen3_
 @pytest.mark.parametrize("name", NAMES)
 def test_each_recipe_plans_its_memory_per_gpu_offline(name, capsys, tmp_path, monkeypatch):
     """`selfopd plan RECIPE` with no Hugging Face cache and no network: the models' published config.json values
-    ship with selfopd, so every GPU the layout names gets its memory (whether it fits is the recipe's business)."""
+    ship with selfopd, so every GPU the layout names gets its memory, and each fits 80 GiB GPUs as written."""
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # read when a file is looked up
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    main(["plan", str(recipe(name)), "--gpu-memory-gib", "80", "--gpu-name", "H100", "--trainer-gpus",
-          str(TRAINER_GPUS[name])])
+    assert main(["plan", str(recipe(name)), "--gpu-memory-gib", "80", "--gpu-name", "H100", "--trainer-gpus",
+          str(TRAINER_GPUS[name])]) == 0
     out = capsys.readouterr().out
     written = tomllib.loads(recipe(name).read_text())
     gpus = {*range(TRAINER_GPUS[name]), *(int(gpu) for key in ("student_gpus", "teacher_gpus")
@@ -79,6 +79,7 @@ def test_each_recipe_plans_its_memory_per_gpu_offline(name, capsys, tmp_path, mo
     assert "  per GPU (H100, 80.0 GiB): " in out
     assert {int(line.split()[1].rstrip(":")) for line in out.splitlines() if line.startswith("    GPU ")} == gpus
     assert "shipped with selfopd" in out
+    assert "DOES NOT FIT" not in out and "does not fit" not in out, out
 
 
 # --------------------------------------------------------------------------- the miniatures
