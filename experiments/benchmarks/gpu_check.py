@@ -58,11 +58,11 @@ table. `--device cpu --tiny` runs the same plumbing on the CPU in seconds
 Needs at least two CUDA GPUs (NCCL refuses the trainer and a server worker on one GPU) and vLLM
 for GPUs (`pip install -e '.[gpu]'`). What it does, in order:
 
-1. places itself as a training run would (`selfopd.engines.gpu_layout.check_layout`): the
+1. places itself as a training run would (`selfopd.serving.gpu_layout.check_layout`): the
    trainer on GPU 0, the student server on GPU 1, the teacher on GPU 2 when there is one, else
    beside the student (two NCCL groups then: one GPU may not appear twice in one group);
 2. launches both servers with selfopd's weight-transfer engine and opens the push as a run
-   does (`selfopd.engines.serving.open_weight_transfers`: the trainer is rank 0);
+   does (`selfopd.serving.launch.open_weight_transfers`: the trainer is rank 0);
 3. three rounds: perturb the trainer's weights, push them (packed NCCL broadcast, pause /
    reset prefix cache / resume, version = round, digests compared on every worker), then check
    both servers' prompt logprobs on a fixed sequence against the trainer's and their versions;
@@ -541,9 +541,9 @@ def transfer_check(model_dir: Path, device: str) -> dict[str, Any]:
     optimizer on the current stream), and the device's checksums (`tensor_digest` 'sum') the CPU's."""
     from transformers import AutoModelForCausalLM
 
-    from selfopd.engines.transfer_wire import buffer_device, open_group, pack, unpack
-    from selfopd.engines.vllm_server import free_port
-    from selfopd.engines.weight_digest import tensor_digest
+    from selfopd.serving.transfer_wire import buffer_device, open_group, pack, unpack
+    from selfopd.serving.server import free_port
+    from selfopd.serving.weight_digest import tensor_digest
     from selfopd.training.weight_checks import ModelWeights
 
     backend = "nccl" if device.startswith("cuda") else "gloo"
@@ -763,11 +763,12 @@ def trainer_logprobs(model, prompt: list[int], completion: list[int]) -> torch.T
 
 
 def vllm_main(argv: list[str]) -> int:
+    from selfopd.config.bundles import ServingSettings
     from selfopd.core.models import resolve_model
     from selfopd.engines.base import SamplingParams
-    from selfopd.engines.gpu_layout import check_layout
-    from selfopd.engines.server_control import ServerControl
-    from selfopd.engines.serving import gpu_count, open_vllm_engines
+    from selfopd.serving.gpu_layout import check_layout
+    from selfopd.serving.server_control import ServerControl
+    from selfopd.serving.launch import gpu_count, open_vllm_engines
 
     parser = argparse.ArgumentParser(prog="gpu_check vllm", description="the weight push over NCCL into a student "
                                      "and a teacher vLLM server, every push verified by digest, and throughput")
@@ -787,7 +788,7 @@ def vllm_main(argv: list[str]) -> int:
               "worker on one GPU; `selfopd train --set engine.kind=vllm_colocate` is the one-GPU mode", file=sys.stderr)
         return 2
     config = plan_config(args.model, args.dtype, gpus, args.eager)
-    layout = check_layout(config, [0], gpus)  # a ConfigError names the rule broken
+    layout = check_layout(config.engine, config.teacher, [0], gpus)  # a ConfigError names the rule broken
     print(layout.table())
     if args.plan:
         return 0
@@ -802,7 +803,8 @@ def vllm_main(argv: list[str]) -> int:
                     "checks": {}}
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        student, teacher = open_vllm_engines(config, out_dir / "gpu_check_logs", stack, progress=True, trainer_gpus=[0])
+        student, teacher = open_vllm_engines(ServingSettings.of(config), out_dir / "gpu_check_logs", stack, progress=True,
+                                             trainer_gpus=[0])
         report["server_start_s"] = time.perf_counter() - started
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()

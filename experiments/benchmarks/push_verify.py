@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from selfopd.core.models import resolve_model
-from selfopd.engines.server_control import ServerControl
-from selfopd.engines.vllm_server import ServerSpec, free_port, launch_servers
-from selfopd.engines.weight_sync import WeightTransfer
+from selfopd.serving.server_control import ServerControl
+from selfopd.serving.server import ServerSpec, free_port, launch_servers
+from selfopd.serving.weight_sync import WeightTransfer
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = ("time/push", "time/push_broadcast", "time/push_verify")

@@ -32,7 +32,7 @@ from typing import Iterator
 from selfopd.config import load_config
 from selfopd.core.models import resolve_model
 from selfopd.core.run_folder import portable_path
-from selfopd.engines.vllm_server import ServerSpec, free_port, launch_servers
+from selfopd.serving.server import ServerSpec, free_port, launch_servers
 from selfopd.training.trainer import build_run, train_step
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -32,10 +32,10 @@ import httpx
 import torch
 
 from selfopd.engines.base import SamplingParams
-from selfopd.engines.vllm import VLLMEngine
-from selfopd.engines.vllm_server import ServerSpec, auth_headers, free_port, launch_servers, launched_key
-from selfopd.engines.server_control import ServerControl
-from selfopd.engines.weight_sync import WeightTransfer
+from selfopd.serving.vllm import VLLMEngine
+from selfopd.serving.server import ServerSpec, auth_headers, free_port, launch_servers, launched_key
+from selfopd.serving.server_control import ServerControl
+from selfopd.serving.weight_sync import WeightTransfer
 from selfopd.core.models import resolve_model
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -132,7 +132,7 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
 def _train(args: argparse.Namespace) -> None:
     from selfopd.config import load_config
     from selfopd.core.distributed import current_world
-    from selfopd.engines.vllm_server import ServerError
+    from selfopd.serving.server import ServerError
     from selfopd.run.summary import summarize_run
     from selfopd.training.trainer import train
 
@@ -172,9 +172,10 @@ def _train(args: argparse.Namespace) -> None:
 def _print_auto_choices(config: Any) -> None:
     """What each 'auto' setting of `config` means on this machine and why, as TOML comments."""
     from selfopd.config.auto import Machine
-    from selfopd.engines.auto_settings import auto_choices
+    from selfopd.config.bundles import ServingSettings
+    from selfopd.planning.auto_settings import auto_choices
 
-    choices = auto_choices(config, Machine.here())
+    choices = auto_choices(ServingSettings.of(config), Machine.here())
     if choices:
         print("\n# 'auto' settings on this machine (selfopd.config.auto):")
         print("\n".join(f"#   {choice.line()}" for choice in choices))
@@ -245,17 +246,19 @@ def _serve(args: argparse.Namespace) -> None:
     from dataclasses import replace
 
     from selfopd.config import load_config
-    from selfopd.engines.vllm_server import launch_servers
-    from selfopd.engines.gpu_layout import check_layout
-    from selfopd.engines.serving import gpu_count, log_layout, planned_servers, serve_key
+    from selfopd.config.bundles import ServingSettings
+    from selfopd.serving.server import launch_servers
+    from selfopd.serving.gpu_layout import check_layout
+    from selfopd.serving.launch import gpu_count, log_layout, planned_servers, serve_key
 
     config = load_config(args.config, args.overrides)
-    layout = check_layout(config, trainer_gpus=None, gpu_count=gpu_count())  # the trainer runs elsewhere
+    layout = check_layout(config.engine, config.teacher, trainer_gpus=None,  # the trainer runs elsewhere
+                          gpu_count=gpu_count())
     if not layout.servers:
         raise UserError("engine.student_urls and engine.teacher_url are both set: there is nothing to launch")
     log_layout(layout, args.log_dir, progress=True)
-    with serve_key(config, args.log_dir) as (key, train), launch_servers(  # every route but /health wants the key
-            [replace(spec, api_key=key) for spec in planned_servers(config)], args.log_dir,
+    with serve_key(config.engine, args.log_dir) as (key, train), launch_servers(  # every route but /health wants the key
+            [replace(spec, api_key=key) for spec in planned_servers(ServingSettings.of(config))], args.log_dir,
             config.engine.startup_timeout_s) as servers:
         students = ",".join(server.spec.url for server in servers if server.spec.name != "teacher")
         teachers = [server.spec.url for server in servers if server.spec.name == "teacher"]
@@ -340,7 +343,7 @@ def _is_user_error(error: Exception) -> bool:
     from selfopd.templating.templates import TemplateError
     from selfopd.templating.tokenizer_check import TokenizerMismatch
 
-    from selfopd.engines.vllm_server import ServerError
+    from selfopd.serving.server import ServerError
     from selfopd.training.trainer import GuardStop, NonFiniteLoss
     from selfopd.training.weight_checks import WeightSyncError
 

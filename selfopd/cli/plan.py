@@ -46,13 +46,14 @@ def memory_plan(config: Any, gpu_memory_gib: float | None = None, gpu_name: str 
                 prompt_tokens: int = 256) -> Any:
     """The RunPlan of `config` on the GPUs given, or on this machine's."""
     from selfopd.config.auto import Machine
-    from selfopd.engines.memory_fit import detected_gpu, plan_run
+    from selfopd.config.bundles import PlanSettings
+    from selfopd.planning.memory_fit import detected_gpu, plan_run
 
     here = detected_gpu()
     if gpu_memory_gib is None and here is not None:
         gpu_name, gpu_memory_gib = gpu_name or here[0], here[1]
     world = trainer_gpus or int(os.environ.get("WORLD_SIZE", "1") or 1)
-    return plan_run(config, capacity_gib=gpu_memory_gib, gpu_name=gpu_name or "GPU", world=world,
+    return plan_run(PlanSettings.of(config), capacity_gib=gpu_memory_gib, gpu_name=gpu_name or "GPU", world=world,
                     prompt_tokens=prompt_tokens, gpu_count=Machine.here().gpu_count if here is not None else None)
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, Sequence
 
 from selfopd.config import settings
+from selfopd.config.auto import check_lora_dtype
 from selfopd.config.compute import server_key
 from selfopd.config.compute import (  # noqa: F401  (sections of TrainConfig, public here too)
     VLLM_KINDS,
@@ -252,13 +253,7 @@ class TrainConfig:
         if self.teacher.kind == "ema" and self.engine.kind == "vllm_colocate":
             fail("teacher.kind", "'ema' with engine.kind = 'vllm_colocate' is not supported: use engine.kind = "
                  "'local' or 'vllm'")
-        if (self.model.lora and self.model.dtype == "bfloat16" and self.engine.kind in VLLM_KINDS
-                and not self.model.lora_bf16_servers):
-            fail("model.lora_rank", f"LoRA with model.dtype = 'bfloat16' and engine.kind = {self.engine.kind!r} is "
-                 "refused: vLLM would serve W + dW rounded to bf16, and an update far below bf16's resolution of W "
-                 "(dW of std 1e-5 on weights of std 0.02) mostly rounds away, so the servers would sample and score "
-                 "close to the base model; use model.dtype = 'float32' or engine.kind = 'local' with LoRA, or accept "
-                 "it with model.lora_bf16_servers = true (what OPSD's code does)")
+        check_lora_dtype(self.model, self.engine)  # LoRA with vLLM in bf16 (selfopd.config.auto: the dtype rules)
         if self.engine.kind == "vllm_colocate" and re.fullmatch(r"cuda:[1-9]\d*", self.model.device):
             fail("model.device", f"{self.model.device!r} with engine.kind = 'vllm_colocate': the in-process vLLM "
                  "always takes GPU 0 of what the process sees; run with CUDA_VISIBLE_DEVICES=N and model.device = "

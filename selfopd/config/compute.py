@@ -207,7 +207,7 @@ class EngineConfig(Section):
                                        most=MAX_SECONDS)
     request_timeout_s: float = setting(
         0.0, "vllm: seconds before one request times out (it is then retried, generation starting again). 0: a "
-        "ceiling that scales with the work (selfopd.engines.liveness), while each server's /health is "
+        "ceiling that scales with the work (selfopd.serving.liveness), while each server's /health is "
         "polled: a server that stops answering fails the step within a minute, a slow live one is waited for.",
         ge=0, most=MAX_SECONDS)
     retries: int = setting(3, "vllm: retries, with backoff, of a request that fails to connect, times out or gets a 5xx.",

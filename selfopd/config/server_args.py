@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 
 # Flags of vLLM's api_server that selfopd sets on every server it launches
-# (selfopd.engines.vllm_server.server_command) and relies on, with where they come from; a later
+# (selfopd.serving.server.server_command) and relies on, with where they come from; a later
 # copy in extra_server_args would win (a server on 0.0.0.0, without selfopd's key or weight checks).
 SERVER_FLAGS = {
     "--host": "selfopd sets it from engine.host",

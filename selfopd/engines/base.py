@@ -130,7 +130,7 @@ class Engine(Protocol):
     # True when sampling runs in other processes (vLLM servers), so a request may run while
     # the trainer computes: what `rollout.max_staleness` overlaps. False in the trainer's process.
     samples_in_background: bool
-    # True when every weight update is proven exactly (per-tensor digests, `selfopd.engines.weight_digest`):
+    # True when every weight update is proven exactly (per-tensor digests, `selfopd.serving.weight_digest`):
     # the probe is then a numeric monitor of the engine's kernels, not the proof that weights arrived.
     pushes_verified: bool
     # True when the engine schedules its own batches (vLLM, served or colocated): the trainer sends a

@@ -1,16 +1,14 @@
-"""The one place that turns a config into models and engines.
+"""The one place that turns a config into models and in-process engines.
 
 Every command that needs a model asks here: `selfopd train` (the trainable student and the
-engines that sample and score for it), `selfopd eval`, `selfopd diagnose` and `selfopd sft`
-(a frozen model behind an in-process engine). Which engine kind (`engine.kind`: in-process
-or vLLM servers, launched or given by URL) and which teacher (`teacher.kind`: the live
-student, a frozen copy of it, an external model) are decided here and nowhere else, so a
-new engine kind or device is added in one module.
+in-process engines that sample and score for it), `selfopd eval`, `selfopd diagnose` and `selfopd sft`
+(a frozen model behind an in-process engine). Which teacher (`teacher.kind`: the live student, a
+frozen copy of it, an external model) is decided here and nowhere else. vLLM's engines open from
+`selfopd.serving`, and a training run's engines by engine.kind in `selfopd.training.engines`.
 """
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -120,31 +118,11 @@ def external_teacher_bridge(config: TrainConfig, tokenizer: Any, teacher: Teache
     return None
 
 
-def open_training_engines(config: TrainConfig, model: Any, tokenizer: Any, log_dir: Path,
-                          resources: contextlib.ExitStack, world: World = World()) -> tuple[Engine, Engine]:
-    """(student engine, teacher engine) for a training run whose trainable student is `model`.
-
-    In process, the student engine wraps `model` itself (a `self` teacher is the same engine
-    with another prompt); a frozen, ema (whose copy `selfopd.training.ema` then averages in place)
-    or external teacher is loaded on the student's device
-    and, under torchrun, sharded like it. With vLLM, launched servers log to `log_dir` and
-    are stopped when `resources` closes; with engine.teacher_engine = 'local' they only sample, and
-    the teacher is in process as above. Colocated, vLLM runs in this process
-    (`selfopd.engines.vllm_colocate`). An external teacher's tokenizer was checked by the caller
-    (`external_teacher_bridge`)."""
-    if config.engine.kind == "vllm":
-        from selfopd.engines.serving import open_vllm_engines, open_vllm_engines_on_ranks
-
-        student, teacher = (open_vllm_engines_on_ranks(config, log_dir, resources, world) if world.distributed
-                            else open_vllm_engines(config, log_dir, resources, progress=config.run.progress))
-        if teacher is None:  # engine.teacher_engine = 'local': vLLM samples, the trainer scores
-            teacher = open_local_teacher(config.teacher, config, model, tokenizer,
-                                         local_engine(config, model, tokenizer), world)
-        return student, teacher
-    if config.engine.kind == "vllm_colocate":
-        from selfopd.engines.vllm_colocate import open_colocated_engines
-
-        return open_colocated_engines(config, resources)
+def open_local_engines(config: TrainConfig, model: Any, tokenizer: Any,
+                       world: World = World()) -> tuple[LocalEngine, LocalEngine]:
+    """(student engine, teacher engine) in process for a training run whose trainable student is `model`
+    (engine.kind = 'local'): the student engine wraps `model` itself (a `self` teacher is the same engine
+    with another prompt); a frozen, ema or external teacher is `open_local_teacher`'s."""
     if config.engine.compiled_sampling and world.distributed:
         raise ConfigError("engine.compiled_sampling", "is not supported under torchrun (each rank samples with the "
                           "sharded model gathered); set it to false")

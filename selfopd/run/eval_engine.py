@@ -1,5 +1,5 @@
 """The engine `selfopd eval` samples with: the model in process, or vLLM servers, launched with
-the serving code training uses (`selfopd.engines.serving.planned_servers`, the student's slots:
+the serving code training uses (`selfopd.serving.launch.planned_servers`, the student's slots:
 same dtype, context, GPUs, API key) or a running one given by URL. A long eval (AIME avg@16 at
 thousands of tokens) is a vLLM job; in process it is HF generate, for small checks."""
 
@@ -36,10 +36,11 @@ def open_eval_engine(model: str | Path, config: TrainConfig, kind: str, server: 
         return engine, engine.tokenizer
     from transformers import AutoTokenizer
 
+    from selfopd.config.bundles import ServingSettings
     from selfopd.core.models import from_pretrained, resolve_model
     from selfopd.engines.lora import is_adapter_folder
-    from selfopd.engines.serving import client_engines, planned_servers
-    from selfopd.engines.vllm_server import launch_servers
+    from selfopd.serving.launch import client_engines, planned_servers
+    from selfopd.serving.server import launch_servers
 
     adapters = is_adapter_folder(Path(model))  # a LoRA checkpoint: its folder holds the adapters and the tokenizer
     folder = Path(model) if adapters else resolve_model(model)
@@ -49,13 +50,14 @@ def open_eval_engine(model: str | Path, config: TrainConfig, kind: str, server: 
     else:
         if adapters:  # a vLLM server loads whole models: the adapters merged, as training pushes them
             folder = merged_for_serving(folder, log_dir.parent, config.model.dtype, stack)
-        specs = [replace(spec, model=str(folder)) for spec in planned_servers(config) if spec.name != "teacher"]
+        specs = [replace(spec, model=str(folder)) for spec in planned_servers(ServingSettings.of(config))
+                 if spec.name != "teacher"]
         if not specs:
             raise ConfigError("engine.student_urls", "is set, so no student server is launched: pass --server URL to "
                               "evaluate on a running server, or unset engine.student_urls")
         servers = stack.enter_context(launch_servers(specs, log_dir, config.engine.startup_timeout_s, progress))
         urls = [s.spec.url for s in servers]
-    engine, _ = client_engines(config, urls, [], stack)
+    engine, _ = client_engines(config.engine, urls, [], stack)
     return engine, tokenizer
 
 

@@ -12,7 +12,7 @@ each checkpoint (`pending_json` / `load_pending`).
 
 k >= 2 with servers: up to k requests are in flight at once (the servers batch them together)
 and nothing waits for them before a weight sync: the push freezes them, and they go on with
-the new weights (`selfopd.engines.weight_sync`, `keep_requests`). A rollout of step b was asked
+the new weights (`selfopd.serving.weight_sync`, `keep_requests`). A rollout of step b was asked
 for with the weights of step b - k (`weight_version`) and may have later tokens from newer ones,
 up to `last_weight_version`; each token carries the logprob it was drawn with, so the importance
 ratio stays exact per token. Which tokens come from which weights depends on timing: such a run

@@ -19,8 +19,8 @@ from selfopd.data import load_examples
 from selfopd.core.devices import use_device
 from selfopd.core.distributed import World, current_world, init_process_group, load_optimizer_state, shard_model
 from selfopd.training.ema import EmaWeights
-from selfopd.engines.build import (external_teacher_bridge, load_model, model_options, open_named_teachers,
-                                   open_training_engines)
+from selfopd.engines.build import external_teacher_bridge, load_model, model_options, open_named_teachers
+from selfopd.training.engines import open_training_engines
 from selfopd.training.routing import open_router
 from selfopd.data.example import Example
 from selfopd.engines.compiled import compile_decoder_layers
@@ -93,7 +93,8 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
     teacher_template, fallback = templates[DEFAULT_TEACHER]
 
     if config.engine.kind == "vllm":  # a refused GPU layout stops the run before the model loads
-        from selfopd.engines.serving import node_trainer_gpus, run_layout
+        from selfopd.serving.launch import node_trainer_gpus
+        from selfopd.training.engines import run_layout
 
         run_layout(config, node_trainer_gpus(world))
     model, tokenizer = load_model(config.model.student, config.model.dtype, weights=resume_from,
@@ -194,7 +195,7 @@ def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
 def check_teacher_top_k(engine: Any, top_k: int, probe: tuple[list[int], list[int]]) -> None:
     """A vLLM teacher asked for more top-k logprobs than its --max-logprobs refuses the first scoring
     request of the first step; ask once at start instead (launched servers get enough)."""
-    from selfopd.engines.vllm_server import ServerError
+    from selfopd.serving.server import ServerError
 
     try:
         engine.score([probe], top_k=top_k)

@@ -19,8 +19,9 @@ from selfopd.config.auto import Machine, resolve_auto
 from selfopd.core.distributed import all_sum, barrier, close_process_group, current_world
 from selfopd.run.folder_guard import check_not_in_use, check_writable, claimed_run_folder, refuse_finished, writing
 from selfopd.core.run_folder import RunFolder, refuse_links
-from selfopd.engines.plan_check import check_memory_plan
-from selfopd.engines.transfer_wire import check_trainer_address
+from selfopd.config.bundles import PlanSettings
+from selfopd.planning.plan_check import check_memory_plan
+from selfopd.serving.transfer_wire import check_trainer_address
 from selfopd.training.outputs import plot_run, prune_checkpoints, reuse_eval, run_eval, save_checkpoint
 from selfopd.training.routing import starved_teachers
 from selfopd.training.setup import build_run, resume_checkpoint  # noqa: F401  (build_run public here: tests and benchmarks build a run, then step it)
@@ -57,7 +58,7 @@ def train(config: TrainConfig, resume: bool = False, initial_eval: Path | None =
     compare` evaluates the shared base model once for all its arms. Under torchrun every
     rank runs this; rank 0 alone writes the run folder."""
     config = resolve_auto(config, Machine.here())  # a TrainConfig built in Python may still say 'auto'
-    check_memory_plan(config, current_world().size)  # on GPUs: refused before any folder or weights
+    check_memory_plan(PlanSettings.of(config), current_world().size)  # on GPUs: refused before any folder or weights
     main = current_world().is_main
     folder = RunFolder.of(config.run.out_dir, config.run.name)
     use_verifier_isolation(config.verifier.isolation)  # every rank grades; a sandbox that cannot start stops here

@@ -1,5 +1,5 @@
 """Every engine serves the weights it should: the weight sync after each step (whose pushes
-to vLLM are proven exactly by per-tensor digests, `selfopd.engines.weight_digest`), the
+to vLLM are proven exactly by per-tensor digests, `selfopd.serving.weight_digest`), the
 probe, a numeric monitor of every replica's logprobs against the trainer's (the student's
 weights, or an `ema` teacher's average), and the one-time check of a frozen teacher."""
 
@@ -14,13 +14,13 @@ from selfopd.core.distributed import is_sharded
 from selfopd.engines.base import Engine, SamplingParams
 from selfopd.engines.local import LocalEngine, eval_mode
 from selfopd.engines.lora import served_weights
-from selfopd.engines.weight_digest import WeightSyncError  # noqa: F401  (public here: the probe raises it too)
+from selfopd.serving.weight_digest import WeightSyncError  # noqa: F401  (public here: the probe raises it too)
 from selfopd.training.state import Run
 from selfopd.engines.scoring import completion_logprobs
 
 
 class ModelWeights:
-    """The trainer's weights as a push sends them (a `selfopd.engines.weight_sync.WeightSource`): HF
+    """The trainer's weights as a push sends them (a `selfopd.engines.base.WeightSource`): HF
     names, LoRA adapters merged in (`served_weights`); a sharded model's tensors are gathered one at
     a time, on the device, as the push reaches them (every rank iterates: each gather is a collective)."""
 

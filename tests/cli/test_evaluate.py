@@ -235,7 +235,7 @@ def test_a_truncated_answer_ending_in_the_right_number_is_wrong_unless_truncated
 def test_eval_on_a_launched_vllm_server_writes_avg_and_pass_at_k(tmp_path, servable_tiny_model_dir, capsys):
     """`--engine vllm` launches the model's server as training launches the student's, samples k
     answers a prompt there, stops it, and reports avg@k and pass@k over distinct prompts."""
-    from selfopd.engines.vllm_server import free_port, port_in_use
+    from selfopd.serving.server import free_port, port_in_use
 
     data = _rows(tmp_path, [(f"What is {i} + {i}?", str(2 * i)) for i in range(3)])
     out, port = tmp_path / "eval", free_port()

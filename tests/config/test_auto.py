@@ -31,7 +31,7 @@ def test_the_default_dtype_is_auto_and_loads_as_float32_on_this_cpu_machine():
 ])
 def test_auto_dtype_by_machine_and_config(overrides, machine, dtype, why):
     config = load_config(None, overrides, resolve=False)
-    choice = auto_dtype(config, machine)
+    choice = auto_dtype(config.model, config.engine, machine)
     assert (choice.value, choice.why) == (dtype, why)
     resolved = resolve_auto(config, machine)
     assert resolved.model.dtype == dtype and resolve_auto(resolved, CPU) == resolved  # once, then fixed
@@ -42,11 +42,11 @@ def test_the_hub_teacher_recipe_of_the_docs_is_distillation_and_fits_a_three_gpu
     """docs/comparing-teachers.md's Qwen3-8B -> Qwen3-1.7B GSM8K command, as a GPU machine reads it."""
     from pathlib import Path
 
-    from selfopd.engines.gpu_layout import check_layout
+    from selfopd.serving.gpu_layout import check_layout
 
     text = (Path(__file__).resolve().parents[2] / "docs/comparing-teachers.md").read_text()
     command = text.split("## A larger teacher online", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     sets = [word.strip('"') for word in command.replace("\\\n", " ").split() if "=" in word]
     config = resolve_auto(load_config(command.split()[2], sets, resolve=False), Machine(cuda=True, gpu_count=3))
     assert (config.loss.lambda_opd, config.loss.lambda_rl, config.model.dtype) == (1.0, 0.0, "bfloat16")
-    assert [server.gpus for server in check_layout(config, [0], 3).servers] == [(1,), (2,)]
+    assert [server.gpus for server in check_layout(config.engine, config.teacher, [0], 3).servers] == [(1,), (2,)]

@@ -11,7 +11,7 @@ import pytest
 
 from selfopd.config import ConfigError, load_config
 from selfopd.config.server_args import INERT_FLAGS, SERVER_FLAGS, SWITCH, managed_flag
-from selfopd.engines.vllm_server import ServerSpec, server_command
+from selfopd.serving.server import ServerSpec, server_command
 
 # Flags selfopd sets that are tuning only: a user may set them again (the last copy wins).
 TUNING = {"--enforce-eager", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "--gpu-memory-utilization"}

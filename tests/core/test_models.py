@@ -215,12 +215,13 @@ def test_launched_servers_load_the_pinned_snapshots(hub_cache):
     """vLLM servers are launched on the folder the pin resolved to (`--model` is that snapshot), the
     student's and an external teacher's each at its own revision."""
     from selfopd.config import load_config
-    from selfopd.engines.serving import planned_servers
-    from selfopd.engines.vllm_server import server_command
+    from selfopd.config.bundles import ServingSettings
+    from selfopd.serving.launch import planned_servers
+    from selfopd.serving.server import server_command
 
     config = load_config(None, ["engine.kind=vllm", "model.student=org/tiny", "model.revision=v1",
                                 "teacher.kind=external", "teacher.model=org/tiny", "teacher.revision=main"])
-    commands = {spec.name: server_command(spec) for spec in planned_servers(config)}
+    commands = {spec.name: server_command(spec) for spec in planned_servers(ServingSettings.of(config))}
     assert {name: command[command.index("--model") + 1] for name, command in commands.items()} == {
         "student": str(hub_cache / "snapshots" / SHAS["v1"]), "teacher": str(hub_cache / "snapshots" / SHAS["main"])}
 

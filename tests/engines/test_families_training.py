@@ -38,7 +38,7 @@ def tiny_checkpoint(folder: Path, tokenizer, family: str, linear_head_dim: int =
 
 def demo_settings(tmp_path: Path, folder: Path, dtype: str, *extra: str) -> list[str]:
     """`selfopd train experiments/demo/demo.toml` cut to two short steps on vLLM servers it launches."""
-    from selfopd.engines.vllm_server import free_port, port_in_use
+    from selfopd.serving.server import free_port, port_in_use
 
     port = next(p for p in iter(free_port, None) if not port_in_use("127.0.0.1", p + 1))
     sets = [f"model.student={folder}", f"model.dtype={dtype}", "engine.kind=vllm", f"engine.port={port}",
@@ -84,7 +84,7 @@ def test_a_qwen3_5_run_in_fp32_on_vllm_cpu_is_refused_before_a_server_starts(tmp
 
 def test_linear_attention_heads_vllm_cpu_cannot_run_are_refused_naming_the_checkpoint(tmp_path, smollm2_tokenizer):
     from selfopd.config import ConfigError
-    from selfopd.engines.vllm_server import ServerSpec, launch_servers
+    from selfopd.serving.server import ServerSpec, launch_servers
 
     folder = tiny_checkpoint(tmp_path / "hub", smollm2_tokenizer, "qwen3_5_conditional", linear_head_dim=32)
     spec = ServerSpec(name="student", model=str(folder), port=1, dtype="bfloat16", gpu=False)
@@ -97,7 +97,7 @@ def test_linear_attention_heads_vllm_cpu_cannot_run_are_refused_naming_the_check
 
 def test_server_flags_follow_the_family_and_the_device(tmp_path, smollm2_tokenizer):
     """A GPU server (chunked prefill on) prefix-caches a hybrid; a CPU one cannot; other families keep it."""
-    from selfopd.engines.vllm_server import ServerSpec, server_command
+    from selfopd.serving.server import ServerSpec, server_command
 
     hub = tiny_checkpoint(tmp_path / "hub", smollm2_tokenizer, "qwen3_5_conditional", linear_head_dim=32)
     qwen3 = tiny_checkpoint(tmp_path / "qwen3", smollm2_tokenizer, "qwen3")
@@ -116,7 +116,7 @@ def test_a_server_without_a_module_its_model_imports_says_which_in_its_first_lin
     tail of the server's own errors, and the error's first line names the module."""
     import importlib.util
 
-    from selfopd.engines.vllm_server import ServerError, ServerSpec, free_port, launch_servers
+    from selfopd.serving.server import ServerError, ServerSpec, free_port, launch_servers
 
     if importlib.util.find_spec("torchvision"):
         pytest.skip("torchvision is installed here (make setup removes it)")

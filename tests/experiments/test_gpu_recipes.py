@@ -14,7 +14,7 @@ external teacher's, Qwen3.5 in bf16, the weight push digest-verified): 138 s on 
 recipe needs the same vLLM path (external Qwen3.5 teacher server, student server, push) with the GRPO term on
 top, which is engine-independent, so it runs in process (`engine.kind=local`) to save those minutes. The
 OPSD recipe's vLLM path (student servers sample, the trainer scores a `self` teacher with a full-vocabulary
-loss, `engine.teacher_engine = 'local'`) is tested on the packaged model in tests/engines/test_vllm.py; here it
+loss, `engine.teacher_engine = 'local'`) is tested on the packaged model in tests/serving/test_vllm.py; here it
 runs in process.
 """
 
@@ -170,7 +170,7 @@ def trained(run: Path) -> list[dict]:
 def test_the_gsm8k_opd_recipe_runs_in_miniature_through_vllm_servers(tmp_path, tiny_models, monkeypatch, capsys):
     """Student server + the external teacher's server (Qwen3.5 hub layout, bf16), both launched by the run;
     sampled-token reverse KL alone; every push digest-verified; then `selfopd eval` of the trained run."""
-    from selfopd.engines.vllm_server import free_port, port_in_use
+    from selfopd.serving.server import free_port, port_in_use
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(STANDIN), os.environ.get("PYTHONPATH")])))
     model = tiny_models["qwen3_5_conditional"]
@@ -208,7 +208,7 @@ def test_the_dapo_grpo_opd_recipe_runs_in_miniature(tmp_path, tiny_models, smoll
 @pytest.mark.slow
 def test_the_opsd_recipe_runs_in_miniature(tmp_path, tiny_models):
     """A `self` Qwen3 teacher shown the worked solution, full-vocabulary reverse KL, thinking on; in process
-    (its vLLM path, student servers sampling and the trainer scoring, is tests/engines/test_vllm.py's)."""
+    (its vLLM path, student servers sampling and the trainer scoring, is tests/serving/test_vllm.py's)."""
     args = miniature("opsd_qwen3_aime", tmp_path, tiny_models["qwen3"], openthoughts_like(tmp_path),
                      "engine.kind=local", f"eval.data={aime_like(tmp_path)}", "eval.samples=2",
                      "engine.teacher_engine=vllm")  # its default: 'local' names the vLLM path's in-process teacher
@@ -224,7 +224,7 @@ def test_the_opsd_recipe_runs_in_miniature_through_a_vllm_server(tmp_path, tiny_
     teacher (the LoRA student with its adapters off) over the whole vocabulary, and the merged adapters are
     pushed to the server in bf16 (model.lora_bf16_servers), every push digest-verified; then `selfopd eval --run`
     merges the kept adapters for a vLLM server of its own."""
-    from selfopd.engines.vllm_server import free_port, port_in_use
+    from selfopd.serving.server import free_port, port_in_use
 
     port = next(p for p in iter(free_port, None) if not port_in_use("127.0.0.1", p + 1))
     args = miniature("opsd_qwen3_aime", tmp_path, tiny_models["qwen3"], openthoughts_like(tmp_path),

@@ -141,8 +141,8 @@ def test_a_kept_checkpoint_is_served_by_vllm_as_in_process(tmp_path, servable_ti
     from tests.engine_contract import TOLERANCE
 
     from selfopd.engines.local import LocalEngine
-    from selfopd.engines.vllm import VLLMEngine
-    from selfopd.engines.vllm_server import ServerSpec, free_port, launch_servers
+    from selfopd.serving.vllm import VLLMEngine
+    from selfopd.serving.server import ServerSpec, free_port, launch_servers
 
     sets = [*SMALL, f"model.student={servable_tiny_model_dir}", f"run.out_dir={tmp_path}", "run.name=served",
             "run.steps=2", "run.eval_every=0", "run.checkpoint_every=1", "run.keep_checkpoints=2"]

@@ -275,7 +275,7 @@ def test_the_step_request_carries_top_k_and_min_p_to_a_vllm_server(tmp_path):
 
     from selfopd.core.distributed import World
     from selfopd.data.example import Example
-    from selfopd.engines.vllm import VLLMEngine
+    from selfopd.serving.vllm import VLLMEngine
     from selfopd.templating.templates import load_template
     from selfopd.training.rollout_pipeline import request_for_step
 
