@@ -207,6 +207,23 @@ LOSS_PIECES = {"policy_gradient_loss", "masked_mean", "truncated_is_ratio", "cli
                "rlsd_factor", "rl_rewards", "entry_clipped_divergence"}
 
 
+def test_only_the_chat_format_applies_a_chat_template():
+    """A prompt's ids come from its role's `ChatFormat` (selfopd.templating.chat_format), which alone
+    renders through `chat_template`: no other module calls `apply_chat_template`, `chat_ids` or `chat_text`."""
+    allowed = {"selfopd.templating.chat_format", "selfopd.templating.chat_template"}
+    banned = {"apply_chat_template", "chat_ids", "chat_text"}
+    calls = []
+    for name, path in _modules().items():
+        if name in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+                if called in banned:
+                    calls.append(f"{name}:{node.lineno} {called}")
+    assert not calls, calls
+
+
 def test_the_loss_is_computed_in_one_module():
     """`selfopd.training.loss.opd_loss` assembles the loss from its pieces (advantages, divergences);
     no other module touches a piece: a change of the objective is a change of one file."""

@@ -18,7 +18,7 @@ what it hands on is graded as before (the worker still gets answers as data, `fr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 from .check import verify_example
 from .result import VerifyResult
@@ -30,7 +30,9 @@ TRUNCATED_CHOICES: tuple[str, ...] = ("wrong", "grade")
 
 @dataclass(frozen=True)
 class Grading:
-    """How a completion is read before grading. An empty pair of delimiters: no reasoning blocks."""
+    """How a completion is read before grading. An empty pair of delimiters: no reasoning blocks. The
+    delimiters' rules (set together, different) are checked once, where the settings are read
+    (selfopd's `[verifier]`, `selfopd.config.verifier`)."""
 
     reasoning_start: str = "<think>"
     reasoning_end: str = "</think>"
@@ -39,10 +41,6 @@ class Grading:
     def __post_init__(self) -> None:
         if self.truncated not in TRUNCATED_CHOICES:
             raise ValueError(f"truncated must be one of {TRUNCATED_CHOICES}, got {self.truncated!r}")
-        if bool(self.reasoning_start.strip()) != bool(self.reasoning_end.strip()):
-            raise ValueError("reasoning_start and reasoning_end are set together (both empty: no reasoning blocks)")
-        if self.reasoning_start.strip() and self.reasoning_start.strip() == self.reasoning_end.strip():
-            raise ValueError("reasoning_start and reasoning_end must differ")
 
     @classmethod
     def of(cls, settings: Any) -> Grading:
@@ -53,11 +51,6 @@ class Grading:
         """The prompt ends inside a reasoning block (a chat template that opens `<think>` for the model)."""
         start = self.reasoning_start.strip()
         return bool(start) and prompt_text.rstrip().endswith(start)
-
-    def prompt_opens_reasoning(self, tokenizer: Any, prompt_ids: Sequence[int]) -> bool:
-        """`opens_reasoning` of a prompt given as token ids: its last 16 tokens, decoded (a delimiter is a
-        few tokens), so a long prompt is not decoded whole for every completion."""
-        return self.opens_reasoning(tokenizer.decode(list(prompt_ids[-16:])))
 
 
 def final_text(completion: str, grading: Grading = Grading(), opened: bool = False) -> str | None:

@@ -40,10 +40,12 @@ def _drift(args: argparse.Namespace) -> None:
     if args.samples < 1 or args.max_tokens < 1:
         raise UserError("--samples and --max-tokens must be >= 1")
     prompts = general_prompts(args.prompts)
+    from selfopd.templating.chat_format import ChatFormat
+
     trained, tokenizer = load_model(model, frozen=True)
     start, _ = load_model(reference, frozen=True)
-    result = drift(trained, start, tokenizer, prompts, args.samples, args.max_tokens, args.seed,
-                   template_kwargs=config.model.chat_template_kwargs if config else None)
+    chat = ChatFormat(tokenizer, config.model.chat_template_kwargs if config else {})  # the student's
+    result = drift(trained, start, chat, prompts, args.samples, args.max_tokens, args.seed)
     path = write_drift(result, args.out, str(model), str(reference))
     print(f"{model} vs {reference}: {result} ({len(prompts)} prompts)")
     print(f"wrote {path}")

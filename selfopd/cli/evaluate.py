@@ -4,7 +4,6 @@ refused by the parser when out of the range its config setting takes."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import sys
@@ -62,13 +61,11 @@ def add_eval_command(commands: argparse._SubParsersAction) -> None:
 
 
 def _eval(args: argparse.Namespace) -> None:
+    """Arguments to a call of `selfopd.run.evaluate.run_evaluation`, which chooses nothing the flags say."""
     from selfopd.config import load_config
-    from selfopd.data import load_examples
-    from selfopd.run.eval_engine import eval_engine_kind, open_eval_engine
-    from selfopd.run.evaluate import eval_prompting, evaluate
+    from selfopd.data.split import distinct_prompts
+    from selfopd.run.evaluate import eval_engine_kind, eval_set, run_evaluation
     from selfopd.run.verifier_isolation import use_verifier_isolation
-    from selfopd.data.split import SplitRecord, distinct_prompts, load_split, trained_on
-    from selfopd.templating.templates import load_template
 
     if args.engine == "local" and args.server:
         raise UserError("--server URL samples on that vLLM server: drop --engine local (or --server)")
@@ -84,49 +81,25 @@ def _eval(args: argparse.Namespace) -> None:
     if sampling["samples"] > 1 and sampling["temperature"] == 0:
         raise UserError(f"--samples {sampling['samples']} (avg@k) needs --temperature > 0: greedy samples are identical")
     config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, **flags))
-    prompting = eval_prompting(config)  # the in-run eval's template, chat-template arguments and grading
-    template = load_template(prompting.template)
-    record = SplitRecord.read(args.run_dir) if args.run_dir else None
     if args.step is not None and (args.run_dir is None or args.model):
         raise UserError("--step needs --run RUN_DIR (and no --model): it names one of the run's checkpoints")
     if args.step is not None:  # one line naming the steps kept when that step's checkpoint is not
         args.model = str(RunFolder(args.run_dir).kept_checkpoint(args.step))
     model = args.model or (_run_model(args.run_dir, config.model.student) if args.run_dir else config.model.student)
-    args.data = args.data if args.data is not None else config.eval.data or None  # eval.data: the in-run eval's set
-    if args.data is not None:
-        known = set(record.eval_prompts) | set(record.train_prompts) if args.fresh else ()
-        examples, what = load_examples(args.data, exclude=known), args.data
-        if record is not None and not args.fresh:
-            overlap = trained_on(examples, record.train_prompts)
-            if overlap:
-                raise UserError(f"{len(overlap)} of the {distinct_prompts(examples)} distinct prompts of {args.data} "
-                                f"were trained on by {args.run_dir} (e.g. {overlap[0].prompt!r}); evaluate its held-out "
-                                f"prompts (no --data), or pass --fresh to draw prompts its data never held")
-    else:
-        train, held_out = load_split(config.data.spec, config.data.eval_size, config.data.split_seed)
-        if record is not None:
-            SplitRecord.of(config.data.spec, config.data.split_seed, train, held_out).check_same(record, str(args.run_dir))
-            examples, what = held_out, f"{args.run_dir}'s held-out prompts"
-        else:
-            examples = {"train": train, "eval": held_out, "all": train + held_out}[args.split]
-            what = f"{config.data.spec} [{args.split}]"
+    chosen = eval_set(config, args.data, args.split, args.run_dir, args.fresh)
     kind = eval_engine_kind(args.engine, args.server, config if args.run_dir else None)
     if kind == "vllm" and args.engine is None and args.server is None:
         print(f"sampling on vLLM, as {args.run_dir} trained (engine.kind = {config.engine.kind!r}); --engine local "
               "samples in process")
-    with contextlib.ExitStack() as stack:
-        engine, tokenizer = open_eval_engine(model, config, kind, args.server, stack, args.out / "server-logs")
-        accuracy, _ = evaluate(engine, tokenizer, examples, template, config.eval.max_tokens, config.eval.batch_size,
-                               out_dir=args.out, seed=args.seed, grading=prompting.grading,
-                               template_kwargs=prompting.template_kwargs,
-                               **{name: sampling[name] for name in SAMPLING if name != "max_tokens"})
-    print(f"{model} on {what} with {template.name}: accuracy {accuracy} "
-          f"({len(examples)} items, {distinct_prompts(examples)} distinct prompts)")
+    accuracy, _ = run_evaluation(config, chosen.examples, args.out, model=model, kind=kind, server=args.server,
+                                 seed=args.seed)
     summary = json.loads((args.out / "summary.json").read_text())
+    print(f"{model} on {chosen.what} with {summary['template']}: accuracy {accuracy} "
+          f"({len(chosen.examples)} items, {distinct_prompts(chosen.examples)} distinct prompts)")
     print(at_k_line(summary))
     print(f"truncated at eval.max_tokens: {summary['truncated_share']:.1%} of answers; no answer graded: "
           f"{summary['no_answer_share']:.1%} ({'eval' if config.eval.truncated else 'verifier'}.truncated = "
-          f"{prompting.grading.truncated!r})")
+          f"{summary['verifier']['truncated']!r})")
     print(f"wrote {args.out / 'eval.jsonl'} and {args.out / 'summary.json'}")
 
 

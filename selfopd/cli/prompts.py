@@ -114,8 +114,9 @@ def _prompts_render(args: argparse.Namespace) -> None:
     from selfopd.data import load_examples
     from selfopd.core.models import from_pretrained, resolve_model
     from selfopd.templating.lint import generation_prompt
-    from selfopd.templating.templates import (SAMPLE_DEMONSTRATION, load_template, prompt_token_ids, render_student,
-                                   render_teacher, uses_demonstration)
+    from selfopd.templating.chat_format import ChatFormat
+    from selfopd.templating.templates import (SAMPLE_DEMONSTRATION, load_template, render_student, render_teacher,
+                                              uses_demonstration)
     from selfopd.verifiers import verify_example
 
     config = _config(args)
@@ -132,8 +133,9 @@ def _prompts_render(args: argparse.Namespace) -> None:
                                 trust_remote_code=config.model.trust_remote_code)
     roles = [(f"STUDENT {student_template.name}", student), (f"TEACHER {teacher_template.name}", teacher)]
     print(f"example {example.id} (answer: {example.answer})")
-    print(_side_by_side([(f"{title} [{len(prompt_token_ids(tokenizer, messages, kwargs))} tokens]",
-                          _format_messages(messages)) for (title, messages), kwargs in zip(roles, chat_kwargs(config))]))
+    chats = [ChatFormat(tokenizer, kwargs) for kwargs in chat_kwargs(config)]  # the student's, the teacher's
+    print(_side_by_side([(f"{title} [{len(chat.prompt_ids(messages))} tokens]", _format_messages(messages))
+                         for (title, messages), chat in zip(roles, chats)]))
     for (title, messages), kwargs in zip(roles, chat_kwargs(config)):
         print(f"{title.split()[0].lower()} chat_template_kwargs: {_shown(kwargs)}; the generation prompt adds "
               f"{generation_prompt(tokenizer, messages, kwargs)!r}")
@@ -174,11 +176,10 @@ def _prompts_lint(args: argparse.Namespace) -> int:
 def _boundary_findings(config: TrainConfig, model: str) -> list:
     """Each teacher ([teacher], [teachers.NAME]) whose chat-template arguments move the point it
     scores from, rendered with `model`'s chat template (loaded only when some arguments differ)."""
-    from selfopd.config.teachers import chat_kwargs, pinned_revision, teacher_key
+    from selfopd.config.teachers import chat_kwargs, pinned_revision, teacher_key, teacher_tables
     from selfopd.templating.lint import boundary_findings
 
-    roles = [(teacher_key(config, table), *chat_kwargs(config, table))
-             for table in (config.teacher, *config.teachers.values())]
+    roles = [(teacher_key(name), *chat_kwargs(config, table)) for name, table in teacher_tables(config).items()]
     if all(student == teacher for _, student, teacher in roles):
         return []
     from transformers import AutoTokenizer

@@ -184,6 +184,7 @@ def run_sft(config: SftConfig, progress: bool = True, student_run: Path | None =
     from selfopd.engines.build import load_model, model_options
     from selfopd.engines.local import LocalEngine
     from selfopd.run.evaluate import evaluate
+    from selfopd.templating.chat_format import ChatFormat
 
     sft, seed, eval_config = config.sft, config.train.run.seed, config.train.eval
     chat_kwargs = config.train.model.chat_template_kwargs
@@ -220,14 +221,14 @@ def run_sft(config: SftConfig, progress: bool = True, student_run: Path | None =
 
         began = time.perf_counter()
         if kind == "solution":
-            targets, stats = solution_targets(tokenizer, chosen, student_template, _end_id(model, tokenizer),
-                                              sft.max_target_tokens, chat_kwargs)
+            targets, stats = solution_targets(ChatFormat(tokenizer, chat_kwargs), chosen, student_template,
+                                              _end_id(model, tokenizer), sft.max_target_tokens)
         else:
             params = SamplingParams(max_tokens=sft.max_tokens, temperature=sft.temperature,
                                     n=sft.samples_per_prompt, seed=seed)
-            targets, stats = sampled_targets(engine, tokenizer, chosen, student_template, sample_template, params,
-                                             eval_config.batch_size, progress, chat_kwargs,
-                                             config.train.teacher.template_kwargs(chat_kwargs))
+            targets, stats = sampled_targets(engine, ChatFormat(tokenizer, chat_kwargs), chosen, student_template,
+                                             sample_template, params, eval_config.batch_size, progress,
+                                             ChatFormat(tokenizer, config.train.teacher.template_kwargs(chat_kwargs)))
         seconds["targets"] = time.perf_counter() - began
         write_lines_atomic(run_dir / "targets.jsonl", (
             {"id": t.example_id, "text": t.text, "completion_tokens": len(t.completion_ids)} for t in targets))

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from selfopd.engines.base import SamplingParams
 from selfopd.data.example import Example
 from selfopd.config.settings import fail
+
+if TYPE_CHECKING:
+    from selfopd.templating.chat_format import ChatFormat
 
 
 @dataclass(frozen=True)
@@ -49,16 +52,15 @@ def resolve_targets(targets: str, examples: Sequence[Example]) -> str:
     return "solution" if examples and all(e.solution for e in examples) else "sampled"
 
 
-def solution_targets(tokenizer: Any, examples: Sequence[Example], student_template: Any, end_id: int,
-                     max_target_tokens: int, student_kwargs: dict[str, Any] | None = None
-                     ) -> tuple[list[Target], TargetStats]:
-    """Worked solutions as completions, each verified to end in the reference answer.
-    `student_kwargs`: the student's chat-template arguments (model.chat_template_kwargs)."""
-    from selfopd.templating.templates import prompt_token_ids, render_student
+def solution_targets(chat: ChatFormat, examples: Sequence[Example], student_template: Any, end_id: int,
+                     max_target_tokens: int) -> tuple[list[Target], TargetStats]:
+    """Worked solutions as completions, each verified to end in the reference answer; the prompts in
+    the student's chat format `chat` (its tokenizer and model.chat_template_kwargs)."""
+    from selfopd.templating.templates import render_student
     from selfopd.verifiers import verify_example
 
     stats = TargetStats("solution", items=len(examples), drawn=len(examples))
-    targets = []
+    tokenizer, targets = chat.tokenizer, []
     for example in examples:
         text = (example.solution or "").strip()
         if not verify_example(text, example).correct:
@@ -71,22 +73,21 @@ def solution_targets(tokenizer: Any, examples: Sequence[Example], student_templa
         if len(completion) > max_target_tokens:
             stats.unfinished += 1
             continue
-        prompt = prompt_token_ids(tokenizer, render_student(student_template, example), student_kwargs or {})
+        prompt = chat.prompt_ids(render_student(student_template, example))
         targets.append(Target(example.id, prompt, completion, text))
     stats.kept = len(targets)
     return targets, stats
 
 
-def sampled_targets(engine: Any, tokenizer: Any, examples: Sequence[Example], student_template: Any,
+def sampled_targets(engine: Any, chat: ChatFormat, examples: Sequence[Example], student_template: Any,
                     sample_template: Any, params: SamplingParams, batch_size: int,
-                    progress: bool = True, student_kwargs: dict[str, Any] | None = None,
-                    teacher_kwargs: dict[str, Any] | None = None) -> tuple[list[Target], TargetStats]:
-    """Rejection sampling with privileged context: sample from the teacher prompt, keep the
-    verified-correct, finished, distinct completions, paired with the *student* prompt.
-    Batch number b samples with seed `params.seed * 1_000_003 + b`."""
+                    progress: bool = True, teacher_chat: ChatFormat | None = None) -> tuple[list[Target], TargetStats]:
+    """Rejection sampling with privileged context: sample from the teacher prompt (in `teacher_chat`, the
+    teacher's chat format; None: the student's `chat`), keep the verified-correct, finished, distinct
+    completions, paired with the *student* prompt. Batch number b samples with seed `params.seed * 1_000_003 + b`."""
     from tqdm.auto import tqdm
 
-    from selfopd.templating.templates import prompt_token_ids, render_student, render_teacher
+    from selfopd.templating.templates import render_student, render_teacher
 
     stats = TargetStats("sampled", items=len(examples))
     targets: list[Target] = []
@@ -94,14 +95,13 @@ def sampled_targets(engine: Any, tokenizer: Any, examples: Sequence[Example], st
     for number, start in enumerate(tqdm(range(0, len(examples), step), desc="sample", unit="batch", disable=not progress)):
         batch = examples[start : start + step]
         student = [render_student(student_template, e) for e in batch]
-        teacher = [prompt_token_ids(tokenizer, render_teacher(sample_template, e, m), teacher_kwargs or {})
-                   for e, m in zip(batch, student)]
+        teacher = [(teacher_chat or chat).prompt_ids(render_teacher(sample_template, e, m)) for e, m in zip(batch, student)]
         batch_params = dataclasses.replace(params, seed=params.seed * 1_000_003 + number)
         for example, messages, rollouts in zip(batch, student, engine.sample(teacher, batch_params)):
             keep, counts = select_rollouts(example, rollouts)
             for key, value in counts.items():
                 setattr(stats, key, getattr(stats, key) + value)
-            prompt = prompt_token_ids(tokenizer, messages, student_kwargs or {})
+            prompt = chat.prompt_ids(messages)
             targets.extend(Target(example.id, prompt, list(r.completion_ids), r.text) for r in keep)
     stats.kept = len(targets)
     return targets, stats

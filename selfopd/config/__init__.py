@@ -48,6 +48,7 @@ from selfopd.config.teachers import (  # noqa: F401  (a section of TrainConfig a
     TeacherTokenizer,
     check_named_teachers,
     teacher_key,
+    teacher_tables,
 )
 from selfopd.config.settings import (  # noqa: F401  (ConfigError and setting are this module's public names too)
     MAX_BATCH,

@@ -1,6 +1,6 @@
 """The teachers of a training run: `[teacher]` (named 'default') and any `[teachers.NAME]` tables,
 each a `TeacherConfig`, and the rules several teachers must keep with each other and with the
-rest of the config (`check_named_teachers`). Routing itself is `selfopd.training.routing`."""
+rest of the config (`check_named_teachers`). Routing itself is `selfopd.data.routing`."""
 
 from __future__ import annotations
 
@@ -125,11 +125,14 @@ def chat_kwargs(config: TrainConfig, table: TeacherConfig | None = None) -> tupl
     return dict(student), (table or config.teacher).template_kwargs(student)
 
 
-def teacher_key(config: TrainConfig, table: TeacherConfig) -> str:
-    """Where a teacher's settings live, as errors name them: 'teacher', or 'teachers.NAME'."""
-    if table is config.teacher:
-        return "teacher"
-    return "teachers." + next(name for name, named in config.teachers.items() if named is table)
+def teacher_key(name: str) -> str:
+    """Where the settings of teacher `name` live, as errors name them: 'teacher' (for 'default'), or 'teachers.NAME'."""
+    return "teacher" if name == DEFAULT_TEACHER else f"teachers.{name}"
+
+
+def teacher_tables(config: TrainConfig) -> dict[str, TeacherConfig]:
+    """Every teacher's settings by name: [teacher] as 'default' first, then the [teachers.NAME] tables."""
+    return {DEFAULT_TEACHER: config.teacher, **config.teachers}
 
 
 def check_named_teachers(config: TrainConfig) -> None:

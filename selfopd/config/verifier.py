@@ -1,6 +1,7 @@
 """The `[verifier]` section of a training config: what of a completion is graded (the text after
 its reasoning block, only when it finished), in training rewards, in-run eval and `selfopd eval`
-alike (`selfopd.verifiers.final.Grading.of` reads it). Part of `selfopd.config`, which re-exports it."""
+alike (`selfopd.templating.chat_format.ChatFormat.of` makes a role's `Grading` of it, where its chat format is
+built). The delimiters' rules are checked here, once. Part of `selfopd.config`, which re-exports it."""
 
 from __future__ import annotations
 

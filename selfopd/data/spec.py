@@ -65,7 +65,7 @@ PRESETS: dict[str, Preset] = {
 
 SOURCES = ("rg", "kb", "champ", "hf", "file")
 BOXED = "boxed:"  # answer=boxed:COLUMN: the answer is the last \boxed{} of that column
-TEACHER_COLUMN = "teacher"  # a table's column that names each row's teacher (selfopd.training.routing)
+TEACHER_COLUMN = "teacher"  # a table's column that names each row's teacher (selfopd.data.routing)
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 _COLUMN_KEYS = {"id": "id_col", "prompt": "prompt_col", "answer": "answer_col",
                 "solution": "solution_col", "hints": "hints_col"}  # spec key -> field

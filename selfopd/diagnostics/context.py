@@ -7,6 +7,7 @@ Everything goes through the `Engine` interface, so a local model and vLLM server
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from selfopd.config import TeacherConfig, TrainConfig
+from selfopd.config import DEFAULT_TEACHER, TeacherConfig, TrainConfig, teacher_tables
 from selfopd.config.teachers import chat_kwargs
 from selfopd.templating.demonstrations import pick_demonstrations
 from selfopd.diagnostics.measures import Annotated, annotate
@@ -27,11 +28,11 @@ from selfopd.core.stats import PairedDifference, Proportion, paired_difference, 
 from selfopd.templating.templates import (
     PromptTemplate,
     load_template,
-    prompt_token_ids,
     render_student,
     render_teacher,
     uses_demonstration,
 )
+from selfopd.templating.chat_format import ChatFormat
 from selfopd.verifiers import reference_answer, verify_example
 from selfopd.templating.wrong_context import wrong_example
 
@@ -62,8 +63,18 @@ class Prompting:
             raise DiagnosticsError(f"rollout of item {example_id!r}: no such item in the run's data "
                                    "(was data.spec changed?)") from None
 
+    @functools.cached_property
+    def student_chat(self) -> ChatFormat:
+        """The student's chat format: the tokenizer and the student's chat-template arguments."""
+        return ChatFormat(self.tokenizer, self.student_kwargs)
+
+    @functools.cached_property
+    def teacher_chat(self) -> ChatFormat:
+        """The teacher's chat format: the tokenizer and the teacher's merged chat-template arguments."""
+        return ChatFormat(self.tokenizer, self.teacher_kwargs)
+
     def student_ids(self, example: Example) -> list[int]:
-        return prompt_token_ids(self.tokenizer, render_student(self.student_template, example), self.student_kwargs)
+        return self.student_chat.prompt_ids(render_student(self.student_template, example))
 
     def teacher_messages(self, example: Example, attempt: str, feedback: str | None = None,
                          demonstration: str | None = None) -> list[dict[str, str]]:
@@ -81,13 +92,14 @@ class Prompting:
 
     def teacher_ids(self, example: Example, attempt: str, feedback: str | None = None,
                     demonstration: str | None = None) -> list[int]:
-        return prompt_token_ids(self.tokenizer, self.teacher_messages(example, attempt, feedback, demonstration),
-                                self.teacher_kwargs)
+        return self.teacher_chat.prompt_ids(self.teacher_messages(example, attempt, feedback, demonstration))
 
 
-def run_prompting(run_dir: Path, config: TrainConfig, examples: Sequence[Example]) -> Prompting:
-    """Prompts as the run at `run_dir` made them: its student's tokenizer, the template texts
-    it kept (RUN/templates/) and its teacher's demonstration fallback."""
+def run_prompting(run_dir: Path, config: TrainConfig, examples: Sequence[Example],
+                  teacher: str = DEFAULT_TEACHER) -> Prompting:
+    """Prompts as the run at `run_dir` made them for `teacher` ('default': [teacher], else a
+    [teachers.NAME] table): its student's tokenizer, the template texts it kept (RUN/templates/)
+    and the teacher's demonstration fallback and chat-template arguments."""
     from transformers import AutoTokenizer
 
     from selfopd.core.models import from_pretrained, resolve_model
@@ -95,9 +107,10 @@ def run_prompting(run_dir: Path, config: TrainConfig, examples: Sequence[Example
 
     tokenizer = from_pretrained(AutoTokenizer, resolve_model(config.model.student, config.model.revision),
                                 trust_remote_code=config.model.trust_remote_code)
+    table = teacher_tables(config)[teacher]
     return Prompting(tokenizer, load_run_template(run_dir, config.data.student_template),
-                     load_run_template(run_dir, config.teacher.template), {e.id: e for e in examples},
-                     load_run_template(run_dir, config.teacher.demonstration_fallback), *chat_kwargs(config))
+                     load_run_template(run_dir, table.template), {e.id: e for e in examples},
+                     load_run_template(run_dir, table.demonstration_fallback), *chat_kwargs(config, table))
 
 
 def annotate_records(records: Sequence[RolloutRecord], prompting: Prompting, progress: bool = False) -> list[Annotated]:

@@ -22,7 +22,7 @@ from selfopd.core.atomic import write_json_atomic
 from selfopd.core.stats import MeanEstimate, mean_interval
 from selfopd.engines.base import SamplingParams
 from selfopd.engines.local import LocalEngine
-from selfopd.templating.templates import prompt_token_ids
+from selfopd.templating.chat_format import ChatFormat
 
 
 def general_prompts(path: str | Path | None = None) -> list[str]:
@@ -66,13 +66,13 @@ class Drift:
         return f"KL(trained || start) per token {self.kl} over {self.tokens} sampled tokens"
 
 
-def drift(model: Any, reference: Any, tokenizer: Any, prompts: Sequence[str], samples: int = 2,
-          max_tokens: int = 48, seed: int = 0, progress: bool = True,
-          template_kwargs: dict[str, Any] | None = None) -> Drift:
+def drift(model: Any, reference: Any, chat: ChatFormat, prompts: Sequence[str], samples: int = 2,
+          max_tokens: int = 48, seed: int = 0, progress: bool = True) -> Drift:
     """The trained `model`'s per-token KL to `reference` (its start) along `samples` of its own
-    completions of each prompt (chat-templated as a student sees a prompt)."""
-    engine = LocalEngine(model, tokenizer, batch_size=len(prompts) * samples)
-    ids = [prompt_token_ids(tokenizer, [{"role": "user", "content": p}], template_kwargs or {}) for p in prompts]
+    completions of each prompt (in the student's chat format `chat`: its tokenizer and chat-template
+    arguments)."""
+    engine = LocalEngine(model, chat.tokenizer, batch_size=len(prompts) * samples)
+    ids = [chat.prompt_ids([{"role": "user", "content": p}]) for p in prompts]
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0, n=samples, seed=seed)
     per_prompt, tokens = {}, 0
     for prompt, prompt_ids, rollouts in tqdm(list(zip(prompts, ids, engine.sample(ids, params))),

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from selfopd.config import teacher_tables
 from selfopd.core.atomic import write_json_atomic, write_text_atomic
 from selfopd.diagnostics.context import (ContextGap, Prompting, annotate_records, context_gap, privileged_gains,
                                          run_prompting)
@@ -123,9 +124,8 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
     examples = load_examples(config.data.spec)
     train_examples, eval_examples = split_examples(examples, eval_size=config.data.eval_size, seed=config.data.split_seed)
     if config.teachers or teacher != "default":
-        config, by_step, train_examples, eval_examples = one_teachers_part(run_dir, config, teacher, by_step,
-                                                                           train_examples, eval_examples)
-    prompting = run_prompting(run_dir, config, examples)
+        by_step, train_examples, eval_examples = one_teachers_part(run_dir, config, teacher, by_step, train_examples, eval_examples)
+    table, prompting = teacher_tables(config)[teacher], run_prompting(run_dir, config, examples, teacher)
 
     annotated = {step: annotate_records(records, prompting, progress) for step, records in by_step.items()}
     behaviour = [step_behaviour(step, rollouts, config.rollout.max_tokens) for step, rollouts in annotated.items()]
@@ -135,10 +135,10 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
     if with_model:
         from selfopd.engines.build import engines_at_start
 
-        student_engine, teacher_engine = engines_at_start(config)
+        student_engine, teacher_engine = engines_at_start(config, teacher)
         model_part = diagnose_template(teacher_engine, by_step[first], prompting, eval_examples[:gap_items],
                                        config.eval.max_tokens, student_engine, config.eval.batch_size, progress)
-        signals = measure_signals(student_engine, teacher_engine, by_step[first], prompting, config.teacher.kind,
+        signals = measure_signals(student_engine, teacher_engine, by_step[first], prompting, table.kind,
                                   config.rollout.temperature, config.eval.batch_size)
         checkpoint = RunFolder(run_dir).latest_checkpoint()
         if transfer_items and checkpoint is not None:
@@ -146,7 +146,7 @@ def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, pr
                                              train_examples, eval_examples, transfer_items)
     suffix = "" if teacher == "default" else f" (teacher {teacher!r})"
     return RunDiagnosis(
-        run_dir.name, f"{config.teacher.kind} with {prompting.teacher_template.name}{suffix}", prompting.student_template.name,
+        run_dir.name, f"{table.kind} with {prompting.teacher_template.name}{suffix}", prompting.student_template.name,
         annotated, behaviour, {step: illusion_score(rollouts) for step, rollouts in annotated.items()},
         decompositions, collapse_warnings(behaviour, _read_metrics(run_dir)), summarize_run(run_dir),
         correct_preference([record for records in by_step.values() for record in records]), model_part, signals,

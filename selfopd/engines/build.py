@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from selfopd.config import ConfigError, ModelConfig, TeacherConfig, TrainConfig, teacher_key
+from selfopd.config import DEFAULT_TEACHER, ConfigError, ModelConfig, TeacherConfig, TrainConfig, teacher_key, teacher_tables
 from selfopd.config.teachers import pinned_revision
 from selfopd.core.devices import DTYPES, attn_implementation, resolve_device
 from selfopd.core.distributed import World, current_world, shard_model
@@ -72,36 +72,39 @@ def model_options(model: ModelConfig, world: World | None = None) -> dict[str, A
             "trust_remote_code": model.trust_remote_code, "revision": model.revision}
 
 
-def frozen_engine(spec: str | Path, config: TrainConfig) -> LocalEngine:
-    """An in-process engine over a frozen model (evaluation, diagnostics, SFT sampling)."""
-    options = {**model_options(config.model), "revision": pinned_revision(config, spec)}
+def frozen_engine(spec: str | Path, config: TrainConfig, revision: str | None = None) -> LocalEngine:
+    """An in-process engine over a frozen model (evaluation, diagnostics, SFT sampling); `revision`: its hub
+    revision (None: the one `config` pins for `spec`)."""
+    options = {**model_options(config.model), "revision": pinned_revision(config, spec) if revision is None else revision}
     model, tokenizer = load_model(spec, config.model.dtype, frozen=True, **options)
     return LocalEngine(model, tokenizer, batch_size=config.eval.batch_size)
 
 
-def engines_at_start(config: TrainConfig) -> tuple[Engine, Engine]:
+def engines_at_start(config: TrainConfig, name: str = DEFAULT_TEACHER) -> tuple[Engine, Engine]:
     """In-process (student, teacher) engines with a run's starting weights; one engine twice
     when the teacher is the student's weights (`self`, `frozen`). These engines score the student's
-    token ids, so a teacher with its own tokenizer is refused here (only `selfopd train` bridges one)."""
-    if config.teacher.tokenizer == "own":
-        raise ConfigError("teacher.tokenizer", "'own' is read by `selfopd train` only; this command scores the "
-                          "student's token ids with the teacher (set teacher.tokenizer = 'student', with a teacher that "
-                          "shares the student's tokenizer)")
+    token ids, so a teacher with its own tokenizer is refused here (only `selfopd train` bridges one).
+    `name`: the teacher's ('default': [teacher], else a [teachers.NAME] table)."""
+    table = teacher_tables(config)[name]
+    if table.tokenizer == "own":
+        raise ConfigError(f"{teacher_key(name)}.tokenizer", "'own' is read by `selfopd train` only; this command "
+                          "scores the student's token ids with the teacher (set teacher.tokenizer = 'student', with a "
+                          "teacher that shares the student's tokenizer)")
     student = frozen_engine(config.model.student, config)
-    teacher = config.teacher.weights(config.model.student)
-    return student, student if teacher == config.model.student else frozen_engine(teacher, config)
+    teacher = table.weights(config.model.student)
+    return student, (student if teacher == config.model.student
+                     else frozen_engine(teacher, config, table.weights_revision(config.model.revision)))
 
 
-def external_teacher_bridge(config: TrainConfig, tokenizer: Any, teacher: TeacherConfig | None = None
-                            ) -> TokenBridge | None:
+def external_teacher_bridge(config: TrainConfig, tokenizer: Any, name: str = DEFAULT_TEACHER) -> TokenBridge | None:
     """An external teacher's tokenizer, checked once by `build_run` before any engine opens or
     teacher weights load. `teacher.tokenizer = 'student'`: refuse (TokenizerMismatch) a teacher
     that does not map every token to the student's ids; None. `'own'`: the bridge between the two
     tokenizers, once both chat templates pass its boundary check (`selfopd.templating.token_bridge`).
-    `teacher`: a [teachers.NAME] table instead of [teacher]."""
+    `name`: the teacher's ('default': [teacher], else a [teachers.NAME] table)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    teacher = teacher or config.teacher
+    teacher = teacher_tables(config)[name]
     teacher_dir = resolve_model(teacher.model, teacher.revision)
     trust = config.model.trust_remote_code
     teacher_tokenizer = from_pretrained(AutoTokenizer, teacher_dir, trust_remote_code=trust)
@@ -113,7 +116,7 @@ def external_teacher_bridge(config: TrainConfig, tokenizer: Any, teacher: Teache
             return open_bridge(tokenizer, teacher_tokenizer, vocab_size, config.model.student, teacher.model,
                                config.model.chat_template_kwargs, kwargs)
         except ChatBoundaryError as error:
-            raise ConfigError(f"{teacher_key(config, teacher)}.tokenizer", f"'own': {error}") from None
+            raise ConfigError(f"{teacher_key(name)}.tokenizer", f"'own': {error}") from None
     check_tokenizers_compatible(tokenizer, teacher_tokenizer, vocab_size, config.model.student, teacher.model, kwargs)
     return None
 

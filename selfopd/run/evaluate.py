@@ -1,8 +1,15 @@
 """Held-out accuracy of a model on a split, through the verifiers, with a 95% interval over
-distinct prompts (each prompt counts once, whatever its copies or samples)."""
+distinct prompts (each prompt counts once, whatever its copies or samples).
+
+Evaluation in one place: `run_evaluation` is the one entry `selfopd eval` and the in-run eval
+(`selfopd.training.outputs.run_eval`) call; this module also chooses what they answer (`eval_set`,
+`checked_eval_data`: the split, eval.data, the train/eval overlap), where `selfopd eval` samples
+(`open_eval_engine`: in process or on vLLM servers), how both render and grade (`eval_prompting`),
+and writes eval.jsonl and summary.json (`evaluate`, `write_eval`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,8 +25,9 @@ from selfopd.engines.base import Engine, SamplingParams
 from selfopd.core.faults import fault_point
 from selfopd.core.stats import (MeanEstimate, Proportion, mean_interval, pass_ks, per_prompt_means, prompt_accuracy,
                                 prompt_pass_at_k)
-from selfopd.templating.templates import PromptTemplate, prompt_token_ids, render_student
-from selfopd.verifiers import Grading, grade
+from selfopd.templating.chat_format import ChatFormat
+from selfopd.templating.templates import PromptTemplate, render_student
+from selfopd.verifiers import Grading
 
 
 @dataclass(frozen=True)
@@ -81,9 +89,10 @@ def evaluate(
     (model.chat_template_kwargs)."""
     if samples > 1 and temperature == 0:
         raise ValueError("avg@k with k > 1 needs temperature > 0: greedy samples are identical")
-    prompts = [prompt_token_ids(tokenizer, render_student(template, e), template_kwargs or {}) for e in examples]
+    chat = ChatFormat(tokenizer, template_kwargs or {}, grading)  # the eval's chat format
+    rendered = [chat.prompt(render_student(template, e)) for e in examples]  # each with its template's <think>
+    prompts, opened = [p.ids for p in rendered], [p.opens_reasoning for p in rendered]
     check_room(examples, prompts, max_new_tokens, getattr(engine, "max_scored_tokens", None))  # before any sampling
-    opened = [grading.prompt_opens_reasoning(tokenizer, prompt) for prompt in prompts]  # a template's <think>
     records: list[EvalRecord] = []
     batches = range(0, len(examples), batch_size)
     for number, start in enumerate(tqdm(batches, desc="eval", unit="batch", disable=not progress)):
@@ -93,8 +102,7 @@ def evaluate(
         sampled = engine.sample(prompts[start : start + batch_size], params)
         for example, completions, opens in zip(batch, sampled, opened[start : start + batch_size]):
             for index, completion in enumerate(completions):
-                result = grade(completion.text, example, finish_reason=completion.finish_reason, grading=grading,
-                               opened=opens)
+                result = chat.grade(completion.text, example, completion.finish_reason, opens)
                 records.append(
                     EvalRecord(
                         id=example.id,
@@ -205,3 +213,144 @@ def write_eval(
             by_task[task] = {"accuracy": part.value, "ci95": [part.low, part.high], "n": part.n}
         summary["by_task"] = by_task
     write_json_atomic(out_dir / "summary.json", summary)
+
+
+# --- the one entry: `selfopd eval` and the in-run eval both call `run_evaluation` ---------------
+
+
+def run_evaluation(config: TrainConfig, examples: Sequence[Example], out_dir: Path | None, *,
+                   engine: Engine | None = None, tokenizer: Any = None, template: PromptTemplate | None = None,
+                   model: str | Path | None = None, kind: str = "local", server: str | None = None, seed: int = 0,
+                   progress: bool = True) -> tuple[Proportion | MeanEstimate, list[EvalRecord]]:
+    """The eval `config` asks for ([eval], over training's template, chat-template arguments and
+    [verifier]: `eval_prompting`) of `examples` (`eval_set`, or the run's `checked_eval_data` or held-out
+    split), written to `out_dir` (None: not written, as on a torchrun rank other than 0).
+
+    It samples on `engine` with `tokenizer` when given (in-run: the run's own student engine, and
+    `template` its kept copy of the eval template), else on `model`, opened here as `kind` says
+    (`open_eval_engine`: 'local' in process, 'vllm' on `server` or on servers launched for it, their
+    logs in out_dir/server-logs) and closed before it returns. `seed`: the first batch's sampling seed."""
+    prompting = eval_prompting(config)
+    if template is None:
+        from selfopd.templating.templates import load_template
+
+        template = load_template(prompting.template)
+    settings = config.eval
+    with contextlib.ExitStack() as stack:
+        if engine is None:
+            assert model is not None and out_dir is not None, "an eval that opens its engine names a model and a folder"
+            engine, tokenizer = open_eval_engine(model, config, kind, server, stack, out_dir / "server-logs", progress)
+        return evaluate(engine, tokenizer, examples, template, settings.max_tokens, settings.batch_size,
+                        out_dir=out_dir, progress=progress, samples=settings.samples,
+                        temperature=settings.temperature, seed=seed, grading=prompting.grading,
+                        template_kwargs=prompting.template_kwargs, top_p=settings.top_p, top_k=settings.top_k,
+                        min_p=settings.min_p)
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """The examples `selfopd eval` answers, and how its report names them."""
+
+    examples: Sequence[Example]
+    what: str
+
+
+def eval_set(config: TrainConfig, data: str | None = None, split: str = "eval", run_dir: Path | None = None,
+             fresh: bool = False) -> EvalSet:
+    """What `selfopd eval` answers: `data`'s items (default: eval.data, the in-run eval's set), else
+    `split` ('train', 'eval' or 'all') of the config's split. With a run (`run_dir`): `data` is refused
+    when the run trained on one of its prompts, or with `fresh` drawn past every prompt of the run's
+    data; without `data`, the run's held-out prompts, checked against its split.json."""
+    from selfopd.data import DataError, load_examples
+    from selfopd.data.split import SplitRecord, distinct_prompts, load_split, trained_on
+
+    record = SplitRecord.read(run_dir) if run_dir is not None else None
+    data = data if data is not None else config.eval.data or None
+    if data is not None:
+        known = set(record.eval_prompts) | set(record.train_prompts) if fresh and record is not None else ()
+        examples = load_examples(data, exclude=known)
+        if record is not None and not fresh and (overlap := trained_on(examples, record.train_prompts)):
+            raise DataError(f"{len(overlap)} of the {distinct_prompts(examples)} distinct prompts of {data} were "
+                            f"trained on by {run_dir} (e.g. {overlap[0].prompt!r}); evaluate its held-out prompts (no "
+                            f"--data), or pass --fresh to draw prompts its data never held")
+        return EvalSet(examples, data)
+    train, held_out = load_split(config.data.spec, config.data.eval_size, config.data.split_seed)
+    if record is not None:
+        SplitRecord.of(config.data.spec, config.data.split_seed, train, held_out).check_same(record, str(run_dir))
+        return EvalSet(held_out, f"{run_dir}'s held-out prompts")
+    return EvalSet({"train": train, "eval": held_out, "all": train + held_out}[split], f"{config.data.spec} [{split}]")
+
+
+def checked_eval_data(config: TrainConfig, train_examples: Sequence[Example]) -> tuple[Example, ...]:
+    """What the in-run eval answers instead of the run's held-out split: eval.data's items (none when it
+    is ''), refused in one line naming the spec when one of its prompts is a training prompt; `build_run`
+    calls it once, before the run folder is made."""
+    from selfopd.data import load_examples
+    from selfopd.data.split import distinct_prompts, trained_on
+
+    spec = config.eval.data
+    if not spec:
+        return ()
+    examples = tuple(load_examples(spec))
+    overlap = trained_on(examples, (prompt_key(example.prompt) for example in train_examples))
+    if overlap:
+        raise ConfigError("eval.data", f"{spec}: {len(overlap)} of its {distinct_prompts(examples)} distinct prompts "
+                          f"are training prompts of this run (e.g. {overlap[0].prompt[:80]!r}); evaluate on prompts "
+                          "the run does not train on")
+    return examples
+
+
+def eval_engine_kind(engine: str | None, server: str | None, run_config: TrainConfig | None) -> str:
+    """Where `selfopd eval` samples: `engine` when given (--engine); 'vllm' with a `server` URL, or with
+    a run's config (--run) whose engine.kind is 'vllm' or 'vllm_colocate': the run's own engine, launched
+    as training launches the student's (a long eval is a vLLM job); else 'local', in process."""
+    from selfopd.config import VLLM_KINDS
+
+    if engine is not None:
+        return engine
+    if server is not None or (run_config is not None and run_config.engine.kind in VLLM_KINDS):
+        return "vllm"
+    return "local"
+
+
+def open_eval_engine(model: str | Path, config: TrainConfig, kind: str, server: str | None,
+                     stack: contextlib.ExitStack, log_dir: Path, progress: bool = True) -> tuple[Engine, Any]:
+    """(engine, tokenizer) that samples `model`: `kind` 'local' in process (HF generate, for small checks);
+    'vllm' on `server` (a URL serving that model) or on the student's servers as training launches them
+    (`selfopd.serving.launch.open_student_engine`: same dtype, context, GPUs, key), stopped when `stack`
+    closes. A long eval (AIME avg@16 at thousands of tokens) is a vLLM job."""
+    if kind == "local":
+        from selfopd.engines.build import frozen_engine
+
+        engine = frozen_engine(model, config)
+        return engine, engine.tokenizer
+    from transformers import AutoTokenizer
+
+    from selfopd.config.bundles import ServingSettings
+    from selfopd.core.models import from_pretrained, resolve_model
+    from selfopd.engines.lora import is_adapter_folder
+    from selfopd.serving.launch import open_student_engine
+
+    adapters = is_adapter_folder(Path(model))  # a LoRA checkpoint: its folder holds the adapters and the tokenizer
+    folder = Path(model) if adapters else resolve_model(model)
+    tokenizer = from_pretrained(AutoTokenizer, folder, trust_remote_code=config.model.trust_remote_code)
+    if adapters and server is None:  # a vLLM server loads whole models: the adapters merged, as training pushes them
+        folder = merged_for_serving(folder, log_dir.parent, config.model.dtype, stack)
+    engine = open_student_engine(ServingSettings.of(config), str(folder), log_dir, stack, [server] if server else [],
+                                 progress)
+    return engine, tokenizer
+
+
+def merged_for_serving(checkpoint: Path, beside: Path, dtype: str, stack: contextlib.ExitStack) -> Path:
+    """A LoRA checkpoint's adapters merged into its base, in the dtype its servers served during training
+    (model.dtype), in a new folder under `beside` (the eval's output folder) deleted when `stack` closes."""
+    import shutil
+    import tempfile
+
+    from selfopd.engines.lora import merge_checkpoint
+
+    beside.mkdir(parents=True, exist_ok=True)
+    out = Path(tempfile.mkdtemp(prefix=".merged-", dir=beside))
+    stack.callback(shutil.rmtree, out, ignore_errors=True)
+    print(f"selfopd: merging the LoRA adapters of {checkpoint} into {out} for the vLLM server (deleted after the eval)")
+    return merge_checkpoint(checkpoint, out, "bfloat16" if dtype == "bfloat16" else "float32")

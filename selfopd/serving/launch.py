@@ -5,7 +5,8 @@ URLs), and one for the teacher: a second instance of the student's weights for a
 teacher (synced with the student after every step), the initial student for `frozen`,
 the teacher model for `external`. Servers given as URLs are used as they are; the others
 are placed on their GPUs (`selfopd.serving.gpu_layout`, checked before any starts), launched
-here and stopped when the run's `ExitStack` closes.
+here and stopped when the run's `ExitStack` closes. `selfopd eval` opens the student's servers alone
+through the same code (`open_student_engine`).
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import contextlib
 import os
 import shlex
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from selfopd.config import EngineConfig, ModelConfig, TeacherConfig
+from selfopd.config import ConfigError, EngineConfig, ModelConfig, TeacherConfig
 from selfopd.config.bundles import ServingSettings
 from selfopd.core.distributed import World, all_gather
 from selfopd.serving.vllm import VLLMEngine
@@ -176,16 +177,35 @@ def open_vllm_engines(settings: ServingSettings, log_dir: Path, stack: contextli
     engine = settings.engine
     layout = run_layout(settings, trainer_gpus)
     log_layout(layout, log_dir, progress)
-    specs = planned_servers(settings, layout)
-    launched: list[ServerSpec] = []
-    if specs:
-        servers = stack.enter_context(launch_servers(specs, log_dir, engine.startup_timeout_s, progress))
-        launched = [server.spec for server in servers]
+    launched = launch(planned_servers(settings, layout), engine, log_dir, stack, progress)
     student_urls = engine.urls("student_urls") or [s.url for s in launched if s.name != "teacher"]
     teacher_urls = engine.urls("teacher_url") or [s.url for s in launched if s.name == "teacher"]
     student_sync, teacher_sync = (open_weight_transfers(settings, student_urls, teacher_urls) if weight_sync
                                   else (None, None))
     return client_engines(engine, student_urls, teacher_urls, stack, student_sync, teacher_sync)
+
+
+def open_student_engine(settings: ServingSettings, folder: str, log_dir: Path, stack: contextlib.ExitStack,
+                        urls: Sequence[str] = (), progress: bool = True) -> VLLMEngine:
+    """The student's engine alone, for sampling (`selfopd eval`): over `urls` (running servers) when given,
+    else over the student servers `settings` plan (same dtype, context, GPUs, key), each serving `folder`,
+    launched here with no weight sync and stopped when `stack` closes."""
+    if not urls:
+        specs = [replace(spec, model=folder) for spec in planned_servers(settings) if spec.name != "teacher"]
+        if not specs:
+            raise ConfigError("engine.student_urls", "is set, so no student server is launched: pass --server URL to "
+                              "evaluate on a running server, or unset engine.student_urls")
+        urls = [spec.url for spec in launch(specs, settings.engine, log_dir, stack, progress)]
+    return client_engines(settings.engine, urls, [], stack)[0]
+
+
+def launch(specs: Sequence[ServerSpec], engine: EngineConfig, log_dir: Path, stack: contextlib.ExitStack,
+           progress: bool = True) -> list[ServerSpec]:
+    """`specs` started and ready (none: nothing to start), stopped when `stack` closes; the specs as launched."""
+    if not specs:
+        return []
+    servers = stack.enter_context(launch_servers(specs, log_dir, engine.startup_timeout_s, progress))
+    return [server.spec for server in servers]
 
 
 def client_engines(engine: EngineConfig, student_urls: Sequence[str], teacher_urls: Sequence[str],

@@ -11,8 +11,9 @@ from typing import Any, Callable, Sequence
 
 from selfopd.config import ConfigError, TrainConfig
 from selfopd.data.example import Example
-from selfopd.templating.templates import (SAMPLE_DEMONSTRATION, PromptTemplate, privileged_fields, prompt_token_ids,
-                                         render_student, render_teacher, uses_demonstration)
+from selfopd.templating.chat_format import ChatFormat
+from selfopd.templating.templates import (SAMPLE_DEMONSTRATION, PromptTemplate, privileged_fields, render_student,
+                                         render_teacher, uses_demonstration)
 
 CONTEXT_CHECKED = 64  # prompts per split (and teacher prompts) whose token count is checked at start
 # Teacher-template variables that carry a student completion (up to rollout.max_tokens tokens) into the prompt.
@@ -55,10 +56,12 @@ def check_context(config: TrainConfig, student_config: Any, teacher_config: Any,
     again as they are scored)."""
     (student_limit, student_what), (teacher_limit, teacher_what) = context_limits(config, student_config,
                                                                                   teacher_config)
+    student_chat = ChatFormat(tokenizer, config.model.chat_template_kwargs)
+    teacher_chat = ChatFormat(teacher_tokenizer or tokenizer, config.teacher.template_kwargs(  # the teacher's arguments
+        config.model.chat_template_kwargs) if teacher_kwargs is None else teacher_kwargs)
     for key, completion, examples in (("rollout.max_tokens", config.rollout.max_tokens, train_examples),
                                       ("eval.max_tokens", config.eval.max_tokens, eval_examples)):
-        lengths = {e.id: len(prompt_token_ids(tokenizer, render_student(student, e), config.model.chat_template_kwargs))
-                   for e in _longest(examples)}
+        lengths = {e.id: len(student_chat.prompt_ids(render_student(student, e))) for e in _longest(examples)}
         if not lengths:  # no held-out prompts (data.eval_size = 0: eval.data is checked where it is loaded)
             continue
         longest = max(lengths, key=lengths.__getitem__)
@@ -73,9 +76,7 @@ def check_context(config: TrainConfig, student_config: Any, teacher_config: Any,
         messages = render_teacher(teacher, example, render_student(student, example), attempt="", feedback="",
                                   demonstration=SAMPLE_DEMONSTRATION if uses_demonstration(teacher) else None,
                                   fallback=fallback)
-        tokens = len(prompt_token_ids(teacher_tokenizer or tokenizer, messages,  # the teacher's chat-template arguments
-                                      config.teacher.template_kwargs(config.model.chat_template_kwargs)
-                                      if teacher_kwargs is None else teacher_kwargs))
+        tokens = len(teacher_chat.prompt_ids(messages))
         if tokens + worst > teacher_limit:
             shows = f", the {' and '.join(shown)} it shows" if shown else ""
             raise ConfigError("teacher.template", f"data row {example.id!r} of {config.data.spec}: the teacher's prompt "

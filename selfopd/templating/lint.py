@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Sequence
 
 from selfopd.data.example import Example
-from selfopd.templating.chat_template import chat_text
+from selfopd.templating.chat_format import ChatFormat
 from selfopd.templating.templates import (
     OPTIONAL_FIELDS,
     PROMPTS_DIR,
@@ -137,10 +137,8 @@ def _feedback_for(example: Example) -> tuple[str, str]:
 def generation_prompt(tokenizer: Any, messages: Sequence[dict[str, str]], template_kwargs: Mapping[str, Any]) -> str:
     """The text the chat template's generation prompt adds after `messages` with these arguments:
     what the completion is scored right after (the whole prompt when the two renderings diverge)."""
-    def render(add: bool) -> str:
-        return chat_text(tokenizer, messages, add, template_kwargs)
-
-    whole, conversation = render(True), render(False)
+    chat = ChatFormat(tokenizer, template_kwargs)
+    whole, conversation = chat.text(messages, True), chat.text(messages, False)
     return whole[len(conversation):] if whole.startswith(conversation) else whole
 
 

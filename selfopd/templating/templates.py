@@ -36,7 +36,7 @@ from jinja2 import meta as jinja_meta
 from jinja2.sandbox import SecurityError
 
 from selfopd.data.example import Example
-from selfopd.templating.chat_template import chat_ids
+from selfopd.templating.chat_format import ChatFormat
 from selfopd.templating.errors import TemplateError, TemplateLimitError
 from selfopd.templating.sandbox import MAX_RENDER_CHARS, LIMITS_DOC, RenderLimit, Sandbox, render_budget
 from selfopd.templating.template_files import FolderLoader, IncludeRefused, TemplateFileError, read_template_file
@@ -235,10 +235,9 @@ def prompt_token_ids(tokenizer: Any, messages: Sequence[Message],
                      template_kwargs: Mapping[str, Any] = MappingProxyType({})) -> list[int]:
     """Token ids of `messages` through the model's own chat template, ending with the
     assistant header: appending a completion's exact ids gives a valid sequence.
-    `template_kwargs`: the role's chat-template arguments (model.chat_template_kwargs for the
-    student, `TeacherConfig.template_kwargs` for a teacher), e.g. enable_thinking. The chat template
-    renders within the bounds of selfopd's own templates (`chat_template`)."""
-    return chat_ids(tokenizer, messages, True, template_kwargs)
+    `template_kwargs`: the role's chat-template arguments, e.g. enable_thinking. A shorthand for
+    tests and experiment scripts: selfopd's roles each hold their `ChatFormat` (`chat_format`)."""
+    return ChatFormat(tokenizer, template_kwargs).prompt_ids(messages)
 
 
 def _user_content(messages: Sequence[Message]) -> str:

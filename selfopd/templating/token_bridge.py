@@ -23,12 +23,13 @@ for the canonical one, so such a bridge gives the same numbers as `teacher.token
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Mapping, Sequence
 
 import torch
 
-from selfopd.templating.chat_template import chat_ids
-from selfopd.templating.templates import Message, prompt_token_ids
+from selfopd.templating.chat_format import ChatFormat
+from selfopd.templating.templates import Message
 from selfopd.templating.token_alignment import SpanAlignment, align_spans, decode, token_ends
 from selfopd.templating.tokenizer_check import CHAT_PROBES, TokenizerMismatch, check_tokenizers_compatible
 
@@ -67,7 +68,12 @@ class TokenBridge:
 
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
         """The teacher's prompt through its own chat template, with its own arguments."""
-        return prompt_token_ids(self.teacher, messages, self.teacher_kwargs)
+        return self.chat.prompt_ids(messages)
+
+    @cached_property
+    def chat(self) -> ChatFormat:
+        """The teacher's chat format: its own tokenizer and chat-template arguments."""
+        return ChatFormat(self.teacher, self.teacher_kwargs)
 
     def completion(self, completion_ids: Sequence[int]) -> Bridged:
         """The student's completion as the teacher's ids; the end-of-turn token, when the student
@@ -117,12 +123,12 @@ def turn_end(tokenizer: Any, name: str, template_kwargs: Mapping[str, Any] | Non
     """The token a chat template closes the assistant's turn with, after checking on each probe
     conversation that the generation prompt ends exactly where the assistant's text starts
     (rendered with `template_kwargs`, the role's chat-template arguments)."""
-    kwargs = dict(template_kwargs or {})
+    chat = ChatFormat(tokenizer, template_kwargs or {})
     ends = set()
     for label, messages in CHAT_PROBES:
-        prompt = prompt_token_ids(tokenizer, messages, kwargs)
+        prompt = chat.prompt_ids(messages)
         answer = tokenizer.encode(BOUNDARY_ANSWER, add_special_tokens=False)
-        whole = chat_ids(tokenizer, [*messages, {"role": "assistant", "content": BOUNDARY_ANSWER}], False, kwargs)
+        whole = chat.ids([*messages, {"role": "assistant", "content": BOUNDARY_ANSWER}], False)
         if whole[: len(prompt)] != prompt:
             at = next(i for i, (a, b) in enumerate(zip(whole, prompt)) if a != b) if len(whole) >= len(prompt) else len(whole)
             raise ChatBoundaryError(

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from selfopd.templating.chat_template import chat_text
+from selfopd.templating.chat_format import ChatFormat
 from selfopd.templating.errors import TemplateLimitError
-from selfopd.templating.templates import Message, prompt_token_ids
+from selfopd.templating.templates import Message
 
 MAX_EXAMPLES = 5
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -154,7 +154,8 @@ def _chat_template_problems(student_tokenizer: Any, teacher_tokenizer: Any, name
 def _render(tokenizer: Any, messages: Sequence[Message], kwargs: Mapping[str, Any]) -> tuple[list[int], str] | Exception:
     """Generation-prompt ids and text, or the error of a tokenizer without a usable template."""
     try:
-        return prompt_token_ids(tokenizer, messages, kwargs), chat_text(tokenizer, messages, True, kwargs)
+        chat = ChatFormat(tokenizer, kwargs)
+        return chat.prompt_ids(messages), chat.text(messages)
     except TemplateLimitError:  # a template past a bound stops here: the next render would too
         raise
     except Exception as error:  # a missing or broken template: reported by the caller

@@ -10,14 +10,12 @@ from typing import Sequence
 
 import torch
 
-from selfopd.config import ConfigError, RunConfig, TrainConfig
+from selfopd.config import RunConfig
 from selfopd.core.atomic import write_text_atomic
-from selfopd.data import load_examples
-from selfopd.data.example import Example, prompt_key
-from selfopd.data.split import distinct_prompts, trained_on
+from selfopd.data.example import Example
 from selfopd.run.rollouts import RolloutRecord, write_records
 from selfopd.core.distributed import ShardedSampling, full_optimizer_state, full_state_dict, is_sharded
-from selfopd.run.evaluate import eval_prompting, evaluate
+from selfopd.run.evaluate import run_evaluation
 from selfopd.core.faults import fault_point
 from selfopd.core.run_folder import RunFolder, checkpoint_step
 from selfopd.training.rollout_pipeline import PENDING_FILE, pending_json
@@ -28,42 +26,21 @@ from selfopd.training.teacher import Scored
 def run_eval(run: Run) -> dict[str, float] | None:
     """Held-out accuracy of the current student with its 95% interval over distinct prompts, as
     [eval] asks (greedy by default; avg@k and pass@k with eval.samples > 1), on eval.data or the
-    run's held-out split, prompted and graded as `eval_prompting` says (training's template,
-    chat-template arguments and [verifier] unless [eval] names others). It samples through the
-    run's own student engine: the trainer's module in process, the student's vLLM servers (just
-    synced to this step's weights) when training samples there. Under torchrun every rank
-    generates its share of each batch; rank 0 writes and gets the metrics (None elsewhere)."""
-    cfg, settings = run.config, run.config.eval
-    out_dir = run.folder.eval_dir(run.step)
-    main = run.world.is_main
-    prompting = eval_prompting(cfg)  # eval.student_template, eval.chat_template_kwargs, eval.truncated, eval.reasoning
-    evaluate(ShardedSampling(run.student_engine, run.world), run.tokenizer, eval_examples(run),
-             run.eval_template or run.student_template, settings.max_tokens, settings.batch_size,
-             out_dir=out_dir if main else None, progress=cfg.run.progress and main, samples=settings.samples,
-             temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k, min_p=settings.min_p,
-             grading=prompting.grading, template_kwargs=prompting.template_kwargs)
+    run's held-out split (`eval_examples`): `selfopd.run.evaluate.run_evaluation`, as `selfopd eval`
+    runs it, on the run's own student engine: the trainer's module in process, the student's vLLM
+    servers (just synced to this step's weights) when training samples there. Under torchrun every
+    rank generates its share of each batch; rank 0 writes and gets the metrics (None elsewhere)."""
+    out_dir, main = run.folder.eval_dir(run.step), run.world.is_main
+    run_evaluation(run.config, eval_examples(run), out_dir if main else None,
+                   engine=ShardedSampling(run.student_engine, run.world), tokenizer=run.tokenizer,
+                   template=run.eval_template or run.student_template, progress=run.config.run.progress and main)
     return eval_metrics(run.step, out_dir) if main else None
 
 
 def eval_examples(run: Run) -> Sequence[Example]:
-    """What the in-run eval answers: eval.data's items (`checked_eval_data`, when the run was built), else the
-    run's held-out split."""
+    """What the in-run eval answers: eval.data's items (`selfopd.run.evaluate.checked_eval_data`, when the
+    run was built), else the run's held-out split."""
     return run.eval_data or run.eval_examples
-
-
-def checked_eval_data(config: TrainConfig, train_examples: Sequence[Example]) -> tuple[Example, ...]:
-    """eval.data's items (none when it is ''), refused in one line naming the spec when one of its
-    prompts is a training prompt; `build_run` calls it once, before the run folder is made."""
-    spec = config.eval.data
-    if not spec:
-        return ()
-    examples = tuple(load_examples(spec))
-    overlap = trained_on(examples, (prompt_key(example.prompt) for example in train_examples))
-    if overlap:
-        raise ConfigError("eval.data", f"{spec}: {len(overlap)} of its {distinct_prompts(examples)} distinct prompts "
-                          f"are training prompts of this run (e.g. {overlap[0].prompt[:80]!r}); evaluate on prompts "
-                          "the run does not train on")
-    return examples
 
 
 def eval_metrics(step: int, eval_dir: Path) -> dict[str, float]:
@@ -179,7 +156,7 @@ def save_rollouts(run: Run, scored: Sequence[Scored], student_lp_N: torch.Tensor
             correct=s.correct, answer=s.example.answer, demonstration=s.demonstration,
             weight_version=s.rollout.weight_version, last_weight_version=s.rollout.last_weight_version,
             unaligned=s.unaligned,
-            teacher=s.teacher if run.named_teachers else None,
+            teacher=s.teacher if run.several_teachers else None,
         )
         for s, (student, advantage) in zip(scored[:limit], per_rollout)
     ]

@@ -50,7 +50,8 @@ from selfopd.data.example import Example
 from selfopd.data.mixture import by_task
 from selfopd.engines.base import Engine, Rollout, SamplingParams
 from selfopd.run.tracking import PhaseTimer
-from selfopd.templating.templates import Message, PromptTemplate, prompt_token_ids, render_student
+from selfopd.templating.chat_format import ChatFormat
+from selfopd.templating.templates import Message, PromptTemplate, render_student
 
 PENDING_FILE = "pending_rollouts.json"  # in a checkpoint folder: the rollouts sampled ahead of it
 
@@ -65,6 +66,7 @@ class StudentSide:
     template: PromptTemplate
     train_examples: Sequence[Example]
     world: World
+    chat: ChatFormat  # the student's chat format (`selfopd.training.grading.student_format`), built once
 
 
 @dataclass
@@ -77,6 +79,9 @@ class Request:
     prompts: list[list[int]]
     params: SamplingParams
     first_group: int  # the step-wide index of this rank's first prompt
+    # Per prompt: whether its chat template opened a reasoning block (decided when it was tokenized,
+    # `ChatFormat.prompt`); None: not told, grading decides it from the prompt's ids by the same rule.
+    opened: list[bool] | None = None
 
 
 @dataclass
@@ -106,8 +111,9 @@ def request_for_step(side: StudentSide, step: int) -> Request:
                             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, min_p=cfg.rollout.min_p,
                             n=cfg.rollout.samples_per_prompt, seed=cfg.run.seed * 1_000_003 + step,
                             first_row=first_group * cfg.rollout.samples_per_prompt)
-    prompts = [prompt_token_ids(side.tokenizer, m, cfg.model.chat_template_kwargs) for m in messages]
-    return Request(step, examples, messages, prompts, params, first_group)
+    prompts = [side.chat.prompt(m) for m in messages]
+    return Request(step, examples, messages, [p.ids for p in prompts], params, first_group,
+                   [p.opens_reasoning for p in prompts])
 
 
 def sample_request(engine: Engine, request: Request, version: int, newest: Callable[[], int] | None = None) -> Sampled:

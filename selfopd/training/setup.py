@@ -1,6 +1,6 @@
 """From a config to a ready `Run`: data, split, templates, the student and its optimizer
-(restored from a checkpoint when resuming), the engines, and the checks that must pass
-before the first step. Data and templates load first, so a mistake in them fails before
+(restored from a checkpoint when resuming), the engines, every teacher (opened once:
+`selfopd.training.teachers`), and the checks that must pass before the first step. Data and templates load first, so a mistake in them fails before
 any model loads or server starts."""
 
 from __future__ import annotations
@@ -13,39 +13,34 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from selfopd.config import DEFAULT_TEACHER, VLLM_KINDS, ConfigError, TeacherConfig, TrainConfig, teacher_key
-from selfopd.templating.context_limits import check_context
+from selfopd.config import VLLM_KINDS, ConfigError, TrainConfig
 from selfopd.data import load_examples
 from selfopd.core.devices import use_device
 from selfopd.core.distributed import World, current_world, init_process_group, load_optimizer_state, shard_model
 from selfopd.training.ema import EmaWeights
-from selfopd.engines.build import external_teacher_bridge, load_model, model_options, open_named_teachers
+from selfopd.engines.build import load_model, model_options
 from selfopd.training.engines import open_training_engines
-from selfopd.training.routing import open_router
+from selfopd.data.routing import open_router
 from selfopd.data.example import Example
 from selfopd.engines.compiled import compile_decoder_layers
 from selfopd.engines.lora import adapters_off, prepare_student, trainable_parameters
-from selfopd.core.models import resolve_model
 from selfopd.core.file_checks import checkpoint_problem
 from selfopd.core.run_folder import CheckpointError, RunFolder
 from selfopd.core.torch_files import load_data
-from selfopd.training.state import NamedTeacher, Run
+from selfopd.training.state import Run
+from selfopd.training.teachers import check_teacher_tokens, open_teachers, plan_teachers
 from selfopd.engines.scoring import check_plain_head
 from selfopd.data.mixture import by_task
-from selfopd.data.split import split_examples, trained_on
+from selfopd.data.split import split_examples
 from selfopd.run.templates import load_run_template
 from selfopd.templating.templates import (
-    SAMPLE_DEMONSTRATION,
     PromptTemplate,
     TemplateError,
     check_student_template,
-    load_template,
-    prompt_token_ids,
     render_student,
-    render_teacher,
-    uses_demonstration,
 )
-from selfopd.training.outputs import checked_eval_data
+from selfopd.training.grading import student_format
+from selfopd.run.evaluate import checked_eval_data
 from selfopd.training.rollout_pipeline import open_pipeline
 from selfopd.training.weight_checks import (check_frozen_teacher, check_probe, check_sampler, probe_logprobs,
                                             sync_weights)
@@ -79,18 +74,8 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
     # A resumed run renders from its own copies of the templates (RUN/templates/), a fresh one from the files.
     student_template = load_run_template(folder.root, config.data.student_template)
     eval_template = load_eval_template(config, folder.root, eval_data or eval_examples)
-    tables = {DEFAULT_TEACHER: config.teacher, **config.teachers}  # every teacher's settings, by name
-    router = open_router(config, train_examples, eval_examples) if config.teachers else None
-    routed = routed_examples(train_examples, router)
-    templates: dict[str, tuple[PromptTemplate, PromptTemplate | None]] = {}  # (template, fallback) by teacher
-    for name, table in tables.items():
-        template = load_run_template(folder.root, table.template)
-        templates[name] = (template, demonstration_fallback(config, template, folder.root, table))
-        for first in by_task(routed[name]).values():  # each task's first item: a mixture's template branches
-            check_templates_render(student_template, templates[name][0], first[0], templates[name][1])
-        if table.kind == "external":
-            check_external_teacher_split(table.model, eval_examples, table.revision)
-    teacher_template, fallback = templates[DEFAULT_TEACHER]
+    route = open_router(config, train_examples, eval_examples)
+    teachers = plan_teachers(config, folder.root, student_template, route, train_examples, eval_examples)
 
     if config.engine.kind == "vllm":  # a refused GPU layout stops the run before the model loads
         from selfopd.serving.launch import node_trainer_gpus
@@ -102,14 +87,7 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
                                   master_weights=not config.model.lora, **options)
     check_plain_head(model, f"model.student {config.model.student}")
     # Another tokenizer is refused (or, with teacher.tokenizer = 'own', bridged) before the run folder is claimed.
-    bridges = {name: external_teacher_bridge(config, tokenizer, table)
-               if table.kind == "external" else None for name, table in tables.items()}
-    for name, table in tables.items():
-        if routed[name]:  # each teacher's prompts, of the examples routed to it (all of them: [teacher] alone)
-            check_context(config, model.config, teacher_model_config(config, model.config, table), tokenizer,
-                          student_template, *templates[name], routed[name], eval_data or eval_examples,
-                          teacher_tokenizer=bridges[name].teacher if bridges[name] is not None else None,
-                          teacher_kwargs=table.template_kwargs(config.model.chat_template_kwargs))
+    teachers = check_teacher_tokens(config, teachers, model, tokenizer, student_template, eval_data or eval_examples)
     model = prepare_student(model, config.model, resume_from)  # LoRA adapters, when model.lora_rank > 0
     if config.model.compile_layers and not compile_decoder_layers(model):
         raise ConfigError("model.compile_layers", f"{type(model).__name__} has no decoder layers that transformers "
@@ -123,8 +101,8 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
         load_optimizer_state(model, optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step = state["step"]
-    probe_prompt = prompt_token_ids(tokenizer, render_student(student_template, (eval_examples or eval_data)[0]),
-                                    config.model.chat_template_kwargs)
+    probe_prompt = student_format(config, tokenizer).prompt_ids(render_student(student_template,
+                                                                               (eval_examples or eval_data)[0]))
     probe = (probe_prompt, tokenizer.encode(PROBE_COMPLETION, add_special_tokens=False))
 
     resources = contextlib.ExitStack()
@@ -132,15 +110,10 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
         if claim is not None:
             resources.enter_context(claim())
         student_engine, teacher_engine = open_training_engines(config, model, tokenizer, folder.logs, resources, world)
-        named_engines = (open_named_teachers(config, model, tokenizer, student_engine, teacher_engine, world)
-                         if config.teachers else {})
-        run = Run(config, folder, model, tokenizer, optimizer, scheduler, student_engine, teacher_engine,
-                  student_template, teacher_template, train_examples, eval_examples, probe, step, resources,
-                  device=options["device"], world=world, demonstration_fallback=fallback,
-                  bridge=bridges[DEFAULT_TEACHER],
-                  named_teachers={name: NamedTeacher(table, named_engines[name], *templates[name], bridges[name])
-                                  for name, table in config.teachers.items()}, eval_data=eval_data,
-                  eval_template=eval_template, router=router,
+        run = Run(config, folder, model, tokenizer, optimizer, scheduler, student_engine, student_template,
+                  open_teachers(config, teachers, model, tokenizer, student_engine, teacher_engine, world),
+                  train_examples, eval_examples, probe, step, resources, device=options["device"], world=world,
+                  eval_data=eval_data, eval_template=eval_template, route=route,
                   ema=open_ema(config, teacher_engine, resume_from, state.get("ema"), options))
         run.rollouts = open_pipeline(run.student_side, resume_from, run.step)  # with the rollouts a checkpoint had sampled ahead
         resources.callback(run.rollouts.close)  # before the servers stop: no request outlives them
@@ -151,7 +124,7 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
             check_probe(run)
             check_sampler(run)
             if config.loss.divergence == "topk_reverse_kl":
-                check_teacher_top_k(run.teacher_engine, config.loss.top_k, probe)
+                check_teacher_top_k(run.teacher.engine, config.loss.top_k, probe)
         if config.teacher.kind == "frozen":
             check_frozen_teacher(run, initial_probe_logprobs(run, resume_from, options))
     except BaseException:
@@ -223,20 +196,6 @@ def open_ema(config: TrainConfig, teacher_engine: Any, resume_from: Path | None,
     return ema
 
 
-def demonstration_fallback(config: TrainConfig, teacher: PromptTemplate, run_dir: Path | None = None,
-                           table: TeacherConfig | None = None) -> PromptTemplate | None:
-    """The template for rollouts without a sibling demonstration, when `teacher` uses one;
-    it must not use `demonstration` itself. `table`: a [teachers.NAME] table instead of [teacher]."""
-    if not uses_demonstration(teacher):
-        return None
-    name = (table or config.teacher).demonstration_fallback
-    fallback = load_run_template(run_dir, name) if run_dir is not None else load_template(name)
-    if uses_demonstration(fallback):
-        raise ConfigError(f"{teacher_key(config, table or config.teacher)}.demonstration_fallback", f"{fallback.name!r} uses 'demonstration' itself; the "
-                          "fallback scores rollouts that have none (e.g. teacher/empty)")
-    return fallback
-
-
 def load_eval_template(config: TrainConfig, run_dir: Path, examples: Sequence[Example]) -> PromptTemplate | None:
     """eval.student_template's template (None when the eval renders the student's), checked as a student
     template and rendered once on the first eval item, so that a bad one fails before any model loads
@@ -251,19 +210,6 @@ def load_eval_template(config: TrainConfig, run_dir: Path, examples: Sequence[Ex
     except TemplateError as error:
         raise ConfigError("eval.student_template", str(error)) from None
     return template
-
-
-def check_templates_render(student: PromptTemplate, teacher: PromptTemplate, example: Example,
-                           fallback: PromptTemplate | None = None) -> None:
-    """Render the templates once, as a step does (a teacher that uses `demonstration` with a
-    sample one, and its fallback), so that an undefined variable or a refused operation
-    fails before any model loads rather than at the first step."""
-    check_student_template(student)
-    student_messages = render_student(student, example)
-    render_teacher(teacher, example, student_messages, attempt="", feedback="",
-                   demonstration=SAMPLE_DEMONSTRATION if uses_demonstration(teacher) else None)
-    if fallback is not None:
-        render_teacher(fallback, example, student_messages, attempt="", feedback="")
 
 
 def initial_probe_logprobs(run: Run, resume_from: Path | None, options: dict) -> torch.Tensor:
@@ -310,40 +256,6 @@ def check_mixture(config: TrainConfig, train_examples: list) -> None:
         raise ConfigError("rollout.prompts_per_step", f"must be a multiple of the {len(tasks)} tasks of data.spec "
                           f"({', '.join(tasks)}), got {config.rollout.prompts_per_step}: each step takes an equal "
                           "share of prompts from each task")
-
-
-def teacher_model_config(config: TrainConfig, student_config: Any, table: TeacherConfig | None = None) -> Any:
-    """The teacher's transformers config: the student's, or an external teacher's own. `table`: a
-    [teachers.NAME] table instead of [teacher]."""
-    teacher = table or config.teacher
-    if teacher.kind != "external":
-        return student_config
-    from transformers import AutoConfig
-
-    from selfopd.core.models import from_pretrained
-
-    return from_pretrained(AutoConfig, resolve_model(teacher.model, teacher.revision), trust_remote_code=config.model.trust_remote_code)
-
-
-def routed_examples(examples: Sequence[Example], router: Callable[[Example], str] | None) -> dict[str, list[Example]]:
-    """The examples each teacher scores, by name ('default' first, even with none)."""
-    routed: dict[str, list[Example]] = {DEFAULT_TEACHER: []}
-    for example in examples:
-        routed.setdefault(router(example) if router is not None else DEFAULT_TEACHER, []).append(example)
-    return routed
-
-
-def check_external_teacher_split(teacher: str, eval_examples: Sequence[Example], revision: str = "") -> None:
-    """An external teacher made by `selfopd sft` must not have trained on this run's held-out
-    prompts (it records what it trained on); other teachers cannot be checked."""
-    from selfopd.core.models import teacher_trained_prompts
-
-    trained = teacher_trained_prompts(resolve_model(teacher, revision))
-    shared = trained_on(eval_examples, trained or ())
-    if shared:
-        raise ConfigError("teacher.model", f"{teacher} was fine-tuned (selfopd sft) on {len(shared)} of this run's "
-                          f"{len(eval_examples)} held-out prompts (e.g. {shared[0].prompt!r}): train the teacher with "
-                          "this run's data, data.eval_size and data.split_seed")
 
 
 def adamw(params: Any, config: TrainConfig) -> torch.optim.AdamW:

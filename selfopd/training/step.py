@@ -30,8 +30,9 @@ from selfopd.training.rollout_pipeline import Sampled, batch_for_step  # noqa: F
 from selfopd.training.state import Run
 from selfopd.training.teacher import Scored
 from selfopd.engines.scoring import completion_hidden, logprobs_from_hidden, pad_completions, tempered
+from selfopd.training.grading import Graded, grade_groups
 from selfopd.training.teacher import States, routed_rows, score_routed
-from selfopd.training.routing import teacher_metrics
+from selfopd.training.teacher_metrics import teacher_metrics
 from selfopd.run.tracking import PhaseTimer
 from selfopd.training.weight_checks import check_probe, sync_weights
 
@@ -54,8 +55,9 @@ def train_step(run: Run) -> dict[str, float]:
     """One OPD step; returns its metrics (the same on every rank)."""
     timer = PhaseTimer()
     sampled = run.rollouts.take(run.student_side, run.step, timer)  # this step's rollouts; with k >= 1, step + k's are asked for
-    scored, teacher_states = score(run, sampled, timer)
-    rest_engines(run.student_engine, run.teacher_engine)  # a colocated vLLM frees the GPU until its next call
+    graded = grade(run, sampled, timer)  # the rewards: each rollout graded as the user sees it
+    scored, teacher_states = score(run, sampled, graded, timer)
+    rest_engines(run.student_engine, run.teacher.engine)  # a colocated vLLM frees the GPU until its next call
     backward = forward_backward(run, scored, teacher_states, timer)
     finite, grad_norm = optimizer_step(run, backward.loss_total, timer)
     if run.config.rollout.max_staleness and finite:
@@ -71,20 +73,29 @@ def train_step(run: Run) -> dict[str, float]:
     return metrics
 
 
-def score(run: Run, sampled: Sampled, timer: PhaseTimer) -> tuple[list[Scored], list[States]]:
-    """2. Verifier rewards and the teacher's prompts, then the teacher scores the student's exact
+def grade(run: Run, sampled: Sampled, timer: PhaseTimer) -> list[Graded]:
+    """2. Verifier rewards: each rollout graded under the student's chat format, with the flag its
+    prompt carries (`selfopd.training.grading`), teacher or not."""
+    request = sampled.request
+    with timer("verify"):
+        return grade_groups(run.student_chat, request.examples, sampled.groups, request.opened,
+                            run.config.loss.partial_credit)
+
+
+def score(run: Run, sampled: Sampled, graded: list[Graded], timer: PhaseTimer) -> tuple[list[Scored], list[States]]:
+    """3. The teacher's prompts (with the verdicts' feedback), then the teacher scores the student's exact
     completion ids after them (`selfopd.training.teacher`). A full-vocabulary loss keeps the
     teacher's hidden states."""
-    sides, request = run.teacher_sides, sampled.request
+    sides, request = run.teachers, sampled.request
     with timer("verify"):
-        rows = routed_rows(sides, run.teacher_of, run.step, request.examples, request.student_messages, sampled.groups,
-                           request.first_group)
+        rows = routed_rows(sides, run.route, run.step, request.examples, request.student_messages, sampled.groups,
+                           request.first_group, graded)
     with timer("teacher"):
         return score_routed(sides, rows, run.step)
 
 
 def forward_backward(run: Run, scored: list[Scored], teacher_states: list[States], timer: PhaseTimer) -> Backward:
-    """3. The student's forward/backward in micro-batches of whole prompt groups; gradients
+    """4. The student's forward/backward in micro-batches of whole prompt groups; gradients
     accumulate. The loss is the mean over the whole step (all ranks): each rank weighs its
     micro-batches by the step's totals, and FSDP's mean over ranks is undone by `world.size`."""
     cfg, world = run.config, run.world
@@ -160,7 +171,7 @@ def _teacher_topk(micro: Sequence[Scored], length: int, top_k: int, device: torc
 
 
 def optimizer_step(run: Run, loss_total: float, timer: PhaseTimer) -> tuple[bool, float]:
-    """4. The optimizer step (AdamW state persists across steps), skipped when the loss or
+    """5. The optimizer step (AdamW state persists across steps), skipped when the loss or
     the gradient is NaN or inf on any rank: one bad batch must not poison the weights.
     Returns (taken, gradient norm)."""
     with timer("optim"):
@@ -179,7 +190,7 @@ def optimizer_step(run: Run, loss_total: float, timer: PhaseTimer) -> tuple[bool
 
 
 def sync_engines(run: Run, timer: PhaseTimer) -> dict[str, float]:
-    """5. The new weights to the engines (a push to vLLM servers proves itself by digests), then the
+    """6. The new weights to the engines (a push to vLLM servers proves itself by digests), then the
     probe compares every replica's logprobs with the trainer's. Returns the push's and the probe's metrics."""
     with timer("sync"):
         pushed = sync_weights(run)
@@ -189,7 +200,7 @@ def sync_engines(run: Run, timer: PhaseTimer) -> dict[str, float]:
 
 def step_metrics(run: Run, batch: Sampled, scored: list[Scored], flat: dict[str, torch.Tensor], backward: Backward,
                  finite: bool, grad_norm: float, probe_gaps: dict[str, float], timer: PhaseTimer) -> dict[str, float]:
-    """6. The whole step's metrics: every rank's rollouts and tokens, in rank order."""
+    """7. The whole step's metrics: every rank's rollouts and tokens, in rank order."""
     cfg, world = run.config, run.world
     sampled = cfg.loss.divergence == "sampled"
     lengths = [len(s.rollout.completion_ids) for s in scored]
@@ -217,12 +228,12 @@ def step_metrics(run: Run, batch: Sampled, scored: list[Scored], flat: dict[str,
         "verify/rejected_share": sum(s.rejected for s in scored) / len(scored),
         "verify/no_answer_share": sum(s.no_answer for s in scored) / len(scored),
         **({"teacher/demonstration_share": sum(s.demonstration is not None for s in scored) / len(scored)}
-           if run.demonstration_fallback is not None else {}),
+           if run.teacher.demonstration_fallback is not None else {}),
         **({"teacher/unaligned_share": sum(not s.aligned for s in scored) / len(scored)}
-           if any(side.table.tokenizer == "own" for side in run.teacher_sides.values()) else {}),
-        **(teacher_metrics(run.teacher_sides, [s.teacher for s in scored], lengths, signal_N,
+           if any(side.table.tokenizer == "own" for side in run.teachers.values()) else {}),
+        **(teacher_metrics(run.teachers, [s.teacher for s in scored], lengths, signal_N,
                            [s.aligned for s in scored], [(s.group, s.correct) for s in scored])
-           if run.named_teachers else {}),
+           if run.several_teachers else {}),
         "rollout/length_mean": backward.total_tokens / len(scored),
         "rollout/truncated_share": sum(s.rollout.finish_reason == "length" for s in scored) / len(scored),
         **_staleness_metrics(run, batch),

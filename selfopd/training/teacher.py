@@ -1,6 +1,6 @@
-"""The teacher's side of a step, in one place: each rollout verified, the teacher's prompt
-built around the student's exact completion, and every (teacher prompt, completion) pair
-scored by the teacher engine.
+"""The teacher's side of a step, in one place: each rollout, with the verdict the step's grading
+gave it (`selfopd.training.grading`), has the teacher's prompt built around the student's exact
+completion, and every (teacher prompt, completion) pair is scored by the teacher engine.
 
 The prompt (`teacher_rows`): the teacher template rendered with the example's privileged
 context (reference answer, worked solution, hints), the student's question and completion,
@@ -24,22 +24,25 @@ logprobs read off them (the same numbers as a second forward: same weights, same
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from functools import cached_property
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from selfopd.config import DEFAULT_TEACHER, FULL_VOCABULARY, TeacherConfig, TrainConfig
+from selfopd.config import DEFAULT_TEACHER, FULL_VOCABULARY, TeacherConfig, TrainConfig, teacher_key
 from selfopd.data.example import Example
 from selfopd.engines.base import Engine, Rollout, TokenScores
 from selfopd.engines.kernels import token_logprobs_from_hidden
 from selfopd.engines.scoring import right_pad
 from selfopd.templating.context_limits import check_teacher_rows
 from selfopd.templating.demonstrations import pick_demonstrations
-from selfopd.templating.templates import PromptTemplate, prompt_token_ids, render_teacher
+from selfopd.templating.chat_format import ChatFormat
+from selfopd.templating.templates import PromptTemplate, render_teacher
 from selfopd.templating.token_bridge import Bridged, TokenBridge
 from selfopd.templating.wrong_context import failed_sibling_answers, wrong_example
-from selfopd.verifiers import Grading, VerifyResult, grade
+from selfopd.training.grading import Graded, grade_groups, student_format
+from selfopd.verifiers import VerifyResult
 
 Pairs = Sequence[tuple[list[int], list[int]]]
 States = tuple[torch.Tensor, torch.Tensor]  # the teacher's tempered final hidden states (B, C, H) and head (V, H)
@@ -47,7 +50,8 @@ States = tuple[torch.Tensor, torch.Tensor]  # the teacher's tempered final hidde
 
 @dataclass(frozen=True)
 class TeacherSide:
-    """What the teacher side reads of a run; fixed for the run (`training.state.Run.teacher_side`)."""
+    """One teacher of a run, as the teacher side of a step reads it; opened once, for the whole run, by
+    `selfopd.training.teachers.open_teachers` (`training.state.Run.teachers`, by name)."""
 
     config: TrainConfig
     tokenizer: PreTrainedTokenizerBase
@@ -56,18 +60,24 @@ class TeacherSide:
     demonstration_fallback: PromptTemplate | None  # set iff the template uses `demonstration`
     per_micro: int  # rollouts per trainer micro-batch (the in-process teacher's batches)
     temperature: float  # the trained policy's temperature: the teacher's logits are tempered alike
+    name: str  # 'default' ([teacher]) or a [teachers.NAME] table's NAME
+    table: TeacherConfig  # its settings: [teacher], or its [teachers.NAME] table
+    chat_kwargs: Mapping[str, Any]  # its chat-template arguments, merged over the student's (`template_kwargs`)
     bridge: TokenBridge | None = None  # teacher.tokenizer = 'own': the teacher's tokens and chat template
-    settings: TeacherConfig | None = None  # a [teachers.NAME] table; None: [teacher]
 
     @property
-    def table(self) -> TeacherConfig:
-        """This teacher's settings: its [teachers.NAME] table, or [teacher]."""
-        return self.settings or self.config.teacher
+    def key(self) -> str:
+        """Where its settings live, as errors name them: 'teacher' or 'teachers.NAME'."""
+        return teacher_key(self.name)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """The teacher's prompt ids: through its own chat template when it has its own tokenizer."""
-        kwargs = self.table.template_kwargs(self.config.model.chat_template_kwargs)
-        return self.bridge.prompt_ids(messages) if self.bridge else prompt_token_ids(self.tokenizer, messages, kwargs)
+        return self.bridge.prompt_ids(messages) if self.bridge else self.chat.prompt_ids(messages)
+
+    @cached_property
+    def chat(self) -> ChatFormat:
+        """Its chat format (its tokenizer and merged chat-template arguments), built once per side."""
+        return ChatFormat(self.tokenizer, self.chat_kwargs)
 
 
 @dataclass(frozen=True)
@@ -120,48 +130,50 @@ class TeacherRow:
 
 
 def teacher_step(side: TeacherSide, step: int, examples: Sequence[Example], student_messages: Sequence[list[dict]],
-                 groups: Sequence[Sequence[Rollout]], first_group: int) -> tuple[list[Scored], list[States]]:
+                 groups: Sequence[Sequence[Rollout]], first_group: int,
+                 graded: Sequence[Graded] | None = None) -> tuple[list[Scored], list[States]]:
     """This rank's prompt groups verified, shown to the teacher and scored: (a Scored per rollout, in
     order, and the teacher's states per micro-batch for a full-vocabulary loss). `step` is the
     number of steps taken (seeds the choice of demonstrations and wrong answers)."""
-    rows = teacher_rows(side, step, examples, student_messages, groups, first_group)
+    rows = teacher_rows(side, step, examples, student_messages, groups, first_group, graded)
     return score_rows(side, rows, step)
 
 
 def teacher_rows(side: TeacherSide, step: int, examples: Sequence[Example], student_messages: Sequence[list[dict]],
-                 groups: Sequence[Sequence[Rollout]], first_group: int) -> list[TeacherRow]:
+                 groups: Sequence[Sequence[Rollout]], first_group: int,
+                 graded: Sequence[Graded] | None = None) -> list[TeacherRow]:
     """The rows of this rank's prompt groups, in order (group `first_group` first), all for `side`."""
     return routed_rows({DEFAULT_TEACHER: side}, lambda _: DEFAULT_TEACHER, step, examples, student_messages, groups,
-                       first_group)
+                       first_group, graded)
 
 
 def routed_rows(sides: Mapping[str, TeacherSide], route: Callable[[Example], str], step: int,
                 examples: Sequence[Example], student_messages: Sequence[list[dict]],
-                groups: Sequence[Sequence[Rollout]], first_group: int) -> list[TeacherRow]:
-    """The rows of this rank's prompt groups, in order, each group's for the teacher `route` names."""
+                groups: Sequence[Sequence[Rollout]], first_group: int,
+                graded: Sequence[Graded] | None = None) -> list[TeacherRow]:
+    """The rows of this rank's prompt groups, in order, each group's for the teacher `route` names, with
+    the step's verdicts (`selfopd.training.grading`; None: graded here, under the student's format)."""
+    if graded is None:
+        config = next(iter(sides.values())).config
+        graded = grade_groups(student_format(config, next(iter(sides.values())).tokenizer), examples, groups,
+                              partial_credit=config.loss.partial_credit)
     rows = []
-    for group, (example, messages, rollouts) in enumerate(zip(examples, student_messages, groups), first_group):
+    for group, (example, messages, rollouts, grades) in enumerate(zip(examples, student_messages, groups, graded),
+                                                                  first_group):
         name = route(example)
         other = examples[(group - first_group + 1) % len(examples)]  # another prompt's solution and hints
-        rows += _group_rows(sides[name], name, step, group, example, messages, rollouts, other)
+        rows += _group_rows(sides[name], name, step, group, example, messages, rollouts, other, grades)
     return rows
 
 
 def _group_rows(side: TeacherSide, name: str, step: int, group: int, example: Example, messages: list[dict],
-                rollouts: Sequence[Rollout], other: Example) -> list[TeacherRow]:
-    """One prompt group's rows: each rollout verified and shown to the teacher `side`."""
+                rollouts: Sequence[Rollout], other: Example, graded: Graded) -> list[TeacherRow]:
+    """One prompt group's rows: each rollout, with its verdict, shown to the teacher `side`."""
     cfg = side.config
     contrastive = cfg.loss.opd_baseline == "wrong_context"
     # Feedback against the wrong answer only where a template shows feedback (verifying costs time).
     shows_feedback = any("feedback" in t.variables for t in (side.template, side.demonstration_fallback) if t)
-    grading = Grading.of(cfg.verifier)  # what the user sees: after a reasoning block, finished completions only
-
-    def verdict_of(rollout: Rollout, shown: Example, partial_credit: bool = False) -> VerifyResult:
-        opened = grading.prompt_opens_reasoning(side.tokenizer, rollout.prompt_ids)  # a template's <think>
-        return grade(rollout.text, shown, finish_reason=rollout.finish_reason, grading=grading, opened=opened,
-                     partial_credit=partial_credit)
-
-    verdicts = [verdict_of(r, example, cfg.loss.partial_credit) for r in rollouts]
+    verdicts = graded.verdicts
     correct = [v.correct for v in verdicts]
     demonstrations = (pick_demonstrations([r.text for r in rollouts], correct, seed=cfg.run.seed, step=step,
                                           group=group, skip_self=side.table.skip_self_success)
@@ -169,7 +181,8 @@ def _group_rows(side: TeacherSide, name: str, step: int, group: int, example: Ex
     wrong_answers = (failed_sibling_answers([v.extracted for v in verdicts], correct, seed=cfg.run.seed,
                                             step=step, group=group) if contrastive else [None] * len(rollouts))
     rows = []
-    for rollout, verdict, demonstration, wrong_answer in zip(rollouts, verdicts, demonstrations, wrong_answers):
+    for index, (rollout, verdict, demonstration, wrong_answer) in enumerate(zip(rollouts, verdicts, demonstrations,
+                                                                                 wrong_answers)):
         def prompt(shown: Example, feedback: str) -> list[int]:
             return side.prompt_ids(render_teacher(
                 side.template, shown, messages, rollout.text, feedback, demonstration,
@@ -178,7 +191,7 @@ def _group_rows(side: TeacherSide, name: str, step: int, group: int, example: Ex
         wrong = wrong_example(example, other, seed=cfg.run.seed, answer=wrong_answer) if contrastive else None
         wrong_ids = None
         if wrong is not None:  # verifier feedback, too, as if the wrong answer were the reference
-            wrong_ids = prompt(wrong, verdict_of(rollout, wrong).feedback if shows_feedback
+            wrong_ids = prompt(wrong, graded.against(index, rollout, wrong).feedback if shows_feedback
                                else verdict.feedback)
         bridged = side.bridge.completion(rollout.completion_ids) if side.bridge is not None else None
         rows.append(TeacherRow(example, group, rollout, verdict, prompt(example, verdict.feedback), demonstration,

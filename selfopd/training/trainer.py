@@ -23,7 +23,7 @@ from selfopd.config.bundles import PlanSettings
 from selfopd.planning.plan_check import check_memory_plan
 from selfopd.serving.transfer_wire import check_trainer_address
 from selfopd.training.outputs import plot_run, prune_checkpoints, reuse_eval, run_eval, save_checkpoint
-from selfopd.training.routing import starved_teachers
+from selfopd.training.teacher_metrics import starved_teachers
 from selfopd.training.setup import build_run, resume_checkpoint  # noqa: F401  (build_run public here: tests and benchmarks build a run, then step it)
 from selfopd.training.state import Run
 from selfopd.run.templates import config_template_names, save_run_templates
@@ -130,12 +130,12 @@ def _train_loop(run: Run, log: MetricsLog | None, resume: bool, initial_eval: Pa
                disable=not (config.run.progress and run.world.is_main))
     skipped_in_row = 0
     teacher_lines: list[dict] = []  # with [teachers.*]: the step lines, for the starved-teacher warning
-    routed_to = sorted({run.teacher_of(example) for example in run.train_examples})  # the teachers data reaches
+    routed_to = sorted({run.route(example) for example in run.train_examples})  # the teachers data reaches
     while run.step < config.run.steps:
         metrics = train_step(run)
         fired = guard.watch(run.folder, config, history, metrics) if run.world.is_main else []  # marks `metrics`
         record(metrics)
-        if run.named_teachers and run.world.is_main:
+        if run.several_teachers and run.world.is_main:
             teacher_lines.append(metrics)
             warn_starved(run, teacher_lines, routed_to)
         skipped_in_row = skipped_in_row + 1 if metrics.get("skipped") else 0

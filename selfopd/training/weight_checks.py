@@ -46,8 +46,8 @@ class ModelWeights:
 def engines_serving_student_weights(run: Run) -> list[tuple[str, Engine]]:
     """The student engine, and a `self` teacher's engine when it is a separate one."""
     engines: list[tuple[str, Engine]] = [("student", run.student_engine)]
-    if run.config.teacher.follows_student and run.teacher_engine is not run.student_engine:
-        engines.append(("teacher", run.teacher_engine))
+    if run.config.teacher.follows_student and run.teacher.engine is not run.student_engine:
+        engines.append(("teacher", run.teacher.engine))
     return engines
 
 
@@ -89,7 +89,7 @@ def push_stats(run: Run) -> dict[str, float]:
     stats of an engine that loads its own weights, the colocated one), summed over the run's transfers
     (one, or two with an `ema` teacher); a flag (`FLAGS`) is the least of them, so `sync/verified`
     says whether every push was verified."""
-    transfers = {id(t): t for t in (getattr(e, "weight_sync", e) for e in (run.student_engine, run.teacher_engine))
+    transfers = {id(t): t for t in (getattr(e, "weight_sync", e) for e in (run.student_engine, run.teacher.engine))
                  if t is not None and getattr(t, "stats", None)}
     totals: dict[str, float] = {}
     for transfer in transfers.values():
@@ -106,7 +106,7 @@ def sync_ema_teacher(run: Run) -> None:
     average's own module (in process), the averaged weights when it is a server."""
     if run.ema is None:
         return
-    engine = run.teacher_engine
+    engine = run.teacher.engine
     if getattr(engine, "model", None) is run.ema.model:
         engine.update_weights({}, version=run.step)
     elif run.world.is_main:
@@ -150,7 +150,7 @@ def check_probe(run: Run) -> dict[str, float]:
     precision = run.config.model.dtype
     checks = [(name, engine, run.model, "the trainer's") for name, engine in engines_serving_student_weights(run)]
     if run.ema is not None:
-        checks.append(("ema teacher", run.teacher_engine, run.ema.model, "the trainer's EMA weights'"))
+        checks.append(("ema teacher", run.teacher.engine, run.ema.model, "the trainer's EMA weights'"))
     checks = [check for check in checks if getattr(check[1], "model", None) is not check[2]]
     if not checks:
         return {}
@@ -209,7 +209,7 @@ def check_frozen_teacher(run: Run, initial_lp: torch.Tensor) -> None:
     """A `frozen` teacher must serve the initial student weights; a server given by URL may
     hold anything, so every replica is probed once at start (and on resume)."""
     key, tolerance, what = probe_rule(run)
-    for replica, score in run.teacher_engine.score_replicas(run.probe):
+    for replica, score in run.teacher.engine.score_replicas(run.probe):
         gap = probe_gaps(score.logprobs, initial_lp)[key]
         if not gap <= tolerance:
             raise WeightSyncError(

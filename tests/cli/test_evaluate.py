@@ -129,13 +129,12 @@ def test_eval_renders_and_grades_as_the_eval_settings_say(tmp_path, tiny_model_d
     from tests.thinking_template import thinking_model_dir
 
     rendered = []
-    original = evaluation.prompt_token_ids
+    class Recording(evaluation.ChatFormat):  # the eval's chat format, recording what it renders
+        def prompt(self, messages):
+            rendered.append((messages[-1]["content"], dict(self.template_kwargs)))
+            return super().prompt(messages)
 
-    def recording(tokenizer, messages, template_kwargs=None):
-        rendered.append((messages[-1]["content"], dict(template_kwargs or {})))
-        return original(tokenizer, messages, template_kwargs or {})
-
-    monkeypatch.setattr(evaluation, "prompt_token_ids", recording)
+    monkeypatch.setattr(evaluation, "ChatFormat", Recording)
     model = thinking_model_dir(tiny_model_dir, tmp_path / "thinking")
     data = _rows(tmp_path, [(f"What is {i} + {i}?", str(2 * i)) for i in range(2)])
     trained = ["--set", "data.student_template=student/opsd", "--set", "model.chat_template_kwargs=enable_thinking=false"]
@@ -184,7 +183,7 @@ def test_eval_of_a_run_samples_on_the_runs_own_engine_unless_told(tmp_path, tiny
     """`eval --run RUN` of a run trained on vLLM samples on vLLM (its student's server, launched as training
     launches it), not in process with HF generate; --engine local still samples in process. The engine
     is caught as it opens: no server starts here (tests/cli/test_evaluate.py's vllm test launches one)."""
-    import selfopd.run.eval_engine as eval_engine
+    import selfopd.run.evaluate as evaluation
     from selfopd.cli.common import UserError
 
     chosen = []
@@ -193,7 +192,7 @@ def test_eval_of_a_run_samples_on_the_runs_own_engine_unless_told(tmp_path, tiny
         chosen.append(engine_kind)
         raise UserError("stopped before sampling")
 
-    monkeypatch.setattr(eval_engine, "open_eval_engine", opened)
+    monkeypatch.setattr(evaluation, "open_eval_engine", opened)
     run = _run_of(tmp_path, tiny_model_dir, f"engine.kind={kind}")
     assert main(["eval", "--run", str(run), *flags, "--out", str(tmp_path / "eval")]) == 1
     assert chosen == [expected]
@@ -205,7 +204,7 @@ def test_eval_of_a_run_samples_on_the_runs_own_engine_unless_told(tmp_path, tiny
 
 def test_the_eval_engine_is_decided_in_one_place():
     from selfopd.config import load_config
-    from selfopd.run.eval_engine import eval_engine_kind
+    from selfopd.run.evaluate import eval_engine_kind
 
     vllm, local = load_config(None, ["engine.kind=vllm"]), load_config(None)
     assert [eval_engine_kind(None, None, vllm), eval_engine_kind(None, None, local), eval_engine_kind(None, None, None),

@@ -24,6 +24,7 @@ from selfopd.engines.base import SamplingParams
 from selfopd.comparisons.sft import SftConfig, load_sft_config, run_sft, sft_config_to_toml
 from selfopd.core.models import MARKER, teacher_trained_prompts
 from selfopd.comparisons.sft_targets import sampled_targets, select_rollouts
+from selfopd.templating.chat_format import ChatFormat
 from selfopd.templating.templates import load_template, prompt_token_ids, render_student, render_teacher
 from selfopd.templating.tokenizer_check import check_tokenizers_compatible
 
@@ -209,7 +210,8 @@ def test_real_model_sampled_sft_end_to_end(tmp_path, smollm2_dir, smollm2_tokeni
     student, teacher = load_template("student/plain"), load_template("teacher/answer_note")
     engine = LocalEngine(smollm2_model, smollm2_tokenizer, batch_size=16)
     params = SamplingParams(max_tokens=24, temperature=0.7, n=2, seed=0)
-    targets, stats = sampled_targets(engine, smollm2_tokenizer, train[:6], student, teacher, params, 16, progress=False)
+    targets, stats = sampled_targets(engine, ChatFormat(smollm2_tokenizer), train[:6], student, teacher, params, 16,
+                                    progress=False)
     assert stats.drawn == 12 and stats.kept == len(targets) > 0
     assert stats.kept + stats.wrong + stats.unfinished + stats.duplicate == stats.drawn
     by_id = {e.id: e for e in train}

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from selfopd.diagnostics.drift import drift, general_prompts, position_kl
+from selfopd.templating.chat_format import ChatFormat
 
 
 def _perturbed(model, scale: float = 0.05):
@@ -38,11 +39,11 @@ def test_drift_is_zero_for_the_start_model_and_grows_with_the_change(tiny_model_
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = general_prompts()[:4]
-    same = drift(model, model, tokenizer, prompts, samples=2, max_tokens=8, progress=False)
+    same = drift(model, model, ChatFormat(tokenizer), prompts, samples=2, max_tokens=8, progress=False)
     assert same.kl.value == 0 and same.kl.n == 4 and set(same.per_prompt) == set(prompts)
     assert 0 < same.tokens <= 4 * 2 * 8
-    small = drift(model, _perturbed(model, 0.01), tokenizer, prompts, samples=2, max_tokens=8, progress=False)
-    large = drift(model, _perturbed(model, 0.1), tokenizer, prompts, samples=2, max_tokens=8, progress=False)
+    small = drift(model, _perturbed(model, 0.01), ChatFormat(tokenizer), prompts, samples=2, max_tokens=8, progress=False)
+    large = drift(model, _perturbed(model, 0.1), ChatFormat(tokenizer), prompts, samples=2, max_tokens=8, progress=False)
     assert small.tokens == same.tokens  # the same samples: they come from `model` with one seed
     assert 0 < small.kl.value < large.kl.value
 

@@ -63,11 +63,11 @@ def test_only_the_adapters_train(tmp_path, tiny_model_dir):
 
 def test_frozen_teacher_is_the_student_module_with_adapters_off(tmp_path, tiny_model_dir):
     run = _started(_config(tmp_path, tiny_model_dir, "teacher.kind=frozen", "run.name=frozen"))
-    assert run.teacher_engine.model is run.model  # no second copy of the weights
+    assert run.teacher.engine.model is run.model  # no second copy of the weights
     train_step(run)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     expected = probe_logprobs(base, run.probe, run.pad_id)
-    teacher = run.teacher_engine.score([run.probe])[0].logprobs
+    teacher = run.teacher.engine.score([run.probe])[0].logprobs
     student = run.student_engine.score([run.probe])[0].logprobs
     assert torch.equal(teacher, expected)
     assert (student - expected).abs().max() > 1e-3
@@ -172,13 +172,13 @@ def test_real_model_adapters_off_is_the_base_after_a_training_step(tmp_path, smo
     and a fresh base given the merged weights gives the adapted ones."""
     run = _started(_config(tmp_path, "smollm2-135m-instruct", "teacher.kind=frozen", "optim.lr=1e-3",
                            "run.name=real", "rollout.max_tokens=8"))
-    assert run.teacher_engine.model is run.model
+    assert run.teacher.engine.model is run.model
     base_lp = probe_logprobs(smollm2_model, run.probe, run.pad_id)
     metrics = train_step(run)
     assert "probe/max_abs_diff" not in metrics  # in process: the live module, nothing to probe
     adapted = probe_logprobs(run.model, run.probe, run.pad_id)
     assert (adapted - base_lp).abs().max() > 1e-3
-    assert (run.teacher_engine.score([run.probe])[0].logprobs - base_lp).abs().max() <= 1e-6
+    assert (run.teacher.engine.score([run.probe])[0].logprobs - base_lp).abs().max() <= 1e-6
 
     fresh = AutoModelForCausalLM.from_pretrained(smollm2_dir)
     engine = LocalEngine(fresh, run.tokenizer)

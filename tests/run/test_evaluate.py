@@ -105,3 +105,31 @@ def test_eval_template_and_chat_arguments_are_what_the_eval_renders(smollm2_dir,
                  grading=prompting.grading, template_kwargs=prompting.template_kwargs)
         assert engine.prompts == [prompt_token_ids(tokenizer, [{"role": "user", "content": content}], kwargs)]
         assert tokenizer.decode(engine.prompts[0]).endswith(EMPTY_THINK) == (kwargs == {"enable_thinking": False})
+
+
+def test_what_selfopd_eval_answers_is_chosen_in_one_place(tmp_path):
+    """`eval_set`: a part of the config's split, else eval.data; of a run, its held-out prompts, a data
+    spec refused when the run trained on one of its prompts, or drawn past every prompt it held (fresh)."""
+    from selfopd.config import load_config
+    from selfopd.data import DataError
+    from selfopd.data.example import prompt_key
+    from selfopd.data.split import SplitRecord, load_split
+    from selfopd.run.evaluate import eval_set
+
+    spec = "rg:chain_sum?min_terms=2&max_terms=2&size=20&seed=3"
+    config = load_config(None, [f"data.spec={spec}", "data.eval_size=4"])
+    train, held_out = load_split(spec, 4, 0)
+    assert [list(eval_set(config, split=part).examples) for part in ("train", "eval", "all")] == [
+        list(train), list(held_out), list(train) + list(held_out)]
+    assert eval_set(config).what == f"{spec} [eval]"
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n" for i in range(2)))
+    assert [e.id for e in eval_set(load_config(None, [f"data.spec={spec}", f"eval.data={rows}"])).examples] == [
+        "rows/0", "rows/1"]
+    record = SplitRecord.of(spec, 0, train, held_out)
+    record.write(tmp_path)
+    assert list(eval_set(config, run_dir=tmp_path).examples) == list(held_out)
+    with pytest.raises(DataError, match=rf"^\d+ of the \d+ distinct prompts of .* were trained on by {tmp_path} "):
+        eval_set(config, data=spec, run_dir=tmp_path)
+    fresh = eval_set(config, data=spec.replace("size=20", "size=10"), run_dir=tmp_path, fresh=True).examples
+    assert fresh and not {prompt_key(e.prompt) for e in fresh} & {*record.train_prompts, *record.eval_prompts}

@@ -7,6 +7,7 @@ weights back. Everything is compared with the in-process engine on the same weig
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -30,7 +31,7 @@ from tests.engine_contract import (
     train_demo_steps,
 )
 
-from selfopd.config import load_config
+from selfopd.config import DEFAULT_TEACHER, load_config
 from selfopd.engines.base import SamplingParams
 from selfopd.engines.local import LocalEngine
 from selfopd.serving.vllm import VLLMEngine, parse_prompt_logprobs
@@ -203,7 +204,8 @@ def test_the_probe_checks_every_student_server(servers, engines, base_weights_af
         stale = VLLMEngine([servers["student"], servers["teacher"]],
                            weight_sync=WeightTransfer([[ServerControl(servers["student"])]]))
         run.resources.callback(stale.close)
-        run.student_engine = run.teacher_engine = stale
+        run.student_engine = stale
+        run.teachers[DEFAULT_TEACHER] = dataclasses.replace(run.teacher, engine=stale)
         with pytest.raises(WeightSyncError, match=rf"the student engine's logprobs \({servers['teacher']}\) differ"):
             train_step(run)
     finally:
@@ -352,7 +354,7 @@ def test_two_requests_in_flight_with_the_teacher_scored_by_the_trainer(servers, 
                  "engine.teacher_url=", "engine.teacher_engine=local", "loss.divergence=reverse_kl",
                  "rollout.max_tokens=24")
     run = build_run(train_config(servers, tmp_path, "run.name=in-flight", *overrides))
-    assert run.teacher_engine.model is run.model  # the self teacher is the trainer's own module
+    assert run.teacher.engine.model is run.model  # the self teacher is the trainer's own module
     calls: list[tuple[float, float]] = []
     real_sample = run.student_engine.sample
 

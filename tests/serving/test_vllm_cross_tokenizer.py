@@ -35,7 +35,7 @@ def test_vllm_teacher_with_its_own_tokenizer(vllm_servers, smollm2_model, tmp_pa
         "optim.micro_batch_prompts=2", "rollout.max_tokens=16", "rollout.temperature=1.0"])
     run = build_run(config)
     try:
-        side = run.teacher_side
+        side = run.teacher
         examples = run.train_examples[:2]
         messages = [render_student(run.student_template, e) for e in examples]
         groups = run.student_engine.sample([prompt_token_ids(run.tokenizer, m) for m in messages],

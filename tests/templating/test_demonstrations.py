@@ -8,13 +8,13 @@ import json
 
 import pytest
 
-import selfopd.training.teacher as teacher_prompts_module
+import selfopd.templating.chat_format as chat_format_module
 from selfopd.config import ConfigError, load_config
 from selfopd.templating.demonstrations import pick_demonstrations
 from selfopd.diagnostics.context import Prompting
 from selfopd.run.rollouts import read_records
 from selfopd.data.example import Example
-from selfopd.training.setup import check_templates_render
+from selfopd.training.teachers import check_templates_render
 from selfopd.templating.lint import lint_template
 from selfopd.templating.templates import TemplateError, load_template, render_student, render_teacher
 from selfopd.training.trainer import build_run, train_step
@@ -72,7 +72,7 @@ def test_a_fallback_that_uses_demonstration_is_refused(tmp_path, tiny_model_dir)
 def test_saved_rollouts_record_the_demonstration_and_diagnostics_render_it(tmp_path, tiny_model_dir, monkeypatch):
     """A tiny random model is never right, so the verifier is replaced by one that passes the
     first sample of each group: that sample has no other success (fallback), the others show it."""
-    real_grade = teacher_prompts_module.grade
+    real_grade = chat_format_module.grade
     calls = []
 
     def first_of_group_correct(text, example, **how):
@@ -81,7 +81,7 @@ def test_saved_rollouts_record_the_demonstration_and_diagnostics_render_it(tmp_p
         first = len(calls) % 3 == 1
         return dataclasses.replace(verdict, correct=first, reward=float(first))
 
-    monkeypatch.setattr(teacher_prompts_module, "grade", first_of_group_correct)
+    monkeypatch.setattr(chat_format_module, "grade", first_of_group_correct)  # the step's grading
     run = build_run(load_config(None, [*SMALL, f"model.student={tiny_model_dir}", f"run.out_dir={tmp_path}",
                                        "run.name=sibling"]))
     run.run_dir.mkdir(parents=True)
@@ -92,8 +92,8 @@ def test_saved_rollouts_record_the_demonstration_and_diagnostics_render_it(tmp_p
         rows = [r for r in records if r.group == group]
         assert rows[0].demonstration is None
         assert [r.demonstration for r in rows[1:]] == [rows[0].text, rows[0].text]
-    prompting = Prompting(run.tokenizer, run.student_template, run.teacher_template,
-                          {e.id: e for e in run.train_examples}, run.demonstration_fallback)
+    prompting = Prompting(run.tokenizer, run.student_template, run.teacher.template,
+                          {e.id: e for e in run.train_examples}, run.teacher.demonstration_fallback)
     example = prompting.example(records[1].id)
     shown = prompting.teacher_messages(example, records[1].text, demonstration=records[1].demonstration)
     assert records[1].demonstration in shown[-1]["content"]

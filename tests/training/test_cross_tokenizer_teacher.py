@@ -56,17 +56,17 @@ def test_teacher_with_another_tokenizer_scores_the_students_text(tmp_path, tiny_
                      "teacher.tokenizer=own", "run.steps=1", "run.name=cross", "rollout.max_tokens=12")
     run = build_run(config)
     try:
-        assert not run.bridge.shared_ids and bpe.convert_ids_to_tokens(run.bridge.teacher_end) == "<|end|>"
+        assert not run.teacher.bridge.shared_ids and bpe.convert_ids_to_tokens(run.teacher.bridge.teacher_end) == "<|end|>"
         examples = run.train_examples[:2]
         messages = [render_student(run.student_template, e) for e in examples]
         groups = run.student_engine.sample([prompt_token_ids(run.tokenizer, m) for m in messages],
                                            SamplingParams(max_tokens=12, n=3, seed=0))
-        rows = teacher_rows(run.teacher_side, 0, examples, messages, groups, 0)
-        scored, _ = score_rows(run.teacher_side, rows, 0)
-        independent = LocalEngine(run.teacher_engine.model, bpe, batch_size=1)  # one row at a time: no padding
+        rows = teacher_rows(run.teacher, 0, examples, messages, groups, 0)
+        scored, _ = score_rows(run.teacher, rows, 0)
+        independent = LocalEngine(run.teacher.engine.model, bpe, batch_size=1)  # one row at a time: no padding
         for row, s in zip(rows, scored):
             assert len(s.teacher_logprobs) == len(row.rollout.completion_ids)
-            assert row.prompt_ids == run.bridge.prompt_ids(render_teacher(run.teacher_template, row.example, messages[row.group]))
+            assert row.prompt_ids == run.teacher.bridge.prompt_ids(render_teacher(run.teacher.template, row.example, messages[row.group]))
             assert bpe.decode(row.prompt_ids).startswith("<|system|>") or bpe.decode(row.prompt_ids).startswith("<|user|>")
             if not s.aligned:
                 continue

@@ -4,6 +4,7 @@ vLLM server is) and the probe that proves it serves the average, not the student
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from selfopd.config import ConfigError, load_config
+from selfopd.config import DEFAULT_TEACHER, ConfigError, load_config
 from selfopd.training.ema import EmaWeights
 from selfopd.engines.local import LocalEngine
 from selfopd.training.trainer import WeightSyncError, build_run, train, train_step
@@ -79,7 +80,7 @@ def test_a_teacher_server_is_sent_the_average_and_the_probe_proves_it(tmp_path, 
     run = build_run(_config(tmp_path, tiny_model_dir, "run.name=served", "teacher.kind=ema", "teacher.ema_rate=0.5"))
     run.run_dir.mkdir(parents=True)
     server_copy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    run.teacher_engine = LocalEngine(server_copy, run.tokenizer)
+    run.teachers[DEFAULT_TEACHER] = dataclasses.replace(run.teacher, engine=LocalEngine(server_copy, run.tokenizer))
     metrics = train_step(run)
     assert metrics["probe/max_abs_diff"] == 0.0 and metrics["teacher/ema_distance"] > 0
     for name, param in server_copy.named_parameters():
@@ -89,7 +90,7 @@ def test_a_teacher_server_is_sent_the_average_and_the_probe_proves_it(tmp_path, 
         def update_weights(self, named_tensors, version):
             super().update_weights({n: p.detach() for n, p in run.model.named_parameters()}, version)
 
-    run.teacher_engine = StudentWeightsEngine(server_copy, run.tokenizer)
+    run.teachers[DEFAULT_TEACHER] = dataclasses.replace(run.teacher, engine=StudentWeightsEngine(server_copy, run.tokenizer))
     with pytest.raises(WeightSyncError, match=r"after step 2 the ema teacher engine's logprobs .* differ from the "
                                               r"trainer's EMA weights'"):
         train_step(run)

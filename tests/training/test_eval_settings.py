@@ -72,12 +72,12 @@ def test_the_in_run_eval_renders_and_grades_as_eval_settings_say(tmp_path, tiny_
 
     rendered = []
 
-    def recording(tokenizer, messages, template_kwargs=None):
-        rendered.append((messages[-1]["content"], dict(template_kwargs or {})))
-        return original(tokenizer, messages, template_kwargs or {})
+    class Recording(evaluation.ChatFormat):  # the eval's chat format, recording what it renders
+        def prompt(self, messages):
+            rendered.append((messages[-1]["content"], dict(self.template_kwargs)))
+            return super().prompt(messages)
 
-    original = evaluation.prompt_token_ids
-    monkeypatch.setattr(evaluation, "prompt_token_ids", recording)
+    monkeypatch.setattr(evaluation, "ChatFormat", Recording)
     model = thinking_model_dir(tiny_model_dir, tmp_path / "thinking")
     run_dir = train(_config(tmp_path, model, "run.name=opsd", "data.student_template=student/opsd",
                             "model.chat_template_kwargs=enable_thinking=false", *eval_sets))

@@ -12,7 +12,7 @@ import torch
 from selfopd.config import ConfigError, config_to_toml
 from selfopd.data import load_examples
 from selfopd.run.rollouts import rollout_digest_lines
-from selfopd.training.routing import starved_teachers
+from selfopd.training.teacher_metrics import starved_teachers
 from selfopd.training.trainer import build_run, train
 from tests.training.test_trainer import _config, _lines
 
@@ -67,7 +67,7 @@ def test_teachers_of_the_same_weights_share_one_engine(tmp_path, tiny_model_dir)
                             "teachers.again.kind=frozen", "teachers.again.tasks=rg:chain_sum", "teachers.live.kind=self",
                             "teachers.live.tasks=rg:products", "run.name=engines"))
     try:
-        named = run.named_teachers
+        named = run.teachers
         assert named["arith"].engine is named["again"].engine  # one frozen copy
         assert named["arith"].engine is not run.student_engine
         assert named["live"].engine is run.student_engine  # `self`: the live student, never a copy
@@ -198,7 +198,7 @@ def test_a_comparison_arm_may_add_a_teacher(tmp_path):
 
 
 def test_teacher_metrics_on_a_hand_computed_case():
-    from selfopd.training.routing import teacher_metrics
+    from selfopd.training.teacher_metrics import teacher_metrics
 
     # Rollouts: (teacher, tokens, group, correct); per-token signal teacher - student.
     teacher_of = ["a", "a", "b", "a", "b"]

@@ -276,12 +276,16 @@ def test_the_step_request_carries_top_k_and_min_p_to_a_vllm_server(tmp_path):
     from selfopd.core.distributed import World
     from selfopd.data.example import Example
     from selfopd.serving.vllm import VLLMEngine
+    from selfopd.templating.chat_format import ChatFormat
     from selfopd.templating.templates import load_template
     from selfopd.training.rollout_pipeline import request_for_step
 
-    class Tokenizer:  # what prompt_token_ids reads of a tokenizer, without a model folder
+    class Tokenizer:  # what a chat format reads of a tokenizer, without a model folder
         def apply_chat_template(self, messages, **kwargs):
             return [1, 2, 3]
+
+        def decode(self, ids):
+            return ""
 
     server = _FakeVLLM()
     try:
@@ -292,7 +296,8 @@ def test_the_step_request_carries_top_k_and_min_p_to_a_vllm_server(tmp_path):
                                         "optim.micro_batch_prompts=1", *sets])
             examples = [Example(id=f"e{i}", prompt=f"What is {i} + 1?", answer=str(i + 1)) for i in range(4)]
             side = SimpleNamespace(config=config, tokenizer=Tokenizer(), engine=engine, world=World(),
-                                   template=load_template(config.data.student_template), train_examples=examples)
+                                   template=load_template(config.data.student_template), train_examples=examples,
+                                   chat=ChatFormat(Tokenizer()))
             request = request_for_step(side, 1)
             assert (request.params.top_k, request.params.min_p) == (top_k, min_p)
             server.bodies.clear()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfopd.config import ConfigError, load_config
+from selfopd.config import DEFAULT_TEACHER, ConfigError, load_config
 from selfopd.data.example import Example
 from selfopd.engines.base import Rollout
 from selfopd.engines.build import load_model
@@ -26,7 +26,9 @@ TEXTS = [["3 + 4 = 7. The answer is 7.", "The answer is 9.", "The answer is 5."]
 def _side(model_dir, engine, template: str = "teacher/reference_answer", *overrides: str) -> TeacherSide:
     config = load_config(None, [f"model.student={model_dir}", f"teacher.template={template}", *overrides])
     _, tokenizer = load_model(model_dir)
-    return TeacherSide(config, tokenizer, engine, load_template(template), None, per_micro=3, temperature=1.0)
+    return TeacherSide(config, tokenizer, engine, load_template(template), None, per_micro=3, temperature=1.0,
+                       name=DEFAULT_TEACHER, table=config.teacher,
+                       chat_kwargs=config.teacher.template_kwargs(config.model.chat_template_kwargs))
 
 
 def _groups(side: TeacherSide):
@@ -124,7 +126,9 @@ def test_the_teacher_prompt_follows_the_students_arguments_unless_it_sets_its_ow
 
     def prompt(*overrides: str) -> str:
         config = load_config(None, ["model.chat_template_kwargs=enable_thinking=false", *overrides])
-        return tokenizer.decode(TeacherSide(config, tokenizer, None, template, None, 1, 1.0).prompt_ids(messages))
+        side = TeacherSide(config, tokenizer, None, template, None, 1, 1.0, DEFAULT_TEACHER, config.teacher,
+                           config.teacher.template_kwargs(config.model.chat_template_kwargs))
+        return tokenizer.decode(side.prompt_ids(messages))
 
     assert prompt().endswith("assistant\n" + EMPTY_THINK)
     assert prompt("teacher.chat_template_kwargs=enable_thinking=true").endswith("assistant\n")

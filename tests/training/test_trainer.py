@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from selfopd.config import load_config
+from selfopd.config import DEFAULT_TEACHER, load_config
 from selfopd.engines.local import LocalEngine
 from selfopd.engines.build import load_model
 from selfopd.engines.scoring import completion_hidden
@@ -176,7 +177,8 @@ def test_tokenizer_without_pad_token_trains(tmp_path, tiny_model_dir):
     run = build_run(_config(tmp_path, tiny_model_dir, "run.name=nopad"))
     run.tokenizer.pad_token = None
     assert run.tokenizer.pad_token_id is None
-    run.student_engine = run.teacher_engine = LocalEngine(run.model, run.tokenizer)
+    run.student_engine = LocalEngine(run.model, run.tokenizer)
+    run.teachers[DEFAULT_TEACHER] = dataclasses.replace(run.teacher, engine=run.student_engine)
     metrics = train_step(run)
     assert math.isfinite(metrics["loss/pg"]) and run.pad_id == run.model.generation_config.eos_token_id
 
@@ -208,10 +210,10 @@ def test_bfloat16_run_trains_fp32_master_weights_in_bf16_compute(tmp_path, tiny_
 def test_frozen_teacher_keeps_the_initial_weights(tmp_path, tiny_model_dir):
     run = build_run(_config(tmp_path, tiny_model_dir, "teacher.kind=frozen", "run.name=frozen"))
     run.run_dir.mkdir(parents=True)
-    frozen = {n: p.detach().clone() for n, p in run.teacher_engine.model.named_parameters()}
+    frozen = {n: p.detach().clone() for n, p in run.teacher.engine.model.named_parameters()}
     train_step(run)
-    assert run.teacher_engine is not run.student_engine
-    for name, param in run.teacher_engine.model.named_parameters():
+    assert run.teacher.engine is not run.student_engine
+    for name, param in run.teacher.engine.model.named_parameters():
         assert torch.equal(param, frozen[name]), name
     assert not torch.equal(run.model.get_parameter("model.norm.weight"), frozen["model.norm.weight"])
 
@@ -221,8 +223,8 @@ def test_bfloat16_frozen_teacher_computes_like_the_student(tmp_path, tiny_model_
     forward; held in the student's precision it passes the start check at fp32 tolerance."""
     run = build_run(_config(tmp_path, tiny_model_dir, "teacher.kind=frozen", "model.dtype=bfloat16",
                             "probe.tolerance=1e-6", "run.name=frozen_bf16"))
-    assert next(run.teacher_engine.model.parameters()).dtype == torch.float32
-    teacher = run.teacher_engine.score([run.probe])[0].logprobs  # each engine in the run's precision
+    assert next(run.teacher.engine.model.parameters()).dtype == torch.float32
+    teacher = run.teacher.engine.score([run.probe])[0].logprobs  # each engine in the run's precision
     student = run.student_engine.score([run.probe])[0].logprobs
     assert torch.equal(teacher, student)
 

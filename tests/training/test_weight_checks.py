@@ -21,7 +21,7 @@ def test_push_stats_sums_costs_and_verified_means_every_push_was():
     """Student and `ema` teacher transfers: times, bytes and counts add up; the flag is 1 only when
     both pushes were verified (a sum would report 2, or 1 with one skipped)."""
     for student, teacher, verified in [(1.0, 1.0, 1.0), (1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 0.0)]:
-        run = SimpleNamespace(student_engine=_engine(_stats(student, 4.0)), teacher_engine=_engine(_stats(teacher, 2.0)))
+        run = SimpleNamespace(student_engine=_engine(_stats(student, 4.0)), teacher=SimpleNamespace(engine=_engine(_stats(teacher, 2.0))))
         totals = push_stats(run)
         assert totals["sync/verified"] == verified
         assert totals["time/push"] == 6.0 and totals["sync/gigabytes"] == 1.0
@@ -31,16 +31,16 @@ def test_push_stats_sums_costs_and_verified_means_every_push_was():
 def test_push_stats_of_one_shared_transfer_is_its_own():
     """A `self` teacher shares the student's transfer: counted once; engines without one add nothing."""
     shared = _engine(_stats(0.0, 4.0))
-    assert push_stats(SimpleNamespace(student_engine=shared, teacher_engine=shared)) == _stats(0.0, 4.0)
+    assert push_stats(SimpleNamespace(student_engine=shared, teacher=SimpleNamespace(engine=shared))) == _stats(0.0, 4.0)
     local, fixed = SimpleNamespace(), SimpleNamespace(weight_sync=None)  # in process; a frozen teacher's server
-    assert push_stats(SimpleNamespace(student_engine=shared, teacher_engine=local)) == _stats(0.0, 4.0)
-    assert push_stats(SimpleNamespace(student_engine=local, teacher_engine=fixed)) == {}
+    assert push_stats(SimpleNamespace(student_engine=shared, teacher=SimpleNamespace(engine=local))) == _stats(0.0, 4.0)
+    assert push_stats(SimpleNamespace(student_engine=local, teacher=SimpleNamespace(engine=fixed))) == {}
 
 
 def test_an_engine_that_loads_its_own_weights_reports_its_own_stats():
     """The colocated engine has no transfer: its `stats` are the push's (a `self` teacher is the same engine)."""
     colocated = SimpleNamespace(stats={"time/push": 2.0, "time/push_verify": 0.0, "sync/verified": 0.0})
-    assert push_stats(SimpleNamespace(student_engine=colocated, teacher_engine=colocated)) == colocated.stats
+    assert push_stats(SimpleNamespace(student_engine=colocated, teacher=SimpleNamespace(engine=colocated))) == colocated.stats
 
 
 def test_the_sampler_probe_is_skipped_when_a_filter_renormalises_the_sampler():

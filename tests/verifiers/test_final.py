@@ -69,9 +69,7 @@ def test_a_reasoning_gym_task_is_graded_on_the_text_after_the_block():
     assert grade(f"<think>the answer is {entry['answer']}", example).extracted is None
 
 
-@pytest.mark.parametrize("start, end", [("<think>", ""), ("", "</think>"), ("<t>", "<t>")])
-def test_delimiters_come_in_a_pair_of_different_strings(start, end):
-    with pytest.raises(ValueError):
-        Grading(reasoning_start=start, reasoning_end=end)
+def test_a_truncated_policy_is_one_of_the_two():
+    """The delimiters' rules are checked where the settings are read (tests/config/test_verifier.py)."""
     with pytest.raises(ValueError):
         Grading(truncated="maybe")  # type: ignore[arg-type]
