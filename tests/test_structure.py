@@ -164,9 +164,10 @@ def test_the_training_step_reads_as_short_named_phases():
 # those before it (selfopd.verifiers, the answer checkers, sits with the data, just before it: the
 # loader refuses items whose reference or metadata a scorer would run as code, by the verifiers' grammars).
 # The vLLM side (serving) stands on the engine interface; the memory planner (planning) sizes the
-# servers serving places (gpu_layout), so it comes after it.
-FLOW = ["config", "core", "verifiers", "data", "templating", "engines", "serving", "planning", "run", "training",
-        "diagnostics", "comparisons", "cli"]
+# servers serving places (gpu_layout), so it comes after it. Episodes run on any engine, through a
+# chat format, before a run or the trainer takes them.
+FLOW = ["config", "core", "verifiers", "data", "templating", "engines", "serving", "planning", "episodes", "run",
+        "training", "diagnostics", "comparisons", "cli"]
 
 
 def test_packages_import_only_what_comes_before_them_in_the_flow():

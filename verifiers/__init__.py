@@ -11,6 +11,10 @@ so it is safe in the main thread, in thread pools and in worker processes.
                                                 text after a reasoning block, a finished completion)
     extract_answer(text)                      -> Extraction | None
     answers_equivalent(predicted, reference)  -> bool
+
+Model-written programs (imported from their modules, not here): `code_runner.run_tests(program, tests)`
+runs one sandbox per test (`code_tests` reads the test rows); `code_feedback.grade_program(program,
+tests, hidden=)` gives the reward, the pass counts, the hidden tests' pass rate and SDPO-style feedback.
 """
 
 from .check import reference_answer, verify, verify_example

@@ -67,8 +67,9 @@ _PROBE_TIMEOUT_S = 60.0
 class Limits:
     """What one sandboxed program may use; None leaves that limit as the caller has it.
 
-    cpu_seconds suits one-shot programs; a long-lived worker that runs many checks is bounded by
-    its caller's per-check deadline instead. processes counts threads too.
+    cpu_seconds suits one-shot programs (SIGXCPU at it, which ends a Python program, and SIGKILL
+    a second later); a long-lived worker that runs many checks is bounded by its caller's per-check
+    deadline instead. processes counts threads too.
     """
 
     memory_bytes: int | None = 4 << 30
@@ -93,10 +94,16 @@ for name, value in spec["limits"].items():
     kind = getattr(resource, name)
     hard = resource.getrlimit(kind)[1]
     value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-    resource.setrlimit(kind, (value, value))
+    top = value + 1 if name == "RLIMIT_CPU" else value  # SIGXCPU at the soft limit, SIGKILL at the hard
+    top = top if hard == resource.RLIM_INFINITY else min(top, hard)
+    resource.setrlimit(kind, (value, top))
+if spec.get("ready_fd") is not None:  # the caller's clock starts now: the sandbox is up
+    os.write(spec["ready_fd"], b"1")
+    os.close(spec["ready_fd"])
 uid = spec["uid"]
 if uid is not None:
-    os.chown(spec["scratch"], uid, uid)
+    if spec["scratch"] is not None:
+        os.chown(spec["scratch"], uid, uid)
     os.setgroups([])
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
@@ -104,6 +111,73 @@ if uid is not None:
         sys.exit("isolation launcher: could not drop to uid %d" % uid)
 os.execv(sys.argv[2], sys.argv[2:])
 """
+
+
+# A seccomp filter (classic BPF, loaded by bwrap with --seccomp FD) for programs that need no system
+# administration at all: model-written code. Denied with EPERM: new namespaces (unshare, setns, and
+# clone with a CLONE_NEW* flag: a root caller's sandbox has no user namespace of its own that could
+# forbid them), mounts, ptrace and process_vm_*, bpf, keyrings, userfaultfd, io_uring, perf events,
+# kernel modules and kexec, chroot, swap, reboot, syslog, quotas, x86 port I/O; clone3 answers ENOSYS
+# (its flags sit in memory a filter cannot read; the C library falls back to clone). Another
+# architecture's calling convention (32-bit calls from a 64-bit process, x32) is refused whole.
+_SECCOMP_DENIED = ("unshare setns mount umount2 pivot_root ptrace process_vm_readv process_vm_writev bpf keyctl "
+                   "add_key request_key userfaultfd io_uring_setup io_uring_enter io_uring_register perf_event_open "
+                   "kexec_load kexec_file_load init_module finit_module delete_module open_by_handle_at open_tree "
+                   "move_mount fsopen fsconfig fsmount fspick mount_setattr chroot acct swapon swapoff reboot syslog "
+                   "quotactl iopl ioperm").split()
+_SYSCALLS = {  # (audit arch, {name: number}), from the kernel's tables (x86_64: unistd_64.h; arm64: asm-generic)
+    "x86_64": (0xC000003E, dict(zip(
+        ["clone", "clone3", *_SECCOMP_DENIED],
+        [56, 435, 272, 308, 165, 166, 155, 101, 310, 311, 321, 250, 248, 249, 323, 425, 426, 427, 298, 246, 320, 175,
+         313, 176, 304, 428, 429, 430, 431, 432, 433, 442, 161, 163, 167, 168, 169, 103, 179, 172, 173]))),
+    "aarch64": (0xC00000B7, dict(zip(
+        ["clone", "clone3", *_SECCOMP_DENIED[:-2]],
+        [220, 435, 97, 268, 40, 39, 41, 117, 270, 271, 280, 219, 217, 218, 282, 425, 426, 427, 241, 104, 294, 105,
+         273, 106, 265, 428, 429, 430, 431, 432, 433, 442, 51, 89, 224, 225, 142, 116, 60]))),
+}
+_CLONE_NEW = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000  # NS..NET
+
+
+def seccomp_filter() -> bytes | None:
+    """The filter above as bwrap reads it (struct sock_filter[]), or None on an architecture it has no
+    table for (the sandbox then runs without it)."""
+    import errno
+    import platform
+    import struct
+
+    machine = platform.machine()
+    table = _SYSCALLS.get({"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine))
+    if table is None:
+        return None
+    arch, numbers = table
+    load, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    allow, kill = 0x7FFF0000, 0x80000000
+    eperm, enosys = 0x00050000 | errno.EPERM, 0x00050000 | errno.ENOSYS
+    program = [(load, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, kill), (load, 0, 0, 0)]  # arch, then the call's number
+    if machine in ("x86_64", "amd64"):
+        program += [(jge, 0, 1, 0x40000000), (ret, 0, 0, eperm)]  # the x32 ABI
+    program += [(jeq, 0, 1, numbers["clone3"]), (ret, 0, 0, enosys)]
+    program += [(jeq, 0, 4, numbers["clone"]), (load, 0, 0, 16), (jset, 0, 1, _CLONE_NEW), (ret, 0, 0, eperm),
+                (ret, 0, 0, allow)]  # clone: its flags (first argument, low word) hold no CLONE_NEW*
+    for name in _SECCOMP_DENIED:
+        if name in numbers:
+            program += [(jeq, 0, 1, numbers[name]), (ret, 0, 0, eperm)]
+    program += [(ret, 0, 0, allow)]
+    return b"".join(struct.pack("=HBBI", *instruction) for instruction in program)
+
+
+def seccomp_fd() -> int | None:
+    """A pipe's read end holding `seccomp_filter()` for sandbox_command's seccomp_fd (pass it to Popen's
+    pass_fds, close it after), or None where there is no filter for this architecture."""
+    data = seccomp_filter()
+    if data is None:
+        return None
+    read, write = os.pipe()
+    try:
+        os.write(write, data)  # a few hundred bytes: within a pipe's buffer
+    finally:
+        os.close(write)
+    return read
 
 
 def bwrap_path() -> str | None:
@@ -153,12 +227,22 @@ def _parents(destinations: Iterable[str]) -> list[str]:
 
 
 def sandbox_command(argv: Sequence[str], scratch: Path, *, limits: Limits = Limits(),
-                    read_only: Iterable[Path] = (), env: Mapping[str, str] | None = None) -> list[str]:
+                    read_only: Iterable[Path] = (), env: Mapping[str, str] | None = None,
+                    scratch_read_only: bool = False, tmp_bytes: int | None = None,
+                    ready_fd: int | None = None, seccomp_fd: int | None = None) -> list[str]:
     """The argv that runs `argv` in the sandbox described above, `scratch` (a host folder) as its
     writable SCRATCH, `read_only` and the running Python bound read-only at their own paths, and
     `env` (plus HOME and TMPDIR = SCRATCH) as its whole environment. argv[0] must be an absolute
     path that is inside a bound folder (the launcher execs it without a PATH search).
-    Root callers: the scratch folder is chowned to the program's uid when it starts."""
+    Root callers: the scratch folder is chowned to the program's uid when it starts.
+    scratch_read_only: SCRATCH is bound read-only (a program's files, which it may not change).
+    tmp_bytes: a private tmpfs of at most that many bytes at /tmp (in memory, gone with the
+    sandbox, TMPDIR): room to write that cannot fill the host's disk.
+    ready_fd: a descriptor of ours (pass it to Popen's pass_fds) that the launcher writes one byte to
+    and closes when the sandbox is set up, just before its limits and the program: a caller's time
+    limit can start there rather than count bwrap's set-up on a busy machine.
+    seccomp_fd: a descriptor to read a seccomp filter from (`seccomp_fd()`; pass_fds too), applied to
+    the launcher and the program."""
     bwrap = bwrap_path()
     if bwrap is None:
         raise FileNotFoundError("bwrap (bubblewrap) is not installed")
@@ -170,8 +254,11 @@ def sandbox_command(argv: Sequence[str], scratch: Path, *, limits: Limits = Limi
                    "--cap-add", "CAP_CHOWN"]
     else:
         command = [bwrap, "--unshare-all", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
+        if _bwrap_can_disable_userns(bwrap):  # no user namespace of its own inside ours (bwrap >= 0.8)
+            command += ["--unshare-user", "--disable-userns"]  # --unshare-all's user namespace is only a "try"
     command += ["--die-with-parent", "--new-session", "--clearenv"]
-    for name, value in {**(env or {}), "HOME": SCRATCH, "TMPDIR": SCRATCH}.items():
+    tmpdir = "/tmp" if tmp_bytes is not None else SCRATCH
+    for name, value in {**(env or {}), "HOME": SCRATCH, "TMPDIR": tmpdir}.items():
         command += ["--setenv", name, value]
     for path in _SYSTEM:
         if os.path.islink(path):
@@ -184,12 +271,28 @@ def sandbox_command(argv: Sequence[str], scratch: Path, *, limits: Limits = Limi
         command += ["--dir", folder]
     for source, destination in binds:
         command += ["--ro-bind", source, destination]
-    command += ["--proc", "/proc", "--dev", "/dev", "--bind", str(scratch), SCRATCH, "--chdir", SCRATCH,
-                "--remount-ro", "/"]
+    command += ["--proc", "/proc", "--dev", "/dev", "--ro-bind" if scratch_read_only else "--bind", str(scratch),
+                SCRATCH, "--chdir", SCRATCH]
+    if tmp_bytes is not None:
+        command += ["--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
+    command += ["--remount-ro", "/"]
+    if seccomp_fd is not None:
+        command += ["--seccomp", str(seccomp_fd)]
     uid = random.SystemRandom().randrange(*_ROOT_UID_RANGE) if as_root else None
-    spec = {"limits": limits.rlimits(), "uid": uid, "scratch": SCRATCH}
+    spec = {"limits": limits.rlimits(), "uid": uid, "scratch": None if scratch_read_only else SCRATCH,
+            "ready_fd": ready_fd}
     launcher = os.path.realpath(sys.executable)
     return [*command, "--", launcher, "-I", "-S", "-c", _LAUNCHER, json.dumps(spec), *argv]
+
+
+@functools.lru_cache(maxsize=4)
+def _bwrap_can_disable_userns(bwrap: str) -> bool:
+    """Whether this bwrap has --disable-userns (0.8.0 on): read from its --help once."""
+    try:
+        done = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=_PROBE_TIMEOUT_S, env={})
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "--disable-userns" in done.stdout + done.stderr
 
 
 @functools.lru_cache(maxsize=1)

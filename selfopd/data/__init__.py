@@ -6,12 +6,17 @@ One spec string names a data source everywhere (CLI, configs, logs):
     SOURCE := "rg:" TASK       a reasoning-gym task, generated offline from a seed
             | "kb:" TASK       a procedural knowledge task (kb:countries), generated offline from a seed
             | "champ"          the CHAMP competition-math set (270 problems, solutions, hints)
+            | "humaneval"      HumanEval's 164 function-writing problems with their check functions (offline)
+            | "codegen"        a procedural function-writing task with shown and hidden call tests, from a seed
             | "hf:" NAME       a Hugging Face Hub dataset (needs network or a filled HF cache)
             | PATH             a local .jsonl / .json / .parquet / .csv file ("file:PATH" also works)
 
     rg:chain_sum?min_terms=2&max_terms=3&size=500&seed=1
     kb:countries?entities=24&unseen=8&part=study&seed=0
     champ?concepts=true
+    humaneval?limit=20
+    codegen?level=1&size=200&seed=0
+    data/mbpp_test.jsonl?code=mbpp           (code tests: selfopd.data.code_shapes, selfopd.data.code_sources)
     hf:openai/gsm8k?split=test               (preset: config main, answer after "####")
     data/my.jsonl?prompt=question&answer=target&hints=tips&limit=100
     data/gsm8k_test.jsonl?preset=openai/gsm8k
@@ -35,6 +40,9 @@ Options, by source (each is a `DataSpec` field of the same name; `id`, `prompt`,
                            (an empty cell, or no \\boxed{} for answer=boxed:COLUMN) instead of stopping
               preset       a named mapping from PRESETS (hf: chosen by dataset name by default)
               limit        keep only the first N examples
+              code         mbpp or lcb: the rows carry code tests in MBPP's layout (text, code, test_list of
+                           `assert f(x) == y`) or LiveCodeBench's (question_content, public_test_cases and
+                           private_test_cases of stdin / stdout pairs); their presets set it
     hf        config, split  the Hub config name and split (default: the preset's, else "train")
               revision     the dataset's branch, tag or commit hash (default: its default branch)
     rg        seed (default 0), size (default 500): the number of items, distinct prompts
@@ -50,6 +58,9 @@ Options, by source (each is a `DataSpec` field of the same name; `id`, `prompt`,
               phrasings; train, heldout, unseen alone; fresh: the trained facts in
               two more phrasings), sheet (own; shuffled: another entity's
               fact sheet in meta["fact_sheet"]): see selfopd.data.knowledge
+    humaneval limit; the tests are each problem's check function (shown: it cannot be split)
+    codegen   seed (default 0), size (default 500: distinct functions unless distinct=false), level (1-3,
+              default 1: the difficulty); 3 shown and 3 hidden call tests per function (selfopd.data.codegen)
     champ     concepts=true  put the problem's concepts before its hints (most general first)
               limit
 
@@ -73,6 +84,8 @@ from typing import Collection
 
 from selfopd.data import mixture
 from selfopd.data import sources as data_sources
+from selfopd.data.code_sources import load_humaneval
+from selfopd.data.codegen import load_codegen
 from selfopd.data.knowledge import load_knowledge
 from selfopd.data.spec import (  # noqa: F401  (the public names of selfopd.data)
     FILE_BUILDERS,
@@ -105,8 +118,10 @@ def load_examples(spec: DataSpec | str, exclude: Collection[str] = ()) -> list[E
     excluded = frozenset(exclude)
     if spec.source == "rg":
         return data_sources.load_reasoning_gym(spec, excluded)
+    if spec.source == "codegen":
+        return load_codegen(spec, excluded)
     loader = {"hf": data_sources.load_hub, "file": data_sources.load_file, "champ": data_sources.load_champ,
-              "kb": load_knowledge}
+              "kb": load_knowledge, "humaneval": load_humaneval}
     examples = loader[spec.source](spec)
     check_unique_ids(examples, spec.label)
     kept, seen = [], set(excluded)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from selfopd.data.spec import BOXED, FILE_BUILDERS, PRESETS, TEACHER_COLUMN, DataError, DataSpec, Preset
+from selfopd.data import code_sources
 from selfopd.data.example import Example, prompt_key
 from selfopd.data.rg_options import checked_options
 from selfopd.data.worked_solutions import arithmetic_solution
@@ -109,6 +110,8 @@ def _rows_to_examples(table, spec: DataSpec, preset: Preset | None, id_prefix: s
     """Map table rows to Examples by the spec's columns (explicit option > preset > default). Only
     those columns (and a `teacher` column, for routing) are kept: the others are dropped before
     any row is read, so a large unused column never reaches memory row by row."""
+    if spec.code or (preset and preset.code):  # tests, not an answer (selfopd.data.code_sources)
+        return code_sources.rows_to_code_examples(table, spec, preset, spec.code or preset.code, id_prefix)
     p = preset or Preset(prompt="prompt", answer="answer")  # the defaults without a preset
     answer_col = spec.answer_col or p.answer  # a preset may read its answer from a \boxed{} too
     boxed = answer_col.startswith(BOXED)

@@ -43,6 +43,7 @@ class Preset:
     split: str = "train"  # Hub split used when the spec names none
     answer_sep: str | None = None
     clean_prompt: Callable[[str], str] | None = None
+    code: str | None = None  # a code layout of CODE_LAYOUTS: the rows carry tests (selfopd.data.code_sources)
 
 
 PRESETS: dict[str, Preset] = {
@@ -59,26 +60,37 @@ PRESETS: dict[str, Preset] = {
     # OPSD's training set (github.com/siyan-zhao/OPSD, opsd_train.py): OpenThoughts math problems with
     # their solutions, the privileged text its teacher reads; the answer is the solution's last \boxed{}
     "siyanzhao/Openthoughts_math_30k_opsd": Preset(prompt="problem", answer="boxed:solution", solution="solution"),
+    # code tasks (selfopd.data.code_sources): MBPP's text, reference code and `assert f(x) == y` tests; LiveCodeBench's
+    # statement and public / private stdin tests (no reference solution)
+    "google-research-datasets/mbpp": Preset(prompt="text", answer="code", id="task_id", config="full", split="test",
+                                            code="mbpp"),
+    "livecodebench/code_generation_lite": Preset(prompt="question_content", answer="", id="question_id", split="test",
+                                                 code="lcb"),
 }
 
 # --------------------------------------------------------------------------- the spec
 
-SOURCES = ("rg", "kb", "champ", "hf", "file")
+SOURCES = ("rg", "kb", "champ", "hf", "file", "humaneval", "codegen")
+NAMELESS = ("champ", "humaneval", "codegen")  # packaged or generated sets: the spec is the bare source
+CODE_LAYOUTS = ("mbpp", "lcb")  # tables whose rows carry code tests (selfopd.data.code_sources)
+CODEGEN_LEVELS = (1, 2, 3)  # the procedural function-writing task's difficulty (selfopd.data.codegen)
 BOXED = "boxed:"  # answer=boxed:COLUMN: the answer is the last \boxed{} of that column
 TEACHER_COLUMN = "teacher"  # a table's column that names each row's teacher (selfopd.data.routing)
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 _COLUMN_KEYS = {"id": "id_col", "prompt": "prompt_col", "answer": "answer_col",
                 "solution": "solution_col", "hints": "hints_col"}  # spec key -> field
 _TABLE = {"id_col", "prompt_col", "answer_col", "solution_col", "hints_col",
-          "answer_sep", "preset", "limit", "unanswered"}
+          "answer_sep", "preset", "limit", "unanswered", "code"}
 _APPLIES = {  # which DataSpec fields each source reads
     "hf": _TABLE | {"config", "split", "revision", "distinct"},
     "file": _TABLE | {"distinct"},
     "rg": {"seed", "size", "task_config", "distinct"},
     "kb": {"seed", "entities", "unseen", "part", "sheet", "distinct"},
     "champ": {"concepts", "limit", "distinct"},
+    "humaneval": {"limit", "distinct"},
+    "codegen": {"seed", "size", "level", "distinct"},
 }
-PROCEDURAL = ("rg",)  # sources that generate items, and repeat prompts unless told not to
+PROCEDURAL = ("rg", "codegen")  # sources that generate items, and repeat prompts unless told not to
 # The most items a procedural source generates: reasoning-gym draws 0.1-0.3 ms an item on one CPU core
 # (a deduplicated draw up to 50 per item), so 10^5 items take 10-30 s and 10^8 would take hours.
 MAX_SIZE = 100_000
@@ -89,8 +101,8 @@ class DataSpec:
     """Where examples come from. `parse_data_spec` builds one from a spec string; fields
     that do not apply to `source` must keep their defaults (checked here)."""
 
-    source: Literal["rg", "kb", "champ", "hf", "file"]
-    name: str = ""  # rg task, kb task, Hub dataset name, or file path; empty for champ
+    source: Literal["rg", "kb", "champ", "hf", "file", "humaneval", "codegen"]
+    name: str = ""  # rg task, kb task, Hub dataset name, or file path; empty for champ, humaneval, codegen
     # table sources (hf, file): which column feeds which Example field (None: preset/default)
     id_col: str | None = None
     prompt_col: str | None = None
@@ -102,6 +114,7 @@ class DataSpec:
     config: str | None = None  # hf: config name (None: the preset's, else the default one)
     split: str | None = None  # hf: split (None: the preset's, else "train")
     revision: str | None = None  # hf: the dataset's revision (branch, tag or commit; None: the default branch)
+    code: str | None = None  # hf, file: the rows' code-test layout, one of CODE_LAYOUTS (None: the preset's, else none)
     # reasoning-gym
     seed: int = 0  # generator seed: the same seed gives the same items in any process
     size: int = 500  # number of items to generate
@@ -113,6 +126,8 @@ class DataSpec:
     sheet: str = "own"
     # champ
     concepts: bool = False  # prepend the problem's concepts to its hints
+    # codegen: difficulty, one of CODEGEN_LEVELS (1: one operation on a number, string or list)
+    level: int = 1
     # all but rg (use size there)
     limit: int | None = None  # keep the first `limit` examples
     unanswered: Literal["refuse", "drop"] = "refuse"  # tables: a row with no answer stops the load, or is left out
@@ -122,9 +137,9 @@ class DataSpec:
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
             raise DataError(f"unknown source {self.source!r}; allowed: {', '.join(SOURCES)}")
-        if self.source == "champ" and self.name:
-            raise DataError(f"source 'champ' takes no name, got {self.name!r}")
-        if self.source != "champ" and not self.name:
+        if self.source in NAMELESS and self.name:
+            raise DataError(f"source {self.source!r} takes no name, got {self.name!r}")
+        if self.source not in NAMELESS and not self.name:
             raise DataError(f"source {self.source!r} needs a name")
         for f in dataclasses.fields(self):
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
@@ -152,6 +167,10 @@ class DataSpec:
                                 "is; give one")
         if self.unanswered not in ("refuse", "drop"):
             raise DataError(f"{self.label}: unanswered must be 'refuse' or 'drop', got {self.unanswered!r}")
+        if self.code is not None and self.code not in CODE_LAYOUTS:
+            raise DataError(f"{self.label}: unknown code layout {self.code!r}; allowed: {', '.join(CODE_LAYOUTS)}")
+        if self.level not in CODEGEN_LEVELS:
+            raise DataError(f"{self.label}: level must be one of {', '.join(map(str, CODEGEN_LEVELS))}, got {self.level}")
         if self.source == "file" and Path(self.name).suffix.lower() not in FILE_BUILDERS:
             raise DataError(f"{self.name}: unknown file type; allowed: {', '.join(FILE_BUILDERS)}")
 
@@ -163,8 +182,8 @@ class DataSpec:
     @property
     def label(self) -> str:
         """How errors and meta name this source."""
-        if self.source in ("file", "champ"):
-            return self.name or "champ"
+        if self.source == "file" or self.source in NAMELESS:
+            return self.name or self.source
         return f"{self.source}:{self.name}"
 
     def __str__(self) -> str:
@@ -199,7 +218,7 @@ def _allowed_keys(source: str) -> list[str]:
 
 
 _FIELD_TYPES = {"seed": int, "size": int, "limit": int, "concepts": bool, "distinct": bool, "entities": int,
-                "unseen": int}  # others are str
+                "unseen": int, "level": int}  # others are str
 
 
 def _parse_value(text: str, kind: type | None) -> Any:
@@ -225,19 +244,19 @@ def parse_data_spec(text: str) -> DataSpec:
     """Parse a spec string (grammar in the module docstring) into a DataSpec."""
     head, _, query = text.strip().partition("?")
     prefix = re.match(r"^([A-Za-z][A-Za-z0-9_+.-]*):", head)  # a URL-like scheme
-    if head == "champ":
-        source, name = "champ", ""
+    if head in NAMELESS:
+        source, name = head, ""
     elif prefix and prefix.group(1) in ("rg", "kb", "hf", "file"):
         source, name = prefix.group(1), head[prefix.end():]
     elif prefix:
         raise DataError(f"unknown data source {prefix.group(1) + ':'!r} in {text!r}; allowed: "
-                        f"rg:TASK, kb:TASK, champ, hf:NAME, or a path to a {'/'.join(FILE_BUILDERS)} file")
+                        f"rg:TASK, kb:TASK, champ, hf:NAME, humaneval, codegen, or a path to a {'/'.join(FILE_BUILDERS)} file")
     elif Path(head).suffix.lower() in FILE_BUILDERS:
         source, name = "file", head
     else:
-        raise DataError(f"unknown data source {head!r}; allowed: rg:TASK, kb:TASK, champ, hf:NAME, "
+        raise DataError(f"unknown data source {head!r}; allowed: rg:TASK, kb:TASK, champ, hf:NAME, humaneval, codegen, "
                         f"or a path to a {'/'.join(FILE_BUILDERS)} file")
-    if source != "champ" and not name:
+    if source not in NAMELESS and not name:
         raise DataError(f"{text!r}: source {source + ':'!r} needs a name")
 
     kwargs: dict[str, Any] = {}

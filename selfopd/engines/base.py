@@ -77,6 +77,19 @@ class Rollout:
     # With requests in flight across weight pushes (rollout.max_staleness >= 2 on vLLM servers): the
     # newest weights that may have sampled a token of it, when newer than weight_version; else None.
     last_weight_version: int | None = None
+    # An episode of several turns: per completion id, True where the student wrote it and False for the
+    # environment's tokens between its turns (tool results, feedback, observations), which are context
+    # for student and teacher alike and get no advantage and no loss. None: every id is the student's.
+    loss_mask: tuple[bool, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.loss_mask is not None and len(self.loss_mask) != len(self.completion_ids):
+            raise ValueError(f"loss_mask has {len(self.loss_mask)} entries for {len(self.completion_ids)} completion ids")
+
+    @property
+    def student_tokens(self) -> int:
+        """How many completion ids the student wrote (all of them outside an episode)."""
+        return len(self.completion_ids) if self.loss_mask is None else sum(self.loss_mask)
 
 
 @dataclass(frozen=True)

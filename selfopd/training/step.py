@@ -100,7 +100,7 @@ def forward_backward(run: Run, scored: list[Scored], teacher_states: list[States
     micro-batches by the step's totals, and FSDP's mean over ranks is undone by `world.size`."""
     cfg, world = run.config, run.world
     run.model.train()
-    total_tokens = all_sum(sum(len(s.rollout.completion_ids) for s in scored), world)
+    total_tokens = all_sum(sum(s.rollout.student_tokens for s in scored), world)  # an episode's own tokens
     total_rollouts = len(scored) * world.size
     backward = Backward(0.0, total_tokens, _opd_weights(run, scored),
                         rlsd_lambda(run.step, cfg.loss.rlsd_weight, cfg.loss.rlsd_decay_steps))
@@ -133,7 +133,7 @@ def micro_batch_loss(run: Run, micro: Sequence[Scored], backward: Backward, star
     # window is kept for backward only when no divergence's window is formed after it.
     with contextlib.nullcontext() if not exact or loss_cfg.lambda_rl else torch.no_grad():
         student_lp_BC = logprobs_from_hidden(run.model, hidden_BCH, tokens_BC, mask_BC, keep_last=not exact)
-    mask_BC = mask_BC.bool()
+    mask_BC = mask_BC.bool() & student_mask(micro, mask_BC.shape[1], mask_BC.device)  # episodes: the student's turns
     length = mask_BC.shape[1]
     inputs = LossInputs(
         student_lp_BT=student_lp_BC,
@@ -158,6 +158,17 @@ def micro_batch_loss(run: Run, micro: Sequence[Scored], backward: Backward, star
                         ("advantage", parts.advantage_BT), ("clipped", parts.clipped_BT)):
         backward.collected[key].append(tensor.detach()[mask_BC].float().cpu())
     return parts.loss, int(mask_BC.sum()), mask_BC
+
+
+def student_mask(micro: Sequence[Scored], length: int, device: torch.device) -> torch.Tensor:
+    """(B, C) True where a completion id is the student's own: every id of a single-turn rollout, and
+    an episode's student turns only (`Rollout.loss_mask`); the environment's ids between them are
+    context, with no advantage and no loss. Padding is the caller's to mask."""
+    mask_BC = torch.ones(len(micro), length, dtype=torch.bool)
+    for row, s in enumerate(micro):
+        if s.rollout.loss_mask is not None:
+            mask_BC[row, : len(s.rollout.loss_mask)] = torch.tensor(s.rollout.loss_mask, dtype=torch.bool)
+    return mask_BC.to(device)
 
 
 def _teacher_topk(micro: Sequence[Scored], length: int, top_k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,118 @@
+"""A batch of episodes run on any engine, turn by turn in lockstep: every live episode's ids are
+sampled in one call (continuations as token ids, so a vLLM server and the in-process engine see the
+same thing), each reply goes to its own environment, and the environment's messages are appended
+through the student's chat format without rendering the history again."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from selfopd.data.example import Example
+from selfopd.engines.base import Engine, SamplingParams
+from selfopd.episodes.environment import BadEnvironmentAnswer, Environment, Response, checked_response
+from selfopd.episodes.episode import Ending, Episode, Turn
+from selfopd.templating.chat_format import ChatFormat
+
+log = logging.getLogger(__name__)
+SEED_STRIDE = 1_000_003  # turn t samples with seed + t * SEED_STRIDE: turns draw apart, runs repeat
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """The limits of one episode: student turns, and ids after the prompt (the student's and the
+    environment's together). Each student turn's own limit is the sampling params' max_tokens."""
+
+    max_turns: int = 3
+    max_episode_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1 or self.max_episode_tokens < 1:
+            raise ValueError("an episode has at least one turn and one token")
+
+
+@dataclass
+class _Live:
+    prompt: tuple[int, ...]
+    environment: Environment
+    where: str
+    turns: list[Turn] = field(default_factory=list)
+    ending: Ending | None = None
+    finish_reason: str = "stop"
+    reward: float | None = None
+    info: dict = field(default_factory=dict)
+
+    @property
+    def ids(self) -> list[int]:
+        return [*self.prompt, *(i for t in self.turns for i in t.ids)]
+
+    @property
+    def used(self) -> int:
+        return sum(len(t.ids) for t in self.turns)
+
+    def episode(self) -> Episode:
+        return Episode(self.prompt, tuple(self.turns), self.ending or "max_turns", self.finish_reason,  # type: ignore[arg-type]
+                       self.reward, self.info)
+
+
+def run_episodes(engine: Engine, chat: ChatFormat, prompts: Sequence[Sequence[int]], examples: Sequence[Example],
+                 make_environment: Callable[[Example], Environment], params: SamplingParams,
+                 limits: EpisodeLimits = EpisodeLimits()) -> list[Episode]:
+    """One episode per (prompt ids, example): a group of samples is the same prompt given again.
+    An environment that raises or answers malformed ends its episode with one logged line (in
+    `Episode.info['error']`); the others go on."""
+    if params.n != 1:
+        raise ValueError("episodes sample one reply per turn: repeat a prompt for a group")
+    live = []
+    for index, (prompt, example) in enumerate(zip(prompts, examples, strict=True)):
+        environment = make_environment(example)
+        environment.reset(example)
+        live.append(_Live(tuple(prompt), environment, f"episode {index} ({example.id}), {type(environment).__name__}"))
+    for turn in range(limits.max_turns):
+        active = [episode for episode in live if episode.ending is None]
+        if not active:
+            break
+        seed = None if params.seed is None else params.seed + turn * SEED_STRIDE
+        sampled = engine.sample([episode.ids for episode in active], dataclasses.replace(params, seed=seed))
+        for episode, (rollout,) in zip(active, sampled):
+            _take_turn(episode, rollout, chat, limits, last=turn + 1 == limits.max_turns)
+    return [episode.episode() for episode in live]
+
+
+def _take_turn(episode: _Live, rollout: Any, chat: ChatFormat, limits: EpisodeLimits, last: bool) -> None:
+    """The student's reply appended (cut at the episode's token limit), then the environment's answer."""
+    ids, logprobs, finish = list(rollout.completion_ids), list(rollout.sampler_logprobs), rollout.finish_reason
+    room = limits.max_episode_tokens - episode.used
+    cut = len(ids) > room
+    if cut:
+        ids, logprobs, finish = ids[:room], logprobs[:room], "length"
+    text = chat.tokenizer.decode(ids, skip_special_tokens=True) if cut else rollout.text
+    episode.turns.append(Turn("student", tuple(ids), text, tuple(logprobs)))
+    episode.finish_reason = finish
+    if cut:  # no room for more: the episode ends on a reply cut short (graded as verifier.truncated says)
+        episode.ending = "max_episode_tokens"
+        return
+    try:
+        response = checked_response(episode.environment.step(text, finish), episode.where)
+    except Exception as error:  # an environment's bug or hostile answer: this episode ends, the batch goes on
+        line = str(error) if isinstance(error, BadEnvironmentAnswer) else f"{episode.where}: step raised {type(error).__name__}: {str(error)[:200]}"
+        log.warning(line)
+        episode.ending, episode.info = "done", {"error": line}
+        return
+    episode.reward, episode.info = response.reward, dict(response.info)
+    if response.done or last or not response.messages:
+        episode.ending = "done" if response.done or not response.messages else "max_turns"
+        return
+    _append_environment(episode, response, chat, limits)
+
+
+def _append_environment(episode: _Live, response: Response, chat: ChatFormat, limits: EpisodeLimits) -> None:
+    """The environment's messages as the ids the chat format appends; an episode with no room left
+    for another student token after them ends here."""
+    new = chat.continuation(episode.ids, response.messages)
+    if episode.used + len(new) >= limits.max_episode_tokens:
+        episode.ending = "max_episode_tokens"
+        return
+    episode.turns.append(Turn("environment", tuple(new), chat.tokenizer.decode(new)))
