@@ -74,6 +74,7 @@ from selfopd.config.settings import (  # noqa: F401  (ConfigError and setting ar
 Schedule = Literal["constant", "cosine", "linear"]
 Tracker = Literal["tensorboard", "wandb"]
 WandbMode = Literal["offline", "online"]
+EnvironmentKind = Literal["none", "retry_feedback"]  # rollout.environment: selfopd.episodes.environments
 # The demo's task (experiments/demo/demo.toml, tested): the default data of every command, so that
 # `selfopd eval` or `selfopd sft` without a config see the demo's split and its held-out prompts.
 DEMO_DATA = ("rg:basic_arithmetic?min_terms=2&max_terms=2&min_digits=1&max_digits=2&operators=+&allow_negation=false"
@@ -155,6 +156,15 @@ class RolloutConfig(Section):
         "trained rollout is exactly k optimizer steps old (the first k steps' rollouts: the initial weights). 0: "
         "the synchronous loop. Overlaps only with vLLM servers; elsewhere the same rollouts, one after another. "
         "docs/async.md", ge=0, most=1000)
+    environment: EnvironmentKind = setting(
+        "none", "Episodes: 'none' samples one answer per rollout; 'retry_feedback' makes each rollout an episode in "
+        "which a wrong answer gets the verifier's one-sentence feedback (never the reference) and another try, up to "
+        "rollout.max_turns answers, the environment's tokens context for student and teacher and never trained "
+        "(docs/episodes.md).")
+    max_turns: int = setting(3, "Episodes: the most student turns per episode (rollout.max_tokens each).", ge=1, most=64)
+    max_episode_tokens: int = setting(
+        512, "Episodes: the most ids after the prompt, the student's and the environment's together; a reply past it "
+        "is cut and ends the episode.", ge=1, most=MAX_TOKENS)
 
     @property
     def in_flight(self) -> bool:

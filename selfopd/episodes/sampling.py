@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 from selfopd.data.example import Example
 from selfopd.engines.base import Engine, SamplingParams
-from selfopd.episodes.environment import BadEnvironmentAnswer, Environment, Response, checked_response
+from selfopd.episodes.environment import BadEnvironmentAnswer, Environment, Response, RetryWithFeedback, checked_response
 from selfopd.episodes.episode import Ending, Episode, Turn
 from selfopd.templating.chat_format import ChatFormat
 
@@ -116,3 +116,39 @@ def _append_environment(episode: _Live, response: Response, chat: ChatFormat, li
         episode.ending = "max_episode_tokens"
         return
     episode.turns.append(Turn("environment", tuple(new), chat.tokenizer.decode(new)))
+
+
+@dataclass(frozen=True)
+class EpisodeSampler:
+    """How a run samples when its rollouts are episodes (`rollout.environment`): the student's chat
+    format, an environment per episode, the limits. `sample` is `Engine.sample`'s shape: `params.n`
+    episodes per prompt, as rollouts whose `loss_mask` marks the student's ids."""
+
+    chat: ChatFormat
+    make_environment: Callable[[Example], Environment]
+    limits: EpisodeLimits
+
+    def sample(self, engine: Engine, prompts: Sequence[list[int]], examples: Sequence[Example],
+               params: SamplingParams) -> list[list[Any]]:
+        n = params.n
+        episodes = run_episodes(engine, self.chat, [p for p in prompts for _ in range(n)],
+                                [e for e in examples for _ in range(n)], self.make_environment,
+                                dataclasses.replace(params, n=1), self.limits)
+        rollouts = [episode.rollout() for episode in episodes]
+        return [rollouts[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+
+def episode_sampler(rollout: Any, chat: ChatFormat) -> EpisodeSampler | None:
+    """The sampler `[rollout]` asks for (None: 'none', one answer per rollout)."""
+    if rollout.environment == "none":
+        return None
+    limits = EpisodeLimits(rollout.max_turns, rollout.max_episode_tokens)
+    # Whether the student's template opens a reasoning block for every reply (a thinking template's
+    # `<think>`): then a reply that never closes it has no answer. The same for every turn.
+    opened = chat.prompt([{"role": "user", "content": "?"}]).opens_reasoning
+    if rollout.environment == "retry_feedback":
+        def make(example: Example) -> Environment:
+            return RetryWithFeedback(lambda reply, e, finish: chat.grade(reply, e, finish, opened), rollout.max_turns)
+
+        return EpisodeSampler(chat, make, limits)
+    raise ValueError(f"rollout.environment {rollout.environment!r} has no environment")

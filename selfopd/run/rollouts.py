@@ -58,6 +58,9 @@ class RolloutRecord:
     # and teacher_logprobs are the sampler's); None: it could, or the teacher reads the student's ids.
     unaligned: str | None = None
     teacher: str | None = None  # the teacher that scored it, in a run with [teachers.NAME]; None: the only one
+    # An episode: per completion id, True where the student wrote it, False for the environment's ids (context,
+    # never trained: their student_logprobs and advantage are 0). None: a single answer, every id the student's.
+    loss_mask: list[bool] | None = None
 
     def __post_init__(self) -> None:
         length = len(self.completion_ids)
@@ -67,6 +70,14 @@ class RolloutRecord:
                     f"rollout {self.id!r} at step {self.step}: {name} has {len(getattr(self, name))} values "
                     f"for {length} completion tokens"
                 )
+        if self.loss_mask is not None and len(self.loss_mask) != length:
+            raise ValueError(f"rollout {self.id!r} at step {self.step}: loss_mask has {len(self.loss_mask)} values "
+                             f"for {length} completion tokens")
+
+    @property
+    def students(self) -> list[bool]:
+        """Per completion token: the student wrote it (an episode's environment ids: False)."""
+        return [True] * len(self.completion_ids) if self.loss_mask is None else list(self.loss_mask)
 
     @property
     def prompt(self) -> str:
@@ -76,13 +87,15 @@ class RolloutRecord:
 
     @property
     def opd_advantage(self) -> list[float]:
-        """teacher - student logprob per token: the distillation signal alone."""
-        return [t - s for t, s in zip(self.teacher_logprobs, self.student_logprobs)]
+        """teacher - student logprob per token: the distillation signal alone (0 on an episode's
+        environment ids, which are never trained)."""
+        return [t - s if own else 0.0 for t, s, own in zip(self.teacher_logprobs, self.student_logprobs, self.students)]
 
     @property
     def opd_mean(self) -> float:
-        """The distillation signal's mean over the completion's tokens."""
-        return sum(self.opd_advantage) / len(self.opd_advantage)
+        """The distillation signal's mean over the student's own tokens of the completion."""
+        own = [a for a, mine in zip(self.opd_advantage, self.students) if mine]
+        return sum(own) / len(own)
 
 
 def prompt_key(prompt_ids: Sequence[int]) -> str:
@@ -116,6 +129,9 @@ class RolloutDigest:
     last_weight_version: int | None = None
     unaligned: str | None = None
     teacher: str | None = None  # the teacher that scored it, in a run with [teachers.NAME]; None: the only one
+    # An episode: per completion id, True where the student wrote it, False for the environment's ids (context,
+    # never trained: their student_logprobs and advantage are 0). None: a single answer, every id the student's.
+    loss_mask: list[bool] | None = None
 
     @property
     def prompt(self) -> str:
@@ -151,7 +167,7 @@ def write_records(path: Path, records: Iterable[RolloutRecord]) -> None:
     write_lines_atomic(path, (written(asdict(record)) for record in records))
 
 
-WRITTEN_WHEN_SET = ("unaligned", "teacher", "last_weight_version")  # fields most runs never set: left out of their files, which stay as they were
+WRITTEN_WHEN_SET = ("unaligned", "teacher", "last_weight_version", "loss_mask")  # fields most runs never set: left out of their files, which stay as they were
 
 
 def written(fields: dict) -> dict:

@@ -145,8 +145,9 @@ def save_rollouts(run: Run, scored: Sequence[Scored], student_lp_N: torch.Tensor
     are the step's completion tokens, rollout after rollout, as the loss saw them."""
     if limit <= 0:
         return
-    lengths = [len(s.rollout.completion_ids) for s in scored]
-    per_rollout = zip(student_lp_N.split(lengths), advantage_N.split(lengths))
+    lengths = [s.rollout.student_tokens for s in scored]  # the loss saw the student's own tokens only
+    per_rollout = ((_on_completion(s, student), _on_completion(s, advantage))
+                   for s, student, advantage in zip(scored, student_lp_N.split(lengths), advantage_N.split(lengths)))
     records = [
         RolloutRecord(
             step=run.step, id=s.example.id, group=s.group, prompt_ids=s.rollout.prompt_ids,
@@ -157,10 +158,22 @@ def save_rollouts(run: Run, scored: Sequence[Scored], student_lp_N: torch.Tensor
             weight_version=s.rollout.weight_version, last_weight_version=s.rollout.last_weight_version,
             unaligned=s.unaligned,
             teacher=s.teacher if run.several_teachers else None,
+            loss_mask=list(s.rollout.loss_mask) if s.rollout.loss_mask is not None else None,
         )
         for s, (student, advantage) in zip(scored[:limit], per_rollout)
     ]
     write_records(run.folder.rollouts_file(run.step), records)
+
+
+def _on_completion(scored: Scored, students_part: torch.Tensor) -> torch.Tensor:
+    """Values of the student's own tokens laid over the whole completion, 0 at an episode's environment
+    ids (the record's `loss_mask` says which are which)."""
+    mask = scored.rollout.loss_mask
+    if mask is None:
+        return students_part
+    whole = torch.zeros(len(mask), dtype=students_part.dtype)
+    whole[torch.tensor(mask, dtype=torch.bool)] = students_part
+    return whole
 
 
 def plot_run(folder: RunFolder) -> None:

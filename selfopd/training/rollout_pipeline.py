@@ -49,6 +49,7 @@ from selfopd.core.faults import fault_point
 from selfopd.data.example import Example
 from selfopd.data.mixture import by_task
 from selfopd.engines.base import Engine, Rollout, SamplingParams
+from selfopd.episodes.sampling import EpisodeSampler
 from selfopd.run.tracking import PhaseTimer
 from selfopd.templating.chat_format import ChatFormat
 from selfopd.templating.templates import Message, PromptTemplate, render_student
@@ -67,6 +68,7 @@ class StudentSide:
     train_examples: Sequence[Example]
     world: World
     chat: ChatFormat  # the student's chat format (`selfopd.training.grading.student_format`), built once
+    episodes: EpisodeSampler | None = None  # rollout.environment: each rollout an episode of several turns
 
 
 @dataclass
@@ -116,12 +118,14 @@ def request_for_step(side: StudentSide, step: int) -> Request:
                    [p.opens_reasoning for p in prompts])
 
 
-def sample_request(engine: Engine, request: Request, version: int, newest: Callable[[], int] | None = None) -> Sampled:
+def sample_request(engine: Engine, request: Request, version: int, newest: Callable[[], int] | None = None,
+                   episodes: EpisodeSampler | None = None) -> Sampled:
     """The engine's rollouts for `request`, each stamped with the weight version that sampled it.
     `newest`: with requests in flight across weight pushes, the newest version announced to the
     engine so far, read when the request is back (an upper bound on the weights that sampled it)."""
     started = time.perf_counter()
-    groups = engine.sample(request.prompts, request.params)
+    groups = (episodes.sample(engine, request.prompts, request.examples, request.params) if episodes is not None
+              else engine.sample(request.prompts, request.params))
     seconds = time.perf_counter() - started
     last = newest() if newest is not None else version
     later = last if last > version else None
@@ -168,7 +172,7 @@ class RolloutPipeline:
         with timer("sample"):  # with k >= 1 and servers: the wait for a request already running
             ahead = self._ahead.pop(step, None)
             if ahead is None:
-                sampled = sample_request(side.engine, request_for_step(side, step), step)
+                sampled = sample_request(side.engine, request_for_step(side, step), step, episodes=side.episodes)
             else:
                 sampled = ahead.result() if isinstance(ahead, Future) else ahead
         fault_point("train.sampled")
@@ -182,10 +186,11 @@ class RolloutPipeline:
     def _ask(self, side: StudentSide, step: int, version: int) -> None:
         request = request_for_step(side, step)  # rendered here: the tokenizer stays on the trainer's thread
         if self._executor is None:
-            self._ahead[step] = sample_request(side.engine, request, version)
+            self._ahead[step] = sample_request(side.engine, request, version, episodes=side.episodes)
         else:
             newest = (lambda: self._newest) if self.in_flight else None
-            self._ahead[step] = self._executor.submit(sample_request, side.engine, request, version, newest)
+            self._ahead[step] = self._executor.submit(sample_request, side.engine, request, version, newest,
+                                                      side.episodes)
 
     def before_weight_change(self, version: int) -> None:
         """Called before the engines are sent weight version `version`. One request at a time: wait

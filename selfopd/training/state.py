@@ -20,6 +20,7 @@ from selfopd.data.example import Example
 from selfopd.data.routing import ONE_TEACHER, Router
 from selfopd.core.run_folder import RunFolder
 from selfopd.templating.chat_format import ChatFormat
+from selfopd.episodes.sampling import EpisodeSampler, episode_sampler
 from selfopd.templating.templates import PromptTemplate
 from selfopd.training.grading import student_format
 from selfopd.training.rollout_pipeline import RolloutPipeline, StudentSide
@@ -81,7 +82,12 @@ class Run:
     def student_side(self) -> StudentSide:
         """What sampling the student's rollouts reads of this run (`selfopd.training.rollout_pipeline`)."""
         return StudentSide(self.config, self.tokenizer, self.student_engine, self.student_template,
-                           self.train_examples, self.world, self.student_chat)
+                           self.train_examples, self.world, self.student_chat, self.episodes)
+
+    @functools.cached_property
+    def episodes(self) -> EpisodeSampler | None:
+        """How rollouts are sampled when they are episodes (`rollout.environment`); None: one answer each."""
+        return episode_sampler(self.config.rollout, self.student_chat)
 
     @functools.cached_property
     def student_chat(self) -> ChatFormat:

@@ -214,7 +214,7 @@ def step_metrics(run: Run, batch: Sampled, scored: list[Scored], flat: dict[str,
     """7. The whole step's metrics: every rank's rollouts and tokens, in rank order."""
     cfg, world = run.config, run.world
     sampled = cfg.loss.divergence == "sampled"
-    lengths = [len(s.rollout.completion_ids) for s in scored]
+    lengths = [s.rollout.student_tokens for s in scored]  # the flat tensors hold the student's own tokens
     signal_N = (flat["teacher"][0] - flat["student"][0]).double()  # the OPD signal per completion token, all rollouts
     return {
         "step": run.step,
@@ -248,6 +248,7 @@ def step_metrics(run: Run, batch: Sampled, scored: list[Scored], flat: dict[str,
         "rollout/length_mean": backward.total_tokens / len(scored),
         "rollout/truncated_share": sum(s.rollout.finish_reason == "length" for s in scored) / len(scored),
         **_staleness_metrics(run, batch),
+        **_episode_metrics(scored),
         **timer.as_metrics(),
     }
 
@@ -262,7 +263,19 @@ def without_teacher(run: Run, metrics: dict[str, float]) -> dict[str, float]:
 def _aligned_tokens(scored: Sequence[Scored]) -> torch.Tensor:
     """(N,) over the step's completion tokens: False on a completion the teacher could not read
     (its own tokenizer), whose teacher logprobs are a placeholder kept out of the metrics."""
-    return torch.cat([torch.full((len(s.rollout.completion_ids),), s.aligned) for s in scored])
+    return torch.cat([torch.full((s.rollout.student_tokens,), s.aligned) for s in scored])
+
+
+def _episode_metrics(scored: Sequence[Scored]) -> dict[str, float]:
+    """With episodes (`rollout.environment`): student turns per episode and the environment's share of
+    the completion ids (context, never trained)."""
+    masks = [s.rollout.loss_mask for s in scored if s.rollout.loss_mask is not None]
+    if not masks:
+        return {}
+    turns = [sum(1 for i, own in enumerate(mask) if own and (i == 0 or not mask[i - 1])) for mask in masks]
+    ids = sum(len(mask) for mask in masks)
+    return {"episode/turns_mean": sum(turns) / len(turns),
+            "episode/environment_share": sum(not own for mask in masks for own in mask) / max(ids, 1)}
 
 
 def _staleness_metrics(run: Run, sampled: Sampled) -> dict[str, float]:
@@ -302,13 +315,19 @@ def _cure_metrics(loss: LossConfig, rlsd_lam: float, opd_weight_N: torch.Tensor,
     return metrics
 
 
+def _students_part(scored: Scored, per_token: torch.Tensor) -> torch.Tensor:
+    """A per-completion-token tensor at the student's own tokens (an episode's environment ids left out)."""
+    mask = scored.rollout.loss_mask
+    return per_token if mask is None else per_token[torch.tensor(mask, dtype=torch.bool)]
+
+
 def _engine_gap(loss: LossConfig, scored: Sequence[Scored], trainer_lp_N: torch.Tensor) -> dict[str, float]:
     """With loss.opd_baseline = 'same_engine': how far the teacher engine's logprobs of the student's
     tokens (its kernels, its precision) are from the trainer's, mean |difference| per token: the bias
     that baseline keeps out of the signal."""
     if loss.opd_baseline != "same_engine" or not scored:
         return {}
-    engine_lp_N = torch.cat([s.baseline_logprobs for s in scored]).double()
+    engine_lp_N = torch.cat([_students_part(s, s.baseline_logprobs) for s in scored]).double()
     return {"opd/engine_student_gap": (engine_lp_N - trainer_lp_N.double()).abs().mean().item()}
 
 

@@ -193,7 +193,9 @@ call("syscall", NR_CLONE, 0x10000000 | 17, 0, 0, 0, 0)  # the same through clone
 call("syscall", NR_CLONE3, 0, 0)
 call("syscall", NR_PTRACE, 16, 1, 0, 0)  # PTRACE_ATTACH to pid 1
 call("syscall", NR_BPF, 0, 0, 0)
-threading.Thread(target=lambda: print("thread runs", flush=True)).start()  # what programs need still works
+thread = threading.Thread(target=lambda: print("thread runs", flush=True))  # what programs need still works
+thread.start()
+thread.join()
 ctypes.string_at(0)
 """
 
