@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from .code_runner import CodeLimits, TestResult, run_tests
 from .code_tests import CodeTest, describe, parse_tests
+from .result import VerifyResult
 
 TRUNCATED = "..."
 
@@ -140,3 +141,24 @@ def extract_program(completion: str) -> str | None:
     """The longest fenced code block of a completion (SDPO's rule), or None when there is none."""
     blocks = [m.group(2) for m in _FENCE.finditer(completion)]
     return max(blocks, key=len) if blocks else None
+
+
+ALL_PASSED = "All the tests shown passed."
+NO_PROGRAM = "No program was found in the response (a fenced code block)."
+
+
+def verify_code(text: str, code: dict) -> VerifyResult:
+    """A completion of a code task (`meta["code"]`: `tests`, `hidden`) graded by running its program
+    in the sandbox: reward is the shown tests' pass fraction, correct when all pass, feedback the
+    SDPO-style text (shown tests only), `hidden_reward` the hidden tests'. Nothing runs without a
+    sandbox: the result is then unchecked, with the reason."""
+    program = extract_program(text)
+    if program is None:
+        return VerifyResult(0.0, False, None, None, NO_PROGRAM, hidden_reward=0.0 if code.get("hidden") else None)
+    verdict = grade_program(program, code.get("tests", ()), code.get("hidden", ()))
+    if verdict.unavailable:
+        return VerifyResult(0.0, False, program, "code", f"The program could not be run: {verdict.unavailable}",
+                            unchecked=True)
+    correct = verdict.total > 0 and verdict.passed == verdict.total
+    return VerifyResult(verdict.reward, correct, program, "code", verdict.feedback or ALL_PASSED,
+                        hidden_reward=verdict.hidden_reward)

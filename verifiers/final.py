@@ -74,9 +74,16 @@ def grade(completion: str, example: Any, *, finish_reason: str = "stop", grading
           opened: bool = False, partial_credit: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S) -> VerifyResult:
     """`verify_example` of what the user sees of `completion` (see the module's rules).
     `finish_reason`: "length" when the engine stopped it at max_tokens, else "stop"."""
+    code = (getattr(example, "meta", None) or {}).get("code")
+    code = code if isinstance(code, dict) else None  # a code task: its program runs in the sandbox only
+    hidden = 0.0 if code is not None and code.get("hidden") else None  # no answer fails the hidden tests too
     if finish_reason == "length" and grading.truncated == "wrong":
-        return VerifyResult(0.0, False, None, None, TRUNCATED_FEEDBACK)
+        return VerifyResult(0.0, False, None, None, TRUNCATED_FEEDBACK, hidden_reward=hidden)
     text = final_text(completion, grading, opened)
     if text is None:
-        return VerifyResult(0.0, False, None, None, UNCLOSED_FEEDBACK)
+        return VerifyResult(0.0, False, None, None, UNCLOSED_FEEDBACK, hidden_reward=hidden)
+    if code is not None:
+        from .code_feedback import verify_code
+
+        return verify_code(text, code)
     return verify_example(text, example, timeout_s=timeout_s, partial_credit=partial_credit)

@@ -36,6 +36,9 @@ class VerifyResult:
     feedback: str
     unchecked: bool = False
     rejected: bool = False
+    # A code task's hidden tests (never in any feedback): their pass fraction beside `reward`, the shown
+    # tests'; None for every other task.
+    hidden_reward: float | None = None
 
 
 def quote(answer: str) -> str:

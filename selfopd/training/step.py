@@ -249,6 +249,7 @@ def step_metrics(run: Run, batch: Sampled, scored: list[Scored], flat: dict[str,
         "rollout/truncated_share": sum(s.rollout.finish_reason == "length" for s in scored) / len(scored),
         **_staleness_metrics(run, batch),
         **_episode_metrics(scored),
+        **_hidden_test_metrics(scored),
         **timer.as_metrics(),
     }
 
@@ -264,6 +265,16 @@ def _aligned_tokens(scored: Sequence[Scored]) -> torch.Tensor:
     """(N,) over the step's completion tokens: False on a completion the teacher could not read
     (its own tokenizer), whose teacher logprobs are a placeholder kept out of the metrics."""
     return torch.cat([torch.full((s.rollout.student_tokens,), s.aligned) for s in scored])
+
+
+def _hidden_test_metrics(scored: Sequence[Scored]) -> dict[str, float]:
+    """Code tasks with hidden tests: the reward on the tests the feedback may show beside the reward on
+    tests no feedback ever shows. A student that learns the outputs the teacher saw opens a gap."""
+    pairs = [(s.reward, s.hidden_reward) for s in scored if s.hidden_reward is not None]
+    if not pairs:
+        return {}
+    shown, hidden = (sum(values) / len(pairs) for values in zip(*pairs))
+    return {"reward/shown_tests": shown, "reward/hidden_tests": hidden, "reward/hidden_gap": shown - hidden}
 
 
 def _episode_metrics(scored: Sequence[Scored]) -> dict[str, float]:

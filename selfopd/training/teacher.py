@@ -103,6 +103,7 @@ class Scored:
     teacher: str = DEFAULT_TEACHER  # which teacher scored it ([teachers.NAME]; 'default': [teacher])
     rejected: bool = False  # its answer was refused by its task's safe grammar (VerifyResult.rejected)
     no_answer: bool = False  # nothing to grade: no final answer found, an unclosed reasoning block, or truncated
+    hidden_reward: float | None = None  # a code task's hidden tests (never in feedback): their pass fraction
 
 
 @dataclass(frozen=True)
@@ -223,7 +224,8 @@ def score_rows(side: TeacherSide, rows: Sequence[TeacherRow], step: int) -> tupl
     if side.table.kind == "none":  # GRPO alone: the sampler's logprobs stand in, and nothing reads them
         return [Scored(r.example, r.group, r.rollout, r.verdict.reward, r.verdict.correct,
                        torch.tensor(r.rollout.sampler_logprobs, dtype=torch.float32), r.prompt_ids, teacher=r.teacher,
-                       rejected=r.verdict.rejected, no_answer=r.verdict.extracted is None)
+                       rejected=r.verdict.rejected, no_answer=r.verdict.extracted is None,
+                       hidden_reward=r.verdict.hidden_reward)
                 for r in rows], []
     live = [r for r in rows if r.aligned]
     check_teacher_rows([(r.example.id, ids, r.teacher_completion) for r in live
@@ -245,14 +247,16 @@ def score_rows(side: TeacherSide, rows: Sequence[TeacherRow], step: int) -> tupl
                                  r.prompt_ids, None, r.demonstration,
                                  placeholder if loss.opd_baseline != "student" else None,
                                  aligned=False, unaligned=r.bridged.problem, teacher=r.teacher,
-                                 rejected=r.verdict.rejected, no_answer=r.verdict.extracted is None))
+                                 rejected=r.verdict.rejected, no_answer=r.verdict.extracted is None,
+                       hidden_reward=r.verdict.hidden_reward))
             continue
         s, base = by_row[id(r)]
         scored.append(Scored(r.example, r.group, r.rollout, r.verdict.reward, r.verdict.correct,
                              _on_student_tokens(r, s.logprobs), r.prompt_ids,
                              (s.topk_ids, s.topk_logprobs) if top_k else None, r.demonstration,
                              _on_student_tokens(r, base.logprobs) if base is not None else None, teacher=r.teacher,
-                             rejected=r.verdict.rejected, no_answer=r.verdict.extracted is None))
+                             rejected=r.verdict.rejected, no_answer=r.verdict.extracted is None,
+                       hidden_reward=r.verdict.hidden_reward))
     return scored, states
 
 

@@ -75,3 +75,17 @@ def test_a_resumed_run_on_episodes_continues_exactly(tmp_path, tiny_model_dir):
     step3 = [times(m) for m in _lines(whole) if m["step"] == 3 and "loss/pg" in m]
     again = [times(m) for m in _lines(resumed) if m["step"] == 3 and "loss/pg" in m]
     assert step3 == again and len(step3) == 1
+
+
+def test_a_code_task_reports_shown_and_hidden_test_rewards_per_step(tmp_path, tiny_model_dir):
+    """The tiny random model writes no program: every rollout fails shown and hidden tests, and the
+    step still logs both side by side (the sandbox ran nothing it was not given)."""
+    run = build_run(load_config(None, [
+        "data.spec=codegen?level=1&size=40&seed=3", "data.eval_size=4", "rollout.prompts_per_step=2",
+        "rollout.samples_per_prompt=2", "rollout.max_tokens=8", "optim.micro_batch_prompts=1",
+        "run.progress=false", "run.eval_every=0", "teacher.template=teacher/sibling",
+        "teacher.demonstration_fallback=teacher/code_feedback",
+        f"model.student={tiny_model_dir}", f"run.out_dir={tmp_path}", "run.name=code"]))
+    metrics = train_step(run)
+    assert metrics["reward/shown_tests"] == metrics["reward/hidden_tests"] == 0.0
+    assert metrics["reward/hidden_gap"] == 0.0 and torch.isfinite(torch.tensor(metrics["loss/pg"]))
