@@ -97,8 +97,8 @@ def counting_tokens(steps: list[dict[str, int]]) -> Iterator[None]:
 
     original = step_module.score
 
-    def score(run: Any, sampled: Any, timer: Any) -> Any:
-        scored, states = original(run, sampled, timer)
+    def score(run: Any, *phase_inputs: Any) -> Any:  # the phase's own arguments, passed on as they are
+        scored, states = original(run, *phase_inputs)
         steps.append(token_counts(scored))
         return scored, states
 
