@@ -279,6 +279,11 @@ class TrainConfig:
             fail("loss.divergence", f"{self.loss.divergence!r} needs the teacher's distribution over the student's "
                  "vocabulary, which a teacher with teacher.tokenizer = 'own' does not have (its tokens cover other "
                  "stretches of text); use loss.divergence = 'sampled'")
+        if self.rollout.environment != "none" and (self.teacher.tokenizer == "own" or any(
+                table.tokenizer == "own" for table in self.teachers.values())):
+            fail("rollout.environment", f"{self.rollout.environment!r} with a teacher of its own tokenizer is not "
+                 "supported: its token bridge reads one answer's text, not an episode's turns; use "
+                 "teacher.tokenizer = 'student'")
         if self.teacher.kind == "none":
             check_no_teacher(self)
         if self.loss.opd_baseline == "same_engine" and self.teacher.kind != "self":

@@ -41,7 +41,7 @@ EXPECTED_DEFAULTS = {
         split_seed=0,
     ),
     "rollout": dict(prompts_per_step=8, samples_per_prompt=4, max_tokens=48, temperature=1.0, top_p=1.0, top_k=0,
-                    min_p=0.0, max_staleness=0),
+                    min_p=0.0, max_staleness=0, environment="none", max_turns=3, max_episode_tokens=512),
     "loss": dict(lambda_opd=1.0, lambda_rl=0.0, rl_advantage="group_norm", wrong_reward=0.0, normalisation="token",
                  is_cap=2.0, divergence="sampled", top_k=20, jsd_beta=0.5,
                  token_clip=0.0, clip_per="position", partial_credit=False, rlsd_weight=0.0, rlsd_decay_steps=50, rlsd_clip=0.2, opd_on="all",
@@ -129,7 +129,8 @@ def test_round_trip_of_every_field_changed(tmp_path):
                                     ema_rate=0.25, skip_self_success=False, demonstration_fallback="teacher/answer_note"),
         data=dataclasses.replace(TrainConfig().data, spec="champ?concepts=true", student_template="student/boxed", eval_size=10, split_seed=3),
         rollout=dataclasses.replace(TrainConfig().rollout, prompts_per_step=6, samples_per_prompt=2, max_tokens=9, temperature=1.0, top_p=0.95,
-                                    top_k=20, min_p=0.05, max_staleness=2),
+                                    top_k=20, min_p=0.05, max_staleness=2, environment="retry_feedback",
+                                    max_turns=5, max_episode_tokens=300),
         loss=dataclasses.replace(TrainConfig().loss, lambda_opd=0.1, lambda_rl=0.3, normalisation="sequence", is_cap=0.0,
                                   divergence="topk_reverse_kl", top_k=7, jsd_beta=0.3, partial_credit=True,
                                   rl_advantage="raw", wrong_reward=-1.0,
@@ -340,7 +341,7 @@ def test_the_expected_fields_are_literals():
         ("loss", "opd_on"), ("loss", "opd_baseline"), ("loss", "rl_advantage"), ("loss", "clip_per"), ("optim", "schedule"),
         ("engine", "kind"), ("engine", "teacher_engine"), ("engine", "weight_sync"), ("engine", "compile"), ("run", "wandb_mode"),
         ("guard", "action"), ("verifier", "truncated"), ("verifier", "isolation"), ("eval", "truncated"),
-        ("eval", "reasoning"),
+        ("eval", "reasoning"), ("rollout", "environment"),
     }
 
 

@@ -89,3 +89,11 @@ def test_a_code_task_reports_shown_and_hidden_test_rewards_per_step(tmp_path, ti
     metrics = train_step(run)
     assert metrics["reward/shown_tests"] == metrics["reward/hidden_tests"] == 0.0
     assert metrics["reward/hidden_gap"] == 0.0 and torch.isfinite(torch.tensor(metrics["loss/pg"]))
+
+
+def test_episodes_with_a_teacher_of_its_own_tokenizer_are_refused():
+    from selfopd.config import ConfigError
+
+    with pytest.raises(ConfigError, match="rollout.environment: 'retry_feedback' with a teacher of its own tokenizer"):
+        load_config(None, ["rollout.environment=retry_feedback", "teacher.kind=external", "teacher.model=org/x",
+                           "teacher.tokenizer=own", "loss.divergence=sampled"])
