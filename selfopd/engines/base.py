@@ -91,6 +91,19 @@ class Rollout:
         """How many completion ids the student wrote (all of them outside an episode)."""
         return len(self.completion_ids) if self.loss_mask is None else sum(self.loss_mask)
 
+    def students_part(self, per_token: torch.Tensor) -> torch.Tensor:
+        """A per-completion-id tensor at the student's own ids (an episode's environment ids left out)."""
+        return per_token if self.loss_mask is None else per_token[torch.tensor(self.loss_mask, dtype=torch.bool)]
+
+    def on_completion(self, students_part: torch.Tensor) -> torch.Tensor:
+        """The inverse of `students_part`: values of the student's ids laid over the whole completion, 0 at
+        an episode's environment ids."""
+        if self.loss_mask is None:
+            return students_part
+        whole = torch.zeros(len(self.loss_mask), dtype=students_part.dtype)
+        whole[torch.tensor(self.loss_mask, dtype=torch.bool)] = students_part
+        return whole
+
 
 @dataclass(frozen=True)
 class TokenScores:

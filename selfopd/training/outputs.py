@@ -146,7 +146,7 @@ def save_rollouts(run: Run, scored: Sequence[Scored], student_lp_N: torch.Tensor
     if limit <= 0:
         return
     lengths = [s.rollout.student_tokens for s in scored]  # the loss saw the student's own tokens only
-    per_rollout = ((_on_completion(s, student), _on_completion(s, advantage))
+    per_rollout = ((s.rollout.on_completion(student), s.rollout.on_completion(advantage))  # 0 at environment ids
                    for s, student, advantage in zip(scored, student_lp_N.split(lengths), advantage_N.split(lengths)))
     records = [
         RolloutRecord(
@@ -163,17 +163,6 @@ def save_rollouts(run: Run, scored: Sequence[Scored], student_lp_N: torch.Tensor
         for s, (student, advantage) in zip(scored[:limit], per_rollout)
     ]
     write_records(run.folder.rollouts_file(run.step), records)
-
-
-def _on_completion(scored: Scored, students_part: torch.Tensor) -> torch.Tensor:
-    """Values of the student's own tokens laid over the whole completion, 0 at an episode's environment
-    ids (the record's `loss_mask` says which are which)."""
-    mask = scored.rollout.loss_mask
-    if mask is None:
-        return students_part
-    whole = torch.zeros(len(mask), dtype=students_part.dtype)
-    whole[torch.tensor(mask, dtype=torch.bool)] = students_part
-    return whole
 
 
 def plot_run(folder: RunFolder) -> None:

@@ -326,19 +326,13 @@ def _cure_metrics(loss: LossConfig, rlsd_lam: float, opd_weight_N: torch.Tensor,
     return metrics
 
 
-def _students_part(scored: Scored, per_token: torch.Tensor) -> torch.Tensor:
-    """A per-completion-token tensor at the student's own tokens (an episode's environment ids left out)."""
-    mask = scored.rollout.loss_mask
-    return per_token if mask is None else per_token[torch.tensor(mask, dtype=torch.bool)]
-
-
 def _engine_gap(loss: LossConfig, scored: Sequence[Scored], trainer_lp_N: torch.Tensor) -> dict[str, float]:
     """With loss.opd_baseline = 'same_engine': how far the teacher engine's logprobs of the student's
     tokens (its kernels, its precision) are from the trainer's, mean |difference| per token: the bias
     that baseline keeps out of the signal."""
     if loss.opd_baseline != "same_engine" or not scored:
         return {}
-    engine_lp_N = torch.cat([_students_part(s, s.baseline_logprobs) for s in scored]).double()
+    engine_lp_N = torch.cat([s.rollout.students_part(s.baseline_logprobs) for s in scored]).double()
     return {"opd/engine_student_gap": (engine_lp_N - trainer_lp_N.double()).abs().mean().item()}
 
 

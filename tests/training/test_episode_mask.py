@@ -85,3 +85,6 @@ def test_a_loss_mask_must_cover_every_completion_id():
         Rollout([1], [2, 3, 4], [0.0] * 3, "stop", "", loss_mask=(True, False))
     assert Rollout([1], [2, 3, 4], [0.0] * 3, "stop", "", loss_mask=(True, False, True)).student_tokens == 2
     assert Rollout([1], [2, 3, 4], [0.0] * 3, "stop", "").student_tokens == 3
+    episode = Rollout([1], [2, 3, 4], [0.0] * 3, "stop", "", loss_mask=(True, False, True))
+    assert torch.equal(episode.students_part(torch.tensor([1.0, 2.0, 3.0])), torch.tensor([1.0, 3.0]))
+    assert torch.equal(episode.on_completion(torch.tensor([1.0, 3.0])), torch.tensor([1.0, 0.0, 3.0]))
