@@ -40,7 +40,7 @@ def wilson(passed: int, total: int, z: float = 1.96) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--levels", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--levels", nargs="+", default=["1", "2", "3"], help="levels or mixtures (2+3)")
     parser.add_argument("--items", type=int, default=64, help="distinct functions per level")
     parser.add_argument("--seed", type=int, default=0, help="the codegen seed")
     parser.add_argument("--max-tokens", type=int, default=256)

@@ -64,6 +64,10 @@ class TeacherConfig(Section):
     skip_self_success: bool = setting(
         True, "Templates that use `demonstration` (teacher/sibling): a correct rollout is never its own "
         "demonstration; one whose group has no other correct sample gets none.")
+    strip_reasoning: bool = setting(
+        False, "Templates that use `demonstration`: show the sibling's answer without its reasoning blocks "
+        "(verifier.reasoning_start ... reasoning_end), the text a user reads; SDPO's "
+        "remove_thinking_from_demonstration. Off: the sibling's whole completion, reasoning included.")
     tasks: tuple[str, ...] = setting(
         (), "[teachers.NAME] only: the tasks of a mixed data.spec (kb:countries, rg:basic_arithmetic) routed to this "
         "teacher. An example goes to the teacher its data row names (a `teacher` column of a file), else to the teacher "

@@ -5,7 +5,9 @@ string and list manipulations) drawn from a grammar of easy specifications, with
     codegen?level=1&size=200&seed=0
 
 `level` is the difficulty: 1 one operation (x plus 7, a string reversed), 2 a filter, a map or two
-operations (the sum of the elements above 3), 3 a loop with state (running sums, a Caesar shift).
+operations (the sum of the elements above 3), 3 a loop with state (running sums, a Caesar shift);
+`level=2+3` mixes levels, item i at the (i mod 2)-th (the packaged SmolLM2-135M-Instruct passes about
+76%, 58% and 2% of levels 1, 2 and 3 greedily at the start: experiments/code/measure_start.py).
 Item i depends only on (level, seed, i), in any process. Each specification is written twice: as the
 reference solution's text (Example.answer, shown to nobody but the reader) and as the Python function
 that computes the expected values here, in the generator; a test holds them equal. Nothing a model
@@ -301,7 +303,8 @@ def load_codegen(spec: DataSpec, exclude: frozenset[str] = frozenset()) -> list[
     for i in range(draws):
         if len(examples) == spec.size:
             break
-        function, code, prompt = make_item(spec.level, spec.seed, i)
+        level = spec.levels[i % len(spec.levels)]
+        function, code, prompt = make_item(level, spec.seed, i)
         key = function.does  # two names for one function are one task
         if (spec.dedup and key in seen) or prompt_key(prompt) in exclude:
             continue
@@ -312,7 +315,7 @@ def load_codegen(spec: DataSpec, exclude: frozenset[str] = frozenset()) -> list[
         examples.append(Example(
             id=f"codegen/level{spec.level}/seed{spec.seed}/{i}", prompt=prompt, answer=function.reference,
             meta={"source": spec.label, "row": i, "code": check_code(code, where),
-                  "codegen": {"level": spec.level, "seed": spec.seed, "function": function.name}}))
+                  "codegen": {"level": level, "seed": spec.seed, "function": function.name}}))
     if len(examples) < spec.size:
         raise DataError(f"{spec.label}: asked for {spec.size} distinct functions at level {spec.level}, but "
                         f"{i + 1} draws gave only {len(examples)}: about all the level holds. Ask for fewer "

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 from selfopd.config.checks import MAX_SEED  # a data seed takes what run.seed takes
+from selfopd.config.environment_target import parse_environment_target
 
 
 
@@ -70,7 +71,7 @@ PRESETS: dict[str, Preset] = {
 
 # --------------------------------------------------------------------------- the spec
 
-SOURCES = ("rg", "kb", "champ", "hf", "file", "humaneval", "codegen")
+SOURCES = ("rg", "kb", "champ", "hf", "file", "humaneval", "codegen", "env")
 NAMELESS = ("champ", "humaneval", "codegen")  # packaged or generated sets: the spec is the bare source
 CODE_LAYOUTS = ("mbpp", "lcb")  # tables whose rows carry code tests (selfopd.data.code_sources)
 CODEGEN_LEVELS = (1, 2, 3)  # the procedural function-writing task's difficulty (selfopd.data.codegen)
@@ -89,6 +90,7 @@ _APPLIES = {  # which DataSpec fields each source reads
     "champ": {"concepts", "limit", "distinct"},
     "humaneval": {"limit", "distinct"},
     "codegen": {"seed", "size", "level", "distinct"},
+    "env": {"seed", "size", "distinct"},  # an environment's opening observations, one per seed
 }
 PROCEDURAL = ("rg", "codegen")  # sources that generate items, and repeat prompts unless told not to
 # The most items a procedural source generates: reasoning-gym draws 0.1-0.3 ms an item on one CPU core
@@ -101,7 +103,7 @@ class DataSpec:
     """Where examples come from. `parse_data_spec` builds one from a spec string; fields
     that do not apply to `source` must keep their defaults (checked here)."""
 
-    source: Literal["rg", "kb", "champ", "hf", "file", "humaneval", "codegen"]
+    source: Literal["rg", "kb", "champ", "hf", "file", "humaneval", "codegen", "env"]
     name: str = ""  # rg task, kb task, Hub dataset name, or file path; empty for champ, humaneval, codegen
     # table sources (hf, file): which column feeds which Example field (None: preset/default)
     id_col: str | None = None
@@ -126,8 +128,14 @@ class DataSpec:
     sheet: str = "own"
     # champ
     concepts: bool = False  # prepend the problem's concepts to its hints
-    # codegen: difficulty, one of CODEGEN_LEVELS (1: one operation on a number, string or list)
-    level: int = 1
+    # codegen: difficulty, one of CODEGEN_LEVELS (1: one operation on a number, string or list), or a
+    # mixture "2+3" (item i at the (i mod k)-th level named)
+    level: str = "1"
+    @property
+    def levels(self) -> tuple[int, ...]:
+        """codegen: the levels of a mixture in order (one level: a tuple of one)."""
+        return tuple(int(part) for part in str(self.level).split("+"))
+
     # all but rg (use size there)
     limit: int | None = None  # keep the first `limit` examples
     unanswered: Literal["refuse", "drop"] = "refuse"  # tables: a row with no answer stops the load, or is left out
@@ -169,10 +177,16 @@ class DataSpec:
             raise DataError(f"{self.label}: unanswered must be 'refuse' or 'drop', got {self.unanswered!r}")
         if self.code is not None and self.code not in CODE_LAYOUTS:
             raise DataError(f"{self.label}: unknown code layout {self.code!r}; allowed: {', '.join(CODE_LAYOUTS)}")
-        if self.level not in CODEGEN_LEVELS:
-            raise DataError(f"{self.label}: level must be one of {', '.join(map(str, CODEGEN_LEVELS))}, got {self.level}")
+        if not all(part.strip().isdigit() and int(part) in CODEGEN_LEVELS for part in str(self.level).split("+")):
+            raise DataError(f"{self.label}: level must be one of {', '.join(map(str, CODEGEN_LEVELS))} or a mixture "
+                            f"such as 2+3, got {self.level!r}")
         if self.source == "file" and Path(self.name).suffix.lower() not in FILE_BUILDERS:
             raise DataError(f"{self.name}: unknown file type; allowed: {', '.join(FILE_BUILDERS)}")
+        if self.source == "env":
+            try:
+                parse_environment_target(self.name)
+            except ValueError as error:
+                raise DataError(f"{self.label}: {error}") from None
 
     @property
     def dedup(self) -> bool:
@@ -218,7 +232,7 @@ def _allowed_keys(source: str) -> list[str]:
 
 
 _FIELD_TYPES = {"seed": int, "size": int, "limit": int, "concepts": bool, "distinct": bool, "entities": int,
-                "unseen": int, "level": int}  # others are str
+                "unseen": int}  # others are str
 
 
 def _parse_value(text: str, kind: type | None) -> Any:
@@ -246,15 +260,15 @@ def parse_data_spec(text: str) -> DataSpec:
     prefix = re.match(r"^([A-Za-z][A-Za-z0-9_+.-]*):", head)  # a URL-like scheme
     if head in NAMELESS:
         source, name = head, ""
-    elif prefix and prefix.group(1) in ("rg", "kb", "hf", "file"):
+    elif prefix and prefix.group(1) in ("rg", "kb", "hf", "file", "env"):
         source, name = prefix.group(1), head[prefix.end():]
     elif prefix:
         raise DataError(f"unknown data source {prefix.group(1) + ':'!r} in {text!r}; allowed: "
-                        f"rg:TASK, kb:TASK, champ, hf:NAME, humaneval, codegen, or a path to a {'/'.join(FILE_BUILDERS)} file")
+                        f"rg:TASK, kb:TASK, champ, hf:NAME, humaneval, codegen, env:ENVIRONMENT, or a path to a {'/'.join(FILE_BUILDERS)} file")
     elif Path(head).suffix.lower() in FILE_BUILDERS:
         source, name = "file", head
     else:
-        raise DataError(f"unknown data source {head!r}; allowed: rg:TASK, kb:TASK, champ, hf:NAME, humaneval, codegen, "
+        raise DataError(f"unknown data source {head!r}; allowed: rg:TASK, kb:TASK, champ, hf:NAME, humaneval, codegen, env:ENVIRONMENT, "
                         f"or a path to a {'/'.join(FILE_BUILDERS)} file")
     if source not in NAMELESS and not name:
         raise DataError(f"{text!r}: source {source + ':'!r} needs a name")

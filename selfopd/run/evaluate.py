@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -62,6 +62,9 @@ class EvalRecord:
     correct: bool
     finish_reason: str
     completion_tokens: int
+    # A code task with hidden tests: the share of them the program passed (never in any feedback); None
+    # elsewhere, and then not written.
+    hidden_reward: float | None = None
 
 
 def evaluate(
@@ -114,6 +117,7 @@ def evaluate(
                         correct=result.correct,
                         finish_reason=completion.finish_reason,
                         completion_tokens=len(completion.completion_ids),
+                        hidden_reward=result.hidden_reward,
                     )
                 )
     accuracy = accuracy_of(records, samples)
@@ -163,6 +167,14 @@ def outcomes_by_prompt(records: Sequence[EvalRecord | dict]) -> dict[str, list[b
     return outcomes
 
 
+def _record_line(record: EvalRecord) -> dict:
+    """A record as its JSON line; `hidden_reward` only where the task has hidden tests."""
+    line = asdict(record)
+    if line["hidden_reward"] is None:
+        del line["hidden_reward"]
+    return line
+
+
 def read_eval_outcomes(eval_dir: Path) -> dict[str, list[bool]]:
     """`outcomes_by_prompt` of an eval folder's eval.jsonl (a run's eval/step_N, `selfopd eval --out`)."""
     path = Path(eval_dir) / "eval.jsonl"
@@ -184,7 +196,7 @@ def write_eval(
     `tasks` (item id -> task, a mixture's): summary.json also holds each task's accuracy.
     `sampling`: the sampling settings, recorded as given."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_lines_atomic(out_dir / "eval.jsonl", (asdict(record) for record in records))
+    write_lines_atomic(out_dir / "eval.jsonl", (_record_line(record) for record in records))
     fault_point("eval.written")
     truncated = sum(r.finish_reason == "length" for r in records)
     summary = {
@@ -206,6 +218,10 @@ def write_eval(
         **({"sampling": dict(sampling)} if sampling else {}),
         **at_k(records, samples),
     }
+    hidden = [r for r in records if r.hidden_reward is not None]
+    if hidden:  # code tasks: all hidden tests passed, beside `accuracy` (all shown tests passed)
+        passed = accuracy_of([replace(r, correct=r.hidden_reward == 1.0) for r in hidden], samples)
+        summary["hidden_accuracy"] = {"value": passed.value, "ci95": [passed.low, passed.high], "n": passed.n}
     if tasks and len(set(tasks.values())) > 1:
         by_task = {}
         for task in dict.fromkeys(tasks.values()):

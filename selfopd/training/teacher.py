@@ -167,6 +167,16 @@ def routed_rows(sides: Mapping[str, TeacherSide], route: Callable[[Example], str
     return rows
 
 
+def demonstration_texts(rollouts: Sequence[Rollout], graded: Graded, strip_reasoning: bool) -> list[str]:
+    """Each rollout's text as a sibling's demonstration: whole, or (`teacher.strip_reasoning`, SDPO's
+    rule) what the user reads of it, its reasoning blocks dropped. Only correct rollouts are shown, and
+    a correct one always has a final text; the whole text stands in where it has none."""
+    if not strip_reasoning:
+        return [r.text for r in rollouts]
+    return [(graded.chat.read(r.text, r.finish_reason, opened).final or r.text).lstrip()
+            for r, opened in zip(rollouts, graded.opened)]
+
+
 def _group_rows(side: TeacherSide, name: str, step: int, group: int, example: Example, messages: list[dict],
                 rollouts: Sequence[Rollout], other: Example, graded: Graded) -> list[TeacherRow]:
     """One prompt group's rows: each rollout, with its verdict, shown to the teacher `side`."""
@@ -176,7 +186,7 @@ def _group_rows(side: TeacherSide, name: str, step: int, group: int, example: Ex
     shows_feedback = any("feedback" in t.variables for t in (side.template, side.demonstration_fallback) if t)
     verdicts = graded.verdicts
     correct = [v.correct for v in verdicts]
-    demonstrations = (pick_demonstrations([r.text for r in rollouts], correct, seed=cfg.run.seed, step=step,
+    demonstrations = (pick_demonstrations(demonstration_texts(rollouts, graded, side.table.strip_reasoning), correct, seed=cfg.run.seed, step=step,
                                           group=group, skip_self=side.table.skip_self_success)
                       if side.demonstration_fallback is not None else [None] * len(rollouts))
     wrong_answers = (failed_sibling_answers([v.extracted for v in verdicts], correct, seed=cfg.run.seed,

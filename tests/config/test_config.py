@@ -32,7 +32,7 @@ EXPECTED_DEFAULTS = {
     "model": dict(student="smollm2-135m-instruct", revision="", dtype="auto", device="auto", attn_implementation="auto",
                   gradient_checkpointing=False, compile_layers=False, lora_rank=0, lora_alpha=32.0, lora_dropout=0.0,
                   lora_targets=("all-linear",), lora_bf16_servers=False, chat_template_kwargs={}, threads=0, trust_remote_code=False),
-    "teacher": dict(kind="self", model="", revision="", tokenizer="student", template="teacher/reference_answer", chat_template_kwargs={}, ema_rate=0.05, skip_self_success=True,
+    "teacher": dict(kind="self", model="", revision="", tokenizer="student", template="teacher/reference_answer", chat_template_kwargs={}, ema_rate=0.05, skip_self_success=True, strip_reasoning=False,
                     tasks=(), demonstration_fallback="teacher/empty"),
     "data": dict(
         spec=DEMO_DATA,
@@ -126,7 +126,7 @@ def test_round_trip_of_every_field_changed(tmp_path):
         teacher=dataclasses.replace(TrainConfig().teacher, kind="external", model="org/teacher", revision="v1.0",
                                     template="teacher/hints",
                                     chat_template_kwargs={"enable_thinking": True},
-                                    ema_rate=0.25, skip_self_success=False, demonstration_fallback="teacher/answer_note"),
+                                    ema_rate=0.25, skip_self_success=False, strip_reasoning=True, demonstration_fallback="teacher/answer_note"),
         data=dataclasses.replace(TrainConfig().data, spec="champ?concepts=true", student_template="student/boxed", eval_size=10, split_seed=3),
         rollout=dataclasses.replace(TrainConfig().rollout, prompts_per_step=6, samples_per_prompt=2, max_tokens=9, temperature=1.0, top_p=0.95,
                                     top_k=20, min_p=0.05, max_staleness=2, environment="retry_feedback",

@@ -200,6 +200,19 @@ def test_codegen_is_deterministic_per_seed_and_item_i_does_not_depend_on_size():
     assert str(parse_data_spec("codegen?level=2&size=30&seed=4")) == "codegen?seed=4&size=30&level=2"
 
 
+def test_a_codegen_mixture_alternates_its_levels_and_each_item_is_that_levels_item():
+    from selfopd.data.codegen import make_item
+
+    mixed = load_examples("codegen?level=2+3&size=12&seed=4&distinct=false")
+    assert [ex.meta["codegen"]["level"] for ex in mixed] == [2, 3] * 6
+    for i, ex in enumerate(mixed):
+        assert ex.prompt == make_item((2, 3)[i % 2], 4, i)[2]
+    assert str(parse_data_spec("codegen?level=2+3&size=12&seed=4")) == "codegen?seed=4&size=12&level=2+3"
+    for bad in ("4", "2+", "two", "1+4"):
+        with pytest.raises(DataError, match="level must be one of 1, 2, 3 or a mixture"):
+            parse_data_spec(f"codegen?level={bad}")
+
+
 @pytest.mark.parametrize("level", [1, 2, 3])
 def test_codegen_shown_and_hidden_tests_are_disjoint_and_the_prompt_quotes_only_a_shown_one(level):
     for ex in load_examples(f"codegen?level={level}&size=150"):
@@ -234,7 +247,7 @@ def test_codegen_references_are_consistent_with_their_tests(level):
 
 
 def test_codegen_options_fresh_items_and_a_level_too_small_are_handled():
-    with pytest.raises(DataError, match="level must be one of 1, 2, 3, got 4"):
+    with pytest.raises(DataError, match="level must be one of 1, 2, 3 or a mixture such as 2\\+3, got .4."):
         parse_data_spec("codegen?level=4")
     with pytest.raises(DataError, match="source 'codegen' takes no name"):
         DataSpec(source="codegen", name="x")

@@ -35,6 +35,24 @@ def test_summary_reports_avg_and_pass_at_k_over_distinct_prompts(tmp_path):
     assert summary["avg@6"]["value"] == pytest.approx(summary["pass@1"]["value"]) == pytest.approx((2 / 6 + 5 / 6) / 3)
 
 
+def test_code_tasks_report_hidden_tests_beside_shown_ones_and_others_write_no_hidden_field(tmp_path):
+    """Code tasks: `hidden_accuracy` is the share of distinct prompts whose program passed every hidden
+    test; records of tasks without hidden tests keep their old lines."""
+    import dataclasses
+
+    hidden = {"p": [1.0, 1.0], "q": [0.5, 1.0], "r": [0.0, 0.0]}
+    records = [dataclasses.replace(_record(prompt, i, True), hidden_reward=v)
+               for prompt, values in hidden.items() for i, v in enumerate(values)]
+    write_eval(tmp_path / "code", Proportion(3, 3, 0.0, 1.0), records, "student/plain", samples=2)
+    summary = json.loads((tmp_path / "code" / "summary.json").read_text())
+    assert summary["hidden_accuracy"]["value"] == pytest.approx((1 + 0.5 + 0) / 3) and summary["hidden_accuracy"]["n"] == 3
+    lines = [json.loads(line) for line in (tmp_path / "code" / "eval.jsonl").read_text().splitlines()]
+    assert [line["hidden_reward"] for line in lines] == [1.0, 1.0, 0.5, 1.0, 0.0, 0.0]
+    write_eval(tmp_path / "math", Proportion(1, 1, 0.0, 1.0), [_record("p", 0, True)], "student/plain")
+    assert "hidden_reward" not in (tmp_path / "math" / "eval.jsonl").read_text()
+    assert "hidden_accuracy" not in json.loads((tmp_path / "math" / "summary.json").read_text())
+
+
 class _Answers:
     """An engine that answers each prompt with the next of `answers` ((text, finish_reason)), and keeps
     the prompt ids it was asked."""

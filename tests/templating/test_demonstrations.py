@@ -104,3 +104,18 @@ def test_saved_rollouts_record_the_demonstration_and_diagnostics_render_it(tmp_p
     old_file = tmp_path / "old.jsonl"
     old_file.write_text(json.dumps(old_line) + "\n")
     assert read_records(old_file)[0].demonstration is None  # files saved before the field still read
+
+
+def test_strip_reasoning_shows_a_sibling_without_its_reasoning_blocks(smollm2_tokenizer):
+    """SDPO's remove_thinking_from_demonstration: the demonstration is what the user reads of the
+    sibling, its <think> blocks (and, where the prompt opened one, the text up to its close) dropped."""
+    from selfopd.engines.base import Rollout
+    from selfopd.training.grading import Graded
+    from selfopd.training.teacher import demonstration_texts
+    from selfopd.templating.chat_format import ChatFormat
+
+    texts = ["<think>try 3+4</think>\n\nThe answer is 7.", "scratch 3+4=7</think> It is 7.", "No blocks: 7."]
+    rollouts = [Rollout([1], [2], [0.0], "stop", text) for text in texts]
+    graded = Graded(ChatFormat(smollm2_tokenizer), [False, True, False], [])
+    assert demonstration_texts(rollouts, graded, strip_reasoning=False) == texts
+    assert demonstration_texts(rollouts, graded, strip_reasoning=True) == ["The answer is 7.", "It is 7.", "No blocks: 7."]
