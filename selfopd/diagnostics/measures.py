@@ -6,12 +6,14 @@ one observation, and resampling rollouts would make intervals too narrow."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
+from selfopd.core.turns import segments
 from selfopd.run.rollouts import RolloutDigest, RolloutRecord
 from selfopd.diagnostics.tokens import (
     ANSWER_CLASSES,
@@ -22,6 +24,8 @@ from selfopd.diagnostics.tokens import (
     leaked_phrases,
 )
 from selfopd.core.stats import MeanEstimate, correct_minus_wrong, mean_interval
+
+ENVIRONMENT = "environment"  # the class of an episode's environment ids: context, in no class of CLASSES
 
 # The illusion score warns when the answer tokens hold clearly more of the teacher's |advantage|
 # than of the tokens: at least ILLUSION_LIFT times their share of tokens, with the score's
@@ -38,17 +42,40 @@ BOOTSTRAP_SAMPLES = 2000
 
 @dataclass(frozen=True)
 class Annotated:
-    """A rollout with its token texts, token classes and per-token advantage to analyse."""
+    """A rollout with its token texts, token classes and per-token advantage to analyse.
+
+    In an episode the environment's ids are context, never trained: their class is
+    `ENVIRONMENT` (in no class of `CLASSES`) and their advantage 0, whatever values are given,
+    so no statistic over tokens or classes counts them."""
 
     record: RolloutRecord
     pieces: TokenPieces
     classes: list[str]
-    advantage: np.ndarray  # (T,) float64, usually teacher - student logprob
+    advantage: np.ndarray  # (T,) float64, usually teacher - student logprob; 0 at an episode's environment ids
     leaks: list[str]  # phrases in the output that refer to or copy privileged context
 
+    def __post_init__(self) -> None:
+        if self.record.loss_mask is not None:
+            # A frozen dataclass: set once here, so `dataclasses.replace(a, advantage=...)` is masked too.
+            object.__setattr__(self, "advantage", np.where(self.own, np.asarray(self.advantage, dtype=np.float64), 0.0))
+
+    @property
+    def own(self) -> np.ndarray:
+        """(T,) bool: the tokens the student wrote (all of them outside an episode)."""
+        return np.asarray(self.record.students, dtype=bool)
+
+    @property
+    def student_tokens(self) -> int:
+        return int(self.own.sum())
+
+    @property
+    def student_text(self) -> str:
+        """The student's own text: its turns, one line apart (the whole completion outside an episode)."""
+        return self.pieces.text if self.record.loss_mask is None else students_pieces(self.pieces, self.record.students).text
+
     def in_classes(self, *names: str) -> np.ndarray:
-        """(T,) bool: which tokens belong to any of the classes `names`."""
-        return np.array([c in names for c in self.classes], dtype=bool)
+        """(T,) bool: which tokens belong to any of the classes `names` (never an environment id)."""
+        return np.array([c in names for c in self.classes], dtype=bool) & self.own
 
 
 @dataclass(frozen=True)
@@ -97,6 +124,20 @@ class IllusionScore:
         return bool(self.lift >= self.lift_threshold and self.share.low > self.token_share)
 
 
+def students_pieces(pieces: TokenPieces, students: Sequence[bool]) -> TokenPieces:
+    """The student's tokens of an episode alone: its turns' texts one line apart, so that nothing
+    the environment wrote can make a student token an answer, a copy or an epistemic word."""
+    text, kept, spans = "", [], []
+    for number, segment in enumerate(s for s in segments(students) if s.student):
+        if number:
+            text += "\n"
+        for piece in pieces.pieces[segment.start:segment.end]:
+            kept.append(piece)
+            spans.append((len(text), len(text) + len(piece)))
+            text += piece
+    return TokenPieces(text, kept, spans)
+
+
 def annotate(
     record: RolloutRecord,
     pieces: TokenPieces,
@@ -107,12 +148,16 @@ def annotate(
     special_tokens: frozenset[str] = frozenset(),
     advantage: Sequence[float] | None = None,
 ) -> Annotated:
-    """Classify a rollout's tokens; `advantage` defaults to the saved teacher - student."""
-    classes = classify_tokens(pieces, answer, privileged_text, student_prompt, extracted_answer, special_tokens,
-                              correct=record.correct)
+    """Classify a rollout's tokens; `advantage` defaults to the saved teacher - student. In an episode
+    only the student's own text is classified and searched for leaks; the environment's ids are
+    class `ENVIRONMENT`."""
+    own = pieces if record.loss_mask is None else students_pieces(pieces, record.students)
+    own_classes = iter(classify_tokens(own, answer, privileged_text, student_prompt, extracted_answer, special_tokens,
+                                       correct=record.correct))
+    classes = [next(own_classes) if mine else ENVIRONMENT for mine in record.students]
     values = np.asarray(record.opd_advantage if advantage is None else advantage, dtype=np.float64)
-    leaks = leaked_phrases(pieces.text, privileged_text, student_prompt)
-    return Annotated(record, pieces, classes, values, leaks)
+    annotated = Annotated(record, pieces, classes, values, [])
+    return dataclasses.replace(annotated, leaks=leaked_phrases(annotated.student_text, privileged_text, student_prompt))
 
 
 def ratio_share(numerators: Sequence[float], denominators: Sequence[float], clusters: Sequence[str] | None = None,
@@ -148,7 +193,7 @@ def _prompts(rollouts: Sequence[Annotated]) -> list[str]:
 def decompose(rollouts: Sequence[Annotated]) -> list[ClassRow]:
     """Total |advantage| split by token class, each class's share with its interval."""
     total_abs = [float(np.abs(r.advantage).sum()) for r in rollouts]
-    total_tokens = sum(len(r.classes) for r in rollouts)
+    total_tokens = sum(r.student_tokens for r in rollouts)
     rows = []
     for name in CLASSES:
         in_class = [r.in_classes(name) for r in rollouts]
@@ -179,7 +224,7 @@ def illusion_score(rollouts: Sequence[Annotated], lift_threshold: float = ILLUSI
         answer_abs.append(float(np.abs(r.advantage[mask]).sum()))
         total_abs.append(float(np.abs(r.advantage).sum()))
         answer_tokens += int(mask.sum())
-        tokens += len(mask)
+        tokens += r.student_tokens
     return IllusionScore(ratio_share(answer_abs, total_abs, _prompts(rollouts)),
                          answer_tokens / tokens if tokens else math.nan, lift_threshold)
 
@@ -190,24 +235,30 @@ class StepBehaviour:
 
     step: int
     rollouts: int
-    length: MeanEstimate  # completion tokens
-    epistemic_per_100: float  # epistemic words per 100 completion tokens
+    length: MeanEstimate  # the student's completion tokens (an episode's turns together, not the environment's)
+    epistemic_per_100: float  # epistemic words per 100 of the student's tokens
     leak_rate: float  # share of rollouts with a leaked phrase
     accuracy: float  # share of rollouts the verifier accepted
-    at_cap: float  # share of rollouts as long as the token cap (cut off, or nearly)
+    at_cap: float  # share of rollouts with a reply (an episode's turn) as long as the token cap (cut off, or nearly)
 
 
 def step_behaviour(step: int, rollouts: Sequence[Annotated], max_tokens: int | None = None) -> StepBehaviour:
-    lengths = [len(r.classes) for r in rollouts]
-    words = sum(epistemic_count(r.pieces.text) for r in rollouts)
+    """What the student wrote at `step`: only its own tokens and text, never an episode's environment's."""
+    lengths = [r.student_tokens for r in rollouts]
+    words = sum(epistemic_count(r.student_text) for r in rollouts)
     count = max(len(rollouts), 1)
     return StepBehaviour(
         step, len(rollouts), mean_interval([float(n) for n in lengths], unit_range=False, unit="rollouts"),
         100 * words / max(sum(lengths), 1),
         sum(bool(r.leaks) for r in rollouts) / count,
         sum(r.record.correct for r in rollouts) / count,
-        sum(n >= max_tokens for n in lengths) / count if max_tokens else 0.0,
+        sum(_longest_reply(r) >= max_tokens for r in rollouts) / count if max_tokens else 0.0,
     )
+
+
+def _longest_reply(rollout: Annotated) -> int:
+    """The student's longest turn in tokens: max_tokens caps each turn of an episode, not their sum."""
+    return max((s.end - s.start for s in segments(rollout.record.students) if s.student), default=0)
 
 
 def collapse_warnings(behaviour: Sequence[StepBehaviour], metrics: Sequence[dict] = (), drop: float = 0.5) -> list[str]:
@@ -277,7 +328,7 @@ def context_contrast(rollouts: Sequence[Annotated], gains_correct: Sequence[np.n
     for r, g, w in zip(rollouts, gains_correct, gains_wrong):
         mask = r.in_classes(*ANSWER_CLASSES)
         answer_diff.append(float(np.abs(g - w)[mask].sum()))
-        total_diff.append(float(np.abs(g - w).sum()))
+        total_diff.append(float(np.abs(g - w)[r.own].sum()))
         if r.record.correct and mask.any():
             correct += 1
             follows += float(g[mask].sum()) > float(w[mask].sum())

@@ -9,6 +9,7 @@ the DOPD split (`signals_report`); and the accuracy gap the privileged context o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,8 @@ from selfopd.config import teacher_tables
 from selfopd.core.atomic import write_json_atomic, write_text_atomic
 from selfopd.diagnostics.context import (ContextGap, Prompting, annotate_records, context_gap, privileged_gains,
                                          run_prompting)
+from selfopd.diagnostics.episodes import EpisodeStats, episodes_json, render_episodes, run_episodes
+from selfopd.diagnostics.report_heatmaps import write_contrast_heatmap, write_heatmaps_html, write_step_heatmaps
 from selfopd.diagnostics.measures import (Annotated, ClassRow, ContextContrast, IllusionScore, StepBehaviour,
                                           as_jsonable, collapse_warnings, context_contrast, correct_preference,
                                           decompose, illusion_score, step_behaviour)
@@ -106,6 +109,11 @@ class RunDiagnosis:
     def last(self) -> int:
         return max(self.annotated)
 
+    @functools.cached_property
+    def episodes(self) -> dict[int, EpisodeStats]:
+        """Per-turn statistics of the first and last saved step of a run whose rollouts are episodes; else {}."""
+        return run_episodes(self.annotated)
+
 
 def measure_run(run_dir: Path, with_model: bool = True, gap_items: int = 100, progress: bool = True,
                 transfer_items: int = 64, teacher: str = "default", overrides: Sequence[str] = ()) -> RunDiagnosis:
@@ -169,6 +177,8 @@ def write_report(diagnosis: RunDiagnosis, out: Path, heatmaps: int = 4) -> Path:
         summary["at_start"] = {"privileged_gain_decomposition": as_jsonable(part.decomposition),
                                "illusion": _illusion_json(part.illusion), "contrast": as_jsonable(part.contrast),
                                "gap": as_jsonable(part.gap)}
+    if episodes := diagnosis.episodes:
+        summary["episodes"] = {step: episodes_json(stats) for step, stats in episodes.items()}
     if diagnosis.transfer is not None:
         summary["transfer"] = diagnosis.transfer.save(out)
     if diagnosis.signals is not None:
@@ -192,8 +202,6 @@ def _illusion_json(score: IllusionScore) -> dict[str, Any]:
 def _write_figures(diagnosis: RunDiagnosis, out: Path, heatmaps: int) -> dict[str, str]:
     """Figures under out/figures and heatmaps.html; returns {key: path relative to out}."""
     from selfopd.diagnostics.figures import plot_behaviour, plot_class_shares
-    from selfopd.core.heatmaps import (plot_token_heatmap, plot_token_heatmaps_side_by_side, save_token_heatmap_html,
-                                       token_heatmap_html)
 
     folder = out / "figures"
     folder.mkdir(exist_ok=True)
@@ -201,49 +209,13 @@ def _write_figures(diagnosis: RunDiagnosis, out: Path, heatmaps: int) -> dict[st
     plot_behaviour(diagnosis.behaviour, diagnosis.illusion, folder / "behaviour.png", diagnosis.name)
     figures = {"classes": "figures/classes.png", "behaviour": "figures/behaviour.png"}
     steps = sorted({diagnosis.first, diagnosis.last})
-    for step in steps:
-        for rank, rollout in enumerate(_telling_rollouts(diagnosis.annotated[step], heatmaps)):
-            key = f"heatmap_step{step}_{rank}"
-            plot_token_heatmap(rollout.pieces.pieces, rollout.advantage, folder / f"{key}.png",
-                               title=f"step {step}: {_rollout_title(rollout)}", label="teacher - student logprob (nats)")
-            figures[key] = f"figures/{key}.png"
-    part = diagnosis.model_part
-    if part is not None:
-        rollout = _telling_rollouts(part.rollouts, 1)[0]
-        plot_token_heatmaps_side_by_side(
-            rollout.pieces.pieces,
-            {"correct context": rollout.advantage, "wrong context": part.gains_wrong[part.rollouts.index(rollout)]},
-            folder / "contrast.png", title=f"Privileged gain, same rollout: {_rollout_title(rollout)}")
+    figures |= write_step_heatmaps(diagnosis.annotated, steps, folder, heatmaps)
+    if (part := diagnosis.model_part) is not None:
+        write_contrast_heatmap(part.rollouts, part.gains_wrong, folder / "contrast.png")
         figures["contrast"] = "figures/contrast.png"
-    blocks = [
-        token_heatmap_html(rollout.pieces.pieces, {"teacher - student": rollout.advantage},
-                           title=f"step {step}: {_rollout_title(rollout)}",
-                           details={"teacher logprob": rollout.record.teacher_logprobs,
-                                    "student logprob": rollout.record.student_logprobs})
-        for step in steps for rollout in _telling_rollouts(diagnosis.annotated[step], max(heatmaps, 8))
-    ]
-    save_token_heatmap_html(out / "heatmaps.html", "\n".join(blocks), title=f"{diagnosis.name}: per-token advantage")
+    write_heatmaps_html(diagnosis.annotated, steps, max(heatmaps, 8), out / "heatmaps.html",
+                        f"{diagnosis.name}: per-token advantage")
     return figures
-
-
-def _telling_rollouts(rollouts: Sequence[Annotated], count: int) -> list[Annotated]:
-    """Rollouts worth looking at first: alternately the correct one and the wrong one with
-    the largest total |advantage| (what the teacher most wants changed), then the rest."""
-    ranked = sorted(rollouts, key=lambda r: -float(np.abs(r.advantage).sum()))
-    correct = [r for r in ranked if r.record.correct]
-    wrong = [r for r in ranked if not r.record.correct]
-    chosen = []
-    while (correct or wrong) and len(chosen) < count:
-        for pool in (wrong, correct):
-            if pool and len(chosen) < count:
-                chosen.append(pool.pop(0))
-    return chosen
-
-
-def _rollout_title(rollout: Annotated) -> str:
-    record = rollout.record
-    verdict = "correct" if record.correct else "wrong"
-    return f"item {record.id} ({verdict}, reference {record.answer!s:.20}), sum of advantage {rollout.advantage.sum():+.2f}"
 
 
 def render_report(diagnosis: RunDiagnosis, figures: dict[str, str]) -> str:
@@ -307,6 +279,8 @@ def render_report(diagnosis: RunDiagnosis, figures: dict[str, str]) -> str:
         lines.append(f"| {b.step} | {b.rollouts} | {b.accuracy:.2f} | {b.length.value:.1f} [{b.length.low:.1f}, "
                      f"{b.length.high:.1f}] | {b.at_cap:.0%} | {b.epistemic_per_100:.2f} | {b.leak_rate:.0%} | "
                      f"{d.illusion[b.step].share} |")
+    if d.episodes:
+        lines += ["", render_episodes(d.episodes)]
     if d.model_part is not None:
         lines += ["", _model_section(d.model_part, first, figures)]
     if d.signals is not None:

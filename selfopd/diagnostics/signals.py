@@ -170,10 +170,12 @@ def dopd_split(student: Engine, teacher: Engine, records: Sequence[RolloutRecord
 
 
 def prompt_mean(records: Sequence[RolloutRecord], per_token: Sequence[np.ndarray]) -> MeanEstimate:
-    """The mean per token of each rollout, averaged per distinct prompt (a prompt met
-    several times is one observation), then over prompts with a normal 95% interval."""
+    """The mean per token of each rollout (the student's tokens: an episode's environment ids
+    left out), averaged per distinct prompt (a prompt met several times is one observation),
+    then over prompts with a normal 95% interval."""
     by_prompt: dict[str, list[float]] = {}
     for record, values in zip(records, per_token, strict=True):
+        values = np.asarray(values)[np.asarray(record.students, dtype=bool)] if record.loss_mask is not None else values
         if len(values):
             by_prompt.setdefault(record.prompt, []).append(float(np.mean(values)))
     if not by_prompt:
@@ -184,11 +186,11 @@ def prompt_mean(records: Sequence[RolloutRecord], per_token: Sequence[np.ndarray
 def information_share(rollouts: Sequence[Annotated], splits: Sequence[DopdSplit],
                       classes: Sequence[str] | None = None) -> Share:
     """Share of the split's total size, sum |information| / sum (|information| + |capability|),
-    on the tokens of `classes` (default: all), with a bootstrap interval over prompts.
+    on the tokens of `classes` (default: all the student's), with a bootstrap interval over prompts.
     1: all information (a self teacher); 0: all capability. The capability share is 1 - it."""
     numerators, denominators = [], []
     for rollout, split in zip(rollouts, splits, strict=True):
-        mask = rollout.in_classes(*classes) if classes is not None else np.ones(len(split.information), dtype=bool)
+        mask = rollout.in_classes(*classes) if classes is not None else rollout.own
         information = np.abs(split.information[mask]).sum()
         numerators.append(float(information))
         denominators.append(float(information + np.abs(split.capability[mask]).sum()))

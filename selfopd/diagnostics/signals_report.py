@@ -103,9 +103,10 @@ def write_signal_outputs(d: SignalDiagnosis, out: Path) -> dict[str, str]:
     first = ranked[0]
     plot_token_heatmaps_side_by_side(d.rollouts[first].pieces.pieces, _panels(d, first), out / "figures" / "signals.png",
                                      title=f"step {d.step}, item {d.rollouts[first].record.id}: per-token signals",
-                                     label="nats (tail mass: probability)")
+                                     label="nats (tail mass: probability)", students=d.rollouts[first].record.loss_mask)
     blocks = [token_heatmap_html(d.rollouts[i].pieces.pieces, _panels(d, i), title=f"item {d.rollouts[i].record.id}",
-                                 details={"teacher mass on student top-k": d.teachability[i].mass})
+                                 details={"teacher mass on student top-k": d.teachability[i].mass},
+                                 students=d.rollouts[i].record.loss_mask)
               for i in ranked[:HEATMAP_ROLLOUTS]]
     save_token_heatmap_html(out / "signals.html", "\n".join(blocks), title=f"step {d.step}: per-token signals")
     return {"signals": "figures/signals.png"}

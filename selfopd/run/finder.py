@@ -3,6 +3,7 @@ under it, and the newest run, with messages that say what is missing and how to 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from selfopd.core.run_folder import RunFolder
@@ -47,3 +48,25 @@ def check_run(run_dir: Path, with_rollouts: bool = True) -> Path:
         raise FileNotFoundError(f"{run_dir}: no saved rollouts in {folder.rollouts} (it ran with run.rollouts_to_save "
                                 "= 0, or stopped before its first step)")
     return folder.root
+
+
+def saves_episodes(run_dir: Path) -> bool:
+    """True when the run's last saved rollouts are episodes (`rollout.environment`: each record
+    carries a loss mask). Read from the first line only: every record of an episode run has one."""
+    folder = RunFolder(Path(run_dir))
+    steps = folder.rollout_steps()
+    if not steps:
+        return False
+    with folder.rollouts_file(steps[-1]).open(encoding="utf-8", errors="replace") as lines:
+        first = lines.readline()
+    try:
+        record = json.loads(first)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(record, dict) and record.get("loss_mask") is not None
+
+
+def newest_episode_run(runs_dir: Path) -> Path | None:
+    """The run under `runs_dir` that logged last among those whose saved rollouts are episodes; None if none is."""
+    kept = [run for run in find_runs(runs_dir) if saves_episodes(run)]
+    return kept[-1] if kept else None

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 from matplotlib.colors import to_rgba
 from matplotlib.image import imread
 
 from selfopd.core.heatmaps import (
-    LINE_IN, NO_VALUE_COLOR, _layout_tokens, plot_token_heatmap, plot_token_heatmaps_side_by_side,
+    ENVIRONMENT_COLOR, LINE_IN, NO_VALUE_COLOR, _layout_tokens, plot_token_heatmap, plot_token_heatmaps_side_by_side,
     save_token_heatmap_html, token_heatmap_html,
 )
 from selfopd.core.plots import DPI, plot_training_curves, read_metrics
@@ -202,3 +203,100 @@ def test_html_escapes_tokens_and_shows_values_in_tooltips(tmp_path):
     assert '<meta charset="utf-8">' in text and fragment in text and "<title>rollouts</title>" in text
     with pytest.raises(ValueError, match="teacher logprob"):
         token_heatmap_html(tokens, {"hint": [0.0] * 4}, details={"teacher logprob": [0.0]})
+
+
+# --- episodes: environment ids greyed, turns marked ------------------------------------------
+
+EPISODE_TOKENS = ["I", " think", " 5", ".", "<|im_end|>", "\n", "user", "\nWrong", ", try", " again", ".\n", "assistant\n",
+                  "It", " is", " 7", "."]
+EPISODE_MASK = [True] * 4 + [False] * 8 + [True] * 4
+MASK_CHANGES = [0, 4, 12]  # where each turn starts: "turn 1", "environment", "turn 2"
+
+
+def episode_values(environment_value: float) -> list[float]:
+    student = iter([0.4, -0.2, 1.0, 0.0, -0.6, 0.3, 0.8, -1.0])
+    return [next(student) if own else environment_value for own in EPISODE_MASK]
+
+
+def cell_data(figure) -> list:
+    """Everything drawn in a heatmap's panels: cells, texts, lines, and the figure's size."""
+    data = []
+    for axes in figure.axes:
+        data.append([(tuple(patch.get_xy()), patch.get_width(), to_rgba(patch.get_facecolor())) for patch in axes.patches])
+        data.append([(text.get_text(), text.get_position(), str(text.get_color())) for text in axes.texts])
+        data.append([line.get_xydata().tolist() for line in axes.lines])
+    return data + [tuple(figure.get_size_inches())]
+
+
+def test_a_rollout_without_a_mask_draws_as_before_episodes_existed():
+    """The HTML of a fixed rollout, byte for byte as before episodes were drawn (its digest), and a mask of
+    the student's ids only (an episode of one answer) draws the same figure and HTML as no mask."""
+    import hashlib
+
+    tokens = TOKENS + [" <b>&"]
+    values = [0.1 * i - 0.7 for i in range(len(tokens))]
+    values[3] = math.nan
+    html = token_heatmap_html(tokens, {"a": values, "b": [v * 0.5 for v in values]}, title="t",
+                              details={"d": [1.0] * len(tokens)})
+    assert hashlib.sha256(html.encode()).hexdigest() == "e6c8c2cf3956754a1df52ea9bfda03f42b4d8ee1492440cf46889e06a8d1f435"
+    assert token_heatmap_html(tokens, {"a": values, "b": [v * 0.5 for v in values]}, title="t",
+                              details={"d": [1.0] * len(tokens)}, students=[True] * len(tokens)) == html
+    plain = plot_token_heatmaps_side_by_side(tokens, {"a": values, "b": [1.0] * len(tokens)}, width_chars=12)
+    masked = plot_token_heatmaps_side_by_side(tokens, {"a": values, "b": [1.0] * len(tokens)}, width_chars=12,
+                                              students=[True] * len(tokens))
+    assert cell_data(plain) == cell_data(masked)
+    assert not any(text.get_text() in ("turn 1", "environment") for text in plain.axes[0].texts)
+
+
+def test_environment_ids_are_grey_whatever_their_value_and_stay_out_of_the_scale():
+    calm = plot_token_heatmap(EPISODE_TOKENS, episode_values(0.0), students=EPISODE_MASK)
+    wild = plot_token_heatmap(EPISODE_TOKENS, episode_values(-1e6), students=EPISODE_MASK)
+    for figure in (calm, wild):
+        colours = facecolors(figure.axes[0])
+        assert [c for c, own in zip(colours, EPISODE_MASK) if not own] == [to_rgba(ENVIRONMENT_COLOR)] * 8
+        assert all(c != to_rgba(ENVIRONMENT_COLOR) for c, own in zip(colours, EPISODE_MASK) if own)
+    assert facecolors(calm.axes[0]) == facecolors(wild.axes[0])  # the -1e6 stretched no scale
+    assert cell_data(calm) == cell_data(wild)
+    unmasked = facecolors(plot_token_heatmap(EPISODE_TOKENS, episode_values(-1e6)).axes[0])
+    assert unmasked[4] != to_rgba(ENVIRONMENT_COLOR)  # without the mask the same id is coloured by its value
+
+    html = token_heatmap_html(EPISODE_TOKENS, {"adv": episode_values(-1e6)}, students=EPISODE_MASK,
+                              details={"teacher logprob": episode_values(-5e5)})
+    spans = [part for part in html.split("<span ") if part.startswith('title="#')]
+    assert len(spans) == len(EPISODE_TOKENS)
+    for span, own in zip(spans, EPISODE_MASK):
+        assert (f"background: {ENVIRONMENT_COLOR}" in span) is (not own)
+        assert not any(shown in span for shown in ("e+06", "e+05", "1000000", "500000"))  # no environment value shown
+    assert "environment (not trained)" in spans[4] and "adv: +1.0000" in spans[2]
+    assert html == token_heatmap_html(EPISODE_TOKENS, {"adv": episode_values(0.0)}, students=EPISODE_MASK,
+                                      details={"teacher logprob": episode_values(0.0)})
+
+
+def test_turn_marks_sit_exactly_at_the_mask_changes():
+    figure = plot_token_heatmap(EPISODE_TOKENS, episode_values(0.0), students=EPISODE_MASK, width_chars=30)
+    axes = figure.axes[0]
+    cells = [(patch.get_xy()[0], patch.get_xy()[1] - 0.08) for patch in axes.patches]  # (column, line) per token
+    marks = [(text.get_text(), text.get_position()) for text in axes.texts
+             if text.get_text() in ("turn 1", "turn 2", "environment")]
+    assert [label for label, _ in marks] == ["turn 1", "environment", "turn 2"]
+    for (label, (x, y)), index in zip(marks, MASK_CHANGES):
+        column, line = cells[index]
+        assert y - 0.5 == pytest.approx(line) and x < column  # on the line the turn starts, left of its first token
+        assert column == pytest.approx(len(label) + 1)  # the turn's first token follows its label
+        assert index == 0 or cells[index - 1][1] < line  # each turn starts a line of its own
+    rules = sorted(line.get_xydata()[0][1] for line in axes.lines)
+    assert rules == [cells[4][1], cells[12][1]]  # a rule above every turn but the first
+
+    html = token_heatmap_html(EPISODE_TOKENS, {"adv": episode_values(0.0)}, students=EPISODE_MASK)
+    body = html.split("white-space: pre-wrap")[1]
+    order = ["mark" if part.startswith('class="turn"') else "token" for part in body.split("<span ")[1:]]
+    marked = [order[:i].count("token") for i, kind in enumerate(order) if kind == "mark"]
+    assert marked == MASK_CHANGES and order.count("token") == len(EPISODE_TOKENS)
+    assert re.findall(r'class="turn"[^>]*>([^<]*)<', body) == ["turn 1", "environment", "turn 2"]
+
+
+def test_a_mask_of_the_wrong_length_is_refused():
+    with pytest.raises(ValueError, match="students has 3 values for 16 tokens"):
+        plot_token_heatmap(EPISODE_TOKENS, episode_values(0.0), students=[True, False, True])
+    with pytest.raises(ValueError, match="students has 3 values for 16 tokens"):
+        token_heatmap_html(EPISODE_TOKENS, {"adv": episode_values(0.0)}, students=[True, False, True])

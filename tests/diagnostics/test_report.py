@@ -43,9 +43,27 @@ SMALL_RUN = [
 ]
 
 
+EPISODE_RUN = [
+    "data.spec=rg:chain_sum?min_terms=2&max_terms=2&size=60&seed=2", "data.eval_size=4", "run.steps=1",
+    "run.rollouts_to_save=4", "run.progress=false", "run.eval_every=0", "rollout.prompts_per_step=2",
+    "rollout.samples_per_prompt=2", "rollout.max_tokens=8", "rollout.environment=retry_feedback", "rollout.max_turns=3",
+    "rollout.max_episode_tokens=80", "optim.micro_batch_prompts=1",
+]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, smollm2_dir) -> dict[str, Path]:
-    """Two 2-step self-distillation runs: the leaky and the clean reference-answer template."""
+def episode_run(tmp_path_factory, tiny_model_dir) -> Path:
+    """A 1-step run on episodes of the tiny random model: its answers are always wrong, so every episode
+    takes several turns, with the verifier's feedback between them."""
+    out = tmp_path_factory.mktemp("episode-runs")
+    return train(load_config(None, [*EPISODE_RUN, f"model.student={tiny_model_dir}", f"run.out_dir={out}",
+                                    "run.name=episodes"]))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, smollm2_dir, episode_run) -> dict[str, Path]:
+    """Two 2-step self-distillation runs: the leaky and the clean reference-answer template (trained after
+    the episode run, so the clean one stays the newest run of the notebooks' project)."""
     out = tmp_path_factory.mktemp("runs")
     made = {}
     for label, template in (("leaky", "teacher/answer_hint_leaky"), ("clean", "teacher/reference_answer")):
@@ -166,6 +184,31 @@ def test_diagnose_writes_a_report_with_figures(runs, capsys):
     assert preference is None or preference["low"] <= preference["value"] <= preference["high"]
 
 
+def test_diagnose_an_episode_run_reports_its_turns_whatever_the_environments_ids_hold(episode_run, tmp_path):
+    """The same run twice, one copy with wild values on the environment's ids of every saved rollout: the
+    same numbers, a per-turn section, and heatmaps with the environment greyed and the turns labelled."""
+    summaries = {}
+    for label in ("saved", "altered"):
+        run = shutil.copytree(episode_run, tmp_path / label)
+        if label == "altered":
+            path = next((run / "rollouts").glob("step_*.jsonl"))
+            rows = [json.loads(line) for line in path.read_text().splitlines()]
+            for row in rows:
+                for field, wild in (("advantage", 1e4), ("student_logprobs", -3e3), ("teacher_logprobs", 5e3)):
+                    row[field] = [v if own else wild for v, own in zip(row[field], row["loss_mask"])]
+            path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        assert main(["diagnose", str(run), "--no-model", "--heatmaps", "1"]) == 0
+        out = run / "diagnostics"
+        report = (out / "report.md").read_text()
+        assert "## Turns of the episodes" in report and "| 1 | 2 | 4 |" in report  # every episode reached turn 2
+        html = (out / "heatmaps.html").read_text()
+        assert ">turn 2</span>" in html and ">environment</span>" in html and "e+03" not in html and "+10000" not in html
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["episodes"]["1"]["turns"]["value"] > 1 and 0 < summary["episodes"]["1"]["environment_share"] < 1
+        summaries[label] = {key: value for key, value in summary.items() if key != "run"}
+    assert summaries["saved"] == summaries["altered"]
+
+
 def test_diagnose_names_a_folder_that_is_not_a_run(tmp_path, capsys):
     assert main(["diagnose", str(tmp_path), "--no-model"]) == 1
     assert "not a run folder" in capsys.readouterr().err
@@ -175,9 +218,10 @@ SMALL_NOTEBOOK = {"privileged_illusion.ipynb": "PROMPTS = 4\nGAP_ITEMS = 6"}  # 
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs_with_its_defaults(notebook, runs, tmp_path):
+def test_notebook_runs_with_its_defaults(notebook, runs, episode_run, tmp_path):
     """Each notebook with its default parameters, run by Jupyter from notebooks/ of a project
-    whose runs/ holds the two small runs: it finds the project folder and the newest run itself."""
+    whose runs/ holds the two small runs (and, for the heatmaps, a run on episodes): it finds the
+    project folder, the newest run and the newest run on episodes itself."""
     project = tmp_path / "project"
     (project / "notebooks").mkdir(parents=True)
     (project / "experiments" / "demo").mkdir(parents=True)
@@ -185,6 +229,8 @@ def test_notebook_runs_with_its_defaults(notebook, runs, tmp_path):
     (project / "runs").mkdir()
     for label in ("leaky", "clean"):  # clean trained last: the newest run
         (project / "runs" / label).symlink_to(runs[label])
+    if notebook.name == "advantage_heatmaps.ipynb":
+        (project / "runs" / "episodes").symlink_to(episode_run)
     nb = nbformat.read(notebook, as_version=4)
     (index,) = [i for i, cell in enumerate(nb.cells) if "parameters" in cell.metadata.get("tags", [])]
     if notebook.name in SMALL_NOTEBOOK:  # as papermill injects values: a cell after the parameters cell
@@ -197,6 +243,11 @@ def test_notebook_runs_with_its_defaults(notebook, runs, tmp_path):
                    "privileged_illusion.ipynb": project / "runs" / "notebooks" / "privileged_illusion",
                    "compare_runs.ipynb": project / "runs" / "notebooks" / "compare_runs"}[notebook.name]
     assert list(default_out.glob("*.png")), f"{notebook.name} wrote no figure into {default_out}"
+    if notebook.name == "advantage_heatmaps.ipynb":  # the episode of the episode run, drawn beside the clean run's
+        assert (default_out / "episode.png").is_file()
+        shown = "".join(o.get("data", {}).get("text/markdown", "") for cell in nb.cells if cell.cell_type == "code"
+                        for o in cell.outputs)
+        assert "| 2 | 4 |" in shown  # the per-turn table: all 4 episodes reached a second turn
 
 
 def test_the_heatmap_notebook_says_what_is_missing(tmp_path):
