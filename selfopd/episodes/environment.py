@@ -63,13 +63,14 @@ def checked_response(response: Any, where: str) -> Response:
 
 def bounded_text(content: Any) -> str:
     """An environment's message content as text: bytes decoded (undecodable bytes replaced), cut at
-    `MAX_MESSAGE_CHARS` with a note of how much was cut."""
+    `MAX_MESSAGE_CHARS` with a note of how much was cut, what UTF-8 cannot hold (a lone surrogate,
+    which no tokenizer takes) replaced."""
     if isinstance(content, bytes):
         content = content.decode("utf-8", errors="replace")
     text = str(content)
     if len(text) > MAX_MESSAGE_CHARS:
         text = f"{text[:MAX_MESSAGE_CHARS]}\n[... {len(text) - MAX_MESSAGE_CHARS:,} more characters cut]"
-    return text
+    return text.encode("utf-8", errors="replace").decode("utf-8")
 
 
 class RetryWithFeedback:

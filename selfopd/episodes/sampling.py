@@ -70,15 +70,29 @@ def run_episodes(engine: Engine, chat: ChatFormat, prompts: Sequence[Sequence[in
         environment = make_environment(example)
         environment.reset(example)
         live.append(_Live(tuple(prompt), environment, f"episode {index} ({example.id}), {type(environment).__name__}"))
-    for turn in range(limits.max_turns):
-        active = [episode for episode in live if episode.ending is None]
-        if not active:
-            break
-        seed = None if params.seed is None else params.seed + turn * SEED_STRIDE
-        sampled = engine.sample([episode.ids for episode in active], dataclasses.replace(params, seed=seed))
-        for episode, (rollout,) in zip(active, sampled):
-            _take_turn(episode, rollout, chat, limits, last=turn + 1 == limits.max_turns)
+    try:
+        for turn in range(limits.max_turns):
+            active = [episode for episode in live if episode.ending is None]
+            if not active:
+                break
+            seed = None if params.seed is None else params.seed + turn * SEED_STRIDE
+            sampled = engine.sample([episode.ids for episode in active], dataclasses.replace(params, seed=seed))
+            for episode, (rollout,) in zip(active, sampled):
+                _take_turn(episode, rollout, chat, limits, last=turn + 1 == limits.max_turns)
+    finally:  # an environment that holds a connection or a process (an OpenEnv session) lets it go
+        for episode in live:
+            _close(episode)
     return [episode.episode() for episode in live]
+
+
+def _close(episode: _Live) -> None:
+    """The environment's optional `close()`; one that fails to close costs a logged line, nothing else."""
+    try:
+        close = getattr(episode.environment, "close", None)
+        if callable(close):
+            close()
+    except Exception as error:
+        log.warning(f"{episode.where}: close raised {type(error).__name__}: {str(error)[:200]}")
 
 
 def _take_turn(episode: _Live, rollout: Any, chat: ChatFormat, limits: EpisodeLimits, last: bool) -> None:
@@ -151,4 +165,12 @@ def episode_sampler(rollout: Any, chat: ChatFormat) -> EpisodeSampler | None:
             return RetryWithFeedback(lambda reply, e, finish: chat.grade(reply, e, finish, opened), rollout.max_turns)
 
         return EpisodeSampler(chat, make, limits)
+    if rollout.environment == "tools":  # tool calls in the student's family's own format: selfopd.episodes.tools
+        from selfopd.episodes.tools import tool_environments
+
+        return EpisodeSampler(*tool_environments(rollout, chat, opened), limits)
+    if rollout.environment.startswith(("python:", "openenv:")):  # an OpenEnv environment: selfopd.episodes.openenv
+        from selfopd.episodes.openenv import openenv_environments
+
+        return EpisodeSampler(chat, openenv_environments(rollout.environment), limits)
     raise ValueError(f"rollout.environment {rollout.environment!r} has no environment")

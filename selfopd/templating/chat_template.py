@@ -7,8 +7,9 @@ or a run at its first prompt. Here the tokenizer's template text renders in self
 sandbox (`sandbox`: size, work and CPU time of one prompt), set up as transformers sets up its own
 (trim_blocks, lstrip_blocks, loop controls, the `{% generation %}` tag, a `tojson` that keeps
 non-ASCII text, `raise_exception`, `strftime_now`) and given the same variables (the tokenizer's
-special tokens, the role's chat-template arguments over them, `messages`, `tools` and `documents`
-None, `add_generation_prompt`); the ids are the tokenizer's of that text without special tokens.
+special tokens, the role's chat-template arguments over them, `messages`, `tools` (None, or the
+role's tool definitions when its arguments carry them), `documents` None, `add_generation_prompt`);
+the ids are the tokenizer's of that text without special tokens.
 Both are what `apply_chat_template` gives (tests/templating/test_chat_template.py compares them);
 a template past a bound is a TemplateLimitError naming the model's template file and the limit.
 A tokenizer whose `apply_chat_template` is its own (not a Jinja template: mistral-common's) is
@@ -40,12 +41,13 @@ def chat_text(tokenizer: Any, messages: Sequence[Mapping[str, Any]], add_generat
         return tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
                                              tokenize=False, **template_kwargs)
     template = _compiled(tokenizer.get_chat_template())
-    variables = {**tokenizer.special_tokens_map, **template_kwargs}
+    # `tools` (a role's tool definitions, `selfopd.episodes.tools`) comes with the role's arguments.
+    variables = {"tools": None, "documents": None, **tokenizer.special_tokens_map, **template_kwargs}
     pieces, size = [], 0
     try:
         with render_budget():
-            for piece in template.generate(messages=list(messages), tools=None, documents=None,
-                                           add_generation_prompt=add_generation_prompt, **variables):
+            for piece in template.generate(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                           **variables):
                 size += len(piece)
                 if size > MAX_RENDER_CHARS:
                     raise RenderLimit(f"renders over {MAX_RENDER_CHARS:,} characters, the size limit of a prompt "

@@ -12,13 +12,21 @@ from typing import Any, Sequence
 from selfopd.config import TrainConfig
 from selfopd.data.example import Example
 from selfopd.engines.base import Rollout
+from selfopd.episodes.tools import tool_template_kwargs
 from selfopd.templating.chat_format import ChatFormat
 from selfopd.verifiers import VerifyResult
 
 
 def student_format(config: TrainConfig, tokenizer: Any) -> ChatFormat:
-    """The student's chat format: its tokenizer, `model.chat_template_kwargs` and `[verifier]`."""
-    return ChatFormat.of(tokenizer, config.model.chat_template_kwargs, config.verifier)
+    """The student's chat format: its tokenizer, `student_kwargs` and `[verifier]`."""
+    return ChatFormat.of(tokenizer, student_kwargs(config), config.verifier)
+
+
+def student_kwargs(config: TrainConfig) -> dict[str, Any]:
+    """The student's chat-template arguments in training: model.chat_template_kwargs and, with
+    rollout.environment = 'tools', the tools' definitions (`tools`). Each teacher's arguments merge
+    over these (`TeacherConfig.template_kwargs`), so its prompt shows the same tools."""
+    return {**config.model.chat_template_kwargs, **tool_template_kwargs(config.rollout)}
 
 
 @dataclass(frozen=True)

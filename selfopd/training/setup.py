@@ -39,6 +39,7 @@ from selfopd.templating.templates import (
     check_student_template,
     render_student,
 )
+from selfopd.episodes.tools import check_student_tools
 from selfopd.training.grading import student_format
 from selfopd.run.evaluate import checked_eval_data
 from selfopd.training.rollout_pipeline import open_pipeline
@@ -104,6 +105,7 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
     probe_prompt = student_format(config, tokenizer).prompt_ids(render_student(student_template,
                                                                                (eval_examples or eval_data)[0]))
     probe = (probe_prompt, tokenizer.encode(PROBE_COMPLETION, add_special_tokens=False))
+    check_student_tools(config.rollout, student_format(config, tokenizer))  # before the run folder is claimed
 
     resources = contextlib.ExitStack()
     try:

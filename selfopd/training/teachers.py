@@ -29,6 +29,7 @@ from selfopd.templating.context_limits import check_context
 from selfopd.templating.templates import (SAMPLE_DEMONSTRATION, PromptTemplate, check_student_template, load_template,
                                           render_student, render_teacher, uses_demonstration)
 from selfopd.templating.token_bridge import TokenBridge
+from selfopd.training.grading import student_kwargs
 from selfopd.training.teacher import TeacherSide
 
 
@@ -54,7 +55,7 @@ def plan_teachers(config: TrainConfig, run_dir: Path, student_template: PromptTe
     for name, table in teacher_tables(config).items():
         template = load_run_template(run_dir, table.template)
         plan = TeacherPlan(name, table, template, demonstration_fallback(name, table, template, run_dir), routed[name],
-                           table.template_kwargs(config.model.chat_template_kwargs))
+                           table.template_kwargs(student_kwargs(config)))
         for first in by_task(plan.examples).values():  # each task's first item: a mixture's template branches
             check_templates_render(student_template, plan.template, first[0], plan.demonstration_fallback)
         if table.kind == "external":

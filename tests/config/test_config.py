@@ -41,7 +41,8 @@ EXPECTED_DEFAULTS = {
         split_seed=0,
     ),
     "rollout": dict(prompts_per_step=8, samples_per_prompt=4, max_tokens=48, temperature=1.0, top_p=1.0, top_k=0,
-                    min_p=0.0, max_staleness=0, environment="none", max_turns=3, max_episode_tokens=512),
+                    min_p=0.0, max_staleness=0, environment="none", max_turns=3, max_episode_tokens=512,
+                    tools=("calculator",), max_tool_calls=4),
     "loss": dict(lambda_opd=1.0, lambda_rl=0.0, rl_advantage="group_norm", wrong_reward=0.0, normalisation="token",
                  is_cap=2.0, divergence="sampled", top_k=20, jsd_beta=0.5,
                  token_clip=0.0, clip_per="position", partial_credit=False, rlsd_weight=0.0, rlsd_decay_steps=50, rlsd_clip=0.2, opd_on="all",
@@ -130,7 +131,8 @@ def test_round_trip_of_every_field_changed(tmp_path):
         data=dataclasses.replace(TrainConfig().data, spec="champ?concepts=true", student_template="student/boxed", eval_size=10, split_seed=3),
         rollout=dataclasses.replace(TrainConfig().rollout, prompts_per_step=6, samples_per_prompt=2, max_tokens=9, temperature=1.0, top_p=0.95,
                                     top_k=20, min_p=0.05, max_staleness=2, environment="retry_feedback",
-                                    max_turns=5, max_episode_tokens=300),
+                                    max_turns=5, max_episode_tokens=300, tools=("python", "calculator"),
+                                    max_tool_calls=7),
         loss=dataclasses.replace(TrainConfig().loss, lambda_opd=0.1, lambda_rl=0.3, normalisation="sequence", is_cap=0.0,
                                   divergence="topk_reverse_kl", top_k=7, jsd_beta=0.3, partial_credit=True,
                                   rl_advantage="raw", wrong_reward=-1.0,
@@ -341,7 +343,7 @@ def test_the_expected_fields_are_literals():
         ("loss", "opd_on"), ("loss", "opd_baseline"), ("loss", "rl_advantage"), ("loss", "clip_per"), ("optim", "schedule"),
         ("engine", "kind"), ("engine", "teacher_engine"), ("engine", "weight_sync"), ("engine", "compile"), ("run", "wandb_mode"),
         ("guard", "action"), ("verifier", "truncated"), ("verifier", "isolation"), ("eval", "truncated"),
-        ("eval", "reasoning"), ("rollout", "environment"),
+        ("eval", "reasoning"),
     }
 
 
@@ -486,3 +488,21 @@ def test_a_teacher_scored_by_the_trainer_lifts_the_limits_of_a_vllm_teacher():
         with pytest.raises(ConfigError, match=words) as error:
             load_config(None, refused)
         assert error.value.key == key
+
+
+def test_rollout_tools_name_selfopds_tools_once_each():
+    """rollout.tools: names of `selfopd.episodes.tools.TOOLS` (the Literal lists the same), each once,
+    at least one with rollout.environment = 'tools'."""
+    from selfopd.config import ToolName
+    from selfopd.episodes.tools import TOOLS
+
+    assert set(typing.get_args(ToolName)) == set(TOOLS)
+    assert load_config(None, ["rollout.environment=tools", "rollout.tools=python,calculator"]).rollout.tools == (
+        "python", "calculator")
+    for refused, words in [(["rollout.tools=calc"], "must be one of 'calculator', 'python', got 'calc'"),
+                           (["rollout.tools=python,python"], "names a tool twice"),
+                           (["rollout.environment=tools", "rollout.tools="], "names no tool"),
+                           (["rollout.max_tool_calls=0"], "must be >= 1")]:
+        with pytest.raises(ConfigError, match=words) as error:
+            load_config(None, refused)
+        assert error.value.key.startswith("rollout.")
