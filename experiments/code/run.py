@@ -103,7 +103,7 @@ def _eval(config: CompareConfig, arm: str, seed: int, step: int) -> tuple[dict, 
 
 def _gap(shown: dict[str, list[bool]], hidden: dict[str, list[bool]]) -> dict[str, list[float]]:
     """Per function: shown pass minus hidden pass, as a one-sample outcome for `pooled_change`."""
-    return {key: [float(_mean({key: shown[key]})) - float(_mean({key: hidden[key]}))] for key in shown}
+    return {key: [sum(shown[key]) / len(shown[key]) - sum(hidden[key]) / len(hidden[key])] for key in shown}
 
 
 def _mean(outcomes: dict[str, list]) -> float:
