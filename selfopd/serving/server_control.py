@@ -16,6 +16,10 @@ from selfopd.serving.server import ServerError, auth_headers, launched_key, unau
 from selfopd.serving.weight_digest import WeightSyncError
 
 CONTROL_TIMEOUT_S = 600.0  # a control route (pause, reset the cache, a worker call) unless a timeout is set
+# vLLM's HTTP server closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s by default). A client
+# that keeps it as long can send on it just as the server closes it, and gets "Server disconnected without
+# sending a response"; dropping idle connections sooner leaves no such window.
+KEEPALIVE_EXPIRY_S = 2.0
 
 
 class ServerControl:
@@ -26,7 +30,8 @@ class ServerControl:
         self.url = url.rstrip("/")
         self.api_key = api_key or launched_key(self.url)
         self._sends_key = bool(self.api_key)
-        self._client = httpx.Client(timeout=timeout_s, headers=auth_headers(self.api_key))
+        self._client = httpx.Client(timeout=timeout_s, headers=auth_headers(self.api_key),
+                                   limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S))
 
     def request(self, method: str, path: str, timeout: float | None | object = httpx.USE_CLIENT_DEFAULT,
                 **kwargs: Any) -> Any:
