@@ -20,7 +20,8 @@ class VerifyResult:
                asked for (its scorers pay 0.5 for "17" or "-7" when the answer is 7).
     correct:   reward == 1.0.
     extracted: the final answer text as found in the completion, None if none was found.
-    method:    the extraction rule that found it (see `extract.METHODS`), None if none.
+    method:    the extraction rule that found it (see `extract.METHODS`), None if none;
+               'environment' where an environment's reward graded it (its `extracted`: the reply).
     feedback:  one short sentence about the student's answer, without the reference.
     unchecked: no verdict was reached (time limit hit, answer too costly to evaluate, or the
                checker failed); it counts as wrong, and is worth counting in run metrics.

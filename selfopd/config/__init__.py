@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Literal, Sequence
 from selfopd.config import settings
 from selfopd.config.auto import check_lora_dtype
 from selfopd.config.compute import server_key
-from selfopd.config.environment_target import BUILTIN_ENVIRONMENTS, environment_data_problem, parse_environment_target
+from selfopd.config.environment_target import check_environment, environment_data_problem
 from selfopd.config.compute import (  # noqa: F401  (sections of TrainConfig, public here too)
     VLLM_KINDS,
     AttnImplementation,
@@ -163,8 +163,9 @@ class RolloutConfig(Section):
         "rollout.max_turns answers, the environment's tokens context for student and teacher and never trained; "
         "'tools' lets the student call rollout.tools in its model family's own tool format until it answers; "
         "'python:MODULE:NAME' (an OpenEnv Environment class, in process) or 'openenv:ws://HOST:PORT' (an OpenEnv "
-        "server) runs that environment, with data.spec = 'env:' + this (docs/episodes.md).",
-        guarded="'python:' imports and runs code, 'openenv:' connects to a server")
+        "server) runs that environment, with data.spec = 'env:' + this; 'trl:MODULE:NAME' (a TRL environment_factory "
+        "class) makes its public methods the student's tools, its get_reward() the reward (docs/episodes.md).",
+        guarded="'python:' and 'trl:' import and run code, 'openenv:' connects to a server")
     max_turns: int = setting(3, "Episodes: the most student turns per episode (rollout.max_tokens each).", ge=1, most=64)
     max_episode_tokens: int = setting(
         512, "Episodes: the most ids after the prompt, the student's and the environment's together; a reply past it "
@@ -179,11 +180,10 @@ class RolloutConfig(Section):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.environment not in BUILTIN_ENVIRONMENTS:
-            try:
-                parse_environment_target(self.environment)
-            except ValueError as error:
-                fail(self._key("environment"), str(error))
+        try:
+            check_environment(self.environment)
+        except ValueError as error:
+            fail(self._key("environment"), str(error))
         if len(set(self.tools)) != len(self.tools):
             fail(self._key("tools"), f"names a tool twice: {list(self.tools)}")
         if self.environment == "tools" and not self.tools:
@@ -308,6 +308,9 @@ class TrainConfig:
                  "supported: its token bridge reads one answer's text, not an episode's turns; use "
                  "teacher.tokenizer = 'student'")
         if (problem := environment_data_problem(self.rollout.environment, self.data.spec)) is not None:
+            fail(*problem)
+        if self.eval.data and (problem := environment_data_problem(self.eval.episodes(self.rollout).environment,
+                                                                   self.eval.data, "eval.data")) is not None:
             fail(*problem)
         if self.teacher.kind == "none":
             check_no_teacher(self)

@@ -3,8 +3,10 @@ loads (nothing is imported or contacted here; `selfopd.data.openenv_session` doe
 
     python:MODULE:NAME   an OpenEnv `Environment` subclass (or a function returning an instance), in this process
     openenv:URL          an OpenEnv server, reached over its WebSocket (ws://, wss://, http:// or https://)
+    trl:MODULE:NAME      a TRL `environment_factory` class: tools as its methods (`selfopd.episodes.trl_environment`)
 
-The episodes' prompts are the environment's opening observations: `data.spec = "env:" + rollout.environment`.
+An OpenEnv environment's prompts are its opening observations: `data.spec = "env:" + rollout.environment`.
+The built-in environments and a TRL class start from the data's own prompts.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from urllib.parse import urlsplit
 
 # rollout.environment values that are not a target (selfopd.episodes.sampling.episode_sampler knows each).
 BUILTIN_ENVIRONMENTS = ("none", "retry_feedback", "tools")
+TRL_PREFIX = "trl:"  # a TRL environment_factory class, MODULE:NAME after it
 ENV_DATA_PREFIX = "env:"  # a data spec whose examples are an environment's opening observations
 MIXTURE_SEPARATOR = " + "  # selfopd.data.mixture.SEPARATOR (the data package comes after config)
 URL_SCHEMES = ("ws", "wss", "http", "https")
@@ -39,13 +42,31 @@ class EnvironmentTarget:
         return module, name
 
 
+def trl_class_path(text: str) -> tuple[str, str]:
+    """(MODULE, NAME) of `trl:MODULE:NAME`; a ValueError saying what is wrong otherwise."""
+    module, _, name = text.strip()[len(TRL_PREFIX):].rpartition(":")
+    if not text.strip().startswith(TRL_PREFIX) or not _DOTTED.fullmatch(module) or not _NAME.fullmatch(name):
+        raise ValueError(f"{text!r}: expected trl:MODULE:NAME, e.g. trl:my_envs.wordle:WordleEnv")
+    return module, name
+
+
+def check_environment(text: str) -> None:
+    """A ValueError saying what is wrong when `text` names no environment (rollout.environment)."""
+    if text in BUILTIN_ENVIRONMENTS:
+        return
+    if text.strip().startswith(TRL_PREFIX):
+        trl_class_path(text)
+    else:
+        parse_environment_target(text)
+
+
 def parse_environment_target(text: str) -> EnvironmentTarget:
     """The target `text` names; a ValueError saying what is wrong with it otherwise."""
     kind, colon, where = text.strip().partition(":")
     if not colon or kind not in ("python", "openenv"):
         raise ValueError(f"{text!r} is not an environment: expected one of {', '.join(map(repr, BUILTIN_ENVIRONMENTS))}, "
-                         "'python:MODULE:NAME' (an OpenEnv Environment class in this process) or 'openenv:URL' (an "
-                         "OpenEnv server, ws://HOST:PORT)")
+                         "'python:MODULE:NAME' (an OpenEnv Environment class in this process), 'openenv:URL' (an "
+                         "OpenEnv server, ws://HOST:PORT) or 'trl:MODULE:NAME' (a TRL environment_factory class)")
     if kind == "python":
         module, _, name = where.rpartition(":")
         if not _DOTTED.fullmatch(module) or not _NAME.fullmatch(name):
@@ -72,11 +93,12 @@ def _checked_url(text: str, url: str) -> str:
     return url.rstrip("/")
 
 
-def environment_data_problem(environment: str, data_spec: str) -> tuple[str, str] | None:
-    """(key, why) when `rollout.environment` and `data.spec` do not name one environment; None when they do.
-    An environment's episodes start from its own opening observations, which only its `env:` data builds."""
+def environment_data_problem(environment: str, data_spec: str, data_key: str = "data.spec") -> tuple[str, str] | None:
+    """(key, why) when `rollout.environment` and `data_spec` (the setting `data_key`: data.spec, or eval.data)
+    do not name one environment; None when they do. An environment's episodes start from its own opening
+    observations, which only its `env:` data builds."""
     parts = [part.strip() for part in data_spec.split(MIXTURE_SEPARATOR)]
-    if environment in BUILTIN_ENVIRONMENTS:
+    if environment in BUILTIN_ENVIRONMENTS or environment.strip().startswith(TRL_PREFIX):
         named = [part for part in parts if part.startswith(ENV_DATA_PREFIX)]
         if named:
             return ("rollout.environment", f"{environment!r}, and data.spec names an environment ({named[0]!r}) "
@@ -87,8 +109,8 @@ def environment_data_problem(environment: str, data_spec: str) -> tuple[str, str
     for part in parts:
         head = part.partition("?")[0]
         if not (head.startswith(ENV_DATA_PREFIX) and _same_target(head[len(ENV_DATA_PREFIX):], target)):
-            return ("data.spec", f"{part!r} with rollout.environment = {environment!r}: each episode starts from the "
-                    "environment's opening observation for a seed, which its own data spec builds: use data.spec = "
+            return (data_key, f"{part!r} with rollout.environment = {environment!r}: each episode starts from the "
+                    f"environment's opening observation for a seed, which its own data spec builds: use {data_key} = "
                     f"'{ENV_DATA_PREFIX}{target}?size=N&seed=S'")
     return None
 

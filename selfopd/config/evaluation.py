@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar, Literal, Mapping
+from typing import TYPE_CHECKING, ClassVar, Literal, Mapping
 
 from selfopd.config.compute import check_template_kwargs
 from selfopd.config.settings import (MAX_BATCH, MAX_SAMPLES, MAX_TEMPERATURE, MAX_TOKENS, Section, TableValue,
                                      check_printable, fail, setting)
 from selfopd.config.verifier import VerifierConfig
 
+if TYPE_CHECKING:
+    from selfopd.config import RolloutConfig
+
 EvalTruncated = Literal["", "wrong", "grade"]
 EvalReasoning = Literal["", "graded"]
+EvalEnvironment = Literal["", "none"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,10 @@ class EvalConfig(Section):
         "of verifier.reasoning_start / reasoning_end; an unclosed block has no answer); 'graded': the whole "
         "completion, reasoning block included, so the last answer anywhere counts (OPSD's eval takes the last "
         "\\boxed{} of the whole output, thinking included).")
+    environment: EvalEnvironment = setting(
+        "", "Episodes in the eval: '' as training's rollout.environment (each answer an episode under the same "
+        "environment, tools and limits, eval.max_tokens a turn; an `env:` example graded by its environment's "
+        "reward); 'none': one answer per prompt, without tools (a retry task's first try).")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -72,6 +80,11 @@ class EvalConfig(Section):
     def template_kwargs(self, student: Mapping[str, TableValue]) -> dict[str, TableValue]:
         """The eval's chat-template arguments: eval.chat_template_kwargs over `student` (model.chat_template_kwargs)."""
         return {**student, **self.chat_template_kwargs}
+
+    def episodes(self, rollout: RolloutConfig) -> RolloutConfig:
+        """The [rollout] whose environment the eval's answers run in: `rollout` (training's), or with
+        eval.environment = 'none' the same with no environment (one answer per prompt)."""
+        return dataclasses.replace(rollout, environment="none") if self.environment == "none" else rollout
 
     def grading(self, verifier: VerifierConfig) -> VerifierConfig:
         """The [verifier] settings the eval grades with: `verifier`'s, with eval.truncated when it is set, and with

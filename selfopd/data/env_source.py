@@ -23,6 +23,12 @@ META_SEED = "env_seed"  # meta key of the seed an example's environment is reset
 META_ENVIRONMENT = "environment"
 
 
+def judged_by_environment(example: Example) -> bool:
+    """Whether `example` is an environment's observation, graded by the environment's reward rather than a
+    reference (`selfopd.training.grading.grade_rollout`)."""
+    return META_ENVIRONMENT in example.meta
+
+
 def load_env(spec: DataSpec) -> list[Example]:
     """One example per seed, from one session reset `spec.size` times."""
     try:

@@ -216,7 +216,8 @@ def _looks_like_trl(cls: type) -> bool:
 
 def _trl_message(who: str) -> str:
     return (f"{who} is a TRL environment_factory class (reset(**row), its public methods tools, no step): it "
-            "answers tool calls, not replies; run it as a tool environment (docs/episodes.md)")
+            f"answers tool calls, not replies; name it rollout.environment = 'trl:{who.partition(':')[2]}' on the "
+            "data's own prompts (docs/episodes.md)")
 
 
 def _action_model(environment: Any, who: str) -> Any:

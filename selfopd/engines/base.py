@@ -81,6 +81,11 @@ class Rollout:
     # environment's tokens between its turns (tool results, feedback, observations), which are context
     # for student and teacher alike and get no advantage and no loss. None: every id is the student's.
     loss_mask: tuple[bool, ...] | None = None
+    # An episode whose environment is the judge (`Episode.judged`: OpenEnv, a TRL class with get_reward):
+    # `environment_judged`, and its reward for the student's last turn, which grades the rollout
+    # (`selfopd.training.grading.grade_rollout`); None when it gave none or never saw that turn.
+    environment_judged: bool = False
+    environment_reward: float | None = None
 
     def __post_init__(self) -> None:
         if self.loss_mask is not None and len(self.loss_mask) != len(self.completion_ids):

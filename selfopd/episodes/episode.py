@@ -35,8 +35,13 @@ class Episode:
     turns: tuple[Turn, ...]
     ending: Ending
     finish_reason: Literal["stop", "length"]  # the last student turn's
-    reward: float | None = None  # the environment's, when it gives one
+    # The environment's reward for the student's last turn; None when it gave none or never saw that turn
+    # (cut at the episode's token limit, or its step failed): an earlier turn's reward is not the answer's.
+    reward: float | None = None
     info: dict = field(default_factory=dict)  # the environment's last metadata (pass counts, ...)
+    # The environment's reward is the verdict (it `owns_reward`: an OpenEnv environment, a TRL class with
+    # get_reward); else the verifier grades the last answer and `reward` is information only.
+    judged: bool = False
 
     @property
     def ids(self) -> list[int]:
@@ -58,4 +63,5 @@ class Episode:
             logprobs += turn.logprobs if own else [0.0] * len(turn.ids)
             mask += [own] * len(turn.ids)
         return Rollout(list(self.prompt_ids), completion, logprobs, self.finish_reason, self.student_text,
-                       weight_version=weight_version, loss_mask=tuple(mask))
+                       weight_version=weight_version, loss_mask=tuple(mask),
+                       environment_judged=self.judged, environment_reward=self.reward if self.judged else None)

@@ -24,7 +24,9 @@ from selfopd.episodes.environment import Environment, Response
 
 
 class OpenEnvEpisode:
-    """One episode's session of an OpenEnv environment, as selfopd's `Environment`."""
+    """One episode's session of an OpenEnv environment, as selfopd's `Environment`; its reward is the verdict."""
+
+    owns_reward = True
 
     def __init__(self, connector: InProcess | Remote) -> None:
         self.connector = connector

@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from selfopd.config.environment_target import TRL_PREFIX
 from selfopd.data.example import Example
 from selfopd.engines.base import Engine, SamplingParams
 from selfopd.episodes.environment import BadEnvironmentAnswer, Environment, Response, RetryWithFeedback, checked_response
@@ -54,7 +55,7 @@ class _Live:
 
     def episode(self) -> Episode:
         return Episode(self.prompt, tuple(self.turns), self.ending or "max_turns", self.finish_reason,  # type: ignore[arg-type]
-                       self.reward, self.info)
+                       self.reward, self.info, judged=bool(getattr(self.environment, "owns_reward", False)))
 
 
 def run_episodes(engine: Engine, chat: ChatFormat, prompts: Sequence[Sequence[int]], examples: Sequence[Example],
@@ -104,7 +105,7 @@ def _take_turn(episode: _Live, rollout: Any, chat: ChatFormat, limits: EpisodeLi
         ids, logprobs, finish = ids[:room], logprobs[:room], "length"
     text = chat.tokenizer.decode(ids, skip_special_tokens=True) if cut else rollout.text
     episode.turns.append(Turn("student", tuple(ids), text, tuple(logprobs)))
-    episode.finish_reason = finish
+    episode.finish_reason, episode.reward = finish, None  # this reply's reward is the environment's answer to it
     if cut:  # no room for more: the episode ends on a reply cut short (graded as verifier.truncated says)
         episode.ending = "max_episode_tokens"
         return
@@ -169,6 +170,10 @@ def episode_sampler(rollout: Any, chat: ChatFormat) -> EpisodeSampler | None:
         from selfopd.episodes.tools import tool_environments
 
         return EpisodeSampler(*tool_environments(rollout, chat, opened), limits)
+    if rollout.environment.startswith(TRL_PREFIX):  # a TRL environment_factory class: selfopd.episodes.trl_environment
+        from selfopd.episodes.trl_environment import trl_environments
+
+        return EpisodeSampler(*trl_environments(rollout, chat, opened), limits)
     if rollout.environment.startswith(("python:", "openenv:")):  # an OpenEnv environment: selfopd.episodes.openenv
         from selfopd.episodes.openenv import openenv_environments
 

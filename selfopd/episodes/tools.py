@@ -1,10 +1,10 @@
 """Tool calls in the model family's own format: the chat template's `tools`.
 
 A tool is a typed Python function whose docstring says what it does and what each argument is,
-as in TRL (whose environment classes' public methods are their tools: `methods_as_tools`);
+as in TRL (whose environment classes' public methods are their tools: `selfopd.episodes.trl_environment`);
 `tool_schemas` turns them into the definitions the chat template shows the model (transformers'
 `get_json_schema`). With `rollout.environment = "tools"` the student's prompts and every teacher's
-carry the same definitions (`tool_template_kwargs`, merged into the student's chat-template
+carry the same definitions (`selfopd.episodes.prompt_tools`, merged into the student's chat-template
 arguments that each teacher's merge over). How the family writes a call is read once from the
 student's chat-template text (`tool_format`):
 
@@ -24,7 +24,6 @@ vLLM's reasoning parsers have it.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import re
 from dataclasses import dataclass, field
@@ -72,12 +71,6 @@ def tool_schemas(tools: Mapping[str, Callable[..., Any]]) -> list[dict[str, Any]
     return schemas
 
 
-def methods_as_tools(instance: Any) -> dict[str, Callable[..., Any]]:
-    """An environment object's tools, TRL's way: its public methods but `reset` and `get_reward`."""
-    return {name: member for name, member in inspect.getmembers(instance, predicate=inspect.ismethod)
-            if not name.startswith("_") and name not in ("reset", "get_reward")}
-
-
 def registered_tools(names: Sequence[str]) -> dict[str, Callable[..., Any]]:
     """The tools of `TOOLS` that `names` (rollout.tools) names, in that order."""
     unknown = [name for name in names if name not in TOOLS]
@@ -86,9 +79,9 @@ def registered_tools(names: Sequence[str]) -> dict[str, Callable[..., Any]]:
     return {name: TOOLS[name] for name in names}
 
 
-def tool_template_kwargs(rollout: Any) -> dict[str, Any]:
-    """The chat-template argument a `[rollout]` section adds to the student's (and so to every
-    teacher's): `tools`, the definitions of rollout.tools, with rollout.environment = "tools"; else none."""
+def builtin_tool_kwargs(rollout: Any) -> dict[str, Any]:
+    """With rollout.environment = "tools": `tools`, the definitions of rollout.tools (what every prompt of the
+    run shows: `selfopd.episodes.prompt_tools`); else none."""
     if rollout.environment != "tools":
         return {}
     return {"tools": tool_schemas(registered_tools(rollout.tools))}
@@ -354,19 +347,12 @@ class ToolEnvironment:
         return {"tool_calls": self.calls, "tool_errors": self.errors}
 
 
-def check_student_tools(rollout: Any, chat: Any) -> None:
-    """With rollout.environment = "tools", refuse (ConfigError, one line naming the model) a student whose
-    chat template cannot show the tools, before a run claims its folder; otherwise nothing."""
-    if rollout.environment == "tools":
-        tool_environments(rollout, chat, opened=False)
-
-
 def tool_environments(rollout: Any, chat: Any, opened: bool) -> tuple[Any, Callable[[Example], Environment]]:
     """For `episode_sampler`, with rollout.environment = "tools": the student's chat format carrying
     rollout.tools' definitions, and a `ToolEnvironment` per episode (calls in the format its template
     asks for, at most rollout.max_tool_calls, the answer graded as `chat` grades). A student template
     without tools is refused here, in one line naming the model, before anything is sampled."""
-    kwargs = tool_template_kwargs(rollout)
+    kwargs = builtin_tool_kwargs(rollout)
     if chat.template_kwargs.get("tools") != kwargs["tools"]:
         chat = dataclasses.replace(chat, template_kwargs={**chat.template_kwargs, **kwargs})
     try:

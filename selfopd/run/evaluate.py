@@ -37,16 +37,21 @@ class EvalPrompting:
     template: str  # the template's name, as the config gives it
     template_kwargs: dict[str, Any]  # the student's chat-template arguments, eval.chat_template_kwargs over them
     grading: Grading
+    rollout: Any  # the [rollout] whose environment each answer runs in (`EvalConfig.episodes`); 'none': one answer
 
 
 def eval_prompting(config: TrainConfig) -> EvalPrompting:
-    """The prompt template, chat-template arguments and grading of `config`'s evals, the in-run eval and
-    `selfopd eval` alike: [eval]'s settings where set, else training's (`EvalConfig.template`,
-    `template_kwargs`, `grading` decide)."""
+    """The prompt template, chat-template arguments, grading and episodes of `config`'s evals, the in-run
+    eval and `selfopd eval` alike: [eval]'s settings where set, else training's (`EvalConfig.template`,
+    `template_kwargs`, `grading`, `episodes` decide). The tools' definitions are in the eval's prompts
+    when its answers are tool-calling episodes, as in training's."""
+    from selfopd.episodes.prompt_tools import tool_template_kwargs
+
     settings = config.eval
-    return EvalPrompting(settings.template(config.data.student_template),
-                         settings.template_kwargs(config.model.chat_template_kwargs),
-                         Grading.of(settings.grading(config.verifier)))
+    rollout = settings.episodes(config.rollout)
+    student = {**config.model.chat_template_kwargs, **tool_template_kwargs(rollout)}
+    return EvalPrompting(settings.template(config.data.student_template), settings.template_kwargs(student),
+                         Grading.of(settings.grading(config.verifier)), rollout)
 
 
 @dataclass(frozen=True)
@@ -84,15 +89,22 @@ def evaluate(
     top_p: float = 1.0,
     top_k: int = 0,
     min_p: float = 0.0,
+    rollout: Any = None,
 ) -> tuple[Proportion | MeanEstimate, list[EvalRecord]]:
     """Accuracy on `examples`: greedy (the default), or avg@k with `samples` > 1 at
     `temperature` (and the `top_p`, `top_k`, `min_p` filters: `SamplingParams`), graded as
     `grading` (the run's [verifier]) reads a completion. With `out_dir`, writes eval.jsonl and
     summary.json (avg@k and pass@k). `template_kwargs`: the student's chat-template arguments
-    (model.chat_template_kwargs)."""
+    (model.chat_template_kwargs). `rollout`: a [rollout] whose environment is not 'none' makes each answer an
+    episode in it (`selfopd.episodes.sampling.episode_sampler`), eval.max_tokens a turn; graded as training
+    grades (`grade_rollout`: the last answer, or an `env:` example's environment reward)."""
     if samples > 1 and temperature == 0:
         raise ValueError("avg@k with k > 1 needs temperature > 0: greedy samples are identical")
+    from selfopd.episodes.sampling import episode_sampler
+    from selfopd.episodes.verdicts import grade_rollout
+
     chat = ChatFormat(tokenizer, template_kwargs or {}, grading)  # the eval's chat format
+    episodes = episode_sampler(rollout, chat) if rollout is not None else None
     rendered = [chat.prompt(render_student(template, e)) for e in examples]  # each with its template's <think>
     prompts, opened = [p.ids for p in rendered], [p.opens_reasoning for p in rendered]
     check_room(examples, prompts, max_new_tokens, getattr(engine, "max_scored_tokens", None))  # before any sampling
@@ -102,10 +114,12 @@ def evaluate(
         batch = examples[start : start + batch_size]
         params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 min_p=min_p, n=samples, seed=seed + number)
-        sampled = engine.sample(prompts[start : start + batch_size], params)
+        batch_prompts = prompts[start : start + batch_size]
+        sampled = (episodes.sample(engine, batch_prompts, batch, params) if episodes is not None
+                   else engine.sample(batch_prompts, params))
         for example, completions, opens in zip(batch, sampled, opened[start : start + batch_size]):
             for index, completion in enumerate(completions):
-                result = chat.grade(completion.text, example, completion.finish_reason, opens)
+                result = grade_rollout(chat, completion, example, opens)
                 records.append(
                     EvalRecord(
                         id=example.id,
@@ -116,7 +130,7 @@ def evaluate(
                         reference=example.answer,
                         correct=result.correct,
                         finish_reason=completion.finish_reason,
-                        completion_tokens=len(completion.completion_ids),
+                        completion_tokens=completion.student_tokens,
                         hidden_reward=result.hidden_reward,
                     )
                 )
@@ -260,7 +274,7 @@ def run_evaluation(config: TrainConfig, examples: Sequence[Example], out_dir: Pa
                         out_dir=out_dir, progress=progress, samples=settings.samples,
                         temperature=settings.temperature, seed=seed, grading=prompting.grading,
                         template_kwargs=prompting.template_kwargs, top_p=settings.top_p, top_k=settings.top_k,
-                        min_p=settings.min_p)
+                        min_p=settings.min_p, rollout=prompting.rollout)
 
 
 @dataclass(frozen=True)

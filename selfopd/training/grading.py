@@ -12,7 +12,8 @@ from typing import Any, Sequence
 from selfopd.config import TrainConfig
 from selfopd.data.example import Example
 from selfopd.engines.base import Rollout
-from selfopd.episodes.tools import tool_template_kwargs
+from selfopd.episodes.prompt_tools import tool_template_kwargs
+from selfopd.episodes.verdicts import grade_rollout
 from selfopd.templating.chat_format import ChatFormat
 from selfopd.verifiers import VerifyResult
 
@@ -51,6 +52,7 @@ def grade_groups(chat: ChatFormat, examples: Sequence[Example], groups: Sequence
     for index, (example, rollouts) in enumerate(zip(examples, groups)):
         opens = ([opened[index]] * len(rollouts) if opened is not None
                  else [chat.opens_reasoning(r.prompt_ids) for r in rollouts])
-        verdicts = [chat.grade(r.text, example, r.finish_reason, o, partial_credit) for r, o in zip(rollouts, opens)]
+        verdicts = [grade_rollout(chat, r, example, o, partial_credit) for r, o in zip(rollouts, opens)]
         graded.append(Graded(chat, opens, verdicts))
     return graded
+

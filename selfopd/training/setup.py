@@ -39,7 +39,7 @@ from selfopd.templating.templates import (
     check_student_template,
     render_student,
 )
-from selfopd.episodes.tools import check_student_tools
+from selfopd.episodes.prompt_tools import check_student_tools
 from selfopd.training.grading import student_format
 from selfopd.run.evaluate import checked_eval_data
 from selfopd.training.rollout_pipeline import open_pipeline

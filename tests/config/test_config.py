@@ -52,7 +52,7 @@ EXPECTED_DEFAULTS = {
         max_nonfinite_steps=3,
     ),
     "eval": dict(max_tokens=48, batch_size=32, data="", samples=1, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
-                 student_template="", chat_template_kwargs={}, truncated="", reasoning=""),
+                 student_template="", chat_template_kwargs={}, truncated="", reasoning="", environment=""),
     "probe": dict(tolerance=3e-4, bf16_tolerance=0.25),
     "engine": dict(kind="local", batch_size=64, packed_sampling=False, compiled_sampling=False, student_urls="", teacher_url="", teacher_engine="vllm", host="127.0.0.1", port=8100, max_model_len=2048,
                    weight_sync="auto", sync_port=0, sync_timeout_s=60.0, sync_buffer_mb=512, verify_every=1,
@@ -142,7 +142,8 @@ def test_round_trip_of_every_field_changed(tmp_path):
                           max_nonfinite_steps=5),
         eval=dataclasses.replace(TrainConfig().eval, max_tokens=7, batch_size=5, data="hf:org/x?split=test", samples=4,
                                  temperature=0.6, top_p=0.95, top_k=20, min_p=0.05, student_template="student/opsd_eval",
-                                 chat_template_kwargs={"enable_thinking": True}, truncated="grade", reasoning="graded"),
+                                 chat_template_kwargs={"enable_thinking": True}, truncated="grade", reasoning="graded",
+                                 environment="none"),
         probe=dataclasses.replace(TrainConfig().probe, tolerance=2.5e-5, bf16_tolerance=0.5),
         engine=EngineConfig(kind="vllm", batch_size=8, student_urls="http://a:1,http://b:2", teacher_url="https://c:3", host="0.0.0.0",
                             port=9000, max_model_len=4096, weight_sync="nccl", sync_port=29700, sync_timeout_s=30.0,
@@ -343,7 +344,7 @@ def test_the_expected_fields_are_literals():
         ("loss", "opd_on"), ("loss", "opd_baseline"), ("loss", "rl_advantage"), ("loss", "clip_per"), ("optim", "schedule"),
         ("engine", "kind"), ("engine", "teacher_engine"), ("engine", "weight_sync"), ("engine", "compile"), ("run", "wandb_mode"),
         ("guard", "action"), ("verifier", "truncated"), ("verifier", "isolation"), ("eval", "truncated"),
-        ("eval", "reasoning"),
+        ("eval", "reasoning"), ("eval", "environment"),
     }
 
 

@@ -28,9 +28,12 @@ from selfopd.engines.local import LocalEngine
 from selfopd.episodes.environment import MAX_MESSAGE_CHARS, checked_response
 from selfopd.episodes.openenv import OpenEnvEpisode, openenv_environments
 from selfopd.episodes.sampling import EpisodeLimits, EpisodeSampler, episode_sampler, run_episodes
+from selfopd.run.evaluate import evaluate
 from selfopd.serving.server import free_port
 from selfopd.templating.chat_format import ChatFormat
 from selfopd.templating.templates import load_template, render_student
+from selfopd.episodes.verdicts import grade_rollout
+from selfopd.training.grading import grade_groups
 from tests.episodes import openenv_envs as envs
 from tests.episodes.openenv_envs import GuessAction, expected_reward, first_number, secret
 
@@ -94,6 +97,63 @@ def test_an_in_process_game_gives_exact_ids_masks_and_its_rewards(setting, in_pr
         assert rollout.prompt_ids + rollout.completion_ids == episode.ids
         assert list(rollout.loss_mask) == [t.role == "student" for t in episode.turns for _ in t.ids]
     assert all(isinstance(m, OpenEnvEpisode) and m.session is None for m in made)  # every session let go
+
+
+def test_the_game_s_reward_grades_its_episodes_in_training(setting, in_process):
+    """An `env:` example has no reference: the environment's reward for the last reply is the verdict, as
+    the game pays it (a miss costs its distance), correct at 1; a reply the game never answered scores 0,
+    unchecked (its reference, had it one, aside); without a judging environment, an example with a reference
+    is graded by the reply's text."""
+    _, chat = setting
+    examples, episodes, _ = in_process
+    groups = grade_groups(chat, examples, [[episode.rollout()] for episode in episodes])
+    rewards = []
+    for example, episode, graded in zip(examples, episodes, groups):
+        reply = [t for t in episode.turns if t.role == "student"][-1].text
+        (verdict,) = graded.verdicts
+        rewards.append(expected_reward(example.meta["env_seed"], reply))
+        assert (verdict.reward, verdict.correct, verdict.method) == (pytest.approx(rewards[-1]), rewards[-1] == 1.0,
+                                                                     "environment")
+    assert any(r != 0 for r in rewards), "every reward 0: a grade from the empty reference would pass"
+    unanswered = dataclasses.replace(episodes[0].rollout(), environment_reward=None)
+    verdict = grade_rollout(chat, unanswered, examples[0], False)
+    assert (verdict.reward, verdict.correct, verdict.unchecked) == (0.0, False, True)
+    referenced = dataclasses.replace(examples[0], answer="7", meta={})
+    assert grade_rollout(chat, unanswered, referenced, False).unchecked  # the judge never answered: no verdict
+    not_judged = dataclasses.replace(unanswered, environment_judged=False)
+    assert grade_rollout(chat, not_judged, referenced, False).method != "environment"  # no judge: its text
+
+
+def test_a_reply_the_game_never_saw_has_no_reward(setting, in_process):
+    """An episode cut at its token limit mid-reply: the game never answered that reply, so the episode has
+    no reward (not the earlier reply's)."""
+    _, episodes, _ = in_process
+    index = next(i for i, e in enumerate(episodes) if len(e.turns) >= 3 and len(e.turns[2].ids) > 1)
+    before = episodes[index]
+    assert before.turns[0].role == "student" and before.turns[1].role == "environment"
+    limit = len(before.turns[0].ids) + len(before.turns[1].ids) + 1  # one id of room for the second reply
+    _, cut, _ = _episodes(setting, GUESS, [0, 1], limits=EpisodeLimits(max_turns=3, max_episode_tokens=limit))
+    episode = cut[index]
+    assert episode.turns[:2] == before.turns[:2] and len(episode.turns[2].ids) == 1
+    assert episode.ending == "max_episode_tokens" and episode.reward is None
+    assert episode.rollout().environment_reward is None
+
+
+def test_an_eval_runs_the_game_and_grades_by_its_reward(setting, smollm2_tokenizer):
+    """The eval of a run on `env:` data plays each held-out seed as an episode (not one answer graded against
+    an empty reference), greedy, and counts a win as correct; the record is the last reply."""
+    engine, _ = setting
+    examples = load_examples(f"env:{GUESS}?size=3&seed=20")
+    rollout = RolloutConfig(environment=GUESS, max_turns=3, max_episode_tokens=200)
+    _, records = evaluate(engine, smollm2_tokenizer, examples, load_template("student/plain"), max_new_tokens=12,
+                          progress=False, rollout=rollout)
+    assert len(records) == 3
+    for example, record in zip(examples, records):
+        reward = expected_reward(example.meta["env_seed"], record.completion)
+        assert record.correct == (reward == 1.0) and record.extracted is not None
+    _, single = evaluate(engine, smollm2_tokenizer, examples, load_template("student/plain"), max_new_tokens=12,
+                         progress=False)
+    assert all(not r.correct and r.extracted is None for r in single)  # one answer each, never seen by the game
 
 
 @pytest.fixture(scope="module")
@@ -282,6 +342,10 @@ def test_the_config_names_an_environment_and_its_data_together(smollm2_tokenizer
         load_config(None, [f"rollout.environment={GUESS}", "data.spec=rg:chain_sum?size=4"])
     with pytest.raises(ConfigError, match=r"rollout\.environment: 'none', and data\.spec names an environment"):
         load_config(None, [f"data.spec=env:{GUESS}?size=4"])
+    game = [f"rollout.environment={GUESS}", f"data.spec=env:{GUESS}?size=4"]
+    with pytest.raises(ConfigError, match=r"eval\.data: 'rg:chain_sum\?size=4' with rollout\.environment = .* use eval\.data = "):
+        load_config(None, [*game, "eval.data=rg:chain_sum?size=4"])  # the in-run eval's episodes need the game's data
+    assert load_config(None, [*game, f"eval.data=env:{GUESS}?size=4&seed=100"]).eval.data
     for bad, says in [("python:tests.episodes", "expected python:MODULE:NAME"), ("openenv:ftp://h:1", "expected openenv:ws"),
                       ("openenv:ws://me:secret@h:1", "holds credentials"), ("guess", "is not an environment")]:
         with pytest.raises(ConfigError, match=f"^rollout.environment: .*{re.escape(says)}") as refused:

@@ -17,8 +17,9 @@ from selfopd.engines.base import SamplingParams
 from selfopd.engines.local import LocalEngine
 from selfopd.episodes.environment import checked_response, Response
 from selfopd.episodes.sampling import episode_sampler, run_episodes
+from selfopd.episodes.trl_environment import trl_tools
 from selfopd.episodes.tools import (TOOLS, ToolCall, ToolEnvironment, ToolError, Toolset, chat_tool_format,
-                                    methods_as_tools, parse_tool_calls, tool_format, tool_schemas)
+                                    parse_tool_calls, tool_format, tool_schemas)
 from selfopd.templating.chat_format import ChatFormat
 from selfopd.training.grading import student_format, student_kwargs
 from selfopd.verifiers import VerifyResult
@@ -68,7 +69,7 @@ class Counter:
 def _counter_toolset(fmt: str) -> Toolset:
     counter = Counter()
     counter.reset()
-    return Toolset(methods_as_tools(counter), fmt)
+    return Toolset(trl_tools(counter), fmt)
 
 
 # The format, from the template.

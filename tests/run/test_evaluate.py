@@ -151,3 +151,31 @@ def test_what_selfopd_eval_answers_is_chosen_in_one_place(tmp_path):
         eval_set(config, data=spec, run_dir=tmp_path)
     fresh = eval_set(config, data=spec.replace("size=20", "size=10"), run_dir=tmp_path, fresh=True).examples
     assert fresh and not {prompt_key(e.prompt) for e in fresh} & {*record.train_prompts, *record.eval_prompts}
+
+
+def test_a_tool_run_evaluates_tool_calling_episodes_with_the_tools_in_its_prompts(smollm2_tokenizer):
+    """rollout.environment = 'tools': the eval's prompts show the tools and a call is run and answered, as in
+    training; eval.environment = 'none' asks for one answer without tools (a call is then just text)."""
+    from selfopd.config import load_config
+    from selfopd.data.example import Example
+    from selfopd.run.evaluate import eval_prompting, evaluate
+    from selfopd.templating.templates import load_template
+    from tests.tool_templates import HERMES_TEMPLATE, tool_tokenizer
+
+    tokenizer = tool_tokenizer(smollm2_tokenizer.name_or_path, HERMES_TEMPLATE)
+    example = Example(id="q", prompt="What is 37 * 41?", answer="1517")
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37 * 41"}}\n</tool_call>'
+    tools = ["rollout.environment=tools", "rollout.tools=calculator"]
+    for sets, answers, correct in (([*tools], [(call, "stop"), ("\\boxed{1517}", "stop")], True),
+                                   ([*tools, "eval.environment=none"], [(call, "stop")], False)):
+        prompting = eval_prompting(load_config(None, sets))
+        engine = _Answers(answers)
+        _, (record,) = evaluate(engine, tokenizer, [example], load_template(prompting.template), progress=False,
+                                grading=prompting.grading, template_kwargs=prompting.template_kwargs,
+                                rollout=prompting.rollout)
+        episode = len(answers) == 2
+        assert len(engine.prompts) == len(answers) and record.correct is correct
+        assert ('"name": "calculator"' in tokenizer.decode(engine.prompts[0])) is episode
+        if episode:  # the second turn was sampled after the call and the calculator's answer
+            assert "1517" in tokenizer.decode(engine.prompts[1][len(engine.prompts[0]):])
+            assert record.completion == "\\boxed{1517}" and record.completion_tokens == 4  # the student's ids only

@@ -58,3 +58,25 @@ def test_a_step_on_tool_episodes_prompts_the_student_and_the_teacher_with_the_sa
         assert metrics["tokens/completion"] > 0 and torch.isfinite(torch.tensor(metrics["loss/pg"]))
     finally:
         run.close()
+
+
+def test_a_run_on_a_trl_class_trains_and_evaluates_in_its_episodes(tmp_path, tiny_model_dir):
+    """rollout.environment = 'trl:...': the class's method is the one tool in the run's prompts, a step trains on
+    its episodes, and the in-run eval plays episodes too (the tool in its prompts), graded by get_reward."""
+    import json
+
+    from selfopd.training.trainer import train
+
+    model = tool_model_dir(tiny_model_dir, tmp_path / "model", HERMES_TEMPLATE)
+    config = _config(tmp_path, model, "run.name=trl", "rollout.environment=trl:tests.episodes.trl_envs:FindNumber",
+                     "run.steps=1", "run.eval_every=1", "eval.max_tokens=8")
+    run = build_run(config)
+    try:
+        assert [t["function"]["name"] for t in run.student_chat.template_kwargs["tools"]] == ["guess"]
+        assert run.teacher.chat.template_kwargs["tools"] == run.student_chat.template_kwargs["tools"]
+    finally:
+        run.close()
+    folder = train(config)
+    records = [json.loads(line) for line in (folder / "eval" / "step_00001" / "eval.jsonl").read_text().splitlines()]
+    assert len(records) == 4 and {r["id"] for r in records} == {e.id for e in run.eval_examples}
+    assert json.loads((folder / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 1
