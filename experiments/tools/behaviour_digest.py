@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+from selfopd.run.tracking import untimed
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,8 +75,7 @@ def digest(code: Path, out: Path, model: Path) -> dict:
                                        f"run.out_dir={out}", f"run.name={name}"]))
         lines = (run / "metrics.jsonl").read_text().splitlines()
         files = sorted(p for p in run.rglob("*") if p.is_file() and {"checkpoints", "rollouts"} & set(p.parts))
-        result[name] = {"metrics": [{k: v for k, v in json.loads(line).items() if not k.startswith("time/")}
-                                    for line in lines],
+        result[name] = {"metrics": [untimed(json.loads(line)) for line in lines],
                         "files": {p.relative_to(run).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
                                   for p in files}}
     return result

@@ -260,12 +260,14 @@ def _serve(args: argparse.Namespace) -> None:
     with serve_key(config.engine, args.log_dir) as (key, train), launch_servers(  # every route but /health wants the key
             [replace(spec, api_key=key) for spec in planned_servers(ServingSettings.of(config))], args.log_dir,
             config.engine.startup_timeout_s) as servers:
-        students = ",".join(server.spec.url for server in servers if server.spec.name != "teacher")
-        teachers = [server.spec.url for server in servers if server.spec.name == "teacher"]
+        # Bound to every address (engine.host = '0.0.0.0'): the URLs a trainer on another machine reaches.
+        students = ",".join(server.spec.public_url for server in servers if server.spec.name != "teacher")
+        teachers = [server.spec.public_url for server in servers if server.spec.name == "teacher"]
         sets = ([f"--set engine.student_urls={students}"] if students else []) + \
                [f"--set engine.teacher_url={url}" for url in teachers]
         for server in servers:
-            print(f"{server.spec.name}: {server.spec.url} serving {server.spec.model} (log: {server.log_path})")
+            elsewhere = f", {server.spec.public_url} from other machines" if server.spec.public_url != server.spec.url else ""
+            print(f"{server.spec.name}: {server.spec.url}{elsewhere} serving {server.spec.model} (log: {server.log_path})")
         print(f"train against them with: {train} --set engine.kind=vllm {' '.join(sets)}")
         print("Ctrl-C stops the servers.", flush=True)
         while all(server.process.poll() is None for server in servers):

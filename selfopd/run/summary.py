@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from selfopd.run.evaluate import read_eval_outcomes
+from selfopd.run.throughput import run_hours
 from selfopd.core.run_folder import RunFolder
 from selfopd.data.split import SplitRecord
 from selfopd.core.stats import paired_change, prompt_accuracy
@@ -18,7 +19,18 @@ VERDICTS = {
 
 def summarize_run(run_dir: Path) -> str:
     """Compare the first and the last held-out evaluation of a run, paired by prompt, each
-    distinct prompt counted once."""
+    distinct prompt counted once; then the hours its steps took (`hours_line`)."""
+    return f"{_accuracy_lines(run_dir)}\n{hours_line(run_dir)}"
+
+
+def hours_line(run_dir: Path) -> str:
+    """The wall hours of a run's training steps, and its GPU-hours when it held GPUs (`run_hours`)."""
+    hours = run_hours(run_dir)
+    gpu = f", {hours['gpu_hours']:.2f} GPU-hours" if hours["gpu_hours"] else ", no GPU"
+    return f"training steps: {hours['train_hours']:.2f} h wall{gpu} (evals and start-up not counted)"
+
+
+def _accuracy_lines(run_dir: Path) -> str:
     folder = RunFolder(run_dir)
     evals = [folder.eval_dir(step) for step in folder.eval_steps()]
     if len(evals) < 2:

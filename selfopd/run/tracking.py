@@ -21,7 +21,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from selfopd.core.atomic import write_lines_atomic
 from selfopd.config import TrainConfig, config_to_dict
@@ -123,6 +123,14 @@ def _wandb_id(root: Path) -> str:
 
 
 _TRACKERS = {"tensorboard": _TensorBoard, "wandb": _WandB}
+
+
+TIMED = ("time/", "throughput/", "memory/")  # metrics that depend on the machine's speed and load
+
+
+def untimed(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """A metrics line less its timings, rates and memory (`TIMED`): what two runs of the same steps agree on."""
+    return {key: value for key, value in metrics.items() if not key.startswith(TIMED)}
 
 
 class PhaseTimer:

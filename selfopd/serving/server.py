@@ -32,7 +32,7 @@ import httpx
 
 from selfopd.engines.families import server_flags, served_problem
 from selfopd.serving.server_auth import KEY_ENV, SECRET_ENV, TRAINER_ENV, new_key, transfer_secret
-from selfopd.serving.transfer_wire import BACKEND_NAME, interface_of, nccl_interface
+from selfopd.serving.transfer_wire import BACKEND_NAME, interface_of, nccl_interface, reachable_address
 
 WORKER_EXTENSION = "selfopd.serving.vllm_worker.SelfOPDWorkerExtension"
 MIDDLEWARE = "selfopd.serving.server_auth.RequireKey"
@@ -127,6 +127,14 @@ class ServerSpec:
     @property
     def url(self) -> str:
         return f"http://{self.connect_host}:{self.port}"
+
+    @property
+    def public_url(self) -> str:
+        """Where other machines reach the server: a server bound to every address at this machine's address
+        (`reachable_address`), else at its host, as `url`."""
+        if self.host not in ("0.0.0.0", "::", ""):
+            return self.url
+        return f"http://{reachable_address() or self.connect_host}:{self.port}"
 
 
 def checkpoint_config(spec: ServerSpec) -> dict:

@@ -145,6 +145,23 @@ def local_address_to(host: str) -> str:
         return probe.getsockname()[0]
 
 
+def reachable_address() -> str | None:
+    """The address other machines reach this one at: the one on its default route (UDP: nothing is sent),
+    else the first IPv4 address of an interface that is not loopback; None when it has none."""
+    try:
+        address = local_address_to("198.51.100.1")  # TEST-NET-2: routed by the default route, never sent to
+        if not address.startswith("127."):
+            return address
+    except OSError:
+        pass
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return next((item.address for items in psutil.net_if_addrs().values() for item in items
+                 if item.family == socket.AF_INET and not item.address.startswith("127.")), None)
+
+
 def interface_of(address: str) -> str | None:
     """The network interface holding `address` (e.g. 'lo' for 127.0.0.1), None if unknown here."""
     try:

@@ -33,6 +33,8 @@ from selfopd.engines.scoring import completion_hidden, logprobs_from_hidden, pad
 from selfopd.training.grading import Graded, grade_groups
 from selfopd.training.teacher import States, routed_rows, score_routed
 from selfopd.training.teacher_metrics import teacher_metrics
+from selfopd.run.throughput import (StepTokens, model_flops_per_token, peak_flops, peak_memory_gb, run_gpus,
+                                    throughput_metrics)
 from selfopd.run.tracking import PhaseTimer
 from selfopd.training.weight_checks import check_probe, sync_weights
 
@@ -250,8 +252,27 @@ def step_metrics(run: Run, batch: Sampled, scored: list[Scored], flat: dict[str,
         **_staleness_metrics(run, batch),
         **_episode_metrics(scored),
         **_hidden_test_metrics(scored),
-        **timer.as_metrics(),
+        **(seconds := timer.as_metrics()),
+        **_throughput(run, scored, seconds),
     }
+
+
+def _throughput(run: Run, scored: Sequence[Scored], seconds: dict[str, float]) -> dict[str, float]:
+    """Tokens per second of each phase, and on GPUs the MFU estimate (bf16 or fp16 weights), peak memory and
+    the GPUs the run holds (`selfopd.run.throughput`)."""
+    trained = sum(len(s.rollout.prompt_ids) + len(s.rollout.completion_ids) for s in scored)
+    teacher = run.config.teacher.kind != "none"
+    tokens = StepTokens(sampled=sum(s.rollout.student_tokens for s in scored),
+                        scored=sum(len(s.rollout.completion_ids) for s in scored if s.aligned) if teacher else 0,
+                        trained=trained, sequences=len(scored))
+    on_gpu = run.device.type == "cuda"
+    flops = peak = None
+    if on_gpu and run.config.model.dtype in ("bfloat16", "float16"):
+        flops = model_flops_per_token(run.model, trained / max(len(scored), 1))
+        peak = peak_flops(torch.cuda.get_device_name(run.device))
+    return {**throughput_metrics(tokens, seconds, flops, peak, run.world.size,
+                                 run_gpus(run.config.engine, run.world.size, on_gpu)),
+            **peak_memory_gb(run.device)}
 
 
 def without_teacher(run: Run, metrics: dict[str, float]) -> dict[str, float]:

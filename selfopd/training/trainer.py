@@ -142,7 +142,9 @@ def _train_loop(run: Run, log: MetricsLog | None, resume: bool, initial_eval: Pa
         if skipped_in_row >= config.optim.max_nonfinite_steps:
             raise NonFiniteLoss(_nonfinite_message(run, skipped_in_row))
         bar.set_postfix(**({"kl": f"{metrics['opd/reverse_kl']:.3f}"} if "opd/reverse_kl" in metrics else {}),
-                        acc=f"{metrics['reward/accuracy']:.2f}")
+                        acc=f"{metrics['reward/accuracy']:.2f}",
+                        **({"tok/s": f"{metrics['throughput/tokens_per_s']:.0f}"}
+                           if "throughput/tokens_per_s" in metrics else {}))
         bar.update(1)
         fired_any = all_sum(float(bool(fired)), run.world) > 0  # rank 0 decided; every rank checkpoints
         stop = fired_any and config.guard.action == "stop"

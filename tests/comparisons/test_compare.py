@@ -17,6 +17,7 @@ from selfopd.comparisons.compare import arm_configs, load_compare_config, run_co
 from selfopd.config import ConfigError, load_config
 from selfopd.core.run_folder import RunFolder
 from selfopd.data.example import prompt_key
+from selfopd.run.tracking import untimed
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = "rg:chain_sum?min_terms=2&max_terms=2&min_digits=1&max_digits=1&size=200&seed=5"
@@ -236,12 +237,12 @@ def test_two_arms_two_seeds_share_the_base_eval_skip_when_finished_and_report_po
                     (arm, seed, run_dir, (run_dir / "finished.json").is_file(), RunFolder(run_dir).latest_checkpoint().name)))
     assert heard == [("grpo", 1, runs["grpo", 1], True, "step_00001")]
 
-    def untimed(text: str) -> list[dict]:
-        return [{k: v for k, v in json.loads(line).items() if not k.startswith("time/")} for line in text.splitlines()]
+    def untimed_lines(text: str) -> list[dict]:
+        return [untimed(json.loads(line)) for line in text.splitlines()]
 
     rerun = (runs["grpo", 1] / "metrics.jsonl").read_text()
-    assert untimed(rerun) == untimed(before["grpo", 1].decode())  # same seed, same numbers
-    assert untimed(rerun) != untimed(before["grpo", 0].decode())  # another seed, other numbers
+    assert untimed_lines(rerun) == untimed_lines(before["grpo", 1].decode())  # same seed, same numbers
+    assert untimed_lines(rerun) != untimed_lines(before["grpo", 0].decode())  # another seed, other numbers
 
     # --keep-records: finished runs are copied out without weights; a checkout that lost the
     # comparison's folder gets them back and reports the same numbers without training them.

@@ -20,6 +20,7 @@ from selfopd.engines.lora import add_adapters, served_weights
 from selfopd.core.models import ModelError
 from selfopd.training.trainer import build_run, train, train_step
 from selfopd.training.weight_checks import probe_logprobs
+from selfopd.run.tracking import untimed
 from tests.training.test_trainer import SMALL as TRAINER_SMALL
 
 # The trainer tests' short runs, at a LoRA learning rate.
@@ -42,7 +43,7 @@ def _is_adapter(name: str) -> bool:
 
 def _step_lines(run_dir: Path) -> list[dict]:
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in lines if "loss/pg" in m]
+    return [untimed(m) for m in lines if "loss/pg" in m]
 
 
 def test_only_the_adapters_train(tmp_path, tiny_model_dir):

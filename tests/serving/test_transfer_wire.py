@@ -113,3 +113,20 @@ def test_the_interface_of_an_address():
     assert nccl_interface("no-such-host.invalid") is None
     for address in ADDRESSES:
         assert nccl_interface(address) == f"={interface_of(address)}"
+
+
+def test_a_server_bound_to_every_address_names_one_other_machines_reach():
+    """`selfopd serve` with engine.host = '0.0.0.0' prints this machine's address (an interface's, not
+    loopback) for trainers elsewhere, and 127.0.0.1 for a trainer here; a server bound to one host keeps it."""
+    import psutil
+
+    from selfopd.serving.server import ServerSpec
+    from selfopd.serving.transfer_wire import reachable_address
+
+    mine = {item.address for items in psutil.net_if_addrs().values() for item in items if item.family == socket.AF_INET}
+    address = reachable_address()
+    assert address in mine and not address.startswith("127.")
+    wide = ServerSpec(name="student", model="m", port=8200, host="0.0.0.0")
+    assert (wide.url, wide.public_url) == ("http://127.0.0.1:8200", f"http://{address}:8200")
+    narrow = ServerSpec(name="student", model="m", port=8200, host="127.0.0.1")
+    assert narrow.public_url == narrow.url == "http://127.0.0.1:8200"

@@ -31,6 +31,7 @@ from selfopd.config import load_config
 from selfopd.engines.base import SamplingParams
 from selfopd.serving.vllm import VLLMEngine
 from selfopd.serving.server import ServerError, ServerSpec, free_port, launch_servers
+from selfopd.run.tracking import untimed
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 ROOT = Path(__file__).resolve().parents[2]
@@ -220,7 +221,7 @@ def selfopd(command: list[str]) -> subprocess.CompletedProcess:
 def read_metrics(run: Path) -> list[dict]:
     """Every metrics line without its timings (wall seconds differ between runs)."""
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{key: value for key, value in line.items() if not key.startswith("time/")} for line in lines]
+    return [untimed(line) for line in lines]
 
 
 @pytest.fixture(scope="module")

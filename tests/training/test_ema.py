@@ -16,6 +16,7 @@ from selfopd.config import DEFAULT_TEACHER, ConfigError, load_config
 from selfopd.training.ema import EmaWeights
 from selfopd.engines.local import LocalEngine
 from selfopd.training.trainer import WeightSyncError, build_run, train, train_step
+from selfopd.run.tracking import untimed
 
 SMALL = [
     "data.spec=rg:chain_sum?min_terms=2&max_terms=2&size=60&seed=2", "data.eval_size=4",
@@ -31,7 +32,7 @@ def _config(tmp_path: Path, model: Path, *extra: str):
 
 def _steps(run_dir: Path) -> list[dict]:
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in line.items() if not k.startswith("time/") and k != "teacher/ema_distance"}
+    return [{k: v for k, v in untimed(line).items() if k != "teacher/ema_distance"}
             for line in lines if "loss/pg" in line]
 
 

@@ -12,6 +12,7 @@ import torch
 
 from selfopd.config import load_config
 from selfopd.training.trainer import build_run, train, train_step
+from selfopd.run.tracking import untimed
 
 SMALL = [
     "data.spec=rg:chain_sum?min_terms=2&max_terms=2&size=60&seed=2",
@@ -71,9 +72,8 @@ def test_a_resumed_run_on_episodes_continues_exactly(tmp_path, tiny_model_dir):
     whole = train(_config(tmp_path, tiny_model_dir, "run.steps=3", "run.name=whole"))
     part = train(_config(tmp_path, tiny_model_dir, "run.steps=2", "run.name=part", "run.checkpoint_every=1"))
     resumed = train(load_config(part / "config.toml", ["run.steps=3"]), resume=True)
-    times = lambda m: {k: v for k, v in m.items() if not k.startswith("time/")}  # noqa: E731
-    step3 = [times(m) for m in _lines(whole) if m["step"] == 3 and "loss/pg" in m]
-    again = [times(m) for m in _lines(resumed) if m["step"] == 3 and "loss/pg" in m]
+    step3 = [untimed(m) for m in _lines(whole) if m["step"] == 3 and "loss/pg" in m]
+    again = [untimed(m) for m in _lines(resumed) if m["step"] == 3 and "loss/pg" in m]
     assert step3 == again and len(step3) == 1
 
 

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from selfopd.core.atomic import replace_atomic, write_json_atomic
 from selfopd.run.tracking import metrics_key
+from selfopd.run.tracking import untimed
 
 pytestmark = pytest.mark.slow  # minutes of real processes: the whole suite only (make test)
 
@@ -73,7 +74,7 @@ def _metrics(run_dir: Path) -> list[dict]:
     lines = [json.loads(line) for line in text.splitlines()]
     keys = [metrics_key(line) for line in lines]
     assert len(keys) == len(set(keys)), f"repeated lines: {keys}"
-    return [{k: v for k, v in line.items() if not k.startswith("time/")} for line in lines]
+    return [untimed(line) for line in lines]
 
 
 def test_an_atomic_write_that_fails_leaves_the_old_file_and_no_temporary(tmp_path):

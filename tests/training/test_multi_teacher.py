@@ -14,6 +14,7 @@ from selfopd.data import load_examples
 from selfopd.run.rollouts import rollout_digest_lines
 from selfopd.training.teacher_metrics import starved_teachers
 from selfopd.training.trainer import build_run, train
+from selfopd.run.tracking import untimed
 from tests.training.test_trainer import _config, _lines
 
 MIXED = ("data.spec=rg:chain_sum?min_terms=2&max_terms=2&size=30&seed=2 + "
@@ -91,7 +92,7 @@ def test_one_teacher_behaves_as_before(tmp_path, tiny_model_dir):
     assert digest == [json.loads(line) for line in rollout_digest_lines(plain).splitlines()]
 
     def without_teachers(line):
-        return {k: v for k, v in line.items() if not k.startswith(("time/", "teacher/"))}
+        return {k: v for k, v in untimed(line).items() if not k.startswith("teacher/")}
     assert [without_teachers(m) for m in _lines(routed)] == [without_teachers(m) for m in _lines(plain)]
 
 

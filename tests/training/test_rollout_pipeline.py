@@ -20,6 +20,7 @@ from selfopd.run.tracking import PhaseTimer
 from selfopd.templating.templates import prompt_token_ids, render_student
 from selfopd.training.rollout_pipeline import PENDING_FILE, Request, Sampled
 from selfopd.training.trainer import batch_for_step, build_run, train, train_step
+from selfopd.run.tracking import untimed
 
 SMALL = [
     "data.spec=rg:chain_sum?min_terms=2&max_terms=2&size=60&seed=2", "data.eval_size=4",
@@ -35,7 +36,7 @@ def _config(tmp_path: Path, model: Path, *extra: str):
 
 def _steps(run_dir: Path) -> list[dict]:
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in line.items() if not k.startswith("time/")} for line in lines if "loss/pg" in line]
+    return [untimed(line) for line in lines if "loss/pg" in line]
 
 
 def _rollouts(run_dir: Path, step: int) -> list:
@@ -80,7 +81,7 @@ def test_staleness_zero_is_the_synchronous_loop(tmp_path, tiny_model_dir):
     run = build_run(_config(tmp_path, tiny_model_dir, "run.steps=3", "run.name=by_hand"))
     run.rollouts = SampleAtStepStart(run)
     by_hand = [train_step(run) for _ in range(3)]
-    assert _steps(piped) == [{k: v for k, v in m.items() if not k.startswith("time/")} for m in by_hand]
+    assert _steps(piped) == [untimed(m) for m in by_hand]
     assert "rollout/staleness" not in by_hand[0]
     for step in (1, 2, 3):  # the same rollouts, the pipeline's tagged with the weights that sampled them
         assert [replace(r, weight_version=None) for r in _rollouts(piped, step)] == _rollouts(run.run_dir, step)

@@ -16,6 +16,7 @@ from selfopd.config import ConfigError, load_config
 from selfopd.core.distributed import World, share
 from selfopd.training.setup import check_world
 from selfopd.training.trainer import train
+from selfopd.run.tracking import untimed
 from tests import two_processes
 
 pytestmark = pytest.mark.distributed
@@ -41,7 +42,7 @@ def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
 
 def _step_metrics(run_dir: Path) -> dict[int, dict]:
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {m["step"]: {k: v for k, v in m.items() if not k.startswith("time/")} for m in lines if "loss/pg" in m}
+    return {m["step"]: untimed(m) for m in lines if "loss/pg" in m}
 
 
 def _assert_same_run(one: Path, two: Path, step: int, weights: bool = True) -> None:

@@ -18,6 +18,7 @@ from selfopd.engines.scoring import completion_hidden
 from selfopd.training.weight_checks import check_probe
 from selfopd.templating.tokenizer_check import TokenizerMismatch
 from selfopd.training.trainer import WeightSyncError, build_run, train, train_step
+from selfopd.run.tracking import untimed
 
 SMALL = [
     "data.spec=rg:chain_sum?min_terms=2&max_terms=2&size=60&seed=2",
@@ -43,7 +44,7 @@ def _lines(run_dir: Path) -> list[dict]:
 
 
 def _without_times(metrics: dict) -> dict:
-    return {k: v for k, v in metrics.items() if not k.startswith("time/")}
+    return untimed(metrics)
 
 
 def test_run_writes_metrics_checkpoint_rollouts_and_plots(tmp_path, tiny_model_dir):
@@ -318,9 +319,8 @@ def test_no_teacher_is_grpo_alone_without_a_teacher_forward(tmp_path, tiny_model
     monkeypatch.setattr(LocalEngine, "score", refuse)
     monkeypatch.setattr(LocalEngine, "completion_states", refuse)
     alone = train(_config(tmp_path, tiny_model_dir, "run.name=alone", "teacher.kind=none", *grpo))
-    untimed = lambda lines: [{k: v for k, v in line.items() if not k.startswith("time/")} for line in lines]  # noqa: E731
-    without_opd = [{k: v for k, v in line.items() if not k.startswith("opd/")} for line in untimed(_lines(scored))]
-    assert untimed(_lines(alone)) == without_opd
+    without_opd = [{k: v for k, v in untimed(line).items() if not k.startswith("opd/")} for line in _lines(scored)]
+    assert [untimed(line) for line in _lines(alone)] == without_opd
     assert not any(key.startswith("opd/") for line in _lines(alone) for key in line)
     weights = [load_model(run / "checkpoints" / "step_00002", "float32")[0].state_dict() for run in (scored, alone)]
     assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
