@@ -20,6 +20,7 @@ from selfopd.config.settings import Bounds, escaped
 from selfopd.core.run_folder import RunFolder, checkpoint_steps_text, load_run_config
 
 COUNT = Bounds(ge=0, most=MAX_ITEMS)  # --limit, --gap-items, ...: how many items
+EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal with its checkpoint written; `--resume` goes on
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -37,6 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as error:
+        if _is_stop(error):  # SIGTERM / SIGUSR1: checkpointed; a scheduler's requeue resumes it
+            print(f"selfopd: {escaped(str(error))}", file=sys.stderr)
+            return EXIT_STOPPED
         if _is_user_error(error):
             one_line = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
             print(f"selfopd: error: {escaped(one_line)}", file=sys.stderr)  # no control or bidi character reaches the terminal
@@ -332,6 +336,12 @@ def _print_diagnosis(diagnosis: Any, report: Path) -> None:
 
 
 # --- errors -------------------------------------------------------------------------
+
+
+def _is_stop(error: Exception) -> bool:
+    from selfopd.training.trainer import Stopped
+
+    return isinstance(error, Stopped)
 
 
 def _is_user_error(error: Exception) -> bool:

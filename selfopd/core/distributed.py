@@ -64,12 +64,16 @@ def init_process_group(world: World, device: torch.device, timeout_s: float = 18
                             device_id=device if device.type == "cuda" else None)
 
 
-def share(items: Sequence[T], world: World) -> list[T]:
-    """This rank's contiguous share of `items` (the step's prompts); equal shares."""
-    if len(items) % world.size:
-        raise ValueError(f"{len(items)} items cannot be shared equally by {world.size} ranks")
-    size = len(items) // world.size
-    return list(items[world.rank * size : (world.rank + 1) * size])
+def padded_share(items: Sequence[T], world: World) -> tuple[list[T], int]:
+    """This rank's contiguous block of ceil(len(items) / ranks) of `items` (the step's prompts), and how
+    many of them are real. A block past the end is filled with the first items again: padding, which the
+    rank runs like the others (so every rank makes the same calls into each collective) and which weighs
+    nothing (`selfopd.training.step`)."""
+    if not items:
+        raise ValueError("no items to share")
+    size = -(-len(items) // world.size)
+    real = list(items[world.rank * size : (world.rank + 1) * size])
+    return real + [items[i % len(items)] for i in range(size - len(real))], len(real)
 
 
 def all_gather(value: T, world: World) -> list[T]:

@@ -4,6 +4,7 @@ checkpoint, while metrics are written, ...).
 
     SELFOPD_KILL_AT=checkpoint.weights      # SIGKILL the process the 1st time it gets there
     SELFOPD_KILL_AT=train.backward:3        # ... the 3rd time
+    SELFOPD_KILL_SIGNAL=SIGTERM             # send this signal instead (the process goes on to handle it)
 
 Without the variable a point costs one comparison (the variable is read once per process).
 The process kills itself with SIGKILL, so nothing runs after: no `finally`, no atexit, no
@@ -35,16 +36,18 @@ def _parse(value: str) -> tuple[str, int] | None:
 
 
 _TARGET = _parse(os.environ.get(ENV, ""))
+_SIGNAL = signal.Signals[os.environ.get("SELFOPD_KILL_SIGNAL", "SIGKILL")]
 _reached: dict[str, int] = {}
 
 
 def fault_point(name: str) -> None:
-    """SIGKILL this process if `SELFOPD_KILL_AT` names this point and this is its N-th visit."""
+    """SIGKILL this process (or send it SELFOPD_KILL_SIGNAL) if `SELFOPD_KILL_AT` names this point and this
+    is its N-th visit."""
     if _TARGET is None or _TARGET[0] != name:
         return
     _reached[name] = _reached.get(name, 0) + 1
     if _reached[name] == _TARGET[1]:
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), _SIGNAL)
 
 
 def dropped_weights(name: str) -> bool:

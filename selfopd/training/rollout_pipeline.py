@@ -44,7 +44,7 @@ from typing import Callable, Sequence
 from transformers import PreTrainedTokenizerBase
 
 from selfopd.config import TrainConfig
-from selfopd.core.distributed import World, all_gather, share
+from selfopd.core.distributed import World, all_gather, padded_share
 from selfopd.core.faults import fault_point
 from selfopd.data.example import Example
 from selfopd.data.mixture import by_task
@@ -84,6 +84,13 @@ class Request:
     # Per prompt: whether its chat template opened a reasoning block (decided when it was tokenized,
     # `ChatFormat.prompt`); None: not told, grading decides it from the prompt's ids by the same rule.
     opened: list[bool] | None = None
+    # How many of `examples` are this rank's share of the step; those after them pad the share to every
+    # rank's size (`padded_share`) and are run, then weighed zero. None: all of them.
+    real: int | None = None
+
+    def is_padding(self, group: int) -> bool:
+        """Whether the step-wide prompt `group` of this request only pads the rank's share."""
+        return self.real is not None and group >= self.first_group + self.real
 
 
 @dataclass
@@ -106,7 +113,8 @@ def request_for_step(side: StudentSide, step: int) -> Request:
     """This rank's share of step `step`'s prompts and their sampling parameters: a function of
     (seed, step) alone, so a step's request is the same whenever it is made."""
     cfg = side.config
-    examples = share(batch_for_step(side.train_examples, step, cfg.rollout.prompts_per_step, cfg.run.seed), side.world)
+    examples, real = padded_share(batch_for_step(side.train_examples, step, cfg.rollout.prompts_per_step, cfg.run.seed),
+                                  side.world)
     first_group = side.world.rank * len(examples)
     messages = [render_student(side.template, e) for e in examples]
     params = SamplingParams(max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
@@ -115,7 +123,7 @@ def request_for_step(side: StudentSide, step: int) -> Request:
                             first_row=first_group * cfg.rollout.samples_per_prompt)
     prompts = [side.chat.prompt(m) for m in messages]
     return Request(step, examples, messages, [p.ids for p in prompts], params, first_group,
-                   [p.opens_reasoning for p in prompts])
+                   [p.opens_reasoning for p in prompts], real if real < len(examples) else None)
 
 
 def sample_request(engine: Engine, request: Request, version: int, newest: Callable[[], int] | None = None,

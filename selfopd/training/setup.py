@@ -229,7 +229,8 @@ def initial_probe_logprobs(run: Run, resume_from: Path | None, options: dict) ->
 
 
 def check_world(config: TrainConfig, world: World) -> None:
-    """Under torchrun each rank takes an equal share of a step's prompts, whole micro-batches."""
+    """What torchrun cannot run. Any rollout.prompts_per_step is shared by any number of ranks: each takes
+    ceil(prompts / ranks), the last ones filled up with padding that weighs nothing (`padded_share`)."""
     if not world.distributed:
         return
     if config.engine.kind == "vllm_colocate":
@@ -244,11 +245,6 @@ def check_world(config: TrainConfig, world: World) -> None:
     if config.engine.kind == "vllm" and config.model.lora:
         raise ConfigError("model.lora_rank", "LoRA with vLLM servers under torchrun is not supported: the merged "
                           "weights are built on one process; train LoRA on one process or with engine.kind = 'local'")
-    per_rank = config.optim.micro_batch_prompts * world.size
-    if config.rollout.prompts_per_step % per_rank:
-        raise ConfigError("rollout.prompts_per_step", f"must be a multiple of optim.micro_batch_prompts "
-                          f"({config.optim.micro_batch_prompts}) x {world.size} processes = {per_rank}, got "
-                          f"{config.rollout.prompts_per_step}: each rank takes an equal share of whole micro-batches")
 
 
 def check_mixture(config: TrainConfig, train_examples: list) -> None:

@@ -49,6 +49,7 @@ class Backward:
     total_tokens: int
     opd_weight_N: torch.Tensor
     rlsd_lam: float
+    padding: list[bool] = field(default_factory=list)  # per rollout: it only fills the rank's share up
     collected: dict[str, list[torch.Tensor]] = field(default_factory=lambda: {
         "teacher": [], "student": [], "sampler": [], "advantage": [], "divergence": [], "clipped": []})
 
@@ -60,12 +61,14 @@ def train_step(run: Run) -> dict[str, float]:
     graded = grade(run, sampled, timer)  # the rewards: each rollout graded as the user sees it
     scored, teacher_states = score(run, sampled, graded, timer)
     rest_engines(run.student_engine, run.teacher.engine)  # a colocated vLLM frees the GPU until its next call
-    backward = forward_backward(run, scored, teacher_states, timer)
+    padding = [sampled.request.is_padding(s.group) for s in scored]  # a rank's share filled up: weighs nothing
+    backward = forward_backward(run, scored, teacher_states, timer, padding)
     finite, grad_norm = optimizer_step(run, backward.loss_total, timer)
     if run.config.rollout.max_staleness and finite:
         with timer("sample_wait"):  # k = 1: the weights change only between sampling requests
             run.rollouts.before_weight_change(run.step)
     probe_gaps = sync_engines(run, timer) if finite else {}  # a skipped step changed no weight: nothing to sync
+    scored = [s for s, pad in zip(scored, padding) if not pad]
     scored = [s for part in all_gather(scored, run.world) for s in part]  # the whole step's, in rank order
     flat = {key: torch.cat([t for part in all_gather(values, run.world) for t in part])[None]
             for key, values in backward.collected.items() if values}
@@ -96,24 +99,31 @@ def score(run: Run, sampled: Sampled, graded: list[Graded], timer: PhaseTimer) -
         return score_routed(sides, rows, run.step)
 
 
-def forward_backward(run: Run, scored: list[Scored], teacher_states: list[States], timer: PhaseTimer) -> Backward:
+def forward_backward(run: Run, scored: list[Scored], teacher_states: list[States], timer: PhaseTimer,
+                     padding: Sequence[bool] | None = None) -> Backward:
     """4. The student's forward/backward in micro-batches of whole prompt groups; gradients
     accumulate. The loss is the mean over the whole step (all ranks): each rank weighs its
-    micro-batches by the step's totals, and FSDP's mean over ranks is undone by `world.size`."""
+    micro-batches by the step's totals, and FSDP's mean over ranks is undone by `world.size`.
+    `padding`: per rollout, whether it only fills the rank's share up (`padded_share`): it runs, so every
+    rank makes the same forward and backward calls, with every token masked and out of the totals."""
     cfg, world = run.config, run.world
+    padding = list(padding) if padding is not None else [False] * len(scored)
     run.model.train()
-    total_tokens = all_sum(sum(s.rollout.student_tokens for s in scored), world)  # an episode's own tokens
-    total_rollouts = len(scored) * world.size
-    backward = Backward(0.0, total_tokens, _opd_weights(run, scored),
-                        rlsd_lambda(run.step, cfg.loss.rlsd_weight, cfg.loss.rlsd_decay_steps))
+    real = [s for s, pad in zip(scored, padding) if not pad]
+    total_tokens = all_sum(sum(s.rollout.student_tokens for s in real), world)  # an episode's own tokens
+    total_rollouts = all_sum(len(real), world)
+    backward = Backward(0.0, total_tokens, _opd_weights(run, scored, padding),
+                        rlsd_lambda(run.step, cfg.loss.rlsd_weight, cfg.loss.rlsd_decay_steps), padding)
     with timer("train"):
         per_micro = run.rollouts_per_micro_batch
         for index, start in enumerate(range(0, len(scored), per_micro)):
-            micro = scored[start : start + per_micro]
+            micro, pads = scored[start : start + per_micro], padding[start : start + per_micro]
             loss, tokens, mask_BC = micro_batch_loss(run, micro, backward, start,
-                                                     teacher_states[index] if teacher_states else None)
+                                                     teacher_states[index] if teacher_states else None, pads)
             # Scale so the accumulated gradient equals one big batch's mean.
-            weight = tokens / total_tokens if cfg.loss.normalisation == "token" else len(micro) / total_rollouts
+            kept = len(micro) - sum(pads)
+            weight = (tokens / max(total_tokens, 1) if cfg.loss.normalisation == "token"
+                      else kept / max(total_rollouts, 1))
             (loss * (weight * world.size)).backward()
             fault_point("train.backward")
             backward.loss_total += loss.item() * weight
@@ -121,7 +131,8 @@ def forward_backward(run: Run, scored: list[Scored], teacher_states: list[States
 
 
 def micro_batch_loss(run: Run, micro: Sequence[Scored], backward: Backward, start: int,
-                     teacher_states: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, int, torch.Tensor]:
+                     teacher_states: tuple[torch.Tensor, torch.Tensor] | None,
+                     padding: Sequence[bool] = ()) -> tuple[torch.Tensor, int, torch.Tensor]:
     """The student's forward on one micro-batch, then its loss (`selfopd.training.loss`, with its
     graph), its completion-token count and mask; what the metrics need of it is appended to
     `backward.collected`."""
@@ -136,6 +147,8 @@ def micro_batch_loss(run: Run, micro: Sequence[Scored], backward: Backward, star
     with contextlib.nullcontext() if not exact or loss_cfg.lambda_rl else torch.no_grad():
         student_lp_BC = logprobs_from_hidden(run.model, hidden_BCH, tokens_BC, mask_BC, keep_last=not exact)
     mask_BC = mask_BC.bool() & student_mask(micro, mask_BC.shape[1], mask_BC.device)  # episodes: the student's turns
+    if any(padding):  # a share's padding: run, never weighed
+        mask_BC[torch.tensor(list(padding), dtype=torch.bool, device=mask_BC.device)] = False
     length = mask_BC.shape[1]
     inputs = LossInputs(
         student_lp_BT=student_lp_BC,
@@ -233,7 +246,8 @@ def step_metrics(run: Run, batch: Sampled, scored: list[Scored], flat: dict[str,
         )),
         **({} if sampled else {f"loss/{cfg.loss.divergence}": flat["divergence"].double().mean().item()}),
         **({"opd/clipped_share": flat["clipped"].double().mean().item()} if cfg.loss.token_clip else {}),
-        **_cure_metrics(cfg.loss, backward.rlsd_lam, backward.opd_weight_N, scored),
+        **_cure_metrics(cfg.loss, backward.rlsd_lam,
+                        backward.opd_weight_N[~torch.tensor(backward.padding, dtype=torch.bool)], scored),
         **_engine_gap(cfg.loss, scored, flat["student"][0]),
         **without_teacher(run, preference_metrics((s.group, s.correct, signal.mean().item())
                              for s, signal in zip(scored, signal_N.split(lengths)) if len(signal) and s.aligned)),
@@ -320,15 +334,17 @@ def _staleness_metrics(run: Run, sampled: Sampled) -> dict[str, float]:
             **newest, "time/sample_engine": sampled.sample_seconds}
 
 
-def _opd_weights(run: Run, scored: Sequence[Scored]) -> torch.Tensor:
+def _opd_weights(run: Run, scored: Sequence[Scored], padding: Sequence[bool]) -> torch.Tensor:
     """Each rollout's weight on the teacher term (routing, pass-rate weighting; float64),
-    the pass-rate weights normalised by their mean over the whole step's prompts, all ranks."""
+    the pass-rate weights normalised by their mean over the whole step's prompts, all ranks (padding
+    left out of the mean)."""
     loss = run.config.loss
     correct_N = torch.tensor([s.correct for s in scored])
     group_N = torch.tensor([s.group for s in scored])
     mean = None
     if loss.pass_rate_weighting:
-        total, prompts = mean_prompt_weight(correct_N, group_N)
+        real_N = ~torch.tensor(list(padding), dtype=torch.bool)
+        total, prompts = mean_prompt_weight(correct_N[real_N], group_N[real_N])
         mean = all_sum(total, run.world) / max(all_sum(prompts, run.world), 1.0)
     weights_N = opd_rollout_weights(correct_N, group_N, loss.opd_on, loss.pass_rate_weighting, mean)
     # A completion a teacher with its own tokenizer could not read gets no teacher signal.

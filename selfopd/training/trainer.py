@@ -7,9 +7,11 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
+import threading
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from tqdm.auto import tqdm
 
@@ -43,6 +45,36 @@ class GuardStop(RuntimeError):
     def __init__(self, message: str, step: int) -> None:
         super().__init__(message)
         self.step = step
+
+
+class Stopped(RuntimeError):
+    """SIGTERM or SIGUSR1 (a scheduler's notice before preemption) asked the run to stop: every rank
+    finished its step and the checkpoint of that step is written; `--resume` goes on exactly."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+@contextlib.contextmanager
+def stop_requests() -> Iterator[Callable[[], str | None]]:
+    """While it is open, SIGTERM and SIGUSR1 are recorded instead of ending the process; yields a function
+    that names the signal received so far (None: none). The previous handlers come back on exit. Only the
+    main thread can set handlers: elsewhere (a notebook's worker thread) nothing is caught."""
+    received: list[str] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    previous = {number: signal.signal(number, lambda number, _frame: received.append(signal.Signals(number).name))
+                for number in STOP_SIGNALS}
+    try:
+        yield lambda: received[0] if received else None
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -86,9 +118,9 @@ def train(config: TrainConfig, resume: bool = False, initial_eval: Path | None =
             split.write(folder.root)
         log = MetricsLog(folder, config) if main else None
         try:
-            with contextlib.closing(log) if log else contextlib.nullcontext():
-                _train_loop(run, log, resume, initial_eval)
-        except GuardStop:  # every rank stops at the same step, its checkpoint written: plot what ran
+            with contextlib.closing(log) if log else contextlib.nullcontext(), stop_requests() as stop_asked:
+                _train_loop(run, log, resume, initial_eval, stop_asked)
+        except (GuardStop, Stopped):  # every rank stops at the same step, its checkpoint written: plot what ran
             if main:
                 plot_run(folder)
             raise
@@ -110,8 +142,10 @@ def _claimed(folder: RunFolder, config: TrainConfig, resume: bool, checkpoint: P
         yield
 
 
-def _train_loop(run: Run, log: MetricsLog | None, resume: bool, initial_eval: Path | None) -> None:
-    """Every rank runs every step, eval and checkpoint (collectives); `log` is rank 0's."""
+def _train_loop(run: Run, log: MetricsLog | None, resume: bool, initial_eval: Path | None,
+                stop_asked: Callable[[], str | None] = lambda: None) -> None:
+    """Every rank runs every step, eval and checkpoint (collectives); `log` is rank 0's. A stop signal
+    (`stop_requests`) ends the run after the step in progress and its checkpoint, with no eval."""
     config = run.config
 
     def record(metrics: dict[str, float] | None) -> None:
@@ -148,14 +182,19 @@ def _train_loop(run: Run, log: MetricsLog | None, resume: bool, initial_eval: Pa
         bar.update(1)
         fired_any = all_sum(float(bool(fired)), run.world) > 0  # rank 0 decided; every rank checkpoints
         stop = fired_any and config.guard.action == "stop"
+        signalled = all_sum(float(stop_asked() is not None), run.world) > 0  # any rank's signal stops every rank
         last = run.step == config.run.steps or stop
-        if (config.run.eval_every and run.step % config.run.eval_every == 0) or last:
+        if ((config.run.eval_every and run.step % config.run.eval_every == 0) or last) and not signalled:
             record(run_eval(run))
-        if (config.run.checkpoint_every and run.step % config.run.checkpoint_every == 0) or last or fired_any:
+        if (config.run.checkpoint_every and run.step % config.run.checkpoint_every == 0) or last or fired_any or signalled:
             with writing(run.folder.checkpoint(run.step)):
                 save_checkpoint(run)
         if stop:
             raise GuardStop(guard.stop_message(run.folder, run.step, fired), run.step)
+        if signalled and not last:
+            raise Stopped(f"stopped by {stop_asked() or 'a signal to another rank'} after step {run.step} of "
+                          f"{config.run.steps}, its checkpoint written: go on with `selfopd train --resume "
+                          f"{run.folder.root}`", run.step)
     bar.close()
 
 

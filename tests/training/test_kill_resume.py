@@ -42,9 +42,9 @@ def _sets(settings: list[str]) -> list[str]:
     return [part for setting in settings for part in ("--set", setting)]
 
 
-def _cli(args: list[str], kill_at: str = "", timeout: int = 300) -> subprocess.CompletedProcess:
-    """`python -m selfopd ARGS` in a fresh process, SIGKILLed at `kill_at` when given."""
-    env = {**os.environ, "SELFOPD_KILL_AT": kill_at}
+def _cli(args: list[str], kill_at: str = "", timeout: int = 300, sends: str = "SIGKILL") -> subprocess.CompletedProcess:
+    """`python -m selfopd ARGS` in a fresh process, sent `sends` (SIGKILL) at `kill_at` when given."""
+    env = {**os.environ, "SELFOPD_KILL_AT": kill_at, "SELFOPD_KILL_SIGNAL": sends}
     return subprocess.run([sys.executable, "-m", "selfopd", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -57,9 +57,10 @@ def _killed(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == KILLED, f"not killed (rc {result.returncode}): {result.stderr[-3000:]}"
 
 
-def _train(run_dir: Path, model: Path, kill_at: str = "", extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def _train(run_dir: Path, model: Path, kill_at: str = "", extra: tuple[str, ...] = (),
+           sends: str = "SIGKILL") -> subprocess.CompletedProcess:
     sets = [*TRAIN, f"model.student={model}", f"run.out_dir={run_dir.parent}", f"run.name={run_dir.name}", *extra]
-    return _cli(["train", str(ROOT / "experiments" / "demo" / "demo.toml"), *_sets(sets)], kill_at)
+    return _cli(["train", str(ROOT / "experiments" / "demo" / "demo.toml"), *_sets(sets)], kill_at, sends=sends)
 
 
 def _resume(run_dir: Path, kill_at: str = "") -> subprocess.CompletedProcess:
@@ -115,6 +116,23 @@ def test_a_run_killed_at_any_moment_resumes_to_the_same_metrics(tmp_path, tiny_m
     _ok(_resume(run_dir))
     assert _metrics(run_dir) == reference
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00004"]  # no stale or partial one
+
+
+@pytest.mark.parametrize("sends", ["SIGTERM", "SIGUSR1"])
+def test_a_signal_mid_step_checkpoints_that_step_and_the_resumed_run_goes_on_exactly(tmp_path, tiny_model_dir,
+                                                                                     reference, sends):
+    """A scheduler's notice (SIGTERM; SLURM's --signal=USR1@SECONDS) during step 3, between its micro-batches:
+    the step finishes, its checkpoint (not a regular one) is written, the process exits 75 with one line,
+    and the resumed run ends exactly where the uninterrupted one does."""
+    run_dir = tmp_path / "run"
+    stopped = _train(run_dir, tiny_model_dir, "train.backward:5", sends=sends)
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    (line,) = [line for line in stopped.stderr.splitlines() if line.startswith("selfopd:")]
+    assert line.startswith(f"selfopd: stopped by {sends} after step 3 of 4, its checkpoint written") and "--resume" in line
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00003"]
+    assert max(m["step"] for m in _metrics(run_dir)) == 3
+    _ok(_resume(run_dir))
+    assert _metrics(run_dir) == reference
 
 
 STALE = ("rollout.max_staleness=1",)

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from selfopd.config import ConfigError, load_config
-from selfopd.core.distributed import World, share
+from selfopd.config import load_config
+from selfopd.core.distributed import World, padded_share
 from selfopd.training.setup import check_world
 from selfopd.training.trainer import train
 from selfopd.run.tracking import untimed
@@ -133,17 +133,50 @@ def test_micro_batches_accumulate_over_ranks(tmp_path, tiny_model_dir):
     _assert_same_run(one, tmp_path / "runs" / "two", 2, weights=False)
 
 
-def test_the_step_must_share_equally():
-    config = load_config(None, ["rollout.prompts_per_step=6", "optim.micro_batch_prompts=2"])
-    with pytest.raises(ConfigError, match=r"rollout.prompts_per_step: must be a multiple of optim.micro_batch_prompts "
-                       r"\(2\) x 2 processes = 4, got 6"):
-        check_world(config, World(rank=0, size=2))
-    check_world(config, World(rank=0, size=3))  # 6 = 2 x 3
-    check_world(config, World())
+@pytest.mark.parametrize("prompts", [3, 1])
+def test_a_step_that_does_not_share_equally_is_the_step_of_one_process(tmp_path, tiny_model_dir, prompts):
+    """3 prompts on 2 ranks (2 and 1, the second padded with one more), and 1 (the second rank all
+    padding): the padding runs, weighs nothing, and is in no metric, so each step is one process's.
+    engine.batch_size = 2 rows keeps the ranks' generation batches aligned with one process's."""
+    config_file = two_processes.config_file(tmp_path, tiny_model_dir, micro_batch_prompts=1)
+    sets = [f"rollout.prompts_per_step={prompts}", "engine.batch_size=2"]
+    one = train(load_config(config_file, ["run.name=one", *sets]))
+    _torchrun(str(config_file), "--set", "run.name=two", *(f"--set={s}" for s in sets))
+    _assert_same_run(one, tmp_path / "runs" / "two", 2, weights=False)
+    saved = [json.loads(line) for line in (tmp_path / "runs" / "two" / "rollouts" / "step_00001.jsonl").read_text().splitlines()]
+    assert len(saved) == prompts * 2  # the padding's rollouts are not saved
 
 
-def test_shares_are_contiguous_and_sampling_offsets_follow():
-    items = list(range(8))
-    assert [share(items, World(rank=r, size=4)) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    with pytest.raises(ValueError, match="7 items cannot be shared equally by 2 ranks"):
-        share(items[:7], World(rank=0, size=2))
+def test_any_step_is_shared_by_any_number_of_ranks():
+    check_world(load_config(None, ["rollout.prompts_per_step=10", "optim.micro_batch_prompts=5"]), World(rank=0, size=16))
+    items = list(range(7))
+    assert [padded_share(items, World(rank=r, size=3)) for r in range(3)] == [([0, 1, 2], 3), ([3, 4, 5], 3),
+                                                                               ([6, 0, 1], 1)]
+    assert [padded_share(items[:2], World(rank=r, size=4)) for r in range(4)] == [([0], 1), ([1], 1), ([0], 0),
+                                                                                   ([0], 0)]
+    assert padded_share(items, World()) == (items, 7)
+
+
+def test_a_signal_to_every_rank_mid_step_checkpoints_it_and_the_resumed_run_is_the_uninterrupted_one(tmp_path,
+                                                                                                      tiny_model_dir):
+    """torchrun passes a scheduler's SIGTERM to every rank: mid step 1 (between micro-batches) each finishes the
+    step, step 1's checkpoint is written, every rank exits 75, and a resume on two ranks ends as a run never
+    stopped does. Resumed on one process instead, it ends there too (the checkpoint's layout is one process's)."""
+    config_file = two_processes.config_file(tmp_path, tiny_model_dir, micro_batch_prompts=1)
+    _torchrun(str(config_file), "--set", "run.name=whole")
+    stopped = two_processes.torchrun("-m", "selfopd", "train", str(config_file), "--set", "run.name=cut",
+                                     env={"SELFOPD_KILL_AT": "train.backward:1", "SELFOPD_KILL_SIGNAL": "SIGTERM"},
+                                     check=False)
+    assert stopped.returncode != 0 and "stopped by SIGTERM after step 1 of 2" in stopped.stderr, stopped.stderr[-3000:]
+    cut = tmp_path / "runs" / "cut"
+    assert [p.name for p in (cut / "checkpoints").iterdir()] == ["step_00001"]
+    alone = tmp_path / "runs" / "alone"
+    import shutil
+
+    shutil.copytree(cut, alone)
+    (alone / ".lock").unlink(missing_ok=True)
+    _torchrun("--resume", str(cut))
+    whole = tmp_path / "runs" / "whole"
+    _assert_same_run(whole, cut, 2)
+    train(load_config(alone / "config.toml", ["run.name=alone"]), resume=True)
+    _assert_same_run(whole, alone, 2, weights=False)
