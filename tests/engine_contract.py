@@ -3,11 +3,14 @@ server engine (tests/serving/test_vllm.py) and the colocated one (tests/serving/
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from selfopd.engines.base import SamplingParams
 
 TOLERANCE = 1e-4  # fp32 on both sides
+ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = ["What is 3 + 4?", "Name a prime number larger than 10.", "Say hello in French."]
 
 
@@ -96,19 +99,29 @@ def train_demo_steps(tmp_path, name, settings, steps: int = 2, launcher=("-m", "
     values), in a subprocess (`launcher`: another module such as torch.distributed.run);
     checks it ran every step with every probe within `probe` (its metric, its bound: fp32's
     max gap by default); returns the step metrics."""
-    import json
     import subprocess
-    import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(demo_command(tmp_path, name, settings, steps, launcher), capture_output=True, text=True,
+                            timeout=900, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-5000:]
+    return checked_demo_run(tmp_path, name, steps, probe)
+
+
+def demo_command(tmp_path, name, settings, steps: int = 2, launcher=("-m", "selfopd")) -> list[str]:
+    """The command line of `train_demo_steps`."""
+    import sys
+
     short = [f"run.out_dir={tmp_path}", f"run.name={name}", f"run.steps={steps}", "run.progress=false",
              "data.eval_size=8", "rollout.prompts_per_step=2", "optim.micro_batch_prompts=2", "rollout.max_tokens=16",
              "rollout.temperature=1.0"]
-    command = [sys.executable, *launcher, "train", str(root / "experiments/demo/demo.toml"),
-               *[f"--set={item}" for item in [*short, *settings]]]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=root)
-    assert result.returncode == 0, result.stderr[-5000:]
+    return [sys.executable, *launcher, "train", str(ROOT / "experiments/demo/demo.toml"),
+            *[f"--set={item}" for item in [*short, *settings]]]
+
+
+def checked_demo_run(tmp_path, name, steps: int = 2, probe=("probe/max_abs_diff", TOLERANCE)):
+    """`train_demo_steps`' checks of a finished run; its step metrics."""
+    import json
+
     metrics = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     trained = [m for m in metrics if "loss/pg" in m]
     assert [m["step"] for m in trained] == list(range(1, steps + 1))

@@ -130,8 +130,10 @@ class EngineConfig(Section):
         "", "vllm: comma-separated URLs of running student servers (several serve one model); empty: selfopd launches one.",
         guarded="requests and the API key go to these hosts")
     teacher_url: str = setting(
-        "", "vllm: URL of a running teacher server; empty: selfopd launches one (self, frozen or external teacher).",
-        guarded="requests and the API key go to this host")
+        "", "vllm: URL of a running teacher server, or comma-separated URLs of replicas (each request to the one "
+        "with the fewest tokens in flight; they must agree on a probe within 0.05 nats at start); empty: selfopd "
+        "launches one (self, frozen or external teacher).",
+        guarded="requests and the API key go to these hosts")
     teacher_engine: TeacherEngine = setting(
         "vllm", "vllm: who scores the teacher. 'vllm': a server (launched, or engine.teacher_url). 'local': the "
         "trainer's process, as with engine.kind = 'local' (a 'self' teacher is the trainer's own module, so nothing "
@@ -225,8 +227,8 @@ class EngineConfig(Section):
             for url in self.urls(name):
                 if not url.startswith(("http://", "https://")):
                     fail(self._key(name), f"expected http://HOST:PORT, got {url!r}")
-        if len(self.urls("teacher_url")) > 1:
-            fail(self._key("teacher_url"), "takes one URL")
+        if len(set(self.urls("teacher_url"))) != len(self.urls("teacher_url")):
+            fail(self._key("teacher_url"), "names a replica twice")
         for name in ("packed_sampling", "compiled_sampling"):
             if getattr(self, name) and self.kind != "local":
                 fail(self._key(name), f"is for the in-process sampler (engine.kind = 'local'); engine.kind is "

@@ -41,8 +41,9 @@ CLAMPED_LOGPROB = -9999.0  # vLLM's JSON stand-in for -inf
 class VLLMEngine:
     """Samples and scores on vLLM servers; `update_weights` goes through a `WeightTransfer`.
 
-    Several URLs serve the same model: prompts are spread over them round-robin, and the
-    weight transfer covers all of them (the student's and a `self` teacher's engines share
+    Several URLs serve the same model: prompts to sample are spread over them round-robin,
+    sequences to score go each to the server with the fewest tokens being scored (a slower replica
+    gets less), and the weight transfer covers all of them (the student's and a `self` teacher's engines share
     one). Without a `weight_sync` the engine serves fixed weights (a frozen or external
     teacher) and refuses updates. `api_key`: what servers started with an API key require
     (sent as a bearer token); None: the key of each server this process launched, if it did.
@@ -64,6 +65,7 @@ class VLLMEngine:
         self._max_concurrency = max_concurrency
         self._loop = _LoopThread()
         self._in_call = 1  # requests of the call being sent (the auto timeout's work)
+        self._scoring = [0] * len(self.urls)  # per server: tokens of the scoring requests in flight
         self._clients = [openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key or "EMPTY", max_retries=retries)
                          for url, key in zip(self.urls, keys)]
 
@@ -113,31 +115,39 @@ class VLLMEngine:
                                             for i, (p, c) in enumerate(sequences)]))
 
     def score_replicas(self, sequence: tuple[list[int], list[int]]) -> list[tuple[str, TokenScores]]:
-        """The sequence scored by each server (request i goes to server i % n)."""
+        """The sequence scored by each server, in order."""
         prompt, completion = sequence
         self._check_lengths([sequence])
-        scores = self._loop.run(self._gather([self._score_one(i, list(prompt), list(completion), 0)
+        scores = self._loop.run(self._gather([self._score_one(i, list(prompt), list(completion), 0, server=i)
                                               for i in range(len(self.urls))]))
         return list(zip(self.urls, scores))
 
     def _check_lengths(self, sequences: Sequence[tuple[list[int], list[int]]]) -> None:
-        check_score_lengths(sequences, self.max_model_len, self._url_of)
+        check_score_lengths(sequences, self.max_model_len, lambda index: ", ".join(self.urls))  # any may score it
 
     def _url_of(self, index: int) -> str:
         """The server that request `index` goes to (round-robin)."""
         return self.urls[index % len(self.urls)]
 
-    async def _score_one(self, index: int, prompt: list[int], completion: list[int], top_k: int) -> TokenScores:
-        server = index % len(self.urls)
+    async def _score_one(self, index: int, prompt: list[int], completion: list[int], top_k: int,
+                         server: int | None = None) -> TokenScores:
+        """`server`: the one to ask; None: the one with the fewest tokens being scored (the first of equals),
+        chosen when the request is sent."""
         ids = prompt + completion
+        if server is None:
+            server = min(range(len(self.urls)), key=lambda s: (self._scoring[s], s))
         url = self.urls[server]
 
         def parse(response: Any) -> TokenScores:
             entries = response.choices[0].model_extra.get("prompt_logprobs")
             return parse_prompt_logprobs(entries, ids, len(prompt), top_k, url)
 
-        return await self._call(server, parse, prompt=ids, max_tokens=1, temperature=0.0,
-                                extra_body={"prompt_logprobs": top_k})
+        self._scoring[server] += len(ids)
+        try:
+            return await self._call(server, parse, prompt=ids, max_tokens=1, temperature=0.0,
+                                    extra_body={"prompt_logprobs": top_k})
+        finally:
+            self._scoring[server] -= len(ids)
 
     # --- weights ------------------------------------------------------------------------
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor] | WeightSource, version: int) -> None:

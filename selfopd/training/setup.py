@@ -43,8 +43,8 @@ from selfopd.episodes.prompt_tools import check_student_tools
 from selfopd.training.grading import student_format
 from selfopd.run.evaluate import checked_eval_data
 from selfopd.training.rollout_pipeline import open_pipeline
-from selfopd.training.weight_checks import (check_frozen_teacher, check_probe, check_sampler, probe_logprobs,
-                                            sync_weights)
+from selfopd.training.weight_checks import (check_frozen_teacher, check_probe, check_sampler, check_teacher_replicas,
+                                            probe_logprobs, sync_weights)
 
 PROBE_COMPLETION = "Let me think step by step. The answer is 42."
 
@@ -129,6 +129,7 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
                 check_teacher_top_k(run.teacher.engine, config.loss.top_k, probe)
         if config.teacher.kind == "frozen":
             check_frozen_teacher(run, initial_probe_logprobs(run, resume_from, options))
+        check_teacher_replicas(run)  # several teacher servers serve one teacher, or the run stops here
     except BaseException:
         resources.close()
         raise

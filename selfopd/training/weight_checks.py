@@ -204,6 +204,34 @@ def check_sampler(run: Run) -> dict[str, float]:
     return {"probe/sampler_gap": worst}
 
 
+REPLICA_AGREEMENT = 0.05  # nats: teacher replicas' largest probe gap (SkyRL refuses past the same bound)
+
+
+def check_teacher_replicas(run: Run) -> dict[str, float]:
+    """Several teacher servers (engine.teacher_url's replicas) must serve one teacher (`replica_agreement`),
+    checked on the run's probe before any step."""
+    return replica_agreement(run.teacher.engine, run.probe)
+
+
+@torch.no_grad()
+def replica_agreement(engine: Any, probe: tuple[list[int], list[int]], bound: float = REPLICA_AGREEMENT) -> dict[str, float]:
+    """The probe scored by each of `engine`'s servers: every replica's largest |logprob gap| to the first at
+    most `bound`, else WeightSyncError naming the one that disagrees. Returns
+    {"probe/teacher_replica_gap": worst}; {} for an engine of one server."""
+    if len(getattr(engine, "urls", ())) < 2:
+        return {}
+    (first, reference), *others = engine.score_replicas(probe)
+    worst = 0.0
+    for replica, score in others:
+        gap = (score.logprobs.double() - reference.logprobs.double()).abs().max().item()
+        if not gap <= bound:
+            raise WeightSyncError(f"engine.teacher_url: the teacher replica {replica} scores the probe up to {gap:.3g} "
+                                  f"nats away from {first} (bound {bound}): it serves other weights, another dtype or "
+                                  "another model; fix it or leave it out")
+        worst = max(worst, gap)
+    return {"probe/teacher_replica_gap": worst}
+
+
 @torch.no_grad()
 def check_frozen_teacher(run: Run, initial_lp: torch.Tensor) -> None:
     """A `frozen` teacher must serve the initial student weights; a server given by URL may

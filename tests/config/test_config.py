@@ -466,8 +466,10 @@ def test_engine_urls_are_split_and_checked():
     assert config.engine.urls("teacher_url") == ["http://t:3"]
     with pytest.raises(ConfigError, match="engine.student_urls: expected http://HOST:PORT, got 'a:1'"):
         load_config(None, ["engine.student_urls=http://b:2,a:1"])
-    with pytest.raises(ConfigError, match="engine.teacher_url: takes one URL"):
-        load_config(None, ["engine.teacher_url=http://a:1,http://b:2"])
+    assert load_config(None, ["engine.teacher_url=http://a:1,http://b:2"]).engine.urls("teacher_url") == [
+        "http://a:1", "http://b:2"]  # replicas
+    with pytest.raises(ConfigError, match="engine.teacher_url: names a replica twice"):
+        load_config(None, ["engine.teacher_url=http://a:1,http://a:1/"])
 
 
 def test_a_teacher_scored_by_the_trainer_lifts_the_limits_of_a_vllm_teacher():

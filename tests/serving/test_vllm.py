@@ -27,6 +27,8 @@ from tests.engine_contract import (
     check_rollouts,
     check_scoring,
     check_tempered_logprobs,
+    checked_demo_run,
+    demo_command,
     hf_logprobs,
     train_demo_steps,
 )
@@ -234,6 +236,46 @@ def test_a_frozen_teacher_server_must_serve_the_initial_weights(servers, engines
     push_weights([servers["teacher"]], changed, version=5)
     with pytest.raises(WeightSyncError, match=rf"the frozen teacher \({servers['teacher']}\) does not serve the initial"):
         build_run(config)
+
+
+def test_teacher_replicas_share_the_scoring_and_one_that_serves_other_weights_is_refused(
+        servers, smollm2_model, smollm2_tokenizer, base_weights_after):
+    """engine.teacher_url with two replicas (both session servers, the packaged weights): each sequence is
+    scored by the replica with the fewer tokens in flight, so both score, with the single server's logprobs;
+    the start's self-test passes them, and refuses, naming it, a replica whose final norm was scaled by 1.1."""
+    from selfopd.training.weight_checks import WeightSyncError, replica_agreement
+
+    urls = [servers["student"], servers["teacher"]]
+    pairs = [(prompt, [9, 10, 11, 12, 13, 14]) for prompt in chat_prompts(smollm2_tokenizer, QUESTIONS * 4)]
+    before = [_scored_tokens(url) for url in urls]
+    replicas = VLLMEngine(urls)
+    try:
+        spread = replicas.score(pairs)
+        after = [_scored_tokens(url) for url in urls]
+        assert all(b > a for a, b in zip(before, after)), (before, after)  # each replica took a share
+        single = VLLMEngine(urls[:1])
+        try:
+            alone = single.score(pairs)
+        finally:
+            single.close()
+        assert max((s.logprobs - a.logprobs).abs().max().item() for s, a in zip(spread, alone)) <= TOLERANCE
+        probe = pairs[0]
+        assert replica_agreement(replicas, probe)["probe/teacher_replica_gap"] <= TOLERANCE
+        changed = {name: tensor * 1.1 if name == "model.norm.weight" else tensor
+                   for name, tensor in smollm2_model.named_parameters()}
+        push_weights(urls[1:], changed, version=7)
+        with pytest.raises(WeightSyncError, match=rf"the teacher replica {urls[1]} scores the probe up to \S+ nats away "
+                                                  rf"from {urls[0]} \(bound 0.05\)"):
+            replica_agreement(replicas, probe)
+    finally:
+        replicas.close()
+
+
+def _scored_tokens(url: str) -> float:
+    """The prompt tokens a server has processed so far (its Prometheus counter)."""
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {launched_key(url)}"}, timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prompt_tokens_total"))
 
 
 def test_training_step_syncs_student_and_teacher_servers(servers, engines, base_weights_after, tmp_path):
@@ -461,6 +503,33 @@ def test_torchrun_trainer_with_vllm_servers_runs_two_steps(servers, base_weights
     rollouts = [json.loads(line) for line in (tmp_path / "ranks/rollouts/step_00002.jsonl").read_text().splitlines()]
     assert sorted({r["group"] for r in rollouts}) == [0, 1]  # both ranks' prompts, gathered on rank 0
     assert json.loads((tmp_path / "ranks/eval/step_00002/summary.json").read_text())["n"] == 5
+
+
+def test_two_torchrun_nodes_on_loopback_train_with_servers_by_url(servers, base_weights_after, tmp_path, monkeypatch):
+    """Two torchrun agents, as on two nodes (--nnodes 2, one trainer process each, a c10d rendezvous on this
+    machine's address), with the servers given by URL: both nodes' prompts are trained, rank 0 (node 0)
+    pushes the weights, each push verified by digest, and every rank probes."""
+    from selfopd.serving.transfer_wire import reachable_address
+
+    address = reachable_address() or "127.0.0.1"
+    urls = [f"engine.student_urls={servers['student']}", f"engine.teacher_url={servers['teacher']}",
+            *key_settings(monkeypatch, servers["student"])]
+    port = free_port()
+    agents = [subprocess.Popen(demo_command(tmp_path, "nodes", ["engine.kind=vllm", *urls, "data.eval_size=5",
+                                                                "model.threads=1", "optim.micro_batch_prompts=1"],
+                                            launcher=("-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
+                                                      str(rank), "--nproc_per_node", "1", "--rdzv_backend", "c10d",
+                                                      "--rdzv_endpoint", f"{address}:{port}", "--rdzv_id", "nodes",
+                                                      # which agent holds the rendezvous store: on a cluster the
+                                                      # endpoint's host name tells; one machine has to be told
+                                                      "--rdzv_conf", f"is_host={int(rank == 0)}", "-m", "selfopd")),
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outputs = [agent.communicate(timeout=900) for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(err[-3000:] for _, err in outputs)
+    trained = checked_demo_run(tmp_path, "nodes")
+    assert all(m["sync/verified"] == 1.0 for m in trained)
+    rollouts = [json.loads(line) for line in (tmp_path / "nodes/rollouts/step_00002.jsonl").read_text().splitlines()]
+    assert sorted({r["group"] for r in rollouts}) == [0, 1]  # one prompt from each node, gathered on rank 0
 
 
 def test_serve_launches_a_server_and_leaves_no_process_behind(servers, tmp_path):
