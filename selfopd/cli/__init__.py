@@ -15,6 +15,7 @@ from selfopd.cli.drift import add_drift_command
 from selfopd.cli.evaluate import add_eval_command
 from selfopd.cli.plan import add_plan_command, show_plan
 from selfopd.cli.prompts import add_prompts_command
+from selfopd.cli.slurm import add_slurm_command
 from selfopd.config import MAX_ITEMS
 from selfopd.config.settings import Bounds, escaped
 from selfopd.core.run_folder import RunFolder, checkpoint_steps_text, load_run_config
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_merge_lora(commands)
     _add_sft(commands)
     _add_serve(commands)
-    _add_slurm(commands)
+    add_slurm_command(commands)
     _add_diagnose(commands)
     add_drift_command(commands)
     add_compare_command(commands)
@@ -279,42 +280,6 @@ def _serve(args: argparse.Namespace) -> None:
             time.sleep(1)
         dead = next(server for server in servers if server.process.poll() is not None)
         raise UserError(f"the {dead.spec.name} server on {dead.spec.url} exited.\n{dead.log_tail()}")
-
-
-def _add_slurm(commands: argparse._SubParsersAction) -> None:
-    slurm = command(commands, "slurm", _slurm,
-                    "write a SLURM batch script for a run over several nodes: torchrun on the trainer nodes, "
-                    "selfopd serve on the server nodes, preemption handled")
-    slurm.add_argument("config", type=Path, help="TOML config of the run ([engine] kind = 'vllm')")
-    add_overrides(slurm, "engine.tensor_parallel_size=2")
-    slurm.add_argument("--trainer-nodes", type=number(int, Bounds(ge=1, most=4096)), required=True,
-                       help="nodes of the torchrun trainer (each runs --gpus-per-node ranks)")
-    slurm.add_argument("--student-nodes", type=number(int, Bounds(ge=1, most=4096)), required=True,
-                       help="nodes of student vLLM servers (each runs --gpus-per-node / engine.tensor_parallel_size)")
-    slurm.add_argument("--gpus-per-node", type=number(int, Bounds(ge=1, most=64)), required=True,
-                       help="GPUs of every node")
-    slurm.add_argument("--notice-s", type=number(int, Bounds(ge=10, most=86400)), default=180,
-                       help="seconds of notice before the time limit, for the step in progress and its checkpoint "
-                            "(default: 180)")
-    slurm.add_argument("--partition", default="", help="#SBATCH --partition")
-    slurm.add_argument("--time", default="", help="#SBATCH --time, e.g. 24:00:00")
-    slurm.add_argument("--account", default="", help="#SBATCH --account")
-    slurm.add_argument("--out", type=Path, default=None, help="write the script here (default: print it)")
-
-
-def _slurm(args: argparse.Namespace) -> None:
-    from selfopd.config import load_config
-    from selfopd.serving.slurm import SlurmLayout, slurm_script
-
-    config = load_config(args.config, args.overrides)
-    layout = SlurmLayout(args.trainer_nodes, args.student_nodes, args.gpus_per_node, args.notice_s, args.partition,
-                         args.time, args.account)
-    script = slurm_script(str(args.config), list(args.overrides), config, layout)
-    if args.out is None:
-        print(script, end="")
-        return
-    args.out.write_text(script)
-    print(f"selfopd: wrote {args.out} ({layout.nodes} nodes); submit it with: sbatch {args.out}")
 
 
 # --- diagnose -----------------------------------------------------------------------

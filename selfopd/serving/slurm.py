@@ -18,11 +18,23 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-from selfopd.config import TrainConfig
+from selfopd.config.compute import EngineConfig
 from selfopd.config.settings import ConfigError
 
 KEY_ENV = "SELFOPD_VLLM_API_KEY"
 RENDEZVOUS_PORT = 29500
+
+
+@dataclass(frozen=True)
+class SlurmRun:
+    """What the job runs: the config file and its `--set` values as the user gave them, the run's name and
+    folder (where a requeued job finds it to resume), and who the teacher is (`teacher.kind`)."""
+
+    config_path: str
+    sets: tuple[str, ...]
+    name: str
+    folder: str
+    teacher_kind: str
 
 
 @dataclass(frozen=True)
@@ -42,17 +54,16 @@ class SlurmLayout:
         return self.trainer_nodes + self.student_nodes + 1
 
 
-def check_layout(config: TrainConfig, layout: SlurmLayout) -> None:
-    """ConfigError, in one line naming the setting, when `config` does not fit `layout`."""
-    engine = config.engine
+def check_layout(run: SlurmRun, engine: EngineConfig, layout: SlurmLayout) -> None:
+    """ConfigError, in one line naming the setting, when the run's `engine` does not fit `layout`."""
     if layout.trainer_nodes < 1 or layout.student_nodes < 1 or layout.gpus_per_node < 1:
         raise ConfigError("--trainer-nodes", "a multi-node job needs at least one trainer node, one student-server "
                           "node and one GPU per node")
-    if config.engine.kind != "vllm":
+    if engine.kind != "vllm":
         raise ConfigError("engine.kind", f"{engine.kind!r}: a multi-node job serves the student and the teacher with "
                           "vLLM servers on their own nodes; set engine.kind = 'vllm'")
-    if config.teacher.kind != "self":
-        raise ConfigError("teacher.kind", f"{config.teacher.kind!r}: the script launches a teacher server of the "
+    if run.teacher_kind != "self":
+        raise ConfigError("teacher.kind", f"{run.teacher_kind!r}: the script launches a teacher server of the "
                           "student's weights ('self'); for another teacher, edit the teacher node's serve line")
     if layout.gpus_per_node % engine.tensor_parallel_size:
         raise ConfigError("engine.tensor_parallel_size", f"{engine.tensor_parallel_size} does not divide the "
@@ -62,13 +73,13 @@ def check_layout(config: TrainConfig, layout: SlurmLayout) -> None:
                           f"teacher server, more than a node's {layout.gpus_per_node}")
 
 
-def slurm_script(config_path: str, sets: list[str], config: TrainConfig, layout: SlurmLayout) -> str:
+def slurm_script(run: SlurmRun, engine: EngineConfig, layout: SlurmLayout) -> str:
     """The batch script (`sbatch` it from the directory `selfopd train` would run in)."""
-    check_layout(config, layout)
-    engine, g = config.engine, layout.gpus_per_node
+    check_layout(run, engine, layout)
+    g = layout.gpus_per_node
     per_node = g // engine.tensor_parallel_size
-    run_dir = f"{config.run.out_dir}/{config.run.name}"
-    options = [f"--job-name={config.run.name}", f"--nodes={layout.nodes}", "--ntasks-per-node=1",
+    config_path, sets, run_dir = run.config_path, run.sets, run.folder
+    options = [f"--job-name={run.name}", f"--nodes={layout.nodes}", "--ntasks-per-node=1",
                f"--gpus-per-node={g}", f"--signal=B:USR1@{layout.notice_s}", "--requeue",
                *([f"--partition={layout.partition}"] if layout.partition else []),
                *([f"--time={layout.time}"] if layout.time else []),

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from selfopd.config import ConfigError, load_config
-from selfopd.serving.slurm import SlurmLayout, slurm_script
+from selfopd.serving.slurm import SlurmLayout, SlurmRun, slurm_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SETS = ["engine.kind=vllm", "rollout.temperature=1.0", "engine.tensor_parallel_size=2", "run.name=big"]
@@ -47,9 +47,11 @@ sleep 600 & wait
 
 
 def _script(tmp_path: Path, run_exists: bool) -> tuple[Path, dict]:
-    config = load_config(ROOT / "experiments/demo/demo.toml", [*SETS, f"run.out_dir={tmp_path / 'runs'}"])
+    sets = (*SETS, f"run.out_dir={tmp_path / 'runs'}")
+    config = load_config(ROOT / "experiments/demo/demo.toml", list(sets))
     script = tmp_path / "job.sbatch"
-    script.write_text(slurm_script("experiments/demo/demo.toml", [*SETS, f"run.out_dir={tmp_path / 'runs'}"], config,
+    run = SlurmRun("experiments/demo/demo.toml", sets, "big", str(tmp_path / "runs" / "big"), config.teacher.kind)
+    script.write_text(slurm_script(run, config.engine,
                                    SlurmLayout(trainer_nodes=2, student_nodes=1, gpus_per_node=8, notice_s=120)))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -116,10 +118,14 @@ def test_a_notice_stops_the_trainer_alone_and_requeues_and_the_next_job_resumes(
 
 def test_a_config_that_does_not_fit_the_layout_is_one_line():
     config = load_config(None, ["engine.kind=vllm", "rollout.temperature=1.0", "engine.tensor_parallel_size=3"])
+    run = SlurmRun("c.toml", (), "run", "runs/run", "self")
     with pytest.raises(ConfigError, match=r"engine.tensor_parallel_size: 3 does not divide the 8 GPUs"):
-        slurm_script("c.toml", [], config, SlurmLayout(1, 1, 8))
+        slurm_script(run, config.engine, SlurmLayout(1, 1, 8))
     with pytest.raises(ConfigError, match=r"engine.kind: 'local'"):
-        slurm_script("c.toml", [], load_config(None), SlurmLayout(1, 1, 8))
+        slurm_script(run, load_config(None).engine, SlurmLayout(1, 1, 8))
+    with pytest.raises(ConfigError, match=r"teacher.kind: 'frozen'"):
+        slurm_script(SlurmRun("c.toml", (), "run", "runs/run", "frozen"), config.engine.__class__(kind="vllm"),
+                     SlurmLayout(1, 1, 8))
 
 
 def test_the_command_writes_a_script_bash_reads(tmp_path):
