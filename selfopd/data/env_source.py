@@ -25,7 +25,7 @@ META_ENVIRONMENT = "environment"
 
 def judged_by_environment(example: Example) -> bool:
     """Whether `example` is an environment's observation, graded by the environment's reward rather than a
-    reference (`selfopd.training.grading.grade_rollout`)."""
+    reference (`selfopd.episodes.verdicts.grade_rollout`)."""
     return META_ENVIRONMENT in example.meta
 
 

@@ -83,7 +83,7 @@ class Rollout:
     loss_mask: tuple[bool, ...] | None = None
     # An episode whose environment is the judge (`Episode.judged`: OpenEnv, a TRL class with get_reward):
     # `environment_judged`, and its reward for the student's last turn, which grades the rollout
-    # (`selfopd.training.grading.grade_rollout`); None when it gave none or never saw that turn.
+    # (`selfopd.episodes.verdicts.grade_rollout`); None when it gave none or never saw that turn.
     environment_judged: bool = False
     environment_reward: float | None = None
 

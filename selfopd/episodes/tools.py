@@ -347,21 +347,29 @@ class ToolEnvironment:
         return {"tool_calls": self.calls, "tool_errors": self.errors}
 
 
-def tool_environments(rollout: Any, chat: Any, opened: bool) -> tuple[Any, Callable[[Example], Environment]]:
-    """For `episode_sampler`, with rollout.environment = "tools": the student's chat format carrying
-    rollout.tools' definitions, and a `ToolEnvironment` per episode (calls in the format its template
-    asks for, at most rollout.max_tool_calls, the answer graded as `chat` grades). A student template
-    without tools is refused here, in one line naming the model, before anything is sampled."""
-    kwargs = builtin_tool_kwargs(rollout)
+def tool_episodes(rollout: Any, chat: Any, opened: bool, kwargs: Mapping[str, Any]
+                  ) -> tuple[Any, ToolFormat, Callable[[Toolset], ToolEnvironment]]:
+    """What every tool-calling environment shares: the student's chat format carrying the tools' definitions
+    (`kwargs`, as `selfopd.episodes.prompt_tools` gives them), the format its template writes calls in, and
+    a `ToolEnvironment` over a toolset (at most rollout.max_tool_calls calls, the answer graded as `chat`
+    grades). A student template without tools is refused here, in one line naming the model."""
     if chat.template_kwargs.get("tools") != kwargs["tools"]:
         chat = dataclasses.replace(chat, template_kwargs={**chat.template_kwargs, **kwargs})
     try:
-        toolset = Toolset(registered_tools(rollout.tools), chat_tool_format(chat))
+        call_format = chat_tool_format(chat)
     except ToolError as error:
-        raise ConfigError("rollout.environment", f"'tools': {error}") from None
+        raise ConfigError("rollout.environment", f"{rollout.environment!r}: {error}") from None
 
-    def make(example: Example) -> Environment:
+    def episode(toolset: Toolset) -> ToolEnvironment:
         return ToolEnvironment(toolset, lambda reply, e, finish: chat.grade(reply, e, finish, opened),
                                rollout.max_tool_calls, lambda reply, finish: chat.read(reply, finish, opened).final)
 
-    return chat, make
+    return chat, call_format, episode
+
+
+def tool_environments(rollout: Any, chat: Any, opened: bool) -> tuple[Any, Callable[[Example], Environment]]:
+    """For `episode_sampler`, with rollout.environment = "tools": the student's chat format carrying
+    rollout.tools' definitions, and a `ToolEnvironment` per episode over them (`tool_episodes`)."""
+    chat, call_format, episode = tool_episodes(rollout, chat, opened, builtin_tool_kwargs(rollout))
+    toolset = Toolset(registered_tools(rollout.tools), call_format)  # selfopd's own tools: defined once
+    return chat, lambda example: episode(toolset)

@@ -7,7 +7,7 @@ an optional `get_reward()` scores the finished rollout from the environment's st
 example's fields (`prompt`, `answer`, `solution`, `hints`, then its `meta` entries); the calls run through
 selfopd's tool episode (`selfopd.episodes.tools.ToolEnvironment`: the family's own call format, one line for
 each bad call, at most rollout.max_tool_calls); `get_reward()`, when the class has one, is the episode's
-reward after each turn and grades it (`selfopd.training.grading.grade_rollout`); else the verifier grades
+reward after each turn and grades it (`selfopd.episodes.verdicts.grade_rollout`); else the verifier grades
 the last answer against the data's reference.
 
 One difference: TRL appends a text `reset` returns to the prompt's last user message. selfopd renders the
@@ -27,14 +27,14 @@ from selfopd.config.environment_target import trl_class_path
 from selfopd.config.settings import ConfigError
 from selfopd.data.example import Example
 from selfopd.episodes.environment import Environment, Response
-from selfopd.episodes.tools import ToolEnvironment, ToolError, Toolset, chat_tool_format, tool_schemas
+from selfopd.episodes.tools import ToolEnvironment, ToolError, Toolset, tool_episodes, tool_schemas
 
 NOT_TOOLS = ("reset", "get_reward")  # TRL's: the methods that are not tools
 
 
 def trl_factory(environment: str) -> Callable[[], Any]:
     """The class (or function) `trl:MODULE:NAME` names, imported; a ConfigError in one line when it
-    cannot be imported, or what it makes has no `reset`."""
+    cannot be imported or names nothing callable."""
     module_name, name = trl_class_path(environment)
     try:
         module = importlib.import_module(module_name)
@@ -97,9 +97,9 @@ class TrlEpisode:
     """One episode's TRL environment, as selfopd's `Environment`: a tool episode over its methods, rewarded
     by its `get_reward()` when it has one (`owns_reward`)."""
 
-    def __init__(self, environment: str, factory: Callable[[], Any], tools: Callable[[Toolset], ToolEnvironment],
-                 toolset: Callable[[dict[str, Callable[..., Any]]], Toolset]) -> None:
-        self.environment, self.factory, self.tools, self.toolset = environment, factory, tools, toolset
+    def __init__(self, environment: str, factory: Callable[[], Any],
+                 tool_episode: Callable[[dict[str, Callable[..., Any]]], ToolEnvironment]) -> None:
+        self.environment, self.factory, self.tool_episode = environment, factory, tool_episode
         self.instance: Any = None
         self.inner: ToolEnvironment | None = None
         self.failure: str | None = None
@@ -123,7 +123,7 @@ class TrlEpisode:
                             "appends to the prompt; selfopd renders the student's and the teacher's prompts from the "
                             "data before the episode: put that text in the data's prompt and return None")
             return
-        self.inner = self.tools(self.toolset(trl_tools(self.instance)))
+        self.inner = self.tool_episode(trl_tools(self.instance))
         self.inner.reset(example)
 
     def step(self, reply: str, finish_reason: str) -> Response:
@@ -138,22 +138,13 @@ class TrlEpisode:
 
 def trl_environments(rollout: Any, chat: Any, opened: bool) -> tuple[Any, Callable[[Example], Environment]]:
     """For `episode_sampler`, with rollout.environment = 'trl:MODULE:NAME': the student's chat format showing
-    the class's tools, and a `TrlEpisode` per episode. What cannot work (an import, a tool without a
-    definition, a template without tools) is refused here in one line, before anything is sampled."""
-    kwargs = trl_tool_kwargs(rollout)
-    if chat.template_kwargs.get("tools") != kwargs["tools"]:
-        chat = dataclasses.replace(chat, template_kwargs={**chat.template_kwargs, **kwargs})
-    try:
-        call_format = chat_tool_format(chat)
-    except ToolError as error:
-        raise ConfigError("rollout.environment", f"{rollout.environment}: {error}") from None
+    the class's tools, and a `TrlEpisode` per episode (`tool_episodes`, over its own instance's methods).
+    What cannot work (an import, a tool without a definition, a template without tools) is refused here in
+    one line, before anything is sampled."""
+    chat, call_format, episode = tool_episodes(rollout, chat, opened, trl_tool_kwargs(rollout))
     factory = trl_factory(rollout.environment)
 
-    def tools(toolset: Toolset) -> ToolEnvironment:
-        return ToolEnvironment(toolset, lambda reply, e, finish: chat.grade(reply, e, finish, opened),
-                               rollout.max_tool_calls, lambda reply, finish: chat.read(reply, finish, opened).final)
-
     def make(example: Example) -> Environment:
-        return TrlEpisode(rollout.environment, factory, tools, lambda methods: Toolset(methods, call_format))
+        return TrlEpisode(rollout.environment, factory, lambda methods: episode(Toolset(methods, call_format)))
 
     return chat, make

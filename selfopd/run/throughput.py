@@ -21,7 +21,6 @@ Definitions (every rank's tokens together, over this rank's wall seconds of the 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -66,7 +65,6 @@ class StepTokens:
     sampled: int  # the student's own completion ids
     scored: int  # completion ids the teacher scored
     trained: int  # prompt and completion ids through the student's forward and backward
-    sequences: int  # rollouts trained on
 
 
 def throughput_metrics(tokens: StepTokens, seconds: Mapping[str, float], flops_per_token: float | None = None,
@@ -104,15 +102,13 @@ def run_gpus(engine: Any, trainer_devices: int, trainer_on_gpu: bool) -> int:
 
 def run_hours(run_dir: Path) -> dict[str, float]:
     """A run's wall hours of training (the sum of its steps' time/step) and GPU-hours (each step's time/step
-    x throughput/gpus), from its metrics.jsonl; evals and start-up are not counted."""
-    wall = gpu = 0.0
-    path = Path(run_dir) / "metrics.jsonl"
-    for line in path.read_text().splitlines() if path.is_file() else ():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("time/step"), (int, float)):
-            wall += row["time/step"] / 3600
-            gpu += row["time/step"] * float(row.get("throughput/gpus", 0.0)) / 3600
+    x throughput/gpus), from its metrics.jsonl (`read_metrics`: a line still being written is skipped);
+    evals and start-up are not counted."""
+    from selfopd.core.plots import read_metrics
+    from selfopd.core.run_folder import RunFolder
+
+    path = RunFolder(Path(run_dir)).metrics
+    steps = [row for row in (read_metrics(path) if path.is_file() else []) if "time/step" in row]
+    wall = sum(row["time/step"] for row in steps) / 3600
+    gpu = sum(row["time/step"] * row.get("throughput/gpus", 0.0) for row in steps) / 3600
     return {"train_hours": wall, "gpu_hours": gpu}

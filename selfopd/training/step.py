@@ -278,7 +278,7 @@ def _throughput(run: Run, scored: Sequence[Scored], seconds: dict[str, float]) -
     teacher = run.config.teacher.kind != "none"
     tokens = StepTokens(sampled=sum(s.rollout.student_tokens for s in scored),
                         scored=sum(len(s.rollout.completion_ids) for s in scored if s.aligned) if teacher else 0,
-                        trained=trained, sequences=len(scored))
+                        trained=trained)
     on_gpu = run.device.type == "cuda"
     flops = peak = None
     if on_gpu and run.config.model.dtype in ("bfloat16", "float16"):

@@ -34,7 +34,7 @@ def test_the_flop_estimate_matches_torch_s_flop_counter_on_a_forward_and_backwar
 
 
 def test_rates_and_mfu_are_the_tokens_over_each_phase_s_seconds():
-    tokens = StepTokens(sampled=600, scored=800, trained=2000, sequences=8)
+    tokens = StepTokens(sampled=600, scored=800, trained=2000)
     seconds = {"time/sample": 3.0, "time/teacher": 4.0, "time/train": 5.0, "time/step": 15.0}
     metrics = throughput_metrics(tokens, seconds, flops_per_token=1e9, peak=1e12, devices=2, gpus=3)
     assert metrics == {"throughput/sampled_tokens_per_s": 200.0, "throughput/scored_tokens_per_s": 200.0,
@@ -63,7 +63,7 @@ def test_the_gpus_a_run_holds():
 def test_a_run_s_hours_add_its_steps(tmp_path):
     lines = [{"step": 1, "time/step": 1800.0, "throughput/gpus": 4.0}, {"step": 1, "eval/accuracy": 0.5},
              {"step": 2, "time/step": 1800.0, "throughput/gpus": 4.0}]
-    (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n{not json\n")
+    (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, lines)) + '\n{"step": 3, "time/st')  # being written
     assert run_hours(tmp_path) == {"train_hours": 1.0, "gpu_hours": 4.0}
     assert run_hours(tmp_path / "missing") == {"train_hours": 0.0, "gpu_hours": 0.0}
 
