@@ -125,6 +125,8 @@ def checked_demo_run(tmp_path, name, steps: int = 2, probe=("probe/max_abs_diff"
     metrics = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     trained = [m for m in metrics if "loss/pg" in m]
     assert [m["step"] for m in trained] == list(range(1, steps + 1))
-    assert all(m[probe[0]] <= probe[1] and m["time/sample"] > 0 for m in trained)
+    gaps = [(m["step"], m[probe[0]], m["time/sample"]) for m in trained]
+    assert all(gap <= probe[1] and sampled > 0 for _, gap, sampled in gaps), \
+        f"(step, {probe[0]}, time/sample) {gaps}: a gap past {probe[1]} or no sampling time"
     assert (tmp_path / name / "checkpoints" / f"step_{steps:05d}" / "trainer_state.pt").exists()
     return trained
