@@ -40,6 +40,7 @@ from selfopd.config.compute import (  # noqa: F401  (sections of TrainConfig, pu
 )
 from selfopd.config.loss import FULL_VOCABULARY, Divergence, LossConfig, Normalisation  # noqa: F401  (public here too)
 from selfopd.config.guard import GuardConfig  # noqa: F401  (a section of TrainConfig, public here too)
+from selfopd.config.run import CheckpointFormat, RunConfig, Tracker, WandbMode  # noqa: F401  (public here too)
 from selfopd.config.evaluation import EvalConfig  # noqa: F401  (a section of TrainConfig, public here too)
 from selfopd.config.verifier import VerifierConfig  # noqa: F401  (a section of TrainConfig, public here too)
 from selfopd.config.teachers import (  # noqa: F401  (a section of TrainConfig and its names, public here too)
@@ -73,49 +74,11 @@ from selfopd.config.settings import (  # noqa: F401  (ConfigError and setting ar
 )
 
 Schedule = Literal["constant", "cosine", "linear"]
-Tracker = Literal["tensorboard", "wandb"]
-WandbMode = Literal["offline", "online"]
 ToolName = Literal["calculator", "python"]  # rollout.tools: selfopd.episodes.tools.TOOLS
 # The demo's task (experiments/demo/demo.toml, tested): the default data of every command, so that
 # `selfopd eval` or `selfopd sft` without a config see the demo's split and its held-out prompts.
 DEMO_DATA = ("rg:basic_arithmetic?min_terms=2&max_terms=2&min_digits=1&max_digits=2&operators=+&allow_negation=false"
              "&allow_parentheses=false&size=4000&seed=1")
-
-
-@dataclass(frozen=True)
-class RunConfig(Section):
-    SECTION: ClassVar[str] = "run"
-    name: str = setting("run", "Name of the run: its folder is OUT_DIR/NAME.")
-    out_dir: str = setting("runs", "Folder that holds run folders.")
-    seed: int = setting(0, "Seeds sampling, data order and the init of anything random.", ge=0, most=MAX_SEED)
-    steps: int = setting(20, "Optimizer steps to take.", ge=1, most=MAX_STEPS)
-    eval_every: int = setting(10, "Greedy held-out eval every N steps (0: only at the start and the end).", ge=0,
-                              most=MAX_STEPS)
-    checkpoint_every: int = setting(0, "HF checkpoint plus trainer state every N steps (0: only at the end).", ge=0,
-                                    most=MAX_STEPS)
-    keep_checkpoints: int = setting(
-        1, "Checkpoints kept: the latest N (besides those of steps where the illusion guard fired).", ge=1,
-        most=MAX_STEPS)
-    keep_best_checkpoint: bool = setting(
-        False, "Also keep the checkpoint with the best in-run eval accuracy so far (ties: the earlier step); only "
-        "steps both evaluated and checkpointed compete (run.eval_every, run.checkpoint_every).")
-    rollouts_to_save: int = setting(
-        32, "Rollouts kept per step under OUT_DIR/NAME/rollouts/ for `selfopd diagnose` and notebooks (0: none).",
-        ge=0, most=MAX_ITEMS)
-    progress: bool = setting(True, "Show a progress bar.")
-    trackers: tuple[Tracker, ...] = setting(
-        (), "Where metrics go besides RUN/metrics.jsonl: 'tensorboard' (RUN/tensorboard/), 'wandb' (RUN/wandb/).")
-    wandb_project: str = setting("selfopd", "wandb: the W&B project of the run.")
-    wandb_mode: WandbMode = setting("offline", "wandb: 'offline' (no network; `wandb sync` later) or 'online'.",
-                                    guarded="'online' sends the run's metrics over the network")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_folder_name(self._key("name"), self.name)
-        self._non_empty("out_dir")
-        check_printable(self._key("out_dir"), self.out_dir, allow="")  # a path on one line, as every message shows it
-        if len(set(self.trackers)) != len(self.trackers):
-            fail(self._key("trackers"), f"names a tracker twice: {list(self.trackers)}")
 
 
 @dataclass(frozen=True)
@@ -284,6 +247,9 @@ class TrainConfig:
         if self.teacher.kind == "ema" and self.model.lora:
             fail("teacher.kind", "'ema' with model.lora_rank > 0 is not supported: use teacher.kind = 'frozen' or "
                  "'self' with LoRA, or model.lora_rank = 0 with 'ema'")
+        if self.run.checkpoint_format == "sharded" and self.model.lora:
+            fail("run.checkpoint_format", "'sharded' with model.lora_rank > 0 is not supported: a LoRA checkpoint "
+                 "already holds the adapters alone (megabytes); use 'gathered'")
         if self.teacher.kind == "ema" and self.engine.kind == "vllm_colocate":
             fail("teacher.kind", "'ema' with engine.kind = 'vllm_colocate' is not supported: use engine.kind = "
                  "'local' or 'vllm'")

@@ -135,14 +135,31 @@ def model_folder_problem(folder: Path) -> str | None:
     return None
 
 
+DCP_FOLDER = "dcp"  # a sharded checkpoint's (selfopd.training.sharded_checkpoint): DCP's .metadata and *.distcp files
+
+
+def sharded_problem(checkpoint: Path) -> str | None:
+    """Why a sharded checkpoint's DCP folder is not whole (None: it is): its metadata and at least
+    one data file, none of them empty."""
+    folder = Path(checkpoint) / DCP_FOLDER
+    files = sorted(folder.glob("*.distcp"))
+    if not files:
+        return f"{folder}: holds no *.distcp data files (its write was cut short)"
+    empty = [path for path in [folder / ".metadata", *files] if path.stat().st_size == 0]
+    return f"{empty[0]}: empty (its write was cut short)" if empty else None
+
+
 def checkpoint_problem(checkpoint: Path, trainer_state: Path) -> str | None:
     """Why a training checkpoint is not complete (None: it is): weights, a config, every file
     whole and its trainer state (the file `trainer_state`, inside it) present."""
     names = {path.name for path in checkpoint.iterdir()} if checkpoint.is_dir() else set()
     if not names:
         return f"{checkpoint}: empty (its write was cut short)"
-    if not any(name.endswith(".safetensors") for name in names):
-        return f"{checkpoint}: holds no weights (*.safetensors)"
+    sharded = checkpoint / DCP_FOLDER
+    if not any(name.endswith(".safetensors") for name in names) and not (sharded / ".metadata").is_file():
+        return f"{checkpoint}: holds no weights (*.safetensors, or sharded ones under dcp/)"
+    if sharded.is_dir() and (problem := sharded_problem(checkpoint)) is not None:
+        return problem
     if not names & {"config.json", "adapter_config.json"}:
         return f"{checkpoint}: holds no config.json"
     if trainer_state.name not in names:

@@ -135,6 +135,11 @@ class RunFolder:
         the steps whose checkpoints the run keeps (run.keep_checkpoints)."""
         complete = self.complete_checkpoints()
         if self.checkpoint(step) in complete:
+            if not any(self.checkpoint(step).glob("*.safetensors")):  # run.checkpoint_format = 'sharded'
+                exported = [path for path in complete if any(path.glob("*.safetensors"))]
+                raise CheckpointError(f"{self.checkpoint(step)}: holds sharded weights only (run.checkpoint_format = "
+                                      "'sharded' exports HF weights every run.export_every steps and at the last); "
+                                      f"steps with HF weights: {checkpoint_steps_text(exported)}")
             return self.checkpoint(step)
         raise CheckpointError(f"{self.checkpoints}: no complete checkpoint of step {step}; steps kept: "
                               f"{checkpoint_steps_text(complete)}")

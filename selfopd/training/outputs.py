@@ -14,7 +14,7 @@ from selfopd.config import RunConfig
 from selfopd.core.atomic import write_text_atomic
 from selfopd.data.example import Example
 from selfopd.run.rollouts import RolloutRecord, write_records
-from selfopd.core.distributed import ShardedSampling, full_optimizer_state, full_state_dict, is_sharded
+from selfopd.core.distributed import ShardedSampling, barrier, full_optimizer_state, full_state_dict, is_sharded
 from selfopd.run.evaluate import run_evaluation
 from selfopd.core.faults import fault_point
 from selfopd.core.run_folder import RunFolder, checkpoint_step
@@ -87,31 +87,65 @@ def save_checkpoint(run: Run) -> Path:
     full model), plus the tokenizer and the trainer state; the latest run.keep_checkpoints are kept
     (`prune_checkpoints`: the best eval's too with run.keep_best_checkpoint, and those the illusion
     guard fired at).
-    Under torchrun the full weights and optimizer state are gathered to rank 0 (every rank
-    takes part), which writes them in the one-process layout. An `ema` teacher's average is
-    part of the trainer state, so a resumed run continues it exactly; so are rollouts sampled
-    ahead of the step (`rollout.max_staleness`)."""
+    Gathered (run.checkpoint_format): under torchrun the full weights and optimizer state are
+    gathered to rank 0 (every rank takes part), which writes them in the one-process layout.
+    Sharded: every rank writes its shards (`selfopd.training.sharded_checkpoint`), perhaps in the
+    background; HF weights only on export steps (`exports_weights`); the folder is renamed into
+    place once the write is done (by the writing thread; `finish_checkpoint_writes` waits for it).
+    An `ema` teacher's average is part of the trainer state, so a resumed run continues it exactly;
+    so are rollouts sampled ahead of the step (`rollout.max_staleness`)."""
     target, staging = run.folder.checkpoint(run.step), run.folder.checkpoint_staging(run.step)
+    writer = run.checkpoint_writer
+    if writer is not None:
+        writer.wait()  # one write at a time: the previous checkpoint is in place before this one starts
+    export = writer is None or exports_weights(run.config.run, run.step)
     sharded = is_sharded(run.model)
-    weights = full_state_dict(run.model) if sharded else None
-    optimizer = full_optimizer_state(run.model, run.optimizer, run.world)
+    weights = full_state_dict(run.model) if sharded and export else None
+    optimizer = full_optimizer_state(run.model, run.optimizer, run.world) if writer is None else {}  # else: the shards
     pending = pending_json(run.rollouts, run.world)  # rollouts sampled ahead (rollout.max_staleness): a resume trains on these
-    if not run.world.is_main:
+    if run.world.is_main:
+        shutil.rmtree(staging, ignore_errors=True)
+        if export:
+            run.model.save_pretrained(staging, **({"state_dict": weights} if sharded else {}))
+        else:
+            run.model.config.save_pretrained(staging)  # what the folder is a checkpoint of; weights in the shards
+        run.tokenizer.save_pretrained(staging)
+        fault_point("checkpoint.weights")
+        ema = {"ema": run.ema.state_dict()} if run.ema is not None else {}  # an `ema` teacher's average
+        torch.save({"optimizer": optimizer, "scheduler": run.scheduler.state_dict(), "step": run.step, **ema},
+                   RunFolder.trainer_state(staging))
+        if pending is not None:
+            (staging / PENDING_FILE).write_text(pending)
+    if writer is None:
+        if run.world.is_main:
+            _place_checkpoint(run, staging, target)
         return target
-    shutil.rmtree(staging, ignore_errors=True)
-    run.model.save_pretrained(staging, **({"state_dict": weights} if sharded else {}))
-    run.tokenizer.save_pretrained(staging)
-    fault_point("checkpoint.weights")
-    ema = {"ema": run.ema.state_dict()} if run.ema is not None else {}  # an `ema` teacher's average
-    torch.save({"optimizer": optimizer, "scheduler": run.scheduler.state_dict(), "step": run.step, **ema},
-               RunFolder.trainer_state(staging))
-    if pending is not None:
-        (staging / PENDING_FILE).write_text(pending)
+    barrier(run.world)  # the staging folder is made before any rank writes into it
+    writer.write(run.model, run.optimizer, staging,
+                 finish=(lambda: _place_checkpoint(run, staging, target)) if run.world.is_main else (lambda: None))
+    return target
+
+
+def exports_weights(settings: RunConfig, step: int) -> bool:
+    """Whether a sharded checkpoint of `step` also holds HF weights: every run.export_every steps
+    and at the last step."""
+    return step == settings.steps or bool(settings.export_every and step % settings.export_every == 0)
+
+
+def finish_checkpoint_writes(run: Run) -> None:
+    """Block until a sharded checkpoint's background write is written and in place: before a stop or
+    the run's end, so that the process never exits with a write in flight."""
+    if run.checkpoint_writer is not None:
+        run.checkpoint_writer.wait()
+
+
+def _place_checkpoint(run: Run, staging: Path, target: Path) -> None:
+    """Rank 0: the written staging folder becomes the checkpoint (the rename is what makes it
+    count), then older ones are pruned."""
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
     fault_point("checkpoint.renamed")
     prune_checkpoints(run.folder, target, run.config.run)
-    return target
 
 
 def prune_checkpoints(folder: RunFolder, keep: Path, settings: RunConfig) -> None:

@@ -27,6 +27,7 @@ from selfopd.engines.lora import adapters_off, prepare_student, trainable_parame
 from selfopd.core.file_checks import checkpoint_problem
 from selfopd.core.run_folder import CheckpointError, RunFolder
 from selfopd.core.torch_files import load_data
+from selfopd.training.sharded_checkpoint import ShardedWriter, is_sharded_checkpoint, load_sharded
 from selfopd.training.state import Run
 from selfopd.training.teachers import check_teacher_tokens, open_teachers, plan_teachers
 from selfopd.engines.scoring import check_plain_head
@@ -83,7 +84,10 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
         from selfopd.training.engines import run_layout
 
         run_layout(config, node_trainer_gpus(world))
-    model, tokenizer = load_model(config.model.student, config.model.dtype, weights=resume_from,
+    sharded_from = resume_from if resume_from is not None and is_sharded_checkpoint(resume_from) else None
+    # A sharded checkpoint's weights load once the model is sharded (onto the base weights, replaced whole).
+    model, tokenizer = load_model(config.model.student, config.model.dtype,
+                                  weights=None if sharded_from else resume_from,
                                   gradient_checkpointing=config.model.gradient_checkpointing,
                                   master_weights=not config.model.lora, **options)
     check_plain_head(model, f"model.student {config.model.student}")
@@ -99,7 +103,10 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
     step, state = 0, {}
     if resume_from is not None:
         state = load_trainer_state(resume_from)
-        load_optimizer_state(model, optimizer, state["optimizer"])
+        if sharded_from is not None:
+            load_sharded(model, optimizer, sharded_from, world)  # weights and optimizer, on any number of ranks
+        else:
+            load_optimizer_state(model, optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step = state["step"]
     probe_prompt = student_format(config, tokenizer).prompt_ids(render_student(student_template,
@@ -117,6 +124,8 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
                   train_examples, eval_examples, probe, step, resources, device=options["device"], world=world,
                   eval_data=eval_data, eval_template=eval_template, route=route,
                   ema=open_ema(config, teacher_engine, resume_from, state.get("ema"), options))
+        if config.run.checkpoint_format == "sharded":
+            run.checkpoint_writer = ShardedWriter(world, background=config.run.checkpoint_async)
         run.rollouts = open_pipeline(run.student_side, resume_from, run.step)  # with the rollouts a checkpoint had sampled ahead
         resources.callback(run.rollouts.close)  # before the servers stop: no request outlives them
         if config.engine.kind in VLLM_KINDS:

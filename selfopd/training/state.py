@@ -24,6 +24,7 @@ from selfopd.episodes.sampling import EpisodeSampler, episode_sampler
 from selfopd.templating.templates import PromptTemplate
 from selfopd.training.grading import student_format
 from selfopd.training.rollout_pipeline import RolloutPipeline, StudentSide
+from selfopd.training.sharded_checkpoint import ShardedWriter
 from selfopd.training.teacher import TeacherSide
 
 
@@ -55,6 +56,8 @@ class Run:
     eval_template: PromptTemplate | None = None  # eval.student_template's ('': None, the student's)
     # The student's rollouts of this and the coming steps (rollout.max_staleness); synchronous by default.
     rollouts: RolloutPipeline = field(default_factory=lambda: RolloutPipeline(0, background=False))
+    # run.checkpoint_format = 'sharded': the DCP writer, a write possibly in flight (None: gathered checkpoints).
+    checkpoint_writer: ShardedWriter | None = None
 
     def close(self) -> None:
         """Close engine clients and stop the servers this run launched."""

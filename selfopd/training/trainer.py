@@ -24,7 +24,8 @@ from selfopd.core.run_folder import RunFolder, refuse_links
 from selfopd.config.bundles import PlanSettings
 from selfopd.planning.plan_check import check_memory_plan
 from selfopd.serving.transfer_wire import check_trainer_address
-from selfopd.training.outputs import plot_run, prune_checkpoints, reuse_eval, run_eval, save_checkpoint
+from selfopd.training.outputs import (exports_weights, finish_checkpoint_writes, plot_run, prune_checkpoints, reuse_eval,
+                                      run_eval, save_checkpoint)
 from selfopd.training.teacher_metrics import starved_teachers
 from selfopd.training.setup import build_run, resume_checkpoint  # noqa: F401  (build_run public here: tests and benchmarks build a run, then step it)
 from selfopd.training.state import Run
@@ -186,9 +187,13 @@ def _train_loop(run: Run, log: MetricsLog | None, resume: bool, initial_eval: Pa
         last = run.step == config.run.steps or stop
         if ((config.run.eval_every and run.step % config.run.eval_every == 0) or last) and not signalled:
             record(run_eval(run))
-        if (config.run.checkpoint_every and run.step % config.run.checkpoint_every == 0) or last or fired_any or signalled:
-            with writing(run.folder.checkpoint(run.step)):
+        due = config.run.checkpoint_every and run.step % config.run.checkpoint_every == 0
+        exported = config.run.checkpoint_format == "sharded" and exports_weights(config.run, run.step)
+        with writing(run.folder.checkpoint(run.step)):
+            if due or exported or last or fired_any or signalled:
                 save_checkpoint(run)
+            if last or stop or signalled:
+                finish_checkpoint_writes(run)  # a write in flight is put in place before the process exits
         if stop:
             raise GuardStop(guard.stop_message(run.folder, run.step, fired), run.step)
         if signalled and not last:

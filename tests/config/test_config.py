@@ -26,7 +26,8 @@ from selfopd.config import (
 
 # The defaults as the design states them; a changed default must change this table too.
 EXPECTED_DEFAULTS = {
-    "run": dict(name="run", out_dir="runs", seed=0, steps=20, eval_every=10, checkpoint_every=0, keep_checkpoints=1,
+    "run": dict(name="run", out_dir="runs", seed=0, steps=20, eval_every=10, checkpoint_every=0,
+                checkpoint_format="gathered", checkpoint_async=True, export_every=0, keep_checkpoints=1,
                 keep_best_checkpoint=False, rollouts_to_save=32, progress=True,
                 trackers=(), wandb_project="selfopd", wandb_mode="offline"),
     "model": dict(student="smollm2-135m-instruct", revision="", dtype="auto", device="auto", attn_implementation="auto",
@@ -117,7 +118,8 @@ def test_round_trip_of_defaults(tmp_path):
 
 def test_round_trip_of_every_field_changed(tmp_path):
     config = TrainConfig(
-        run=RunConfig(name='odd "name" é end', out_dir="C:\\out dir", seed=7, steps=5, eval_every=0, checkpoint_every=2, keep_checkpoints=3,
+        run=RunConfig(name='odd "name" é end', out_dir="C:\\out dir", seed=7, steps=5, eval_every=0, checkpoint_every=2,
+                      checkpoint_format="sharded", checkpoint_async=False, export_every=4, keep_checkpoints=3,
                       keep_best_checkpoint=True, rollouts_to_save=0, progress=False, trackers=("wandb", "tensorboard"), wandb_project="p", wandb_mode="online"),
         model=dataclasses.replace(TrainConfig().model, student="org/x", revision="abc123", dtype="bfloat16", threads=3,
                                   device="cuda:1", attn_implementation="eager", gradient_checkpointing=True, compile_layers=True,
@@ -175,7 +177,8 @@ def test_round_trip_of_every_field_changed(tmp_path):
     entry = dataclasses.replace(TrainConfig(), loss=dataclasses.replace(TrainConfig().loss, divergence="jsd", token_clip=0.05,
                                                                         clip_per="vocabulary_entry"))
     assert load_config(write(tmp_path, config_to_toml(entry)), resolve=False) == entry
-    lora = dataclasses.replace(config, model=dataclasses.replace(config.model, lora_rank=8, dtype="float32"))
+    lora = dataclasses.replace(config, model=dataclasses.replace(config.model, lora_rank=8, dtype="float32"),
+                               run=dataclasses.replace(config.run, checkpoint_format="gathered"))  # sharded: not with LoRA
     assert load_config(write(tmp_path, config_to_toml(lora))) == lora
     tempered = dataclasses.replace(config, engine=EngineConfig(), rollout=dataclasses.replace(config.rollout, temperature=0.7))
     assert load_config(write(tmp_path, config_to_toml(tempered))) == tempered
@@ -342,7 +345,7 @@ def test_the_expected_fields_are_literals():
     assert {(s, k) for s, k, _ in literal_fields()} == {
         ("model", "dtype"), ("model", "attn_implementation"), ("teacher", "kind"), ("teacher", "tokenizer"), ("loss", "normalisation"), ("loss", "divergence"),
         ("loss", "opd_on"), ("loss", "opd_baseline"), ("loss", "rl_advantage"), ("loss", "clip_per"), ("optim", "schedule"),
-        ("engine", "kind"), ("engine", "teacher_engine"), ("engine", "weight_sync"), ("engine", "compile"), ("run", "wandb_mode"),
+        ("engine", "kind"), ("engine", "teacher_engine"), ("engine", "weight_sync"), ("engine", "compile"), ("run", "wandb_mode"), ("run", "checkpoint_format"),
         ("guard", "action"), ("verifier", "truncated"), ("verifier", "isolation"), ("eval", "truncated"),
         ("eval", "reasoning"), ("eval", "environment"),
     }

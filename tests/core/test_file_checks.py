@@ -71,7 +71,7 @@ def test_a_checkpoint_is_complete_with_weights_config_and_a_whole_trainer_state(
     empty.mkdir()
     assert checkpoint_problem(empty, empty / state.name) == f"{empty}: empty (its write was cut short)"
     (folder / "model.safetensors").unlink()
-    assert checkpoint_problem(folder, state) == f"{folder}: holds no weights (*.safetensors)"
+    assert checkpoint_problem(folder, state) == f"{folder}: holds no weights (*.safetensors, or sharded ones under dcp/)"
 
 
 def _edit_header(path: Path, edit) -> None:

@@ -135,6 +135,32 @@ def test_a_signal_mid_step_checkpoints_that_step_and_the_resumed_run_goes_on_exa
     assert _metrics(run_dir) == reference
 
 
+SHARDED = ("run.checkpoint_format=sharded", "run.checkpoint_every=1")
+
+
+@pytest.mark.parametrize("kill_at", [
+    "train.backward:5",     # step 3: step 2's shards written in the background while step 3 trained, or not yet
+    "checkpoint.shards:3",  # step 3's shards written, the folder not yet renamed into place
+])
+def test_a_run_with_background_sharded_checkpoints_killed_resumes_to_the_same_metrics(tmp_path, tiny_model_dir,
+                                                                                      reference, kill_at):
+    """run.checkpoint_format = 'sharded' (DCP, written in the background): a kill during a write leaves
+    the previous checkpoint the newest complete one, and the resumed run ends where the gathered run does;
+    the last checkpoint holds the shards and the HF export."""
+    run_dir = tmp_path / "run"
+    _killed(_train(run_dir, tiny_model_dir, kill_at, extra=SHARDED))
+    if kill_at.startswith("checkpoint."):
+        assert (run_dir / "checkpoints" / ".step_00003.partial" / "dcp" / ".metadata").is_file()
+        assert not (run_dir / "checkpoints" / "step_00003").exists()
+    kept = list((run_dir / "checkpoints").glob("step_*"))  # the resume reads shards alone: no HF weights before the last step
+    assert kept and not any((path / "model.safetensors").exists() for path in kept)
+    _ok(_resume(run_dir))
+    assert _metrics(run_dir) == reference
+    last = run_dir / "checkpoints" / "step_00004"
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [last.name]
+    assert (last / "model.safetensors").is_file() and (last / "dcp" / ".metadata").is_file()
+
+
 STALE = ("rollout.max_staleness=1",)
 
 

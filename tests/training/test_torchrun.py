@@ -75,15 +75,21 @@ def test_two_processes_take_the_step_of_one(tmp_path, tiny_model_dir, teacher):
     assert json.loads((two / "eval" / "step_00002" / "summary.json").read_text())["n"] == 5  # 5 prompts over 2 ranks
 
 
-@pytest.mark.parametrize("staleness", [0, 1])
-def test_a_two_process_checkpoint_resumes_on_two_or_one_processes(tmp_path, tiny_model_dir, staleness):
+@pytest.mark.parametrize("staleness,checkpoints", [(0, "gathered"), (1, "sharded")])
+def test_a_two_process_checkpoint_resumes_on_two_or_one_processes(tmp_path, tiny_model_dir, staleness, checkpoints):
     """With rollout.max_staleness = 1 the checkpoint holds both ranks' rollouts of step 2, sampled by the
-    initial weights, and either resume trains on them."""
+    initial weights, and either resume trains on them. A sharded checkpoint (each rank's shards, written
+    in the background) holds no HF weights before the last step, and resumes on 2 ranks or 1 alike."""
     config_file = two_processes.config_file(tmp_path, tiny_model_dir)
     stale = f"rollout.max_staleness={staleness}"
     whole = train(load_config(config_file, ["run.name=whole", stale]))
-    _torchrun(str(config_file), "--set", "run.name=part", "--set", "run.steps=1", "--set", stale)
+    _torchrun(str(config_file), "--set", "run.name=part", "--set", "run.steps=1", "--set", stale,
+              "--set", f"run.checkpoint_format={checkpoints}", "--set", "run.export_every=0")
     part = tmp_path / "runs" / "part"
+    if checkpoints == "sharded":  # run.steps = 1 made step 1 the last, which exports: drop its HF weights
+        first = part / "checkpoints" / "step_00001"
+        assert sorted(path.name for path in (first / "dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+        (first / "model.safetensors").unlink()
     subprocess.run(["cp", "-r", str(part), str(tmp_path / "runs" / "part_one")], check=True)
     _torchrun("--resume", str(part), "--set", "run.steps=2")
     _assert_same_run(whole, part, 2)
@@ -161,15 +167,17 @@ def test_a_signal_to_every_rank_mid_step_checkpoints_it_and_the_resumed_run_is_t
                                                                                                       tiny_model_dir):
     """torchrun passes a scheduler's SIGTERM to every rank: mid step 1 (between micro-batches) each finishes the
     step, step 1's checkpoint is written, every rank exits 75, and a resume on two ranks ends as a run never
-    stopped does. Resumed on one process instead, it ends there too (the checkpoint's layout is one process's)."""
+    stopped does. Resumed on one process instead, it ends there too. The stopped run's checkpoints are sharded and
+    written in the background: the stop waits for step 1's write and puts it in place before the ranks exit."""
     config_file = two_processes.config_file(tmp_path, tiny_model_dir, micro_batch_prompts=1)
     _torchrun(str(config_file), "--set", "run.name=whole")
     stopped = two_processes.torchrun("-m", "selfopd", "train", str(config_file), "--set", "run.name=cut",
-                                     env={"SELFOPD_KILL_AT": "train.backward:1", "SELFOPD_KILL_SIGNAL": "SIGTERM"},
+                                     "--set", "run.checkpoint_format=sharded", env={"SELFOPD_KILL_AT": "train.backward:1", "SELFOPD_KILL_SIGNAL": "SIGTERM"},
                                      check=False)
     assert stopped.returncode != 0 and "stopped by SIGTERM after step 1 of 2" in stopped.stderr, stopped.stderr[-3000:]
     cut = tmp_path / "runs" / "cut"
     assert [p.name for p in (cut / "checkpoints").iterdir()] == ["step_00001"]
+    assert (cut / "checkpoints" / "step_00001" / "dcp" / ".metadata").is_file()
     alone = tmp_path / "runs" / "alone"
     import shutil
 
