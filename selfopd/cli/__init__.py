@@ -254,7 +254,7 @@ def _serve(args: argparse.Namespace) -> None:
     from selfopd.config import load_config
     from selfopd.config.bundles import ServingSettings
     from selfopd.serving.server import launch_servers
-    from selfopd.serving.gpu_layout import check_layout
+    from selfopd.serving.gpu_layout import check_layout, server_role
     from selfopd.serving.launch import gpu_count, log_layout, planned_servers, serve_key
 
     config = load_config(args.config, args.overrides)
@@ -267,10 +267,10 @@ def _serve(args: argparse.Namespace) -> None:
             [replace(spec, api_key=key) for spec in planned_servers(ServingSettings.of(config))], args.log_dir,
             config.engine.startup_timeout_s) as servers:
         # Bound to every address (engine.host = '0.0.0.0'): the URLs a trainer on another machine reaches.
-        students = ",".join(server.spec.public_url for server in servers if server.spec.name != "teacher")
-        teachers = [server.spec.public_url for server in servers if server.spec.name == "teacher"]
-        sets = ([f"--set engine.student_urls={students}"] if students else []) + \
-               [f"--set engine.teacher_url={url}" for url in teachers]
+        urls = {role: ",".join(server.spec.public_url for server in servers if server_role(server.spec.name) == role)
+                for role in ("student", "teacher")}
+        sets = ([f"--set engine.student_urls={urls['student']}"] if urls["student"] else []) + \
+               ([f"--set engine.teacher_url={urls['teacher']}"] if urls["teacher"] else [])
         for server in servers:
             elsewhere = f", {server.spec.public_url} from other machines" if server.spec.public_url != server.spec.url else ""
             print(f"{server.spec.name}: {server.spec.url}{elsewhere} serving {server.spec.model} (log: {server.log_path})")

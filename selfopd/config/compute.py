@@ -145,8 +145,8 @@ class EngineConfig(Section):
         "engine.api_key_env: every route of a launched server but /health requires the key.",
         guarded="it decides who can reach the servers selfopd launches")
     port: int = setting(
-        8100, "vllm: the first launched student server's port; student server i takes port + i, the teacher "
-        "port + student_servers.", ge=1, le=65535,
+        8100, "vllm: the first launched server's port; student server i takes port + i, teacher server j the port "
+        "after the launched students' + j.", ge=1, le=65535,
         guarded="it opens ports")
     max_model_len: int = setting(2048, "vllm: launched servers' context length; must hold prompt + completion + 1.",
                                  ge=16, most=MAX_TOKENS)
@@ -175,7 +175,12 @@ class EngineConfig(Section):
     student_gpus: str = setting(
         "", "vllm on GPU: comma-separated GPU indices for the launched student servers, tensor_parallel_size per "
         "server in order (e.g. '1,2' for two servers of TP 1). Empty: vLLM's default placement.")
-    teacher_gpus: str = setting("", "vllm on GPU: comma-separated GPU indices for the launched teacher server.")
+    teacher_servers: int = setting(
+        1, "vllm: teacher servers to launch, replicas of one teacher (each on its own GPUs when teacher_gpus is set); "
+        "each scoring request goes to the one with the fewest tokens in flight.", ge=1, most=1024)
+    teacher_gpus: str = setting(
+        "", "vllm on GPU: comma-separated GPU indices for the launched teacher servers, the teacher's tensor-parallel "
+        "size per server in order.")
     tensor_parallel_size: int = setting(1, "vllm: GPUs per launched student server (tensor parallelism).", ge=1,
                                         most=1024)
     teacher_tensor_parallel_size: int = setting(
@@ -263,19 +268,22 @@ class EngineConfig(Section):
             fail(self._key("student_gpus"), f"names {len(self.gpus('student_gpus'))} GPUs; engine.student_servers "
                  f"({self.student_servers}) x engine.tensor_parallel_size ({self.tensor_parallel_size}) = "
                  f"{self.student_servers * self.tensor_parallel_size} are needed")
-        if self.teacher_gpus.strip() and len(self.gpus("teacher_gpus")) != self.teacher_parallel_size():
+        if self.teacher_gpus.strip() and len(self.gpus("teacher_gpus")) != self.teacher_servers * self.teacher_parallel_size():
             size_key = "teacher_tensor_parallel_size" if self.teacher_tensor_parallel_size else "tensor_parallel_size"
-            fail(self._key("teacher_gpus"), f"names {len(self.gpus('teacher_gpus'))} GPUs; one server of "
-                 f"engine.{size_key} = {self.teacher_parallel_size()} needs that many")
+            fail(self._key("teacher_gpus"), f"names {len(self.gpus('teacher_gpus'))} GPUs; engine.teacher_servers "
+                 f"({self.teacher_servers}) x engine.{size_key} ({self.teacher_parallel_size()}) = "
+                 f"{self.teacher_servers * self.teacher_parallel_size()} are needed")
 
     def _check_launched_ports(self) -> None:
-        """Student server i listens on port + i, a launched teacher on port + student_servers: all <= 65535."""
+        """Launched student server i listens on port + i, a launched teacher j on the port after the students' + j:
+        all <= 65535."""
         students = self.kind == "vllm" and not self.urls("student_urls")
         teacher = self.kind == "vllm" and self.teacher_engine == "vllm" and not self.urls("teacher_url")
-        last = self.port + self.student_servers - (0 if teacher else 1)
+        last = self.port + (self.student_servers if students else 0) + (self.teacher_servers if teacher else 0) - 1
         if (students or teacher) and last > 65535:
             fail(self._key("port"), f"the servers selfopd launches take ports {self.port} to {last} (engine.port + "
-                 f"engine.student_servers), past 65535; choose engine.port <= {self.port - (last - 65535)}")
+                 f"engine.student_servers + engine.teacher_servers), past 65535; choose engine.port <= "
+                 f"{self.port - (last - 65535)}")
 
     def _check_server_args(self) -> None:
         """extra_server_args must split as a shell would, here rather than when the servers start."""

@@ -226,16 +226,16 @@ def plan_run(settings: PlanSettings, *, capacity_gib: float | None, gpu_name: st
     trained_on = [gpu for p in processes for gpu in p.gpus] if on_gpu else []
     layout_gpus = 1 + max([gpu for _, gpus in placed for gpu in gpus] + trained_on, default=0)
     shares = server_shares(slots, trained_on, layout_gpus, engine.gpu_memory_utilization)
-    students = sum(slot.name != "teacher" for slot in slots)
+    students, teachers = (sum(slot.role == role for slot in slots) for role in ("student", "teacher"))
     dtype_bytes = 2 if inputs.dtype == "bfloat16" else 4
     for slot, gpus in placed:
-        teacher = slot.name == "teacher"
+        teacher = slot.role == "teacher"
         shape = shapes["teacher"] if teacher and settings.teacher.kind == "external" else inputs.student
         share, why = shares[slot.name]
         how = (f"engine.gpu_memory_utilization = {share}" if engine.gpu_memory_utilization
                else f"{share:.2f} of the GPU, from the layout ({why}): engine.gpu_memory_utilization = 0")
         concurrency = engine.max_concurrency
-        loads = ({"score": Load(rollout.prompts_per_step * rollout.samples_per_prompt, 1, concurrency, world, 1, length,
+        loads = ({"score": Load(rollout.prompts_per_step * rollout.samples_per_prompt, 1, concurrency, world, teachers, length,
                                 shape.vocab, dtype_bytes)}
                  if teacher else
                  {"serve": Load(rollout.prompts_per_step, rollout.samples_per_prompt, concurrency, world, students, length),
@@ -260,7 +260,7 @@ def _length_problem(settings: PlanSettings, slots: list, prompt_tokens: int) -> 
     if not slots:
         return ""
     longest = max((settings.rollout.max_tokens, "rollout.max_tokens"),
-                  (settings.eval.max_tokens if any(s.name != "teacher" for s in slots) else 0, "eval.max_tokens"))
+                  (settings.eval.max_tokens if any(s.role == "student" for s in slots) else 0, "eval.max_tokens"))
     needed = prompt_tokens + longest[0] + 1
     if needed <= settings.engine.max_model_len:
         return ""

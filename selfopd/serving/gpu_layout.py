@@ -48,15 +48,24 @@ COLOCATED_SHARE = 0.4  # vllm_colocate: vLLM in the trainer's process, on its GP
 class ServerSlot:
     """One server selfopd launches: its name, port and GPUs, and whether the weight sync reaches it."""
 
-    name: str  # "student", "student-0", "student-1", ..., "teacher"
+    name: str  # "student", "student-0", "student-1", ..., "teacher", "teacher-0", ... (`role` says which)
     port: int
     gpus: tuple[int, ...]  # () = vLLM's default placement (CPU, or GPUs 0..TP-1)
     tensor_parallel_size: int
     synced: bool  # sent weights every step: a student server, a `self` teacher's, an `ema` teacher's
 
     @property
+    def role(self) -> str:
+        return server_role(self.name)
+
+    @property
     def gpu_key(self) -> str:
-        return "engine.teacher_gpus" if self.name == "teacher" else "engine.student_gpus"
+        return f"engine.{self.role}_gpus"
+
+
+def server_role(name: str) -> str:
+    """'teacher' or 'student': the role of the launched server `name` (a ServerSlot's, a ServerSpec's)."""
+    return "teacher" if name == "teacher" or name.startswith("teacher-") else "student"
 
 
 @dataclass(frozen=True)
@@ -132,7 +141,8 @@ def server_slots(engine: EngineConfig, teacher: TeacherConfig) -> list[ServerSlo
     """The servers selfopd launches for `engine` and `teacher` (those not given by URL), in start order.
 
     Student server i takes port engine.port + i and GPUs student_gpus[i*TP:(i+1)*TP]; the
-    teacher takes port engine.port + engine.student_servers and engine.teacher_gpus."""
+    teacher server j takes the port after the launched students' + j (engine.port + j when the students are
+    given by URL) and GPUs teacher_gpus[j*TP:(j+1)*TP]."""
     slots = []
     if not engine.urls("student_urls"):
         tp, gpus = engine.tensor_parallel_size, engine.gpus("student_gpus")
@@ -142,10 +152,12 @@ def server_slots(engine: EngineConfig, teacher: TeacherConfig) -> list[ServerSlo
                                     tensor_parallel_size=tp, synced=True))
     # No server for a teacher the trainer scores (engine.teacher_engine = 'local') or for none at all.
     if engine.teacher_engine == "vllm" and teacher.kind != "none" and not engine.urls("teacher_url"):
-        slots.append(ServerSlot(name="teacher", port=engine.port + engine.student_servers,
-                                gpus=tuple(engine.gpus("teacher_gpus")),
-                                tensor_parallel_size=engine.teacher_parallel_size(),
-                                synced=teacher.receives_weights))
+        tp, gpus, count = engine.teacher_parallel_size(), engine.gpus("teacher_gpus"), engine.teacher_servers
+        first = engine.port + len(slots)  # the port after the launched students'
+        for j in range(count):
+            slots.append(ServerSlot(name="teacher" if count == 1 else f"teacher-{j}",
+                                    port=first + j, gpus=tuple(gpus[j * tp:(j + 1) * tp]),
+                                    tensor_parallel_size=tp, synced=teacher.receives_weights))
     return slots
 
 
@@ -215,7 +227,7 @@ def _check_visible(engine: EngineConfig, slots: Sequence[ServerSlot], trainer: S
                                "name one GPU twice; each shard needs its own GPU")
         if not slot.gpus and gpu_count and slot.tensor_parallel_size > gpu_count:
             size_key = ("engine.teacher_tensor_parallel_size"
-                        if slot.name == "teacher" and engine.teacher_tensor_parallel_size
+                        if slot.role == "teacher" and engine.teacher_tensor_parallel_size
                         else "engine.tensor_parallel_size")
             fail(size_key, f"the {slot.name} server needs {slot.tensor_parallel_size} GPUs, but {visible}")
 

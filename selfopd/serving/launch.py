@@ -28,7 +28,7 @@ from selfopd.serving.server import (ServerError, ServerSpec, cuda_available, lau
 from selfopd.serving.server_auth import new_key
 from selfopd.serving.server_control import CONTROL_TIMEOUT_S
 from selfopd.serving.weight_sync import ServerControl, WeightTransfer
-from selfopd.serving.gpu_layout import (GPULayout, check_layout, resolved_sync, server_shares, server_slots,
+from selfopd.serving.gpu_layout import (GPULayout, check_layout, resolved_sync, server_role, server_shares, server_slots,
                                         single_process_trainer_gpus)
 from selfopd.core.models import resolve_model
 
@@ -73,7 +73,7 @@ def planned_servers(settings: ServingSettings, layout: GPULayout | None = None) 
         trust_remote_code=model.trust_remote_code, api_key=engine.launch_key(),
         trainer_address=engine.trainer_address,
     )
-    return [ServerSpec(name=slot.name, model=teacher_dir if slot.name == "teacher" else student_dir, port=slot.port,
+    return [ServerSpec(name=slot.name, model=teacher_dir if slot.role == "teacher" else student_dir, port=slot.port,
                        tensor_parallel_size=slot.tensor_parallel_size, gpu_memory_utilization=shares[slot.name][0],
                        env=visible_devices(slot.gpus), **common)
             for slot in slots]
@@ -178,8 +178,8 @@ def open_vllm_engines(settings: ServingSettings, log_dir: Path, stack: contextli
     layout = run_layout(settings, trainer_gpus)
     log_layout(layout, log_dir, progress)
     launched = launch(planned_servers(settings, layout), engine, log_dir, stack, progress)
-    student_urls = engine.urls("student_urls") or [s.url for s in launched if s.name != "teacher"]
-    teacher_urls = engine.urls("teacher_url") or [s.url for s in launched if s.name == "teacher"]
+    student_urls = engine.urls("student_urls") or [s.url for s in launched if server_role(s.name) == "student"]
+    teacher_urls = engine.urls("teacher_url") or [s.url for s in launched if server_role(s.name) == "teacher"]
     student_sync, teacher_sync = (open_weight_transfers(settings, student_urls, teacher_urls) if weight_sync
                                   else (None, None))
     return client_engines(engine, student_urls, teacher_urls, stack, student_sync, teacher_sync)
@@ -191,7 +191,7 @@ def open_student_engine(settings: ServingSettings, folder: str, log_dir: Path, s
     else over the student servers `settings` plan (same dtype, context, GPUs, key), each serving `folder`,
     launched here with no weight sync and stopped when `stack` closes."""
     if not urls:
-        specs = [replace(spec, model=folder) for spec in planned_servers(settings) if spec.name != "teacher"]
+        specs = [replace(spec, model=folder) for spec in planned_servers(settings) if server_role(spec.name) == "student"]
         if not specs:
             raise ConfigError("engine.student_urls", "is set, so no student server is launched: pass --server URL to "
                               "evaluate on a running server, or unset engine.student_urls")

@@ -68,9 +68,11 @@ def check_layout(run: SlurmRun, engine: EngineConfig, layout: SlurmLayout) -> No
     if layout.gpus_per_node % engine.tensor_parallel_size:
         raise ConfigError("engine.tensor_parallel_size", f"{engine.tensor_parallel_size} does not divide the "
                           f"{layout.gpus_per_node} GPUs of a student-server node")
-    if engine.teacher_parallel_size() > layout.gpus_per_node:
-        raise ConfigError("engine.teacher_tensor_parallel_size", f"{engine.teacher_parallel_size()} GPUs for the "
-                          f"teacher server, more than a node's {layout.gpus_per_node}")
+    if engine.teacher_servers * engine.teacher_parallel_size() > layout.gpus_per_node:
+        key = "engine.teacher_servers" if engine.teacher_servers > 1 else "engine.teacher_tensor_parallel_size"
+        raise ConfigError(key, f"{engine.teacher_servers} x {engine.teacher_parallel_size()} GPUs (engine.teacher_servers "
+                          "x the teacher's tensor-parallel size) for the teacher servers, more than a node's "
+                          f"{layout.gpus_per_node}")
 
 
 def slurm_script(run: SlurmRun, engine: EngineConfig, layout: SlurmLayout) -> str:
@@ -108,7 +110,9 @@ for node in "${{STUDENTS[@]}}"; do
   for ((i = 0; i < {per_node}; i++)); do STUDENT_URLS+=("http://$node:$((PORT + i))"); done
 done
 STUDENT_URLS=$(IFS=,; echo "${{STUDENT_URLS[*]}}")
-TEACHER_URL="http://$TEACHER:$PORT"
+TEACHER_URL=()
+for ((i = 0; i < {engine.teacher_servers}; i++)); do TEACHER_URL+=("http://$TEACHER:$((PORT + i))"); done
+TEACHER_URL=$(IFS=,; echo "${{TEACHER_URL[*]}}")
 SERVE=(selfopd serve "$CONFIG" "${{SETS[@]}}" "${{COMMON[@]}}" --set engine.host=0.0.0.0 --set "engine.port=$PORT")
 
 for node in "${{STUDENTS[@]}}"; do
@@ -117,10 +121,12 @@ for node in "${{STUDENTS[@]}}"; do
     --log-dir "$RUN-servers/$node" &
 done
 srun --nodes=1 --ntasks=1 --nodelist="$TEACHER" "${{SERVE[@]}}" --set "engine.student_urls=$STUDENT_URLS" \\
-  --set engine.teacher_gpus={",".join(map(str, range(engine.teacher_parallel_size())))} --log-dir "$RUN-servers/$TEACHER" &
+  --set engine.teacher_servers={engine.teacher_servers} \\
+  --set engine.teacher_gpus={",".join(map(str, range(engine.teacher_servers * engine.teacher_parallel_size())))} \\
+  --log-dir "$RUN-servers/$TEACHER" &
 
 deadline=$((SECONDS + {int(engine.startup_timeout_s)}))
-for url in ${{STUDENT_URLS//,/ }} "$TEACHER_URL"; do
+for url in ${{STUDENT_URLS//,/ }} ${{TEACHER_URL//,/ }}; do
   until curl -sf "$url/health" > /dev/null; do
     if ((SECONDS > deadline)); then echo "selfopd slurm: $url did not answer /health in {int(engine.startup_timeout_s)} s" >&2; exit 1; fi
     sleep 5

@@ -59,7 +59,7 @@ EXPECTED_DEFAULTS = {
                    weight_sync="auto", sync_port=0, sync_timeout_s=60.0, sync_buffer_mb=512, verify_every=1,
                    trainer_address="127.0.0.1", compile="auto", gpu_memory_utilization=0.0,
                    check_memory_plan=True, cpu_kv_cache_gb=1, extra_server_args="", startup_timeout_s=900.0, request_timeout_s=0.0,
-                   retries=3, max_concurrency=64, student_servers=1, student_gpus="", teacher_gpus="",
+                   retries=3, max_concurrency=64, student_servers=1, student_gpus="", teacher_servers=1, teacher_gpus="",
                    tensor_parallel_size=1, teacher_tensor_parallel_size=0, sleep_mode=True, api_key_env=""),
     "guard": dict(action="warn", window=6, kl_drop=0.1, accuracy_drop=0.05, truncated_share=0.5, truncated_rise=0.1,
                   truncated_z=1.645,
@@ -152,7 +152,8 @@ def test_round_trip_of_every_field_changed(tmp_path):
                             sync_buffer_mb=64, verify_every=4, trainer_address="10.0.0.2", compile="on",
                             gpu_memory_utilization=0.8, check_memory_plan=False, cpu_kv_cache_gb=4, extra_server_args="--seed 1\n--kv-cache-dtype 'fp8'\t--enforce-eager",
                             startup_timeout_s=60.0, request_timeout_s=30.0, retries=0, max_concurrency=8,
-                            student_servers=2, student_gpus="1,2,3,4", teacher_gpus="5,6,7", tensor_parallel_size=2,
+                            student_servers=2, student_gpus="1,2,3,4", teacher_servers=2, teacher_gpus="5,6,7,8,9,10",
+                            tensor_parallel_size=2,
                             teacher_tensor_parallel_size=3, sleep_mode=False, api_key_env="MY_KEY"),
         guard=GuardConfig(action="stop", window=5, kl_drop=0.2, accuracy_drop=0.1, truncated_share=0.75,
                           truncated_rise=0.2, truncated_z=2.5, preference_max=-0.1, preference_groups=12,
@@ -356,10 +357,14 @@ def test_gpu_fields_are_checked():
     with pytest.raises(ConfigError, match=r"engine.student_gpus: names 1 GPUs; engine.student_servers \(2\) x "
                        r"engine.tensor_parallel_size \(1\) = 2 are needed"):
         load_config(None, ["engine.student_gpus=1", "engine.student_servers=2"])
-    with pytest.raises(ConfigError, match=r"engine.teacher_gpus: names 2 GPUs; one server of engine.tensor_parallel_size = 1"):
+    with pytest.raises(ConfigError, match=r"engine.teacher_gpus: names 2 GPUs; engine.teacher_servers \(1\) x "
+                       r"engine.tensor_parallel_size \(1\) = 1 are needed"):
         load_config(None, ["engine.teacher_gpus=6,7"])
-    with pytest.raises(ConfigError, match=r"engine.teacher_gpus: names 1 GPUs; one server of engine.teacher_tensor_parallel_size = 2"):
+    with pytest.raises(ConfigError, match=r"engine.teacher_gpus: names 1 GPUs; engine.teacher_servers \(1\) x "
+                       r"engine.teacher_tensor_parallel_size \(2\) = 2 are needed"):
         load_config(None, ["engine.teacher_gpus=6", "engine.teacher_tensor_parallel_size=2"])
+    assert load_config(None, ["engine.teacher_gpus=4,5,6,7", "engine.teacher_servers=2",
+                              "engine.teacher_tensor_parallel_size=2"]).engine.gpus("teacher_gpus") == [4, 5, 6, 7]
     assert load_config(None, ["engine.teacher_gpus=6,7", "engine.teacher_tensor_parallel_size=2"]).engine.teacher_parallel_size() == 2
     with pytest.raises(ConfigError, match=r"engine.teacher_gpus: expected comma-separated GPU indices such as '1,2', got 'cuda:1'"):
         load_config(None, ["engine.teacher_gpus=cuda:1"])

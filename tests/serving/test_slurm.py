@@ -46,8 +46,8 @@ sleep 600 & wait
 }
 
 
-def _script(tmp_path: Path, run_exists: bool) -> tuple[Path, dict]:
-    sets = (*SETS, f"run.out_dir={tmp_path / 'runs'}")
+def _script(tmp_path: Path, run_exists: bool, extra: tuple[str, ...] = ()) -> tuple[Path, dict]:
+    sets = (*SETS, f"run.out_dir={tmp_path / 'runs'}", *extra)
     config = load_config(ROOT / "experiments/demo/demo.toml", list(sets))
     script = tmp_path / "job.sbatch"
     run = SlurmRun("experiments/demo/demo.toml", sets, "big", str(tmp_path / "runs" / "big"), config.teacher.kind)
@@ -70,8 +70,11 @@ def _log(tmp_path: Path) -> list[str]:
     return (tmp_path / "log").read_text().splitlines()
 
 
-def test_the_script_splits_the_nodes_by_role_and_launches_each_its_part(tmp_path):
-    script, env = _script(tmp_path, run_exists=False)
+@pytest.mark.parametrize("teachers", [1, 2])
+def test_the_script_splits_the_nodes_by_role_and_launches_each_its_part(tmp_path, teachers):
+    """Two teacher servers (engine.teacher_servers) share the teacher node, on consecutive ports; every
+    student server and the trainer get both URLs."""
+    script, env = _script(tmp_path, run_exists=False, extra=(f"engine.teacher_servers={teachers}",))
     options = [line for line in script.read_text().splitlines() if line.startswith("#SBATCH")]
     assert options == ["#SBATCH --job-name=big", "#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1",
                        "#SBATCH --gpus-per-node=8", "#SBATCH --signal=B:USR1@120", "#SBATCH --requeue"]
@@ -86,15 +89,18 @@ def test_the_script_splits_the_nodes_by_role_and_launches_each_its_part(tmp_path
     students = [line for line in serves if "--nodelist=gpu-c" in line]
     (teacher,) = [line for line in serves if "--nodelist=gpu-d" in line]
     assert students and "engine.student_servers=4" in students[0] and "engine.student_gpus=0,1,2,3,4,5,6,7" in students[0]
-    assert "engine.teacher_url=http://gpu-d:8100" in students[0] and "engine.host=0.0.0.0" in students[0]
+    teacher_urls = ",".join(f"http://gpu-d:{8100 + i}" for i in range(teachers))
+    assert f"engine.teacher_url={teacher_urls}" in students[0].split() and "engine.host=0.0.0.0" in students[0]
     urls = ",".join(f"http://gpu-c:{8100 + i}" for i in range(4))
-    assert f"engine.student_urls={urls}" in teacher and "engine.teacher_gpus=0,1" in teacher
+    gpus = ",".join(str(gpu) for gpu in range(2 * teachers))  # TP 2 each
+    assert f"engine.student_urls={urls}" in teacher and f"engine.teacher_gpus={gpus}" in teacher.split()
     (trainer,) = [line for line in log if " torchrun " in line]
     assert "--nodelist=gpu-a,gpu-b" in trainer and "--nnodes=2 --nproc_per_node=8" in trainer
     assert "--rdzv_endpoint=gpu-a:29500" in trainer and "engine.trainer_address=10.0.0.5" in trainer
     assert "-m selfopd train experiments/demo/demo.toml" in trainer and f"engine.student_urls={urls}" in trainer
     assert "engine.api_key_env=SELFOPD_VLLM_API_KEY" in trainer and "k" * 40 not in "\n".join(log)
-    assert sum(line.startswith("curl -sf http://gpu-") for line in log) == 5  # each server's /health
+    assert f"engine.teacher_url={teacher_urls}" in trainer.split()
+    assert sum(line.startswith("curl -sf http://gpu-") for line in log) == 4 + teachers  # each server's /health
 
 
 def test_a_notice_stops_the_trainer_alone_and_requeues_and_the_next_job_resumes(tmp_path):
