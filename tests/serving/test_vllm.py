@@ -533,9 +533,13 @@ def test_two_torchrun_nodes_on_loopback_train_with_servers_by_url(servers, base_
 
 
 def test_serve_launches_a_server_and_leaves_no_process_behind(servers, tmp_path):
-    port = free_port()
+    """Two teacher servers (engine.teacher_servers = 2: replicas of one teacher) on consecutive ports from
+    engine.port, the students given by URL; their URLs printed as one --set; one key for both."""
+    port = next(p for p in iter(free_port, None) if not port_in_use("127.0.0.1", p + 1))
+    urls = [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
     command = [sys.executable, "-m", "selfopd", "serve", f"--set=engine.student_urls={servers['student']}",
-               f"--set=engine.port={port - 1}", "--set=engine.cpu_kv_cache_gb=1", f"--log-dir={tmp_path}"]
+               f"--set=engine.port={port}", "--set=engine.teacher_servers=2", "--set=engine.cpu_kv_cache_gb=1",
+               f"--log-dir={tmp_path}"]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)
     lines = []
@@ -546,17 +550,17 @@ def test_serve_launches_a_server_and_leaves_no_process_behind(servers, tmp_path)
             lines.append(line)
             if "Ctrl-C stops" in line or (not line and process.poll() is not None):
                 break
-        assert f"teacher: http://127.0.0.1:{port}" in "".join(lines), "".join(lines)
-        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+        assert f"teacher-0: {urls[0]}" in "".join(lines) and f"teacher-1: {urls[1]}" in "".join(lines), "".join(lines)
+        assert all(httpx.get(f"{url}/health", timeout=5).status_code == 200 for url in urls)
         # No key configured: one for this launch, in a file only its owner reads, never printed.
         key_file = tmp_path / "api_key"
         key = key_file.read_text().strip()
         assert key_file.stat().st_mode & 0o777 == 0o600 and len(key) >= 40 and key not in "".join(lines)
         assert f'SELFOPD_VLLM_API_KEY="$(cat {key_file})" selfopd train CONFIG --set engine.api_key_env=' \
-               f"SELFOPD_VLLM_API_KEY --set engine.kind=vllm --set engine.teacher_url=http://127.0.0.1:{port}" in "".join(lines)
-        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 401
-        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {key}"},
-                         timeout=5).status_code == 200
+               f"SELFOPD_VLLM_API_KEY --set engine.kind=vllm --set engine.teacher_url={','.join(urls)}" in "".join(lines)
+        for url in urls:
+            assert httpx.get(f"{url}/v1/models", timeout=5).status_code == 401
+            assert httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=5).status_code == 200
         server_pids = _group_pids(process.pid)
         assert len(server_pids) >= 2  # selfopd, vLLM's API server and its engine process
         # Twice, as `timeout` does (the process and its group): the second must not cut the cleanup short.
@@ -566,8 +570,9 @@ def test_serve_launches_a_server_and_leaves_no_process_behind(servers, tmp_path)
         assert process.wait(120) == 128 + signal.SIGTERM
         time.sleep(1)
         assert not [pid for pid in server_pids if _alive(pid)], "processes left behind"
-        with pytest.raises(httpx.HTTPError):
-            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+        for url in urls:
+            with pytest.raises(httpx.HTTPError):
+                httpx.get(f"{url}/health", timeout=2)
         assert not key_file.exists()  # the key goes with its servers
     finally:
         if process.poll() is None:
