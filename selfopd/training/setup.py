@@ -105,6 +105,9 @@ def build_run(config: TrainConfig, resume_from: Path | None = None,
         state = load_trainer_state(resume_from)
         if sharded_from is not None:
             load_sharded(model, optimizer, sharded_from, world)  # weights and optimizer, on any number of ranks
+        elif not state["optimizer"]:  # a sharded checkpoint's trainer state, its shards gone
+            raise CheckpointError(f"{resume_from}: its trainer state holds no optimizer state, which a sharded "
+                                  "checkpoint keeps under dcp/, and there is no dcp/ folder; resume from a whole copy")
         else:
             load_optimizer_state(model, optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])

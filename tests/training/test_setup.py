@@ -92,6 +92,19 @@ def test_resuming_a_run_whose_trainer_state_runs_code_is_one_line_and_changes_no
     assert not marker.exists() and _snapshot(run) == before
 
 
+def test_a_trainer_state_without_optimizer_state_or_shards_is_one_line(tmp_path, one_step_run, capsys):
+    """A sharded checkpoint's trainer state (optimizer state under dcp/), its dcp/ folder lost but its HF
+    export kept: the resume names what is missing instead of a KeyError."""
+    run = tmp_path / "run"
+    shutil.copytree(one_step_run, run)
+    checkpoint = RunFolder(run).checkpoint(1)
+    state = torch.load(RunFolder.trainer_state(checkpoint), weights_only=True)
+    torch.save({**state, "optimizer": {}}, RunFolder.trainer_state(checkpoint))
+    assert main(["train", "--resume", str(run), "--set", "run.steps=2"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"selfopd: error: {checkpoint}: its trainer state holds no optimizer state" in err
+
+
 @pytest.mark.parametrize("damage", ["empty", "truncated-weights", "truncated-state"])
 def test_an_incomplete_newest_checkpoint_is_skipped_with_a_warning(tmp_path, one_step_run, capsys, damage):
     """A newer checkpoint a kill or a full disk left incomplete: the run resumes from the last
