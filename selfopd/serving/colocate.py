@@ -36,8 +36,8 @@ import torch
 from selfopd.config import ConfigError, EngineConfig, TeacherConfig
 from selfopd.config.bundles import ServingSettings
 from selfopd.engines.base import Engine, Rollout, SamplingParams, TokenScores, WeightSource, as_source
-from selfopd.serving.vllm import (VLLMEngine, check_sample_lengths, check_score_lengths, make_rollout,
-                                  parse_prompt_logprobs, prompt_seed)
+from selfopd.serving.vllm import VLLMEngine, prompt_seed
+from selfopd.serving.vllm_answers import check_sample_lengths, check_score_lengths, make_rollout, parse_prompt_logprobs
 from selfopd.serving.server import ServerError
 from selfopd.serving.gpu_layout import COLOCATED_SHARE
 from selfopd.serving.vllm_worker import load_in_place, worker_digests

@@ -5,14 +5,16 @@ in vLLM's queue behind the others of its step, and the retry that follows a time
 generation again. With `engine.request_timeout_s = 0` (the default) a request instead gets a
 ceiling that grows with its work (`request_ceiling`), and while requests are in flight each
 server's `/health` is polled (`watch_health`): a server that stops answering (dead, hung,
-unreachable) fails the step within a minute with one line naming its URL, while a live server
-that is slow (long completions, a deep queue) is waited for.
+unreachable) is found within a minute, while a live server that is slow (long completions, a deep
+queue) is waited for. A server found dead is handed to `on_dead` (the engine drops it from the
+rotation and resends its requests to another replica); without `on_dead`, or once no replica of
+the role is left, the step fails with one line naming its URL.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Sequence, TypeVar
+from typing import Awaitable, Callable, Sequence, TypeVar
 
 import httpx
 
@@ -37,7 +39,8 @@ def timeout_rule() -> str:
     """The rule of `engine.request_timeout_s = 0`, as `--show-config` prints it."""
     return (f"no fixed timeout: each request may take {BASE_S:.0f} s + {PER_TOKEN_S} s x max_tokens x the requests "
             f"sent to its server together, while /health is polled every {HEALTH_EVERY_S:.0f} s; "
-            f"{HEALTH_FAILURES} polls in a row without an answer fail the step")
+            f"{HEALTH_FAILURES} polls in a row without an answer drop the server from the rotation, and fail the "
+            "step once no replica is left")
 
 
 def request_timeout(timeout_s: float, max_tokens: int, sharing: int) -> httpx.Timeout:
@@ -48,9 +51,10 @@ def request_timeout(timeout_s: float, max_tokens: int, sharing: int) -> httpx.Ti
     return httpx.Timeout(request_ceiling(max_tokens, sharing), connect=HEALTH_TIMEOUT_S)
 
 
-async def watch_health(urls: Sequence[str]) -> None:
-    """Poll each server's /health until cancelled; raise a one-line ServerError naming the first server
-    that fails HEALTH_FAILURES polls in a row (no answer, or an answer other than 200)."""
+async def watch_health(urls: Sequence[str], on_dead: Callable[[str, str], None] | None = None) -> None:
+    """Poll each server's /health until cancelled. A server that fails HEALTH_FAILURES polls in a row (no
+    answer, or an answer other than 200) is dead: `on_dead(url, one-line reason)` is called and the
+    server no longer polled; without `on_dead`, a ServerError with that line is raised."""
     failures = dict.fromkeys(urls, 0)
     async with httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S) as client:
 
@@ -63,18 +67,32 @@ async def watch_health(urls: Sequence[str]) -> None:
 
         while True:
             await asyncio.sleep(HEALTH_EVERY_S)
-            problems = await asyncio.gather(*(poll(url) for url in urls))
-            for url, problem in zip(urls, problems):
+            polled = list(failures)
+            problems = await asyncio.gather(*(poll(url) for url in polled))
+            for url, problem in zip(polled, problems):
                 failures[url] = failures[url] + 1 if problem else 0
                 if failures[url] >= HEALTH_FAILURES:
-                    raise ServerError(f"{url}: {url}/health failed {HEALTH_FAILURES} polls in a row ({problem}) "
-                                      "while requests waited on the server: it is down or hung")
+                    reason = (f"{url}: {url}/health failed {HEALTH_FAILURES} polls in a row ({problem}) "
+                              "while requests waited on the server: it is down or hung")
+                    if on_dead is None:
+                        raise ServerError(reason)
+                    del failures[url]
+                    on_dead(url, reason)
 
 
-async def watched(work: Awaitable[T], urls: Sequence[str]) -> T:
+async def health_answers(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
+    """Whether `url`/health answers 200 now (a dropped replica's re-admission asks this first)."""
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            return (await client.get(f"{url}/health")).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+async def watched(work: Awaitable[T], urls: Sequence[str], on_dead: Callable[[str, str], None] | None = None) -> T:
     """`work`'s result, or the ServerError of `watch_health` (the work then cancelled) if a server
-    stops answering /health first."""
-    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(watch_health(urls))
+    stops answering /health first; with `on_dead`, a dead server is handed to it and the work goes on."""
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(watch_health(urls, on_dead))
     try:
         done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:

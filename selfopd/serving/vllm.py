@@ -16,12 +16,20 @@ engine is a plain synchronous object, also inside Jupyter, whose own loop is bus
 still fails, and any answer that is not what vLLM sends (broken JSON, a missing field, fewer
 or more logprobs than tokens), becomes a `ServerError` naming the server's URL: never a
 hang, never a silently shorter tensor.
+
+A replica that stops answering (connection refused or reset, a timeout or a 502/503/504 after
+those retries, or /health failing while its requests wait) is dropped from the rotation with one
+warning naming its URL, and its requests are sent again to another live replica of the engine:
+nothing already computed is lost. The call fails, with the last replica's line, only once no
+replica is left. `readmit` (once per step, at the weight push) puts a dropped replica back once
+its /health answers and, for a server that serves the trainer's weights, the push proved by
+digest that it holds them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
+import sys
 import threading
 from typing import Any, Awaitable, Callable, Coroutine, Mapping, Sequence, TypeVar
 
@@ -30,12 +38,14 @@ import openai
 import torch
 
 from selfopd.engines.base import Rollout, SamplingParams, TokenScores, WeightSource
-from selfopd.serving.liveness import request_timeout, watched
+from selfopd.serving.liveness import health_answers, request_timeout, watched
 from selfopd.serving.server import ServerError, auth_headers, launched_key, unauthorized, vllm_version_problem
+from selfopd.serving.vllm_answers import (check_sample_lengths, check_score_lengths, malformed, parse_prompt_logprobs,
+                                          rollouts)
 from selfopd.serving.weight_sync import WeightTransfer
 
 T = TypeVar("T")
-CLAMPED_LOGPROB = -9999.0  # vLLM's JSON stand-in for -inf
+GONE = frozenset({502, 503, 504})  # after the retries: no server behind the URL (a proxy's answer), not a bad request
 
 
 class VLLMEngine:
@@ -68,6 +78,8 @@ class VLLMEngine:
         self._scoring = [0] * len(self.urls)  # per server: tokens of the scoring requests in flight
         self._clients = [openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key or "EMPTY", max_retries=retries)
                          for url, key in zip(self.urls, keys)]
+        self.dropped: dict[int, str] = {}  # server -> why it left the rotation (its one-line error)
+        self._down = [asyncio.Event() for _ in self.urls]  # set when a server is dropped: its requests move on
 
     # --- sampling -----------------------------------------------------------------------
     supports_full_vocabulary = False
@@ -93,11 +105,13 @@ class VLLMEngine:
         return self._loop.run(self._gather([self._sample_one(i, list(p), params) for i, p in enumerate(prompts)]))
 
     async def _sample_one(self, index: int, prompt: list[int], params: SamplingParams) -> list[Rollout]:
-        # Round-robin by the prompt's place in the whole request: ranks that each sample a
-        # share of a step start on different servers.
-        server = (params.first_row // params.n + index) % len(self.urls)
-        url = self.urls[server]
-        return await self._call(server, lambda response: _rollouts(prompt, response, params.n, url),
+        # Round-robin over the live servers by the prompt's place in the whole request: ranks that
+        # each sample a share of a step start on different servers.
+        def server() -> int:
+            live = self.live()
+            return live[(params.first_row // params.n + index) % len(live)]
+
+        return await self._call(server, lambda response, url: rollouts(prompt, response, params.n, url),
                                 prompt=prompt, n=params.n, max_tokens=params.max_tokens,
                                 temperature=params.temperature, top_p=params.top_p,
                                 seed=prompt_seed(params, index), logprobs=0,
@@ -115,12 +129,13 @@ class VLLMEngine:
                                             for i, (p, c) in enumerate(sequences)]))
 
     def score_replicas(self, sequence: tuple[list[int], list[int]]) -> list[tuple[str, TokenScores]]:
-        """The sequence scored by each server, in order."""
+        """The sequence scored by each live server, in order (one that dies meanwhile: by another)."""
         prompt, completion = sequence
         self._check_lengths([sequence])
+        live = self.live()
         scores = self._loop.run(self._gather([self._score_one(i, list(prompt), list(completion), 0, server=i)
-                                              for i in range(len(self.urls))]))
-        return list(zip(self.urls, scores))
+                                              for i in live]))
+        return [(self.urls[i], score) for i, score in zip(live, scores)]
 
     def _check_lengths(self, sequences: Sequence[tuple[list[int], list[int]]]) -> None:
         check_score_lengths(sequences, self.max_model_len, lambda index: ", ".join(self.urls))  # any may score it
@@ -131,23 +146,21 @@ class VLLMEngine:
 
     async def _score_one(self, index: int, prompt: list[int], completion: list[int], top_k: int,
                          server: int | None = None) -> TokenScores:
-        """`server`: the one to ask; None: the one with the fewest tokens being scored (the first of equals),
-        chosen when the request is sent."""
+        """`server`: the one to ask while it is live; None (or once it is dropped): the live one with the
+        fewest tokens being scored (the first of equals), chosen when the request is sent."""
         ids = prompt + completion
-        if server is None:
-            server = min(range(len(self.urls)), key=lambda s: (self._scoring[s], s))
-        url = self.urls[server]
+        asked = server
 
-        def parse(response: Any) -> TokenScores:
+        def choose() -> int:
+            live = self.live()
+            return asked if asked in live else min(live, key=lambda s: (self._scoring[s], s))
+
+        def parse(response: Any, url: str) -> TokenScores:
             entries = response.choices[0].model_extra.get("prompt_logprobs")
             return parse_prompt_logprobs(entries, ids, len(prompt), top_k, url)
 
-        self._scoring[server] += len(ids)
-        try:
-            return await self._call(server, parse, prompt=ids, max_tokens=1, temperature=0.0,
-                                    extra_body={"prompt_logprobs": top_k})
-        finally:
-            self._scoring[server] -= len(ids)
+        return await self._call(choose, parse, load=len(ids), prompt=ids, max_tokens=1, temperature=0.0,
+                                extra_body={"prompt_logprobs": top_k})
 
     # --- weights ------------------------------------------------------------------------
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor] | WeightSource, version: int) -> None:
@@ -155,6 +168,43 @@ class VLLMEngine:
             raise ServerError(f"{', '.join(self.urls)}: this engine serves fixed weights (no weight sync was set up)")
         self.weight_sync.push(named_tensors, version)
         self.version = version
+
+    # --- replicas -----------------------------------------------------------------------
+    def live(self) -> list[int]:
+        """The servers in the rotation; a ServerError (the last dropped one's line) once none is left."""
+        live = [server for server in range(len(self.urls)) if server not in self.dropped]
+        if not live:
+            *_, last = self.dropped.values()
+            raise ServerError(last if len(self.urls) == 1 else f"{last} (no live replica left of {', '.join(self.urls)})")
+        return live
+
+    def drop(self, server: int, reason: str) -> None:
+        """Take `server` out of the rotation (one warning naming it); its requests in flight move on."""
+        if server in self.dropped:
+            return
+        self.dropped[server] = reason
+        self._down[server].set()
+        if len(self.dropped) < len(self.urls):
+            print(f"selfopd: warning: {self.urls[server]} dropped from the rotation, its requests resent to another "
+                  f"replica; it is re-added once it answers again ({reason})", file=sys.stderr, flush=True)
+
+    def readmit(self) -> list[str]:
+        """Put back each dropped server whose /health answers and, with a weight sync, that holds the weights
+        of the last push, proven by digest (`WeightTransfer.holds`). Called once per step, after the push:
+        a re-added server gets no request before it holds the weights. Returns the re-added URLs."""
+        back = []
+        for server in sorted(self.dropped):
+            url = self.urls[server]
+            if not self._loop.run(health_answers(url)):
+                continue
+            if self.weight_sync is not None and not self.weight_sync.holds(url, self.version):
+                continue
+            del self.dropped[server]
+            self._down[server] = asyncio.Event()
+            print(f"selfopd: {url} answers again and holds weight version {self.version}: re-added to the rotation",
+                  file=sys.stderr, flush=True)
+            back.append(url)
+        return back
 
     def close(self) -> None:
         if self.weight_sync is not None:
@@ -174,43 +224,69 @@ class VLLMEngine:
 
         self._in_call = max(1, len(calls))  # the latest call's size: only a ceiling reads it
         work = asyncio.gather(*(bounded(call) for call in calls))
-        return list(await (work if self.timeout_s else watched(work, self.urls)))
+        if self.timeout_s:
+            return list(await work)
+        watched_urls = [self.urls[server] for server in self.live()]
+        return list(await watched(work, watched_urls, lambda url, reason: self.drop(self.urls.index(url), reason)))
 
     def _timeout(self, max_tokens: int) -> httpx.Timeout:
         """One request's timeout: engine.request_timeout_s, or (0) the ceiling of its work, the requests
-        of one call spread over the servers sharing it."""
-        sharing = -(-min(self._in_call, self._max_concurrency) // len(self.urls))
+        of one call spread over the live servers sharing it."""
+        sharing = -(-min(self._in_call, self._max_concurrency) // max(1, len(self.urls) - len(self.dropped)))
         return request_timeout(self.timeout_s, max_tokens, sharing)
 
-    async def _call(self, server: int, parse: Callable[[Any], T], **request: Any) -> T:
-        """One completion request to server `server`, its answer read by `parse`; every
-        failure, a malformed answer included, becomes one `ServerError` line naming the URL."""
+    async def _call(self, choose: Callable[[], int], parse: Callable[[Any, str], T], load: int = 0,
+                    **request: Any) -> T:
+        """One completion request to the server `choose()` names, its answer read by `parse(answer, url)`.
+        A server that stops answering is dropped and the request sent to the one `choose()` names next
+        (ServerError once none is left); any other failure, a malformed answer included, becomes one
+        `ServerError` line naming the URL. `load`: tokens counted as being scored by the server meanwhile."""
+        while True:
+            server = choose()
+            self._scoring[server] += load
+            try:
+                return await self._call_once(server, parse, **request)
+            except _ServerDown as down:
+                self.drop(server, str(down))
+            finally:
+                self._scoring[server] -= load
+
+    async def _call_once(self, server: int, parse: Callable[[Any, str], T], **request: Any) -> T:
+        """The request to `server`; _ServerDown when the server stops answering (after the client's retries,
+        or once it is dropped while the request waits)."""
         url = self.urls[server]
+        sent = asyncio.ensure_future(self._clients[server].completions.create(
+            model=self.model_names[server], timeout=self._timeout(request["max_tokens"]), **request))
+        down = asyncio.ensure_future(self._down[server].wait())
         try:
-            response = await self._clients[server].completions.create(
-                model=self.model_names[server], timeout=self._timeout(request["max_tokens"]), **request)
+            await asyncio.wait({sent, down}, return_when=asyncio.FIRST_COMPLETED)
+            if not sent.done():
+                raise _ServerDown(self.dropped.get(server, f"{url}: dropped"))
+            response = sent.result()
         except openai.APIConnectionError as error:  # includes timeouts, after the client's retries
-            raise ServerError(f"{url}: {type(error).__name__} after {self.retries} retries: {error}") from None
+            raise _ServerDown(f"{url}: {type(error).__name__} after {self.retries} retries: {error}") from None
         except openai.APIStatusError as error:
             if error.status_code == 401:
                 raise unauthorized(url, self._sends_key[server]) from None
-            raise ServerError(f"{url}: HTTP {error.status_code}: {_error_message(error)}") from None
+            message = f"{url}: HTTP {error.status_code}: {_error_message(error)}"
+            raise (_ServerDown if error.status_code in GONE else ServerError)(message) from None
         except (openai.APIError, ValueError) as error:  # ValueError: the body is not JSON
             raise malformed(url, error) from None
+        finally:
+            for pending in (sent, down):
+                pending.cancel()
         try:
-            return parse(response)
+            return parse(response, url)
         except (AttributeError, KeyError, IndexError, TypeError, ValueError) as error:  # JSON, but not vLLM's answer
             raise malformed(url, error) from None
 
 
+class _ServerDown(Exception):
+    """A server stopped answering (its one-line reason): `_call` drops it and resends the request."""
+
+
 async def _all(calls: Sequence[Awaitable[Any]]) -> None:
     await asyncio.gather(*calls)
-
-
-def malformed(url: str, error: Exception) -> ServerError:
-    """The error for an answer that is not the JSON a vLLM server sends."""
-    return ServerError(f"{url}: malformed answer from the server ({type(error).__name__}: "
-                       f"{' '.join(str(error).split())[:300]})")
 
 
 def prompt_seed(params: SamplingParams, index: int) -> int | None:
@@ -218,134 +294,6 @@ def prompt_seed(params: SamplingParams, index: int) -> int | None:
     seed + 1, ..., so prompts are spaced n apart and no two samples share a seed; the call's
     first row offsets them (a rank's share of a step draws what one process does)."""
     return None if params.seed is None else params.seed + params.first_row + index * params.n
-
-
-def check_sample_lengths(prompts: Sequence[list[int]], max_tokens: int, max_model_len: int,
-                         where: Callable[[int], str]) -> None:
-    """Refuse, before sending, a prompt that cannot take `max_tokens` more tokens;
-    `where(index)` names the server (or instance) it would go to."""
-    for index, prompt in enumerate(prompts):
-        if len(prompt) + max_tokens > max_model_len:
-            raise ServerError(f"{where(index)}: prompt {index} has {len(prompt)} tokens; with max_tokens={max_tokens} "
-                              f"it exceeds the server's max_model_len {max_model_len}")
-
-
-def check_score_lengths(sequences: Sequence[tuple[list[int], list[int]]], max_model_len: int,
-                        where: Callable[[int], str]) -> None:
-    """Refuse, before sending, a sequence too long to score (scoring generates one token more)."""
-    for index, (prompt, completion) in enumerate(sequences):
-        if len(prompt) + len(completion) + 1 > max_model_len:
-            raise ServerError(
-                f"{where(index)}: sequence {index} has {len(prompt)} prompt + {len(completion)} completion tokens; "
-                f"scoring needs max_model_len >= prompt + completion + 1, the server has {max_model_len}")
-
-
-def parse_prompt_logprobs(entries: Sequence[Mapping[str, Any] | None] | None, ids: Sequence[int], start: int,
-                          top_k: int, url: str = "") -> TokenScores:
-    """vLLM's prompt_logprobs (one dict per prompt position, keyed by token-id strings,
-    holding the top k and the actual token) -> logprobs of ids[start:], and the top k.
-
-    vLLM writes -inf as -9999. A top-k alternative at -9999 becomes -inf; the actual token
-    at -9999 means the server gives it probability 0 (an id outside its vocabulary, say),
-    and raises rather than enter the loss as a huge finite number. Anything else broken (a
-    position too many or too few, a missing actual token, NaN, fewer than k ranked
-    alternatives, a key or value that is not a number) raises a ServerError naming the URL
-    and the position: never a shorter or silently padded tensor.
-    """
-    if entries is None or len(entries) != len(ids):
-        raise ServerError(f"{url}: expected prompt_logprobs for {len(ids)} tokens, got "
-                          f"{None if entries is None else len(entries)}")
-    length = len(ids) - start
-    logprobs = torch.empty(length, dtype=torch.float32)
-    topk_ids = torch.zeros(length, top_k, dtype=torch.long) if top_k else None
-    topk_logprobs = torch.full((length, top_k), -math.inf) if top_k else None
-    for row, position in enumerate(range(start, len(ids))):
-        entry = entries[position]
-        token = ids[position]
-        if not isinstance(entry, Mapping) or str(token) not in entry:
-            raise ServerError(f"{url}: prompt_logprobs at position {position} lack the actual token {token}")
-        try:
-            value = _logprob(entry[str(token)])
-            ranked = _top_k(entry, top_k)
-        except (KeyError, TypeError, ValueError, AttributeError) as error:
-            raise ServerError(f"{url}: malformed prompt_logprobs at position {position}: {error!r}") from None
-        if value == -math.inf:
-            raise ServerError(f"{url}: the server gives token {token} at position {position} probability 0 "
-                              "(logprob -inf, sent as -9999): is it outside the served model's vocabulary?")
-        logprobs[row] = value
-        for column, (token_id, token_logprob) in enumerate(ranked):
-            topk_ids[row, column] = token_id
-            topk_logprobs[row, column] = token_logprob
-    return TokenScores(logprobs=logprobs, topk_ids=topk_ids, topk_logprobs=topk_logprobs)
-
-
-def _logprob(item: Mapping[str, Any]) -> float:
-    """The value of one {"logprob": x, "rank": r} item; -9999 and below mean -inf."""
-    value = float(item["logprob"])
-    if math.isnan(value) or value == math.inf:
-        raise ValueError(f"logprob {value}")
-    return -math.inf if value <= CLAMPED_LOGPROB else value
-
-
-def _top_k(entry: Mapping[str, Any], top_k: int) -> list[tuple[int, float]]:
-    """(id, logprob) of the alternatives ranked 1..k at one position, best first."""
-    if not top_k:
-        return []
-    ranked = sorted((item["rank"], int(key), _logprob(item)) for key, item in entry.items()
-                    if item.get("rank") is not None and item["rank"] <= top_k)
-    if len(ranked) < top_k:
-        raise ValueError(f"{len(ranked)} alternatives ranked within the top {top_k}")
-    return [(token_id, token_logprob) for _, token_id, token_logprob in ranked[:top_k]]
-
-
-def _rollouts(prompt: list[int], response: Any, n: int, url: str) -> list[Rollout]:
-    """The n rollouts of one sampling answer, in the order of their choice index; any other
-    number of choices is refused (a missing one would silently shrink the group)."""
-    choices = sorted(response.choices, key=lambda choice: choice.index)
-    if [choice.index for choice in choices] != list(range(n)):
-        raise ServerError(f"{url}: expected {n} completions (choice index 0..{n - 1}), got indices "
-                          f"{[choice.index for choice in choices]}")
-    return [_rollout(prompt, choice, url) for choice in choices]
-
-
-def _rollout(prompt: list[int], choice: Any, url: str) -> Rollout:
-    extra = choice.model_extra or {}
-    ids = extra.get("token_ids")
-    if ids is None:
-        raise ServerError(f"{url}: the completion carries no token_ids: the server does not support "
-                          "return_token_ids (vLLM >= 0.10.2 does)")
-    logprobs = choice.logprobs.token_logprobs if choice.logprobs is not None else None
-    return make_rollout(prompt, ids, logprobs, choice.finish_reason, choice.text, url)
-
-
-def make_rollout(prompt: list[int], ids: Sequence[int], logprobs: Sequence[float] | None, finish_reason: str | None,
-                 text: str, where: str) -> Rollout:
-    """A `Rollout` from one vLLM completion (a server's JSON or an in-process `CompletionOutput`):
-    one sampled logprob per token is required; any finish but "stop" (an end-of-sequence or stop
-    token, which vLLM keeps in the ids) counts as "length"."""
-    if logprobs is None or len(logprobs) != len(ids):
-        raise ServerError(f"{where}: expected one logprob per completion token ({len(ids)}), got "
-                          f"{None if logprobs is None else len(logprobs)}")
-    finish = "stop" if finish_reason == "stop" else "length"
-    return Rollout(prompt_ids=prompt, completion_ids=list(ids), sampler_logprobs=_sampled_logprobs(logprobs, where),
-                   finish_reason=finish, text=text)
-
-
-def _sampled_logprobs(logprobs: Sequence[Any], where: str) -> list[float]:
-    """The sampled tokens' logprobs as floats. A sampled token had probability > 0, so a
-    missing, NaN or infinite value (-9999 is vLLM's -inf) is a broken reply, refused here
-    rather than turned into an infinite importance ratio in the loss."""
-    values = []
-    for position, value in enumerate(logprobs):
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            number = math.nan
-        if not math.isfinite(number) or number <= CLAMPED_LOGPROB:
-            raise ServerError(f"{where}: completion token {position} has logprob {value!r}; a sampled token "
-                              "needs a finite one")
-        values.append(number)
-    return values
 
 
 def _served_model(url: str, api_key: str | None = None) -> tuple[str, int]:

@@ -27,6 +27,9 @@ instead of waited for, and preempted when the cache is reset: each resumes by re
 prompt and its tokens so far with the new weights, so every later token is the new weights'
 (a rollout's tokens may then come from several versions, each with the logprobs it was drawn with). A push that fails leaves the servers
 paused, never serving a half-loaded model; the next push (a `--resume`) replaces it.
+
+A server that no longer answers is left out of the push, and joins back once it answers again
+(`selfopd.serving.push_membership`, which `WeightTransfer` builds on).
 """
 
 from __future__ import annotations
@@ -45,12 +48,14 @@ from selfopd.serving.server_auth import transfer_secret
 from selfopd.serving.transfer_wire import (Backend, Group, TransferInit, TransferUpdate, buffer_device, chunk_ranges,
                                            listen, open_group, pack)
 from selfopd.serving.server_control import ServerControl, in_background, wait_all
+from selfopd.serving.push_membership import PushMembership
 from selfopd.serving.server import ServerError
 from selfopd.serving.weight_digest import (Entry, VerifySchedule, WeightSyncError, dtype_name, expected_digest,
                                            pieces_needed, verify)
 
 
-class WeightTransfer:
+
+class WeightTransfer(PushMembership):
     """Trainer rank 0's side of the weight push to a set of servers (see the module docstring).
 
     `groups`: the servers, as the groups of the collective (one group on a CPU). `host`: where
@@ -74,6 +79,10 @@ class WeightTransfer:
         self._closed = False
         self._broken = ""
         self.untrained: dict[str, int] = {}
+        self.reach: dict[frozenset, list[ServerControl]] = {}  # a server's processes -> every URL reaching it
+        self.lost: list[list[ServerControl]] = []  # the URLs of each server left out, none of them answering
+        self.host, self.port = host, port
+        self._verified_version: int | None = None  # the version of the last push proven by digest on every server
         self.session = uuid.uuid4().hex
         try:
             self.dtype = self._prepare_servers()
@@ -97,6 +106,7 @@ class WeightTransfer:
                 raise ServerError(f"{error}; selfopd's weight push needs the server's workers to run selfopd's "
                                   "worker extension: start it with `selfopd serve`") from None
             instances = frozenset(state.get("instance") for state in states)
+            self.reach.setdefault(instances, []).append(control)
             if instances in seen:
                 self._drop(control)
                 continue
@@ -118,11 +128,11 @@ class WeightTransfer:
         return getattr(torch, kinds.pop())
 
     def _drop(self, control: ServerControl) -> None:
-        """Leave out a control whose server another control already reaches."""
+        """Leave out a control whose server another control already reaches (kept in `reach`, to take
+        over if that one's URL stops answering)."""
         self.controls.remove(control)
         self.server_groups = [[c for c in group if c is not control] for group in self.server_groups]
         self.server_groups = [group for group in self.server_groups if group]
-        control.close()
 
     def _open_groups(self, host: str, port: int) -> None:
         """Each group's store listens on `host` alone; each server is sent its own transfer secret."""
@@ -165,6 +175,8 @@ class WeightTransfer:
             raise ServerError(f"{', '.join(c.url for c in self.controls)}: an earlier push of this transfer failed "
                               f"({self._broken}); the servers need a new trainer session (restart or --resume the run)")
         verified = self.schedule.begin()  # until this push ends well, the next one is verified
+        self._verified_version = None
+        verified = self._reroute() or verified  # a server left out or back: this push proves the new set
         self._check_sessions()
         source = as_source(weights)
         started = time.perf_counter()
@@ -203,6 +215,7 @@ class WeightTransfer:
         for control in self.controls:
             control.resume()
         self._last = (weights, version)
+        self._verified_version = version if verified else None
         self.schedule.complete()
         self.stats = {"time/push": time.perf_counter() - started, "time/push_broadcast": broadcast_s,
                       "time/push_verify": verify_s, "sync/verified": float(verified),
@@ -306,6 +319,8 @@ class WeightTransfer:
                 control.request("POST", "/shutdown_weight_transfer_engine", timeout=5)
             except ServerError:
                 pass  # a dead server, or one still inside an update: the next trainer releases it
+        every = [*self.controls, *(control for urls in [*self.reach.values(), *self.lost] for control in urls)]
+        for control in {id(control): control for control in every}.values():  # each URL's client once
             control.close()
 
 

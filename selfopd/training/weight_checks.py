@@ -78,7 +78,28 @@ def sync_weights(run: Run) -> dict[str, float]:
             for _ in weights:  # the gathers rank 0's push makes, tensor by tensor
                 pass
     sync_ema_teacher(run)
-    return push_stats(run)
+    return {**push_stats(run), **replica_stats(run)}
+
+
+def replica_stats(run: Run) -> dict[str, float]:
+    """Once per step, after the push (the one place a dropped vLLM replica comes back: it then holds the
+    weights, proven by digest): each server engine's dropped replicas that answer again are re-added
+    (`VLLMEngine.readmit`). Returns `serving/live_{role}_replicas` and `serving/dropped` (replicas out of
+    the rotation now); {} without server engines. Under torchrun only rank 0 pushes, so only there can a
+    replica of the student's weights be proven to hold them: other ranks keep theirs dropped."""
+    stats: dict[str, float] = {}
+    engines = {"student": run.student_engine, "teacher": run.teacher.engine}
+    pushed_by_rank_0 = [id(engine) for _, engine in engines_serving_student_weights(run)]
+    if run.ema is not None:
+        pushed_by_rank_0.append(id(run.teacher.engine))
+    for role, engine in engines.items():
+        if not hasattr(engine, "readmit") or (role == "teacher" and engine is run.student_engine):
+            continue
+        if run.world.is_main or id(engine) not in pushed_by_rank_0:
+            engine.readmit()
+        stats[f"serving/live_{role}_replicas"] = float(len(engine.urls) - len(engine.dropped))
+        stats["serving/dropped"] = stats.get("serving/dropped", 0.0) + len(engine.dropped)
+    return stats
 
 
 FLAGS = frozenset({"sync/verified"})  # 1 or 0 per push: over transfers, 1 only when every push was (min, not a sum)

@@ -34,3 +34,14 @@ def test_a_server_that_never_answers_health_fails_the_work_naming_its_url():
 def test_work_that_ends_first_returns_and_stops_the_watch():
     url = f"http://127.0.0.1:{free_port()}"
     assert asyncio.run(watched(asyncio.sleep(0.1, result="done"), [url])) == "done"
+
+
+@pytest.mark.slow  # three polls, 5 s apart
+def test_with_on_dead_a_dead_server_is_handed_over_once_and_the_work_goes_on():
+    """What an engine with several replicas does: the dead one is dropped (`on_dead`), not the step."""
+    url = f"http://127.0.0.1:{free_port()}"
+    dead: list[tuple[str, str]] = []
+    work = asyncio.sleep(4 * 5 + 2, result="done")  # past the third failed poll and one more
+    assert asyncio.run(watched(work, [url], lambda where, reason: dead.append((where, reason)))) == "done"
+    assert dead == [(url, f"{url}: {url}/health failed {HEALTH_FAILURES} polls in a row (ConnectError) while "
+                          "requests waited on the server: it is down or hung")]

