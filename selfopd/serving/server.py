@@ -20,7 +20,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,12 +30,21 @@ from typing import Iterator, Mapping, Sequence
 import httpx
 
 from selfopd.engines.families import server_flags, served_problem
+from selfopd.serving.ports import free_port, port_in_use  # noqa: F401  (public here too)
 from selfopd.serving.server_auth import KEY_ENV, SECRET_ENV, TRAINER_ENV, new_key, transfer_secret
 from selfopd.serving.transfer_wire import BACKEND_NAME, interface_of, nccl_interface, reachable_address
 
 WORKER_EXTENSION = "selfopd.serving.vllm_worker.SelfOPDWorkerExtension"
 MIDDLEWARE = "selfopd.serving.server_auth.RequireKey"
 _LAUNCHED_KEYS: dict[str, str] = {}  # URL -> key of each server this process launched and has not stopped
+_LAUNCHED: dict[str, "ServerProcess"] = {}  # URL -> each server this process launched and has not stopped
+MAX_RELAUNCHES = 3  # per launched server and run: a server that keeps dying is left dropped
+
+
+def relaunch_if_exited(url: str) -> bool:
+    """`ServerProcess.relaunch_if_exited` of the server this process launched at `url` (False for any other)."""
+    server = _LAUNCHED.get(url.rstrip("/"))
+    return server is not None and server.relaunch_if_exited()
 
 
 def launched_key(url: str) -> str | None:
@@ -240,12 +248,34 @@ class ServerProcess:
             raise ServerError(f"{spec.url}: port {spec.port} is already in use; choose another port "
                               f"or pass the running server's URL instead of launching one")
         self._log = self.log_path.open("w")
+        self.relaunches = 0
+        self._start()
+        _LAUNCHED_KEYS[spec.url] = spec.api_key
+        _LAUNCHED[spec.url] = self
+
+    def _start(self) -> None:
         self.process = subprocess.Popen(
-            server_command(spec), env=server_env(spec), stdout=self._log, stderr=subprocess.STDOUT,
+            server_command(self.spec), env=server_env(self.spec), stdout=self._log, stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: stop() reaches vLLM's engine and worker too
             preexec_fn=_terminate_with_parent,
         )
-        _LAUNCHED_KEYS[spec.url] = spec.api_key
+
+    def relaunch_if_exited(self) -> bool:
+        """Start the server again (same command: port, key, GPUs, model folder) when its process has
+        exited, at most MAX_RELAUNCHES times; one line says so. It does not wait: the server answers
+        once loaded, and a run takes it back after a push verified on it (`VLLMEngine.readmit`)."""
+        code = self.process.poll()
+        if code is None or self.relaunches >= MAX_RELAUNCHES:
+            return False
+        _signal_group(self.process.pid, signal.SIGKILL)  # its engine and workers, should any outlive it
+        self.relaunches += 1
+        self._log.write(f"\n--- selfopd: the server exited with code {code}; relaunch {self.relaunches} ---\n")
+        self._log.flush()
+        self._start()
+        print(f"selfopd: warning: the {self.spec.name} server ({self.spec.url}) exited with code {code}: relaunched "
+              f"({self.relaunches} of at most {MAX_RELAUNCHES}, log: {self.log_path}); it rejoins once it answers "
+              "and holds the pushed weights", file=sys.stderr, flush=True)
+        return True
 
     def wait_ready(self, timeout_s: float) -> None:
         """Poll /health until it answers 200; raise with the log tail if it dies or times out."""
@@ -293,6 +323,7 @@ def stop_servers(servers: Sequence[ServerProcess], grace_s: float = 20) -> None:
                 server.process.wait(5)
             server._log.close()
             _LAUNCHED_KEYS.pop(server.spec.url, None)
+            _LAUNCHED.pop(server.spec.url, None)
 
 
 @contextlib.contextmanager
@@ -322,19 +353,6 @@ def launch_servers(specs: Sequence[ServerSpec], log_dir: Path, timeout_s: float 
         stop_servers(servers)
         with contextlib.suppress(ValueError):  # not the main thread
             signal.signal(signal.SIGTERM, previous)
-
-
-def port_in_use(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.settimeout(0.5)
-        return probe.connect_ex((host, port)) == 0
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def cuda_available() -> bool:

@@ -39,7 +39,8 @@ import torch
 
 from selfopd.engines.base import Rollout, SamplingParams, TokenScores, WeightSource
 from selfopd.serving.liveness import health_answers, request_timeout, watched
-from selfopd.serving.server import ServerError, auth_headers, launched_key, unauthorized, vllm_version_problem
+from selfopd.serving.server import (ServerError, auth_headers, launched_key, relaunch_if_exited, unauthorized,
+                                    vllm_version_problem)
 from selfopd.serving.vllm_answers import (check_sample_lengths, check_score_lengths, malformed, parse_prompt_logprobs,
                                           rollouts)
 from selfopd.serving.weight_sync import WeightTransfer
@@ -195,7 +196,7 @@ class VLLMEngine:
         back = []
         for server in sorted(self.dropped):
             url = self.urls[server]
-            if not self._loop.run(health_answers(url)):
+            if relaunch_if_exited(url) or not self._loop.run(health_answers(url)):  # a launched one: started again
                 continue
             if self.weight_sync is not None and not self.weight_sync.holds(url, self.version):
                 continue

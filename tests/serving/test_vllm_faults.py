@@ -362,3 +362,36 @@ def test_a_replica_that_answers_again_is_re_added_after_a_verified_push(
     steps = [m for m in read_metrics(tmp_path / "readmitted") if "loss/pg" in m]
     assert (steps[-1]["serving/live_student_replicas"], steps[-1]["serving/dropped"]) == (2.0, 0.0)
     assert [m["sync/verified"] for m in steps] == [1.0, 1.0]
+
+
+def test_a_launched_server_that_dies_is_relaunched_and_re_added_once_it_answers(server, servable_tiny_model_dir,
+                                                                               smollm2_tokenizer, tmp_path, capfd):
+    """A replica this process launched (same model, same key), SIGKILLed with its engine and workers: the next
+    sampling call goes on on the other replica and drops it; the step's `readmit` starts it again on its port
+    (one line) without waiting; a later `readmit`, once it answers, puts it back, and it serves again."""
+    from selfopd.serving.server import MAX_RELAUNCHES
+
+    spec = ServerSpec(name="student-1", model=str(servable_tiny_model_dir), port=free_port(), max_model_len=1024,
+                      api_key=KEY)
+    with launch_servers([spec], tmp_path / "logs", timeout_s=900, progress=False) as (launched,):
+        engine = VLLMEngine([launched.spec.url, server[0].spec.url], api_key=KEY)
+        try:
+            os.killpg(launched.process.pid, signal.SIGKILL)
+            launched.process.wait(30)
+            prompts = chat_prompts(smollm2_tokenizer, QUESTIONS[:2])
+            rollouts = engine.sample(prompts, SamplingParams(max_tokens=4, temperature=1.0, n=1, seed=0))
+            assert len(rollouts) == 2 and sorted(engine.dropped) == [0]
+            assert engine.readmit() == [] and launched.relaunches == 1 and launched.process.poll() is None
+            relaunched = [line for line in capfd.readouterr().err.splitlines() if "relaunched" in line]
+            assert relaunched == [f"selfopd: warning: the student-1 server ({launched.spec.url}) exited with code -9: "
+                                  f"relaunched (1 of at most {MAX_RELAUNCHES}, log: {launched.log_path}); it rejoins "
+                                  "once it answers and holds the pushed weights"]
+            deadline = time.monotonic() + 600
+            while not engine.readmit():
+                assert time.monotonic() < deadline and launched.process.poll() is None, launched.log_tail()
+                time.sleep(2)
+            assert engine.dropped == {} and launched.relaunches == 1
+            served = engine.score_replicas((prompts[0], rollouts[0][0].completion_ids))
+            assert [url for url, _ in served] == engine.urls
+        finally:
+            engine.close()
