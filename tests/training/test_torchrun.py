@@ -163,6 +163,23 @@ def test_any_step_is_shared_by_any_number_of_ranks():
     assert padded_share(items, World()) == (items, 7)
 
 
+def test_two_ranks_killed_with_a_sharded_write_unfinished_resume_from_the_checkpoint_before(tmp_path, tiny_model_dir):
+    """kill -9 on both ranks once step 2's shards are written but not yet renamed into place: step 1's sharded
+    checkpoint is the newest complete one, and the resume on two ranks ends as a run never killed does."""
+    config_file = two_processes.config_file(tmp_path, tiny_model_dir)
+    _torchrun(str(config_file), "--set", "run.name=whole")
+    killed = two_processes.torchrun("-m", "selfopd", "train", str(config_file), "--set", "run.name=cut",
+                                    "--set", "run.checkpoint_format=sharded", "--set", "run.checkpoint_every=1",
+                                    env={"SELFOPD_KILL_AT": "checkpoint.shards:2"}, check=False)
+    assert killed.returncode != 0, killed.stderr[-3000:]
+    cut = tmp_path / "runs" / "cut"
+    assert sorted(p.name for p in (cut / "checkpoints").iterdir()) == [".step_00002.partial", "step_00001"]
+    assert not (cut / "checkpoints" / "step_00001" / "model.safetensors").exists()  # the shards alone
+    _torchrun("--resume", str(cut))
+    _assert_same_run(tmp_path / "runs" / "whole", cut, 2)
+    assert [p.name for p in (cut / "checkpoints").iterdir()] == ["step_00002"]
+
+
 def test_a_signal_to_every_rank_mid_step_checkpoints_it_and_the_resumed_run_is_the_uninterrupted_one(tmp_path,
                                                                                                       tiny_model_dir):
     """torchrun passes a scheduler's SIGTERM to every rank: mid step 1 (between micro-batches) each finishes the
