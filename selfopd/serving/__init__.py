@@ -1,5 +1,5 @@
 """The vLLM side: engines over vLLM servers (`vllm`: the client, `vllm_answers`: what it reads) and vLLM in
-the trainer's process (`colocate`), the servers themselves (`server`: launch and stop; `server_auth`,
+the trainer's process (`colocate`), the servers themselves (`server`: launch, relaunch and stop; `ports`; `server_auth`,
 `server_control`, `liveness`), which GPU does what (`gpu_layout`), the weight push into them (`weight_sync`,
 the servers it reaches `push_membership`, its wire `transfer_wire`, the digests that prove it
 `weight_digest`, and `vllm_worker`, which runs inside vLLM), and
