@@ -35,7 +35,7 @@ from tests.fuzz_settings import examples
 
 LIMIT_S = 1.0  # the verifier's time limit in these tests
 SLACK_S = 1.5  # kill, replacement start and bookkeeping on a busy 2-core machine
-IN_PROCESS_S = 2.0  # the unguarded in-process steps on one string (measured: < 0.6 s, most < 0.01 s)
+IN_PROCESS_S = 2.0  # CPU seconds of the unguarded in-process steps on one string (measured: < 0.6 s, most < 0.01 s)
 
 # --- strategies ----------------------------------------------------------------------------
 numbers = st.one_of(
@@ -115,14 +115,16 @@ def _check_result(result: VerifyResult) -> None:
 @example("\\boxed{" * 5000)
 @example("{" * 3000 + "}" * 3000)
 def test_in_process_steps_never_raise_and_stay_fast(text):
-    start = time.monotonic()
+    # This thread's CPU time, not the wall clock: a busy machine (the suite's other worker, vLLM servers) once
+    # stretched 0.6 s of work to 4 s of wall time; runaway (quadratic) work still shows in CPU time.
+    start = time.thread_time()
     found = extract_answer(text)
     for answer in ([found.text] if found else []) + [text]:
         normalized = normalize_answer(answer)
         parse_plain_number(normalized)
         reason = too_costly(normalized)
         assert reason is None or isinstance(reason, str)
-    assert time.monotonic() - start < IN_PROCESS_S
+    assert time.thread_time() - start < IN_PROCESS_S
 
 
 # --- end to end: never raises, returns within the limit ------------------------------------
