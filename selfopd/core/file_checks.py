@@ -138,6 +138,11 @@ def model_folder_problem(folder: Path) -> str | None:
 DCP_FOLDER = "dcp"  # a sharded checkpoint's (selfopd.training.sharded_checkpoint): DCP's .metadata and *.distcp files
 
 
+def is_sharded_checkpoint(checkpoint: Path) -> bool:
+    """A checkpoint written with run.checkpoint_format = 'sharded' (its DCP metadata present)."""
+    return (Path(checkpoint) / DCP_FOLDER / ".metadata").is_file()
+
+
 def sharded_problem(checkpoint: Path) -> str | None:
     """Why a sharded checkpoint's DCP folder is not whole (None: it is): its metadata and at least
     one data file, none of them empty."""
@@ -155,10 +160,9 @@ def checkpoint_problem(checkpoint: Path, trainer_state: Path) -> str | None:
     names = {path.name for path in checkpoint.iterdir()} if checkpoint.is_dir() else set()
     if not names:
         return f"{checkpoint}: empty (its write was cut short)"
-    sharded = checkpoint / DCP_FOLDER
-    if not any(name.endswith(".safetensors") for name in names) and not (sharded / ".metadata").is_file():
+    if not any(name.endswith(".safetensors") for name in names) and not is_sharded_checkpoint(checkpoint):
         return f"{checkpoint}: holds no weights (*.safetensors, or sharded ones under dcp/)"
-    if sharded.is_dir() and (problem := sharded_problem(checkpoint)) is not None:
+    if (checkpoint / DCP_FOLDER).is_dir() and (problem := sharded_problem(checkpoint)) is not None:
         return problem
     if not names & {"config.json", "adapter_config.json"}:
         return f"{checkpoint}: holds no config.json"

@@ -23,16 +23,11 @@ import torch.distributed as dist
 
 from selfopd.core.distributed import World
 from selfopd.core.faults import fault_point
-from selfopd.core.file_checks import DCP_FOLDER
+from selfopd.core.file_checks import DCP_FOLDER, is_sharded_checkpoint  # noqa: F401  (public here too)
 
 # DCP warns that one process (no process group) reads or writes alone, which is meant; a background
 # write warns on its own thread, which a `catch_warnings` around the call would not reach.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-
-def is_sharded_checkpoint(checkpoint: Path) -> bool:
-    """A checkpoint written with run.checkpoint_format = 'sharded' (its DCP metadata present)."""
-    return (Path(checkpoint) / DCP_FOLDER / ".metadata").is_file()
 
 
 def training_state(model: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -188,7 +188,7 @@ def _train_loop(run: Run, log: MetricsLog | None, resume: bool, initial_eval: Pa
         if ((config.run.eval_every and run.step % config.run.eval_every == 0) or last) and not signalled:
             record(run_eval(run))
         due = config.run.checkpoint_every and run.step % config.run.checkpoint_every == 0
-        exported = config.run.checkpoint_format == "sharded" and exports_weights(config.run, run.step)
+        exported = run.checkpoint_writer is not None and exports_weights(config.run, run.step)  # sharded
         with writing(run.folder.checkpoint(run.step)):
             if due or exported or last or fired_any or signalled:
                 save_checkpoint(run)
